@@ -1,0 +1,287 @@
+//! Configuration: one TOML file, overridden by `POPGATE_*` environment variables.
+//!
+//! Every key has a default, so an empty file is a valid configuration for a local broker. Nested keys are
+//! reached from the environment with a double underscore: `POPGATE_PUBLISH__SEND_TIMEOUT_MS=5000` sets
+//! `publish.send_timeout_ms`. Unknown keys are rejected, and [`Config::load`] validates everything before
+//! anything is bound, so popgate never starts half-configured: the error names the key and the reason.
+//!
+//! Field names carry their unit (`_ms`, `_secs`, `_bytes`); the accessors that return [`Duration`] convert at
+//! the edge.
+
+mod validate;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use figment::providers::{Env, Format, Toml};
+use figment::Figment;
+use serde::{Deserialize, Serialize};
+
+/// The prefix of every environment variable popgate reads.
+pub const ENV_PREFIX: &str = "POPGATE_";
+
+/// RocketMQ's own default for `retryTimesWhenSendFailed`: 1 + 2 = 3 attempts in all (seed 004).
+pub const DEFAULT_RETRY_TIMES_WHEN_SEND_FAILED: u32 = 2;
+/// RocketMQ caps the synchronous retries at 3 (seed 004: "default 2, maximum 3").
+pub const MAX_RETRY_TIMES_WHEN_SEND_FAILED: u32 = 3;
+/// RocketMQ's `sendMsgTimeout` default.
+pub const DEFAULT_SEND_TIMEOUT_MS: u64 = 3_000;
+/// The broker's default `maxMessageSize` (4 MiB).
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
+/// MQFaultStrategy's latency steps (ms): a send slower than step *i* isolates the broker for `NOT_AVAILABLE[i]`.
+pub const DEFAULT_LATENCY_MAX_MS: [u64; 7] = [50, 100, 550, 1_000, 2_000, 3_000, 15_000];
+/// MQFaultStrategy's isolation periods (ms) for each latency step.
+pub const DEFAULT_NOT_AVAILABLE_MS: [u64; 7] = [0, 0, 30_000, 60_000, 120_000, 180_000, 600_000];
+/// A network error or timeout isolates a broker for 10 minutes (seed 004).
+pub const DEFAULT_NETWORK_ERROR_ISOLATION_MS: u64 = 600_000;
+
+/// The whole configuration of one popgate process.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// The HTTP listener.
+    pub server: ServerConfig,
+    /// How popgate reaches the RocketMQ cluster.
+    pub broker: BrokerConfig,
+    /// The publish path: RocketMQ's producer policy.
+    pub publish: PublishConfig,
+    /// The latency fault-avoidance table (MQFaultStrategy) used to pick brokers.
+    pub fault_avoidance: FaultAvoidanceConfig,
+    /// The consume path: POP, deferred broker ACK, retries and the dead-letter topic.
+    pub delivery: DeliveryConfig,
+}
+
+/// The HTTP listener.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// Address the HTTP API listens on. Port 0 picks a free port (it is logged).
+    pub listen: SocketAddr,
+    /// How long in-flight HTTP requests may take to finish after SIGTERM/SIGINT.
+    pub shutdown_grace_secs: u64,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig { listen: SocketAddr::from(([127, 0, 0, 1], 8080)), shutdown_grace_secs: 10 }
+    }
+}
+
+/// How popgate reaches the RocketMQ cluster.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct BrokerConfig {
+    /// Name server addresses, `host:port`, separated by `;` as in RocketMQ's `namesrvAddr`.
+    pub namesrv_addr: String,
+    /// How long a topic's route (its brokers and queues) is trusted before it is asked for again.
+    pub route_ttl_ms: u64,
+    /// Timeout of one request to a name server or broker that is not a send (route, POP, ACK, admin).
+    pub request_timeout_ms: u64,
+}
+
+impl Default for BrokerConfig {
+    fn default() -> Self {
+        BrokerConfig { namesrv_addr: "127.0.0.1:9876".to_owned(), route_ttl_ms: 30_000, request_timeout_ms: 3_000 }
+    }
+}
+
+impl BrokerConfig {
+    /// The name server addresses, in order.
+    pub fn namesrv_addrs(&self) -> Vec<String> {
+        self.namesrv_addr.split(';').map(str::trim).filter(|a| !a.is_empty()).map(str::to_owned).collect()
+    }
+
+    /// [`Self::route_ttl_ms`] as a duration.
+    pub fn route_ttl(&self) -> Duration {
+        Duration::from_millis(self.route_ttl_ms)
+    }
+
+    /// [`Self::request_timeout_ms`] as a duration.
+    pub fn request_timeout(&self) -> Duration {
+        Duration::from_millis(self.request_timeout_ms)
+    }
+}
+
+/// The publish path: RocketMQ's synchronous producer policy.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct PublishConfig {
+    /// Retries after a failed synchronous send, each on another broker (`retryTimesWhenSendFailed`, 0..=3).
+    pub retry_times_when_send_failed: u32,
+    /// Retries after a failed `mode=async` send; they stay on the same broker (`retryTimesWhenSendAsyncFailed`).
+    pub retry_times_when_send_async_failed: u32,
+    /// Timeout of one send attempt (`sendMsgTimeout`).
+    pub send_timeout_ms: u64,
+    /// Largest message body accepted; larger requests get 413. The broker's `maxMessageSize` by default.
+    pub max_message_bytes: usize,
+}
+
+impl Default for PublishConfig {
+    fn default() -> Self {
+        PublishConfig {
+            retry_times_when_send_failed: DEFAULT_RETRY_TIMES_WHEN_SEND_FAILED,
+            retry_times_when_send_async_failed: DEFAULT_RETRY_TIMES_WHEN_SEND_FAILED,
+            send_timeout_ms: DEFAULT_SEND_TIMEOUT_MS,
+            max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
+        }
+    }
+}
+
+impl PublishConfig {
+    /// [`Self::send_timeout_ms`] as a duration.
+    pub fn send_timeout(&self) -> Duration {
+        Duration::from_millis(self.send_timeout_ms)
+    }
+}
+
+/// The latency fault-avoidance table, mirroring RocketMQ's MQFaultStrategy (on by default, as the seed's
+/// production checklist recommends).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct FaultAvoidanceConfig {
+    /// Whether slow or unreachable brokers are isolated (`sendLatencyFaultEnable`).
+    pub enabled: bool,
+    /// Latency steps in ms, ascending (`latencyMax`).
+    pub latency_max_ms: Vec<u64>,
+    /// Isolation in ms for a send at least as slow as the matching latency step (`notAvailableDuration`).
+    pub not_available_ms: Vec<u64>,
+    /// Isolation in ms after a network error, timeout or retriable broker error.
+    pub network_error_isolation_ms: u64,
+}
+
+impl Default for FaultAvoidanceConfig {
+    fn default() -> Self {
+        FaultAvoidanceConfig {
+            enabled: true,
+            latency_max_ms: DEFAULT_LATENCY_MAX_MS.to_vec(),
+            not_available_ms: DEFAULT_NOT_AVAILABLE_MS.to_vec(),
+            network_error_isolation_ms: DEFAULT_NETWORK_ERROR_ISOLATION_MS,
+        }
+    }
+}
+
+/// The consume path. The per-subscription values are defaults that `POST /events/subscribe` may override.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct DeliveryConfig {
+    /// Directory of the RocksDB state store (in-flight deliveries, subscriptions, ACK intents).
+    pub state_dir: PathBuf,
+    /// How long a subscriber has to ACK a delivery before it is redelivered.
+    pub ack_timeout_ms: u64,
+    /// Attempts in all (initial + retries) before the event goes to `%DLQ%<group>`.
+    pub max_attempts: u32,
+    /// First redelivery delay; each later one doubles.
+    pub initial_backoff_ms: u64,
+    /// Redelivery delays never grow past this.
+    pub max_backoff_ms: u64,
+    /// Each delay is scaled by a random factor in `1 ± jitter_ratio`, to spread retry storms.
+    pub jitter_ratio: f64,
+    /// How long the broker keeps a popped message invisible; popgate renews it (ChangeInvisibleTime) ahead of
+    /// expiry while it still owns the delivery, so after a crash the broker redelivers within about this time.
+    pub lease_ms: u64,
+    /// Largest POP batch (the broker's limit is 32).
+    pub pop_batch: u32,
+    /// How long one POP may wait at the broker for a message.
+    pub pop_poll_ms: u64,
+}
+
+impl Default for DeliveryConfig {
+    fn default() -> Self {
+        DeliveryConfig {
+            state_dir: PathBuf::from("./popgate-data"),
+            ack_timeout_ms: 30_000,
+            max_attempts: 6,
+            initial_backoff_ms: 1_000,
+            max_backoff_ms: 16_000,
+            jitter_ratio: 0.2,
+            lease_ms: 60_000,
+            pop_batch: 16,
+            pop_poll_ms: 5_000,
+        }
+    }
+}
+
+/// A configuration that cannot be used; the message names the key and the reason.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file or an environment variable could not be read or does not fit the schema.
+    #[error("{0}")]
+    Parse(String),
+    /// Values that parse but cannot work together; one line per problem, each naming its key.
+    #[error("invalid configuration:\n{}", .0.join("\n"))]
+    Invalid(Vec<String>),
+}
+
+impl Config {
+    /// Reads `file` (when given) and then the `POPGATE_*` environment, and validates the result.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming the offending key when the file is missing or malformed, a key is unknown or has
+    /// the wrong type, or a value is out of range.
+    pub fn load(file: Option<&Path>) -> Result<Config, ConfigError> {
+        Self::load_from(file, Env::prefixed(ENV_PREFIX).split("__"))
+    }
+
+    /// Like [`Config::load`] with an explicit environment provider, so tests never touch the real environment.
+    ///
+    /// # Errors
+    /// As [`Config::load`].
+    pub fn load_from(file: Option<&Path>, env: Env) -> Result<Config, ConfigError> {
+        let mut figment = Figment::new();
+        if let Some(path) = file {
+            if !path.is_file() {
+                return Err(ConfigError::Parse(format!("config file {} does not exist", path.display())));
+            }
+            figment = figment.merge(Toml::file(path));
+        }
+        let config: Config = figment.merge(env).extract().map_err(|e| ConfigError::Parse(describe_figment_error(e)))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Parses a TOML string (no environment), validating it: for tests and tools.
+    ///
+    /// # Errors
+    /// As [`Config::load`].
+    pub fn from_toml_str(text: &str) -> Result<Config, ConfigError> {
+        let config: Config = Figment::new()
+            .merge(Toml::string(text))
+            .extract()
+            .map_err(|e| ConfigError::Parse(describe_figment_error(e)))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks ranges and cross-field rules, reporting every problem at once.
+    ///
+    /// # Errors
+    /// [`ConfigError::Invalid`] listing each bad key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let problems = validate::problems(self);
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(ConfigError::Invalid(problems))
+        }
+    }
+}
+
+/// Figment's errors name the key path (`publish.send_timeout_ms`); keep every one of them, one per line.
+fn describe_figment_error(error: figment::Error) -> String {
+    let lines: Vec<String> = error
+        .into_iter()
+        .map(|e| {
+            let key = e.path.join(".");
+            if key.is_empty() {
+                format!("config: {}", e.kind)
+            } else {
+                format!("config key `{key}`: {}", e.kind)
+            }
+        })
+        .collect();
+    lines.join("\n")
+}
+
+#[cfg(test)]
+mod tests;

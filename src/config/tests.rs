@@ -1,0 +1,82 @@
+use super::*;
+
+#[test]
+fn empty_file_gives_the_documented_defaults() {
+    let config = Config::from_toml_str("").expect("defaults are valid");
+    assert_eq!(config, Config::default());
+    assert_eq!(config.publish.retry_times_when_send_failed, 2);
+    assert_eq!(config.publish.send_timeout(), Duration::from_secs(3));
+    assert!(config.fault_avoidance.enabled);
+    assert_eq!(config.fault_avoidance.latency_max_ms, vec![50, 100, 550, 1000, 2000, 3000, 15000]);
+    assert_eq!(config.fault_avoidance.not_available_ms, vec![0, 0, 30000, 60000, 120000, 180000, 600000]);
+    assert_eq!(config.fault_avoidance.network_error_isolation_ms, 600_000);
+    assert_eq!(config.delivery.max_attempts, 6);
+    assert_eq!(config.delivery.initial_backoff_ms, 1_000);
+    assert_eq!(config.delivery.max_backoff_ms, 16_000);
+    assert!((config.delivery.jitter_ratio - 0.2).abs() < f64::EPSILON);
+}
+
+#[test]
+fn the_annotated_example_file_is_valid() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("popgate.toml");
+    let text = std::fs::read_to_string(&path).expect("popgate.toml is in the repo");
+    Config::from_toml_str(&text).expect("the example config is valid");
+}
+
+#[test]
+fn an_unknown_key_is_named() {
+    let err = Config::from_toml_str("[publish]\nsend_timout_ms = 10\n").unwrap_err().to_string();
+    assert!(err.contains("send_timout_ms"), "{err}");
+    assert!(err.contains("publish"), "{err}");
+}
+
+#[test]
+fn a_wrong_type_is_named_with_its_key() {
+    let err = Config::from_toml_str("[publish]\nsend_timeout_ms = \"soon\"\n").unwrap_err().to_string();
+    assert!(err.contains("publish.send_timeout_ms"), "{err}");
+}
+
+#[test]
+fn every_out_of_range_value_is_reported_at_once() {
+    let text = "[publish]\nretry_times_when_send_failed = 4\n[delivery]\npop_batch = 64\njitter_ratio = 1.5\n";
+    let err = Config::from_toml_str(text).unwrap_err().to_string();
+    for key in ["publish.retry_times_when_send_failed", "delivery.pop_batch", "delivery.jitter_ratio"] {
+        assert!(err.contains(key), "{key} missing in {err}");
+    }
+}
+
+#[test]
+fn fault_tables_must_pair_up() {
+    let text = "[fault_avoidance]\nlatency_max_ms = [10, 20]\nnot_available_ms = [0]\n";
+    let err = Config::from_toml_str(text).unwrap_err().to_string();
+    assert!(err.contains("fault_avoidance.not_available_ms"), "{err}");
+}
+
+#[test]
+fn a_bad_name_server_address_is_refused() {
+    let err = Config::from_toml_str("[broker]\nnamesrv_addr = \"localhost\"\n").unwrap_err().to_string();
+    assert!(err.contains("broker.namesrv_addr"), "{err}");
+}
+
+#[test]
+// figment's Jail scopes the environment and working directory to the closure (its error type is large).
+#[allow(clippy::result_large_err)]
+fn environment_overrides_the_file_with_double_underscore_nesting() {
+    figment::Jail::expect_with(|jail| {
+        jail.create_file("popgate.toml", "[publish]\nsend_timeout_ms = 1000\n")?;
+        jail.set_env("POPGATE_PUBLISH__SEND_TIMEOUT_MS", "2500");
+        jail.set_env("POPGATE_BROKER__NAMESRV_ADDR", "127.0.0.1:9999");
+        let config = Config::load(Some(Path::new("popgate.toml"))).expect("valid");
+        assert_eq!(config.publish.send_timeout_ms, 2500);
+        assert_eq!(config.broker.namesrv_addrs(), vec!["127.0.0.1:9999".to_owned()]);
+        Ok(())
+    });
+}
+
+#[test]
+fn a_missing_file_is_an_error_not_defaults() {
+    let err = Config::load_from(Some(Path::new("/nonexistent/popgate.toml")), Env::prefixed("POPGATE_TEST_NONE_"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("does not exist"), "{err}");
+}

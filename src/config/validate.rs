@@ -1,0 +1,79 @@
+//! Range and cross-field checks, each problem reported with its key.
+
+use super::{Config, MAX_RETRY_TIMES_WHEN_SEND_FAILED};
+
+/// RocketMQ's POP refuses batches larger than 32 (`maxMsgNums`).
+const MAX_POP_BATCH: u32 = 32;
+
+/// Every problem in `config`, one line each, naming the key. Empty when the configuration is usable.
+pub(super) fn problems(config: &Config) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut check = |ok: bool, key: &str, reason: &str| {
+        if !ok {
+            out.push(format!("config key `{key}`: {reason}"));
+        }
+    };
+
+    let addrs = config.broker.namesrv_addrs();
+    check(!addrs.is_empty(), "broker.namesrv_addr", "must name at least one host:port");
+    for addr in &addrs {
+        check(
+            addr.rsplit_once(':').is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok()),
+            "broker.namesrv_addr",
+            &format!("`{addr}` is not host:port"),
+        );
+    }
+    check(config.broker.route_ttl_ms > 0, "broker.route_ttl_ms", "must be > 0");
+    check(config.broker.request_timeout_ms > 0, "broker.request_timeout_ms", "must be > 0");
+
+    let publish = &config.publish;
+    check(
+        publish.retry_times_when_send_failed <= MAX_RETRY_TIMES_WHEN_SEND_FAILED,
+        "publish.retry_times_when_send_failed",
+        &format!("must be at most {MAX_RETRY_TIMES_WHEN_SEND_FAILED} (RocketMQ's maximum)"),
+    );
+    check(
+        publish.retry_times_when_send_async_failed <= MAX_RETRY_TIMES_WHEN_SEND_FAILED,
+        "publish.retry_times_when_send_async_failed",
+        &format!("must be at most {MAX_RETRY_TIMES_WHEN_SEND_FAILED}"),
+    );
+    check(publish.send_timeout_ms > 0, "publish.send_timeout_ms", "must be > 0");
+    check(publish.max_message_bytes > 0, "publish.max_message_bytes", "must be > 0");
+
+    let fault = &config.fault_avoidance;
+    check(
+        !fault.latency_max_ms.is_empty() && fault.latency_max_ms.len() == fault.not_available_ms.len(),
+        "fault_avoidance.not_available_ms",
+        "must have one entry per fault_avoidance.latency_max_ms entry",
+    );
+    check(
+        fault.latency_max_ms.windows(2).all(|w| w[0] < w[1]),
+        "fault_avoidance.latency_max_ms",
+        "must be strictly ascending",
+    );
+    check(
+        fault.not_available_ms.windows(2).all(|w| w[0] <= w[1]),
+        "fault_avoidance.not_available_ms",
+        "must not decrease",
+    );
+
+    let delivery = &config.delivery;
+    check(!delivery.state_dir.as_os_str().is_empty(), "delivery.state_dir", "must be a directory path");
+    check(delivery.ack_timeout_ms > 0, "delivery.ack_timeout_ms", "must be > 0");
+    check(delivery.max_attempts >= 1, "delivery.max_attempts", "must be >= 1");
+    check(delivery.initial_backoff_ms > 0, "delivery.initial_backoff_ms", "must be > 0");
+    check(
+        delivery.max_backoff_ms >= delivery.initial_backoff_ms,
+        "delivery.max_backoff_ms",
+        "must be >= delivery.initial_backoff_ms",
+    );
+    check((0.0..1.0).contains(&delivery.jitter_ratio), "delivery.jitter_ratio", "must be in [0, 1)");
+    check(delivery.lease_ms >= 1_000, "delivery.lease_ms", "must be >= 1000");
+    check(
+        (1..=MAX_POP_BATCH).contains(&delivery.pop_batch),
+        "delivery.pop_batch",
+        &format!("must be in 1..={MAX_POP_BATCH} (the broker's POP limit)"),
+    );
+    check(delivery.pop_poll_ms > 0, "delivery.pop_poll_ms", "must be > 0");
+    out
+}
