@@ -1,0 +1,420 @@
+//! The connection to the RocketMQ cluster, over rocketmq-client-rust.
+//!
+//! popgate keeps broker *choice* to itself (see [`super::fault`] and the publish path), so this client only
+//! ever sends to the one queue it is told, once: a `SEND_MESSAGE` remoting request to the broker address of
+//! popgate's own route, with no hidden retry and no hidden route logic. Routes come from the name server and
+//! are cached for `broker.route_ttl_ms`.
+//!
+//! Requests go through a small pool of client handles on one client instance: the crate runs the calls of
+//! one handle one at a time, so the pool is what lets concurrent publishes proceed in parallel.
+//!
+//! An unknown topic is handled as the Java producer does: when the name server has no route for it, the
+//! route of the auto-create key topic `TBW102` is used, and the broker creates the topic on first send if its
+//! `autoCreateTopicEnable` is on. When neither route exists, the topic is reported as not found.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cheetah_string::CheetahString;
+use parking_lot::Mutex;
+use rocketmq_client_rust::{
+    ClientConfig, ClientError, ClientInstanceHandle, ClientRuntime, ClientRuntimeConfig, TelemetryHandle,
+};
+use rocketmq_error::CanonicalCondition;
+use rocketmq_model::common::message::message_client_id_setter::MessageClientIDSetter;
+use rocketmq_protocol::code::request_code::RequestCode;
+use rocketmq_protocol::common::message::message_decoder::message_properties_to_string;
+use rocketmq_protocol::protocol::header::message_operation_header::send_message_request_header::SendMessageRequestHeader;
+use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
+use rocketmq_runtime::{RuntimeConfig, RuntimeOwner};
+
+use super::message::OutgoingMessage;
+use crate::config::BrokerConfig;
+
+/// The topic whose route a producer borrows for a topic the broker will auto-create.
+const AUTO_CREATE_TOPIC_KEY: &str = "TBW102";
+/// Broker permission bit: the queue accepts writes (`PermName.PERM_WRITE`).
+const PERM_WRITE: u32 = 0x1 << 1;
+/// Managed-domain id shared by popgate's client handles (one client instance per process).
+const CLIENT_DOMAIN: u64 = 7;
+/// Handles in the request pool: how many broker requests can be in flight at once.
+const HANDLE_POOL_SIZE: usize = 32;
+/// The broker's answers to SEND_MESSAGE that mean "stored", by store status (`ResponseCode`).
+const CODE_SUCCESS: i32 = 0;
+const CODE_FLUSH_DISK_TIMEOUT: i32 = 10;
+const CODE_SLAVE_NOT_AVAILABLE: i32 = 11;
+const CODE_FLUSH_SLAVE_TIMEOUT: i32 = 12;
+/// Queues a broker gives a topic it auto-creates from `TBW102`.
+const DEFAULT_TOPIC_QUEUE_NUMS: i32 = 4;
+
+/// Why a broker operation failed, in the terms popgate's policies need.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum BrokerError {
+    /// No answer within the timeout.
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
+    /// The connection could not be made or broke.
+    #[error("broker unreachable: {0}")]
+    Unreachable(String),
+    /// The broker answered with an error code (`ResponseCode`).
+    #[error("broker answered code {code}: {detail}")]
+    Response {
+        /// The remoting response code.
+        code: i32,
+        /// What the client reported.
+        detail: String,
+    },
+    /// Neither the topic nor the auto-create key topic has a route: the topic does not exist.
+    #[error("topic `{0}` does not exist")]
+    TopicNotFound(String),
+    /// A failure inside the client (bad argument, not started).
+    #[error("client error: {0}")]
+    Client(String),
+}
+
+/// Response codes after which the Java producer retries on another broker (`retryResponseCodes`).
+const RETRIABLE_CODES: [i32; 7] = [17, 1, 2, 14, 16, 204, 205];
+
+impl BrokerError {
+    /// A low-cardinality label for metrics (`reason`).
+    pub fn reason_label(&self) -> &'static str {
+        match self {
+            BrokerError::Timeout(_) => "timeout",
+            BrokerError::Unreachable(_) => "network",
+            BrokerError::Response { .. } => "broker_error",
+            BrokerError::TopicNotFound(_) => "no_route",
+            BrokerError::Client(_) => "client",
+        }
+    }
+
+    /// Whether another attempt (on another broker) may succeed: network trouble and the broker codes the
+    /// Java producer retries on. Such a failure also isolates the broker in the fault table.
+    pub fn is_retriable(&self) -> bool {
+        match self {
+            BrokerError::Timeout(_) | BrokerError::Unreachable(_) => true,
+            BrokerError::Response { code, .. } => RETRIABLE_CODES.contains(code),
+            BrokerError::TopicNotFound(_) | BrokerError::Client(_) => false,
+        }
+    }
+
+    fn from_client(error: ClientError, timeout: Duration) -> BrokerError {
+        if let Some(code) = error.broker_response_code() {
+            return BrokerError::Response { code, detail: error.to_string() };
+        }
+        match error.descriptor().condition() {
+            CanonicalCondition::DeadlineExceeded => BrokerError::Timeout(timeout),
+            CanonicalCondition::Unavailable => BrokerError::Unreachable(error.to_string()),
+            _ => BrokerError::Client(error.to_string()),
+        }
+    }
+}
+
+/// One broker that serves a topic, with the master address popgate talks to.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BrokerRoute {
+    /// Broker name (`brokerName`), the unit of fault avoidance.
+    pub name: String,
+    /// The master's `host:port`.
+    pub addr: String,
+    /// How many queues of the topic this broker takes writes on.
+    pub write_queues: u32,
+}
+
+/// Where a topic can be written: its writable brokers, sorted by name.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TopicRoute {
+    /// Writable brokers of the topic.
+    pub brokers: Vec<BrokerRoute>,
+}
+
+/// What the broker said about a stored message.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SendReceipt {
+    /// The client message id (`UNIQ_KEY`).
+    pub message_id: String,
+    /// The broker's store status (`SEND_OK`, `FLUSH_DISK_TIMEOUT`, …).
+    pub status: StoreStatus,
+    /// Broker name and queue that stored it.
+    pub broker: String,
+    /// Queue id within the broker.
+    pub queue_id: i32,
+    /// Offset within the queue.
+    pub queue_offset: u64,
+}
+
+/// The broker's verdict on storing a message (RocketMQ's `SendStatus`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreStatus {
+    /// Stored (and flushed/replicated as the broker is configured).
+    SendOk,
+    /// Stored in memory, but the synchronous flush to disk timed out.
+    FlushDiskTimeout,
+    /// Stored on the master, but the synchronous replication to the slave timed out.
+    FlushSlaveTimeout,
+    /// Stored on the master, but no slave was available to replicate to.
+    SlaveNotAvailable,
+}
+
+impl StoreStatus {
+    /// RocketMQ's name for the status, as returned to HTTP clients.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StoreStatus::SendOk => "SEND_OK",
+            StoreStatus::FlushDiskTimeout => "FLUSH_DISK_TIMEOUT",
+            StoreStatus::FlushSlaveTimeout => "FLUSH_SLAVE_TIMEOUT",
+            StoreStatus::SlaveNotAvailable => "SLAVE_NOT_AVAILABLE",
+        }
+    }
+}
+
+struct CachedRoute {
+    route: Arc<TopicRoute>,
+    fetched: Instant,
+}
+
+/// The process's connection to the RocketMQ cluster. Cheap to share behind an `Arc`.
+pub struct BrokerClient {
+    config: BrokerConfig,
+    producer_group: String,
+    /// Handles on one started client instance; requests take them round-robin.
+    handles: Vec<ClientInstanceHandle>,
+    next_handle: std::sync::atomic::AtomicUsize,
+    runtime: Arc<ClientRuntime>,
+    routes: Mutex<HashMap<String, CachedRoute>>,
+    /// The client crate runs its own Tokio runtime; it lives as long as the client and is dropped last.
+    _owner: RuntimeOwner,
+}
+
+impl BrokerClient {
+    /// Starts the client runtime and a client instance. Does not require a reachable broker: readiness is
+    /// reported separately ([`BrokerClient::ping`]).
+    ///
+    /// # Errors
+    /// [`BrokerError::Client`] when the client runtime cannot be created.
+    pub async fn connect(config: &BrokerConfig, producer_group: &str) -> Result<BrokerClient, BrokerError> {
+        let (owner, runtime) = start_client_runtime()?;
+        let handles = (0..HANDLE_POOL_SIZE).map(|_| Self::handle(&runtime, config)).collect::<Result<Vec<_>, _>>()?;
+        // All handles share one client instance: starting it once starts it for all.
+        handles[0].start().await.map_err(|e| BrokerError::Client(e.to_string()))?;
+        Ok(BrokerClient {
+            config: config.clone(),
+            producer_group: producer_group.to_owned(),
+            handles,
+            next_handle: std::sync::atomic::AtomicUsize::new(0),
+            runtime,
+            routes: Mutex::new(HashMap::new()),
+            _owner: owner,
+        })
+    }
+
+    /// The next handle of the pool.
+    fn pooled(&self) -> &ClientInstanceHandle {
+        let index = self.next_handle.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % self.handles.len();
+        &self.handles[index]
+    }
+
+    fn handle(runtime: &ClientRuntime, config: &BrokerConfig) -> Result<ClientInstanceHandle, BrokerError> {
+        let mut client_config = ClientConfig::new();
+        client_config.set_namesrv_addr(CheetahString::from(config.namesrv_addr.as_str()));
+        client_config.set_instance_name(CheetahString::from("popgate"));
+        ClientInstanceHandle::get_or_create(runtime, CLIENT_DOMAIN, client_config, None)
+            .map_err(|e| BrokerError::Client(e.to_string()))
+    }
+
+    /// Asks the name server for any route: succeeds when a name server answers at all.
+    ///
+    /// # Errors
+    /// The failure when no name server answered.
+    pub async fn ping(&self) -> Result<(), BrokerError> {
+        let timeout = self.config.request_timeout();
+        self.pooled()
+            .topic_route(AUTO_CREATE_TOPIC_KEY, self.config.request_timeout_ms)
+            .await
+            .map(|_| ())
+            .map_err(|e| BrokerError::from_client(e, timeout))
+    }
+
+    /// The writable brokers of `topic`, from the cache when fresh.
+    ///
+    /// # Errors
+    /// [`BrokerError::TopicNotFound`] when the topic has no route and cannot be auto-created; the failure
+    /// when no name server answered.
+    pub async fn route(&self, topic: &str) -> Result<Arc<TopicRoute>, BrokerError> {
+        if let Some(cached) = self.routes.lock().get(topic) {
+            if cached.fetched.elapsed() < self.config.route_ttl() {
+                return Ok(cached.route.clone());
+            }
+        }
+        let route = Arc::new(self.fetch_route(topic).await?);
+        self.routes.lock().insert(topic.to_owned(), CachedRoute { route: route.clone(), fetched: Instant::now() });
+        Ok(route)
+    }
+
+    /// Forgets a cached route, so the next send asks the name server again (after a broker failure).
+    pub fn invalidate_route(&self, topic: &str) {
+        self.routes.lock().remove(topic);
+    }
+
+    async fn fetch_route(&self, topic: &str) -> Result<TopicRoute, BrokerError> {
+        for lookup in [topic, AUTO_CREATE_TOPIC_KEY] {
+            let data = self
+                .pooled()
+                .topic_route(lookup, self.config.request_timeout_ms)
+                .await
+                .map_err(|e| BrokerError::from_client(e, self.config.request_timeout()))?;
+            if let Some(data) = data {
+                let route = writable_brokers(&data);
+                if !route.brokers.is_empty() {
+                    return Ok(route);
+                }
+            }
+        }
+        Err(BrokerError::TopicNotFound(topic.to_owned()))
+    }
+
+    /// Sends `message` to queue `queue_id` of `broker` (at `addr`), once, waiting at most `timeout` for the
+    /// broker's answer. A non-OK store status is returned, not turned into an error: the caller's policy
+    /// decides what it accepts.
+    ///
+    /// # Errors
+    /// [`BrokerError`] classifying the failure.
+    pub async fn send(
+        &self,
+        message: &OutgoingMessage,
+        broker: &BrokerRoute,
+        queue_id: i32,
+        timeout: Duration,
+    ) -> Result<SendReceipt, BrokerError> {
+        let (request, message_id) = self.send_request(message, queue_id);
+        let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
+        let response = tokio::time::timeout(
+            // The crate enforces the timeout too; this outer bound only guards against a hang inside it.
+            timeout + Duration::from_millis(500),
+            self.pooled().invoke_remoting(&CheetahString::from(broker.addr.as_str()), request, timeout_ms),
+        )
+        .await
+        .map_err(|_| BrokerError::Timeout(timeout))?
+        .map_err(|e| BrokerError::from_client(e, timeout))?;
+        let status = match response.code() {
+            CODE_SUCCESS => StoreStatus::SendOk,
+            CODE_FLUSH_DISK_TIMEOUT => StoreStatus::FlushDiskTimeout,
+            CODE_FLUSH_SLAVE_TIMEOUT => StoreStatus::FlushSlaveTimeout,
+            CODE_SLAVE_NOT_AVAILABLE => StoreStatus::SlaveNotAvailable,
+            code => {
+                let detail = response.remark().map(ToString::to_string).unwrap_or_default();
+                return Err(BrokerError::Response { code, detail });
+            }
+        };
+        let field = |name: &str| response.ext_fields().and_then(|f| f.get(name)).map(ToString::to_string);
+        Ok(SendReceipt {
+            message_id,
+            status,
+            broker: broker.name.clone(),
+            queue_id: field("queueId").and_then(|q| q.parse().ok()).unwrap_or(queue_id),
+            queue_offset: field("queueOffset").and_then(|q| q.parse().ok()).unwrap_or_default(),
+        })
+    }
+
+    /// Sends `message` without waiting for the broker's verdict: the request is handed to a background task
+    /// and its outcome is only logged (RocketMQ's oneway: no retry, no failure detection).
+    pub fn send_oneway(self: &Arc<Self>, message: &OutgoingMessage, broker: &BrokerRoute, queue_id: i32) {
+        let client = Arc::clone(self);
+        let (message, broker) = (message.clone(), broker.clone());
+        tokio::spawn(async move {
+            if let Err(error) = client.send(&message, &broker, queue_id, client.config.request_timeout()).await {
+                tracing::debug!(%error, broker = %broker.name, "Oneway send failed (not reported to the client).");
+            }
+        });
+    }
+
+    /// A `SEND_MESSAGE` request for `message`, and the client message id (`UNIQ_KEY`) it carries.
+    fn send_request(&self, message: &OutgoingMessage, queue_id: i32) -> (RemotingCommand, String) {
+        let message_id = MessageClientIDSetter::create_uniq_id();
+        let mut properties: HashMap<CheetahString, CheetahString> = message
+            .properties
+            .iter()
+            .map(|(k, v)| (CheetahString::from(k.as_str()), CheetahString::from(v.as_str())))
+            .collect();
+        properties.insert("UNIQ_KEY".into(), message_id.as_str().into());
+        properties.insert("WAIT".into(), "true".into());
+        if let Some(tags) = &message.tags {
+            properties.insert("TAGS".into(), tags.as_str().into());
+        }
+        if !message.keys.is_empty() {
+            properties.insert("KEYS".into(), message.keys.join(" ").into());
+        }
+        let header = SendMessageRequestHeader {
+            producer_group: self.producer_group.as_str().into(),
+            topic: message.topic.as_str().into(),
+            default_topic: AUTO_CREATE_TOPIC_KEY.into(),
+            default_topic_queue_nums: DEFAULT_TOPIC_QUEUE_NUMS,
+            queue_id,
+            sys_flag: 0,
+            born_timestamp: now_millis(),
+            flag: 0,
+            properties: Some(message_properties_to_string(&properties)),
+            reconsume_times: Some(0),
+            unit_mode: Some(false),
+            batch: Some(false),
+            max_reconsume_times: None,
+            topic_request_header: None,
+        };
+        let request =
+            RemotingCommand::create_request_command(RequestCode::SendMessage, header).set_body(message.body.clone());
+        (request, message_id)
+    }
+
+    /// Stops the client instance (background route refresh, heartbeats) before the runtime goes.
+    pub async fn shutdown(self) {
+        for handle in &self.handles {
+            handle.shutdown_owned().await;
+        }
+        self.runtime.shutdown().await;
+    }
+}
+
+fn now_millis() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+        .unwrap_or_default()
+}
+
+/// Starts the client crate's own Tokio runtime and the client runtime on it. The owner must outlive every
+/// client made from the runtime; drop it last.
+///
+/// # Errors
+/// [`BrokerError::Client`] when either cannot be built.
+pub fn start_client_runtime() -> Result<(RuntimeOwner, Arc<ClientRuntime>), BrokerError> {
+    let client_err = |e: &dyn std::fmt::Display| BrokerError::Client(e.to_string());
+    let runtime_config = RuntimeConfig { thread_name: "rocketmq-client".into(), ..RuntimeConfig::default() };
+    let owner = RuntimeOwner::plan(runtime_config).map_err(|e| client_err(&e))?.build().map_err(|e| client_err(&e))?;
+    let runtime = ClientRuntime::try_new(
+        owner.root_context().component("client"),
+        ClientRuntimeConfig::default(),
+        TelemetryHandle::noop(),
+    )
+    .map_err(|e| client_err(&e))?;
+    Ok((owner, runtime))
+}
+
+/// The brokers of a route that have a master and accept writes, sorted by name for a stable rotation.
+fn writable_brokers(data: &rocketmq_protocol::protocol::route::topic_route_data::TopicRouteData) -> TopicRoute {
+    let mut brokers: Vec<BrokerRoute> = data
+        .queue_datas
+        .iter()
+        .filter(|q| q.perm & PERM_WRITE != 0 && q.write_queue_nums > 0)
+        .filter_map(|q| {
+            let broker = data.broker_datas.iter().find(|b| b.broker_name() == &q.broker_name)?;
+            let master = broker.broker_addrs().get(&0)?;
+            Some(BrokerRoute {
+                name: q.broker_name.to_string(),
+                addr: master.to_string(),
+                write_queues: q.write_queue_nums,
+            })
+        })
+        .collect();
+    brokers.sort_by(|a, b| a.name.cmp(&b.name));
+    TopicRoute { brokers }
+}

@@ -1,0 +1,12 @@
+//! Everything that talks to, or decides about, the RocketMQ brokers.
+//!
+//! - [`client`]: the connection (routes, sends) over rocketmq-client-rust; no policy.
+//! - [`fault`]: the latency fault-avoidance table (MQFaultStrategy) and the broker choice for one attempt.
+//! - [`message`]: popgate's message type, free of client-crate types.
+
+pub mod client;
+pub mod fault;
+pub mod message;
+
+pub use client::{BrokerClient, BrokerError, BrokerRoute, SendReceipt, StoreStatus, TopicRoute};
+pub use message::OutgoingMessage;
