@@ -1,0 +1,93 @@
+//! The one error type of the HTTP API: every failure becomes a status and the JSON body
+//! `{"error":{"code","message","field"}}`, where `code` comes from a fixed set.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Serialize;
+
+/// An HTTP error answer. Build it with the named constructors so the status and code stay consistent.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    /// The HTTP status.
+    pub status: StatusCode,
+    /// A stable machine-readable code (`invalid_field`, `too_large`, `unknown_topic`, `unavailable`, …).
+    pub code: &'static str,
+    /// What went wrong, for a person.
+    pub message: String,
+    /// The request field at fault, when there is one.
+    pub field: Option<String>,
+    /// Extra JSON merged into the `error` object (e.g. the attempts made before a 503).
+    pub details: Option<serde_json::Value>,
+}
+
+#[derive(Serialize)]
+struct Body<'a> {
+    error: Inner<'a>,
+}
+
+#[derive(Serialize)]
+struct Inner<'a> {
+    code: &'a str,
+    message: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    field: Option<&'a str>,
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    details: Option<&'a serde_json::Value>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError { status, code, message: message.into(), field: None, details: None }
+    }
+
+    /// 400: `field` is missing, malformed or has the wrong type.
+    pub fn invalid_field(field: &str, message: impl Into<String>) -> ApiError {
+        ApiError { field: Some(field.to_owned()), ..Self::new(StatusCode::BAD_REQUEST, "invalid_field", message) }
+    }
+
+    /// 400: the body as a whole cannot be read (not JSON, wrong content type).
+    pub fn malformed_body(message: impl Into<String>) -> ApiError {
+        Self::new(StatusCode::BAD_REQUEST, "malformed_body", message)
+    }
+
+    /// 413: the body (or the message it carries) is larger than the configured maximum.
+    pub fn too_large(limit: usize) -> ApiError {
+        ApiError {
+            field: Some("data".to_owned()),
+            ..Self::new(StatusCode::PAYLOAD_TOO_LARGE, "too_large", format!("message body exceeds {limit} bytes"))
+        }
+    }
+
+    /// 404: the broker knows no such topic (and does not create it).
+    pub fn unknown_topic(topic: &str) -> ApiError {
+        ApiError {
+            field: Some("topic".to_owned()),
+            ..Self::new(StatusCode::NOT_FOUND, "unknown_topic", format!("topic `{topic}` does not exist"))
+        }
+    }
+
+    /// 503: the broker could not take the request; `details` says what was tried.
+    pub fn unavailable(message: impl Into<String>, details: serde_json::Value) -> ApiError {
+        ApiError { details: Some(details), ..Self::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", message) }
+    }
+
+    /// 500: a failure that is popgate's own; logged by the caller.
+    pub fn internal(message: impl Into<String>) -> ApiError {
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = Body {
+            error: Inner {
+                code: self.code,
+                message: &self.message,
+                field: self.field.as_deref(),
+                details: self.details.as_ref(),
+            },
+        };
+        (self.status, Json(body)).into_response()
+    }
+}

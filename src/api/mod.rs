@@ -1,0 +1,57 @@
+//! The HTTP API.
+//!
+//! ```text
+//! POST /events/publish[?topic=&mode=sync|async|oneway]   publish one event (popgate JSON or CloudEvents)
+//! GET  /healthz                                          the process is up
+//! GET  /readyz                                           a name server answers (503 otherwise)
+//! GET  /metrics                                          Prometheus text format
+//! ```
+//!
+//! Every error is `{"error":{"code","message","field"}}` ([`ApiError`]).
+
+mod error;
+mod health;
+mod publish;
+
+use std::sync::Arc;
+
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, post};
+use axum::Router;
+use metrics_exporter_prometheus::PrometheusHandle;
+
+pub use error::ApiError;
+
+use crate::broker::BrokerClient;
+use crate::config::Config;
+use crate::publish::Publisher;
+
+/// What the handlers share.
+#[derive(Clone)]
+pub struct AppState {
+    /// The effective configuration.
+    pub config: Arc<Config>,
+    /// The cluster connection (readiness).
+    pub broker: Arc<BrokerClient>,
+    /// The publish path.
+    pub publisher: Arc<Publisher>,
+    /// Renders `/metrics`.
+    pub metrics: PrometheusHandle,
+}
+
+/// Room for JSON framing and base64 (4/3) around the largest message body.
+fn body_limit(max_message_bytes: usize) -> usize {
+    max_message_bytes.saturating_mul(4) / 3 + 64 * 1024
+}
+
+/// The router with every route of the API.
+pub fn router(state: AppState) -> Router {
+    let limit = body_limit(state.config.publish.max_message_bytes);
+    Router::new()
+        .route("/events/publish", post(publish::publish))
+        .route("/healthz", get(health::healthz))
+        .route("/readyz", get(health::readyz))
+        .route("/metrics", get(health::metrics))
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(state)
+}

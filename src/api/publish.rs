@@ -1,0 +1,106 @@
+//! `POST /events/publish[?topic=&mode=]`: one event to the broker, answered after the broker stored it.
+//!
+//! ```text
+//! 200 {"messageId","topic","broker","queueId","queueOffset","status","attempts"}   stored (sync, async)
+//! 202 {"topic","status":"SENT_ONEWAY","attempts"}                                  mode=oneway: not confirmed
+//! 400 invalid_field / malformed_body, 413 too_large, 404 unknown_topic, 503 unavailable (+ "attempts")
+//! ```
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use metrics::{counter, histogram};
+use serde_json::json;
+
+use super::{ApiError, AppState};
+use crate::metrics as m;
+use crate::publish::{request, PublishError, Published, SendMode};
+
+/// Handles one publish request, counting its result and timing it.
+pub async fn publish(
+    State(state): State<AppState>,
+    Query(query): Query<HashMap<String, String>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let started = Instant::now();
+    let (result, response) = match handle(&state, &query, &headers, body).await {
+        Ok(response) => ("ok", response),
+        Err(error) => (result_label(&error), error.into_response()),
+    };
+    let result = if response.status() == StatusCode::ACCEPTED { "accepted" } else { result };
+    counter!(m::PUBLISH_REQUESTS, "result" => result).increment(1);
+    histogram!(m::PUBLISH_DURATION).record(started.elapsed().as_secs_f64());
+    response
+}
+
+async fn handle(
+    state: &AppState,
+    query: &HashMap<String, String>,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let max = state.config.publish.max_message_bytes;
+    let body = body.map_err(|rejection| {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::too_large(max)
+        } else {
+            ApiError::malformed_body(rejection.body_text())
+        }
+    })?;
+    let mode = match query.get("mode") {
+        None => SendMode::Sync,
+        Some(text) => {
+            SendMode::parse(text).ok_or_else(|| ApiError::invalid_field("mode", "must be sync, async or oneway"))?
+        }
+    };
+    let message = request::parse(headers, query.get("topic").map(String::as_str), &body, max)?;
+    match state.publisher.publish(&message, mode).await {
+        Ok(published) => Ok(answer(published)),
+        Err(PublishError::TopicNotFound(topic)) => Err(ApiError::unknown_topic(&topic)),
+        Err(PublishError::Exhausted { attempts, last_error }) => {
+            tracing::warn!(topic = %message.topic, attempts = attempts.len(), error = %last_error, "Publish failed.");
+            Err(ApiError::unavailable(
+                format!("the broker did not store the message: {last_error}"),
+                json!({ "attempts": attempts }),
+            ))
+        }
+    }
+}
+
+fn answer(published: Published) -> Response {
+    let attempts = published.attempts.len();
+    match published.receipt {
+        Some(receipt) => Json(json!({
+            "messageId": receipt.message_id,
+            "topic": published.topic,
+            "broker": receipt.broker,
+            "queueId": receipt.queue_id,
+            "queueOffset": receipt.queue_offset,
+            "status": receipt.status.as_str(),
+            "attempts": attempts,
+        }))
+        .into_response(),
+        None => (
+            StatusCode::ACCEPTED,
+            Json(json!({"topic": published.topic, "status": "SENT_ONEWAY", "attempts": attempts})),
+        )
+            .into_response(),
+    }
+}
+
+fn result_label(error: &ApiError) -> &'static str {
+    match error.status {
+        StatusCode::PAYLOAD_TOO_LARGE => "too_large",
+        StatusCode::NOT_FOUND => "not_found",
+        StatusCode::SERVICE_UNAVAILABLE => "unavailable",
+        status if status.is_client_error() => "bad_request",
+        _ => "error",
+    }
+}

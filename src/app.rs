@@ -1,0 +1,81 @@
+//! Wiring: build every component from a validated [`Config`], serve HTTP on a bound listener until the
+//! shutdown future resolves, then drain.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+
+use crate::api::{self, AppState};
+use crate::broker::{BrokerClient, BrokerError};
+use crate::config::Config;
+use crate::publish::Publisher;
+
+/// The producer group popgate's sends are registered under at the broker.
+pub const PRODUCER_GROUP: &str = "popgate_producer";
+
+/// Why popgate could not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum AppError {
+    /// The metrics recorder could not be installed.
+    #[error("metrics: {0}")]
+    Metrics(String),
+    /// The RocketMQ client could not be created.
+    #[error("broker client: {0}")]
+    Broker(#[from] BrokerError),
+    /// The HTTP server failed.
+    #[error("http server: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Runs popgate on `listener` until `shutdown` resolves; in-flight requests then get
+/// `server.shutdown_grace_secs` to finish.
+///
+/// # Errors
+/// [`AppError`] when a component cannot start or the server fails.
+pub async fn serve(
+    config: Config,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), AppError> {
+    let metrics = crate::metrics::install().map_err(AppError::Metrics)?;
+    let broker = Arc::new(BrokerClient::connect(&config.broker, PRODUCER_GROUP).await?);
+    let publisher = Arc::new(Publisher::new(broker.clone(), config.publish.clone(), &config.fault_avoidance));
+    let grace = Duration::from_secs(config.server.shutdown_grace_secs);
+    let state = AppState { config: Arc::new(config), broker: broker.clone(), publisher: publisher.clone(), metrics };
+
+    let gauges = tokio::spawn(refresh_gauges(publisher));
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let server = axum::serve(listener, api::router(state)).with_graceful_shutdown(async move {
+        shutdown.await;
+        let _ = stop_tx.send(true);
+    });
+    let result = tokio::select! {
+        result = server => result,
+        // The grace period starts when shutdown is asked for; a request still running after it is dropped.
+        () = grace_elapsed(stop_rx, grace) => Ok(()),
+    };
+    gauges.abort();
+    if let Ok(broker) = Arc::try_unwrap(broker) {
+        broker.shutdown().await;
+    }
+    result.map_err(AppError::from)
+}
+
+async fn grace_elapsed(mut stop: tokio::sync::watch::Receiver<bool>, grace: Duration) {
+    if stop.wait_for(|stopping| *stopping).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+    tokio::time::sleep(grace).await;
+    tracing::warn!(?grace, "Shutdown grace period over; dropping unfinished requests.");
+}
+
+/// Keeps `popgate_broker_isolated` true to the table when no send touches it (an isolation that ends).
+async fn refresh_gauges(publisher: Arc<Publisher>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        publisher.refresh_isolation_gauges();
+    }
+}

@@ -1,0 +1,24 @@
+//! popgate: at-least-once HTTP delivery in front of an Apache RocketMQ 5.x cluster.
+//!
+//! # Layout
+//!
+//! - [`config`]: the TOML file and `POPGATE_*` overrides, validated before anything binds.
+//! - [`broker`]: the cluster connection (routes, sends), the fault-avoidance table, popgate's message type.
+//! - [`publish`]: the publish path: request parsing and RocketMQ's producer policy (retries, broker choice).
+//! - [`api`]: the HTTP routes and the one error type they answer with.
+//! - [`metrics`]: every metric's name, help text and buckets.
+//! - [`app`]: wiring and the serve loop; `main.rs` only parses the CLI and waits for a signal.
+
+#![forbid(unsafe_code)]
+#![deny(rust_2018_idioms)]
+
+pub mod api;
+pub mod app;
+pub mod broker;
+pub mod config;
+pub mod metrics;
+pub mod publish;
+pub mod store;
+
+pub use app::{serve, AppError};
+pub use config::Config;

@@ -1,0 +1,236 @@
+//! The publish path (checkpoint 1 of seed 004): RocketMQ's producer policy, owned by popgate.
+//!
+//! A synchronous publish makes at most `1 + retry_times_when_send_failed` attempts. Each attempt picks a
+//! broker with [`fault::choose_broker`]: never the one that just failed while another exists, and never an
+//! isolated one while a healthy one exists. After every attempt the broker's latency (or failure) is recorded
+//! in the fault table. The answer is a success only when the broker's store status is accepted
+//! ([`accepts_store_status`]), so a 200 means "stored as the reliability profile demands".
+//!
+//! `mode=async` keeps its retries on the broker it started with (the seed's async semantics); `mode=oneway`
+//! makes one attempt and does not wait for the broker.
+
+pub mod request;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use metrics::{counter, gauge};
+use parking_lot::Mutex;
+use serde::Serialize;
+
+use crate::broker::fault::{self, FaultTable, IsolationCause};
+use crate::broker::{BrokerClient, BrokerError, BrokerRoute, OutgoingMessage, SendReceipt, StoreStatus};
+use crate::config::{FaultAvoidanceConfig, PublishConfig};
+use crate::metrics as m;
+
+/// How a publish request waits for the broker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SendMode {
+    /// Wait for the broker; retries go to other brokers.
+    Sync,
+    /// Wait for the broker; retries stay on the first broker chosen.
+    Async,
+    /// Do not wait: one attempt, no failure detection.
+    Oneway,
+}
+
+impl SendMode {
+    /// Parses the `mode` query parameter.
+    pub fn parse(text: &str) -> Option<SendMode> {
+        match text {
+            "sync" => Some(SendMode::Sync),
+            "async" => Some(SendMode::Async),
+            "oneway" => Some(SendMode::Oneway),
+            _ => None,
+        }
+    }
+}
+
+/// One attempt of a publish, as reported to the client and in logs.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Attempt {
+    /// The broker tried.
+    pub broker: String,
+    /// What went wrong, or `None` for the successful attempt.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// A publish the broker accepted.
+#[derive(Debug, Clone)]
+pub struct Published {
+    /// The broker's receipt; `None` for a oneway send.
+    pub receipt: Option<SendReceipt>,
+    /// The topic written.
+    pub topic: String,
+    /// Every attempt made, the successful one last.
+    pub attempts: Vec<Attempt>,
+}
+
+/// Why a publish did not succeed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum PublishError {
+    /// The topic does not exist and the broker will not create it.
+    #[error("topic `{0}` does not exist")]
+    TopicNotFound(String),
+    /// Every attempt failed (or the route could not be fetched: no attempts).
+    #[error("all {} send attempts failed", .attempts.len())]
+    Exhausted {
+        /// The attempts made.
+        attempts: Vec<Attempt>,
+        /// The last failure.
+        last_error: String,
+    },
+}
+
+/// The single decision point for "is this store status a success?". Today only `SEND_OK` is; the
+/// reliability profiles will accept weaker statuses under async flush/replication.
+pub fn accepts_store_status(status: StoreStatus) -> bool {
+    status == StoreStatus::SendOk
+}
+
+/// Sends messages under RocketMQ's producer policy with popgate's own fault avoidance.
+pub struct Publisher {
+    broker: Arc<BrokerClient>,
+    faults: Mutex<FaultTable>,
+    config: PublishConfig,
+    /// Round-robin position (`sendWhichQueue`), shared by every topic as in the Java client per topic.
+    rotation: AtomicUsize,
+}
+
+impl Publisher {
+    /// A publisher over `broker` with the configured policy.
+    pub fn new(broker: Arc<BrokerClient>, config: PublishConfig, faults: &FaultAvoidanceConfig) -> Publisher {
+        Publisher { broker, faults: Mutex::new(FaultTable::new(faults)), config, rotation: AtomicUsize::new(0) }
+    }
+
+    /// Publishes one message.
+    ///
+    /// # Errors
+    /// [`PublishError::TopicNotFound`] for a topic that cannot exist; [`PublishError::Exhausted`] when no
+    /// attempt was stored as required.
+    pub async fn publish(&self, message: &OutgoingMessage, mode: SendMode) -> Result<Published, PublishError> {
+        let route = self.broker.route(&message.topic).await.map_err(|e| match e {
+            BrokerError::TopicNotFound(topic) => PublishError::TopicNotFound(topic),
+            other => {
+                counter!(m::SEND_FAILURES, "reason" => other.reason_label()).increment(1);
+                PublishError::Exhausted { attempts: Vec::new(), last_error: format!("route lookup failed: {other}") }
+            }
+        })?;
+        let start = self.rotation.fetch_add(1, Ordering::Relaxed);
+        let mut brokers: Vec<String> = route.brokers.iter().map(|b| b.name.clone()).collect();
+        let first = start % brokers.len().max(1);
+        brokers.rotate_left(first);
+
+        let max_attempts = match mode {
+            SendMode::Sync => 1 + self.config.retry_times_when_send_failed,
+            SendMode::Async => 1 + self.config.retry_times_when_send_async_failed,
+            SendMode::Oneway => 1,
+        };
+        let mut attempts = Vec::new();
+        let mut last_failed: Option<String> = None;
+        let mut last_error = String::new();
+        for attempt in 0..max_attempts {
+            let chosen = match (mode, attempts.first()) {
+                (SendMode::Async, Some(Attempt { broker, .. })) => broker.clone(),
+                _ => self.choose(&brokers, last_failed.as_deref()),
+            };
+            let Some(broker) = route.brokers.iter().find(|b| b.name == chosen) else { break };
+            let queue_id = i32::try_from((start + attempt as usize) % broker.write_queues.max(1) as usize).unwrap_or(0);
+            counter!(m::SEND_ATTEMPTS, "broker" => broker.name.clone()).increment(1);
+            if attempt > 0 {
+                counter!(m::SEND_RETRIES).increment(1);
+            }
+            match self.attempt(message, broker, queue_id, mode).await {
+                Ok(receipt) => {
+                    attempts.push(Attempt { broker: broker.name.clone(), error: None });
+                    return Ok(Published { receipt, topic: message.topic.clone(), attempts });
+                }
+                Err(AttemptError::Fatal(error)) => {
+                    attempts.push(Attempt { broker: broker.name.clone(), error: Some(error.to_string()) });
+                    return Err(PublishError::Exhausted { attempts, last_error: error.to_string() });
+                }
+                Err(AttemptError::Retriable(error)) => {
+                    last_error = error.clone();
+                    attempts.push(Attempt { broker: broker.name.clone(), error: Some(error) });
+                    last_failed = Some(broker.name.clone());
+                }
+            }
+        }
+        self.broker.invalidate_route(&message.topic);
+        Err(PublishError::Exhausted { attempts, last_error })
+    }
+
+    fn choose(&self, brokers: &[String], last_failed: Option<&str>) -> String {
+        let faults = self.faults.lock();
+        let now = Instant::now();
+        fault::choose_broker(brokers, last_failed, |name| faults.is_available(name, now)).unwrap_or_default().to_owned()
+    }
+
+    /// One send to one queue, with its outcome recorded in the fault table and the metrics.
+    async fn attempt(
+        &self,
+        message: &OutgoingMessage,
+        route: &BrokerRoute,
+        queue_id: i32,
+        mode: SendMode,
+    ) -> Result<Option<SendReceipt>, AttemptError> {
+        if mode == SendMode::Oneway {
+            self.broker.send_oneway(message, route, queue_id);
+            return Ok(None);
+        }
+        let broker = route.name.as_str();
+        let started = Instant::now();
+        let result = self.broker.send(message, route, queue_id, self.config.send_timeout()).await;
+        let latency = started.elapsed();
+        match result {
+            Ok(receipt) => {
+                let isolation = self.faults.lock().record_success(broker, latency, Instant::now());
+                if isolation.is_some() {
+                    note_isolation(broker, IsolationCause::Latency);
+                }
+                if accepts_store_status(receipt.status) {
+                    Ok(Some(receipt))
+                } else {
+                    counter!(m::SEND_FAILURES, "reason" => "not_stored").increment(1);
+                    Err(AttemptError::Retriable(format!("broker answered {}", receipt.status.as_str())))
+                }
+            }
+            Err(error) => {
+                counter!(m::SEND_FAILURES, "reason" => error.reason_label()).increment(1);
+                if !error.is_retriable() {
+                    return Err(AttemptError::Fatal(error.to_string()));
+                }
+                let isolation = self.faults.lock().record_failure(broker, latency, &error.to_string(), Instant::now());
+                if isolation.is_some() {
+                    note_isolation(broker, IsolationCause::Unreachable);
+                }
+                Err(AttemptError::Retriable(error.to_string()))
+            }
+        }
+    }
+
+    /// Sets `popgate_broker_isolated{broker}` from the table, so an isolation that ended shows as 0 again.
+    pub fn refresh_isolation_gauges(&self) {
+        let faults = self.faults.lock();
+        let now = Instant::now();
+        for (broker, _) in faults.entries() {
+            let isolated = if faults.is_available(broker, now) { 0.0 } else { 1.0 };
+            gauge!(m::BROKER_ISOLATED, "broker" => broker.clone()).set(isolated);
+        }
+    }
+}
+
+enum AttemptError {
+    /// Another attempt may succeed (the broker was unreachable, slow to store, or busy).
+    Retriable(String),
+    /// Retrying cannot help (the message was refused as such).
+    Fatal(String),
+}
+
+fn note_isolation(broker: &str, cause: IsolationCause) {
+    counter!(m::BROKER_ISOLATIONS, "broker" => broker.to_owned(), "cause" => cause.as_label()).increment(1);
+    gauge!(m::BROKER_ISOLATED, "broker" => broker.to_owned()).set(1.0);
+    tracing::warn!(broker, cause = cause.as_label(), "Broker isolated by fault avoidance.");
+}

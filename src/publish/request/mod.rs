@@ -1,0 +1,293 @@
+//! Turning an HTTP publish request into one RocketMQ message.
+//!
+//! Three request shapes are accepted, so existing producers can point at popgate unchanged:
+//!
+//! ```text
+//! popgate JSON     Content-Type: application/json
+//!                  {"topic","data"|"dataBase64","tags","keys","properties","messageGroup","delayMs"}
+//! CloudEvents      Content-Type: application/cloudevents+json
+//!   structured     {"specversion":"1.0","id","source","type", "data"|"data_base64", ...extensions}
+//! CloudEvents      ce-specversion, ce-id, ce-source, ce-type, ce-* headers; the body is the data
+//!   binary
+//! ```
+//!
+//! `?topic=` names the topic in every mode (it wins over a `topic` field). CloudEvents attributes become
+//! message properties `ce_<attribute>`, and the event id is also the message key, so RocketMQ tooling can find
+//! an event by its id. Every rejection names the field at fault.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::http::HeaderMap;
+use base64::Engine;
+use bytes::Bytes;
+use serde_json::{Map, Value};
+
+use crate::api::ApiError;
+use crate::broker::message::{is_reserved_property, OutgoingMessage, PROPERTY_SHARDING_KEY, PROPERTY_TIMER_DELIVER_MS};
+
+/// The broker's longest timer delay by default (`timerMaxDelaySec`, 3 days).
+pub const MAX_DELAY: Duration = Duration::from_secs(3 * 24 * 3600);
+/// RocketMQ's topic name limit.
+const MAX_TOPIC_LEN: usize = 127;
+/// The content type of a structured-mode CloudEvent.
+const CLOUDEVENTS_JSON: &str = "application/cloudevents+json";
+/// CloudEvents attributes that must be present (spec 1.0).
+const CE_REQUIRED: [&str; 4] = ["specversion", "id", "source", "type"];
+
+/// Parses one publish request into a message ready to send.
+///
+/// # Errors
+/// [`ApiError`] 400 naming the field for malformed, missing or wrong-typed input, 413 when the data is larger
+/// than `max_message_bytes`.
+pub fn parse(
+    headers: &HeaderMap,
+    topic_param: Option<&str>,
+    body: &Bytes,
+    max_message_bytes: usize,
+) -> Result<OutgoingMessage, ApiError> {
+    let content_type = header_str(headers, "content-type").unwrap_or_default().to_ascii_lowercase();
+    let message = if headers.contains_key("ce-specversion") {
+        parse_cloudevent_binary(headers, topic_param, body)?
+    } else if content_type.starts_with(CLOUDEVENTS_JSON) {
+        parse_cloudevent_structured(topic_param, &parse_json_object(body)?)?
+    } else if content_type.is_empty() || content_type.starts_with("application/json") {
+        parse_popgate_json(topic_param, &parse_json_object(body)?)?
+    } else {
+        return Err(ApiError::invalid_field(
+            "content-type",
+            format!(
+                "unsupported content type `{content_type}`: use application/json, {CLOUDEVENTS_JSON} or ce-* headers"
+            ),
+        ));
+    };
+    if message.body.len() > max_message_bytes {
+        return Err(ApiError::too_large(max_message_bytes));
+    }
+    Ok(message)
+}
+
+fn parse_json_object(body: &Bytes) -> Result<Map<String, Value>, ApiError> {
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(map)) => Ok(map),
+        Ok(_) => Err(ApiError::malformed_body("the body must be a JSON object")),
+        Err(e) => Err(ApiError::malformed_body(format!("the body is not valid JSON: {e}"))),
+    }
+}
+
+fn parse_popgate_json(topic_param: Option<&str>, map: &Map<String, Value>) -> Result<OutgoingMessage, ApiError> {
+    const KNOWN: [&str; 8] = ["topic", "data", "dataBase64", "tags", "keys", "properties", "messageGroup", "delayMs"];
+    if let Some(unknown) = map.keys().find(|k| !KNOWN.contains(&k.as_str())) {
+        return Err(ApiError::invalid_field(unknown, format!("unknown field `{unknown}`")));
+    }
+    let topic = topic(topic_param, optional_str(map, "topic")?)?;
+    let body = data(map, "data", "dataBase64")?;
+    let mut message = OutgoingMessage::new(topic, body);
+    message.tags = optional_str(map, "tags")?.map(|t| validated_tags(t.to_owned())).transpose()?;
+    message.keys = keys(map.get("keys"))?;
+    for (name, value) in string_map(map.get("properties"), "properties")? {
+        add_user_property(&mut message, name, value)?;
+    }
+    if let Some(group) = optional_str(map, "messageGroup")? {
+        if group.is_empty() {
+            return Err(ApiError::invalid_field("messageGroup", "must not be empty"));
+        }
+        message.properties.insert(PROPERTY_SHARDING_KEY.to_owned(), group.to_owned());
+    }
+    if let Some(delay) = map.get("delayMs") {
+        let delay = delay
+            .as_u64()
+            .ok_or_else(|| ApiError::invalid_field("delayMs", "must be a non-negative integer (milliseconds)"))?;
+        set_delay(&mut message, Duration::from_millis(delay))?;
+    }
+    Ok(message)
+}
+
+fn parse_cloudevent_structured(
+    topic_param: Option<&str>,
+    map: &Map<String, Value>,
+) -> Result<OutgoingMessage, ApiError> {
+    let topic = topic(topic_param, None)?;
+    let body = data(map, "data", "data_base64")?;
+    let mut message = OutgoingMessage::new(topic, body);
+    for (name, value) in map {
+        if name == "data" || name == "data_base64" {
+            continue;
+        }
+        let text = match value {
+            Value::String(s) => s.clone(),
+            Value::Number(_) | Value::Bool(_) => value.to_string(),
+            Value::Null => continue,
+            _ => {
+                return Err(ApiError::invalid_field(
+                    name,
+                    "a CloudEvents attribute must be a string, number or boolean",
+                ))
+            }
+        };
+        add_cloudevent_attribute(&mut message, name, text)?;
+    }
+    finish_cloudevent(message)
+}
+
+fn parse_cloudevent_binary(
+    headers: &HeaderMap,
+    topic_param: Option<&str>,
+    body: &Bytes,
+) -> Result<OutgoingMessage, ApiError> {
+    let topic = topic(topic_param, None)?;
+    let mut message = OutgoingMessage::new(topic, body.clone());
+    for (name, value) in headers {
+        let Some(attribute) = name.as_str().strip_prefix("ce-") else { continue };
+        let text =
+            value.to_str().map_err(|_| ApiError::invalid_field(name.as_str(), "header value must be visible ASCII"))?;
+        add_cloudevent_attribute(&mut message, attribute, text.to_owned())?;
+    }
+    if let Some(content_type) = header_str(headers, "content-type") {
+        add_cloudevent_attribute(&mut message, "datacontenttype", content_type.to_owned())?;
+    }
+    finish_cloudevent(message)
+}
+
+/// Checks the required attributes and makes the event id the message key.
+fn finish_cloudevent(mut message: OutgoingMessage) -> Result<OutgoingMessage, ApiError> {
+    for attribute in CE_REQUIRED {
+        let present = message.properties.get(&format!("ce_{attribute}")).is_some_and(|v| !v.is_empty());
+        if !present {
+            return Err(ApiError::invalid_field(attribute, format!("CloudEvents attribute `{attribute}` is required")));
+        }
+    }
+    if message.properties.get("ce_specversion").map(String::as_str) != Some("1.0") {
+        return Err(ApiError::invalid_field("specversion", "only CloudEvents 1.0 is supported"));
+    }
+    if let Some(id) = message.properties.get("ce_id").cloned() {
+        message.keys.push(id);
+    }
+    Ok(message)
+}
+
+fn add_cloudevent_attribute(message: &mut OutgoingMessage, name: &str, value: String) -> Result<(), ApiError> {
+    let valid_name = !name.is_empty() && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit());
+    if !valid_name {
+        return Err(ApiError::invalid_field(name, "CloudEvents attribute names are lower-case letters and digits"));
+    }
+    add_user_property(message, format!("ce_{name}"), value)
+}
+
+fn add_user_property(message: &mut OutgoingMessage, name: String, value: String) -> Result<(), ApiError> {
+    let field = format!("properties.{name}");
+    if name.is_empty() || is_reserved_property(&name) {
+        return Err(ApiError::invalid_field(&field, "empty or reserved by RocketMQ"));
+    }
+    if has_separator(&name) || has_separator(&value) {
+        return Err(ApiError::invalid_field(&field, "must not contain the control characters \\u0001 or \\u0002"));
+    }
+    message.properties.insert(name, value);
+    Ok(())
+}
+
+/// RocketMQ encodes properties as `name\u0001value\u0002`: those two characters would corrupt the message.
+fn has_separator(text: &str) -> bool {
+    text.contains(['\u{1}', '\u{2}'])
+}
+
+fn set_delay(message: &mut OutgoingMessage, delay: Duration) -> Result<(), ApiError> {
+    if delay > MAX_DELAY {
+        return Err(ApiError::invalid_field("delayMs", format!("must be at most {} ms", MAX_DELAY.as_millis())));
+    }
+    if delay.is_zero() {
+        return Ok(());
+    }
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+    let deliver_at = (now + delay).as_millis();
+    message.properties.insert(PROPERTY_TIMER_DELIVER_MS.to_owned(), deliver_at.to_string());
+    Ok(())
+}
+
+fn topic(param: Option<&str>, field: Option<&str>) -> Result<String, ApiError> {
+    let topic = param.or(field).ok_or_else(|| ApiError::invalid_field("topic", "required (body field or ?topic=)"))?;
+    let valid = !topic.is_empty()
+        && topic.len() <= MAX_TOPIC_LEN
+        && topic.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '%' || c == '|');
+    if !valid {
+        return Err(ApiError::invalid_field(
+            "topic",
+            format!("must be 1..={MAX_TOPIC_LEN} characters of letters, digits, `_`, `-`, `%`, `|`"),
+        ));
+    }
+    Ok(topic.to_owned())
+}
+
+/// The message body: `data` (a string is sent as its UTF-8 bytes, any other JSON value as JSON text) or
+/// `dataBase64` (binary). Exactly one of them.
+fn data(map: &Map<String, Value>, text_field: &str, base64_field: &str) -> Result<Bytes, ApiError> {
+    match (map.get(text_field), map.get(base64_field)) {
+        (Some(_), Some(_)) => {
+            Err(ApiError::invalid_field(base64_field, format!("give `{text_field}` or `{base64_field}`, not both")))
+        }
+        (Some(Value::String(s)), None) => Ok(Bytes::from(s.clone().into_bytes())),
+        (Some(Value::Null), None) | (None, None) => {
+            Err(ApiError::invalid_field(text_field, format!("`{text_field}` or `{base64_field}` is required")))
+        }
+        (Some(other), None) => Ok(Bytes::from(other.to_string().into_bytes())),
+        (None, Some(Value::String(encoded))) => base64::engine::general_purpose::STANDARD
+            .decode(encoded)
+            .map(Bytes::from)
+            .map_err(|e| ApiError::invalid_field(base64_field, format!("not valid base64: {e}"))),
+        (None, Some(_)) => Err(ApiError::invalid_field(base64_field, "must be a base64 string")),
+    }
+}
+
+fn optional_str<'a>(map: &'a Map<String, Value>, field: &str) -> Result<Option<&'a str>, ApiError> {
+    match map.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s)),
+        Some(_) => Err(ApiError::invalid_field(field, "must be a string")),
+    }
+}
+
+fn validated_tags(tags: String) -> Result<String, ApiError> {
+    if tags.is_empty() || tags.contains("||") || has_separator(&tags) {
+        return Err(ApiError::invalid_field("tags", "must be a non-empty tag without `||`"));
+    }
+    Ok(tags)
+}
+
+/// `keys` is one string or an array of strings; RocketMQ joins keys with a space, so a key holds none.
+fn keys(value: Option<&Value>) -> Result<Vec<String>, ApiError> {
+    let list = match value {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|item| item.as_str().map(str::to_owned))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| ApiError::invalid_field("keys", "must be a string or an array of strings"))?,
+        Some(_) => return Err(ApiError::invalid_field("keys", "must be a string or an array of strings")),
+    };
+    if list.iter().any(|k| k.is_empty() || k.contains(' ') || has_separator(k)) {
+        return Err(ApiError::invalid_field("keys", "a key must be non-empty and contain no spaces"));
+    }
+    Ok(list)
+}
+
+fn string_map(value: Option<&Value>, field: &str) -> Result<BTreeMap<String, String>, ApiError> {
+    match value {
+        None | Some(Value::Null) => Ok(BTreeMap::new()),
+        Some(Value::Object(map)) => map
+            .iter()
+            .map(|(k, v)| match v {
+                Value::String(s) => Ok((k.clone(), s.clone())),
+                _ => Err(ApiError::invalid_field(&format!("{field}.{k}"), "property values must be strings")),
+            })
+            .collect(),
+        Some(_) => Err(ApiError::invalid_field(field, "must be an object of string values")),
+    }
+}
+
+fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    headers.get(name).and_then(|v| v.to_str().ok())
+}
+
+#[cfg(test)]
+mod tests;

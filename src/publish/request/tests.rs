@@ -1,0 +1,131 @@
+use super::*;
+use axum::http::{HeaderName, HeaderValue};
+
+const MAX: usize = 1024;
+
+fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+    let mut map = HeaderMap::new();
+    for (name, value) in pairs {
+        map.insert(HeaderName::from_bytes(name.as_bytes()).unwrap(), HeaderValue::from_str(value).unwrap());
+    }
+    map
+}
+
+fn json(body: &str) -> Result<OutgoingMessage, ApiError> {
+    parse(&headers(&[("content-type", "application/json")]), None, &Bytes::from(body.to_owned()), MAX)
+}
+
+fn field_of(result: Result<OutgoingMessage, ApiError>) -> String {
+    result.expect_err("must be rejected").field.unwrap_or_default()
+}
+
+#[test]
+fn popgate_json_maps_every_field() {
+    let m = json(
+        r#"{"topic":"orders","data":"hi","tags":"created","keys":["k1","k2"],
+        "properties":{"tenant":"t1"},"messageGroup":"cust-7","delayMs":5000}"#,
+    )
+    .unwrap();
+    assert_eq!(m.topic, "orders");
+    assert_eq!(&m.body[..], b"hi");
+    assert_eq!(m.tags.as_deref(), Some("created"));
+    assert_eq!(m.keys, vec!["k1", "k2"]);
+    assert_eq!(m.properties.get("tenant").map(String::as_str), Some("t1"));
+    assert_eq!(m.properties.get(PROPERTY_SHARDING_KEY).map(String::as_str), Some("cust-7"));
+    assert!(m.properties.contains_key(PROPERTY_TIMER_DELIVER_MS));
+}
+
+#[test]
+fn non_string_data_is_sent_as_json_text_and_base64_as_bytes() {
+    assert_eq!(&json(r#"{"topic":"t","data":{"a":1}}"#).unwrap().body[..], br#"{"a":1}"#);
+    assert_eq!(&json(r#"{"topic":"t","dataBase64":"AAEC"}"#).unwrap().body[..], &[0u8, 1, 2]);
+}
+
+#[test]
+fn the_topic_parameter_wins_over_the_body() {
+    let h = headers(&[("content-type", "application/json")]);
+    let m = parse(&h, Some("fromquery"), &Bytes::from_static(br#"{"topic":"x","data":"d"}"#), MAX).unwrap();
+    assert_eq!(m.topic, "fromquery");
+}
+
+#[test]
+fn bad_input_names_the_field() {
+    assert_eq!(field_of(json(r#"{"data":"x"}"#)), "topic");
+    assert_eq!(field_of(json(r#"{"topic":"a b","data":"x"}"#)), "topic");
+    assert_eq!(field_of(json(r#"{"topic":"t"}"#)), "data");
+    assert_eq!(field_of(json(r#"{"topic":"t","data":"x","dataBase64":"AA=="}"#)), "dataBase64");
+    assert_eq!(field_of(json(r#"{"topic":"t","dataBase64":"!!"}"#)), "dataBase64");
+    assert_eq!(field_of(json(r#"{"topic":"t","data":"x","tags":5}"#)), "tags");
+    assert_eq!(field_of(json(r#"{"topic":"t","data":"x","keys":[1]}"#)), "keys");
+    assert_eq!(field_of(json(r#"{"topic":"t","data":"x","properties":{"a":1}}"#)), "properties.a");
+    assert_eq!(field_of(json(r#"{"topic":"t","data":"x","properties":{"TAGS":"x"}}"#)), "properties.TAGS");
+    assert_eq!(field_of(json(r#"{"topic":"t","data":"x","delayMs":-1}"#)), "delayMs");
+    assert_eq!(field_of(json(r#"{"topic":"t","data":"x","delayMs":999999999999}"#)), "delayMs");
+    assert_eq!(field_of(json(r#"{"topic":"t","data":"x","colour":"red"}"#)), "colour");
+}
+
+#[test]
+fn a_body_that_is_not_a_json_object_is_malformed() {
+    for body in ["", "nope", "[1,2]", "\"s\""] {
+        let err = json(body).expect_err(body);
+        assert_eq!(err.code, "malformed_body", "{body}");
+        assert_eq!(err.status, axum::http::StatusCode::BAD_REQUEST);
+    }
+}
+
+#[test]
+fn data_larger_than_the_limit_is_413() {
+    let big = "x".repeat(MAX + 1);
+    let err = json(&format!(r#"{{"topic":"t","data":"{big}"}}"#)).unwrap_err();
+    assert_eq!(err.status, axum::http::StatusCode::PAYLOAD_TOO_LARGE);
+}
+
+#[test]
+fn structured_cloudevents_map_attributes_to_properties_and_the_id_to_the_key() {
+    let h = headers(&[("content-type", "application/cloudevents+json")]);
+    let body = br#"{"specversion":"1.0","id":"e-1","source":"/shop","type":"order.created",
+        "subject":"o-9","datacontenttype":"application/json","data":{"n":1},"tenant":"acme"}"#;
+    let m = parse(&h, Some("orders"), &Bytes::from_static(body), MAX).unwrap();
+    assert_eq!(&m.body[..], br#"{"n":1}"#);
+    assert_eq!(m.keys, vec!["e-1"]);
+    for (name, value) in [
+        ("ce_id", "e-1"),
+        ("ce_source", "/shop"),
+        ("ce_type", "order.created"),
+        ("ce_subject", "o-9"),
+        ("ce_specversion", "1.0"),
+        ("ce_tenant", "acme"),
+    ] {
+        assert_eq!(m.properties.get(name).map(String::as_str), Some(value), "{name}");
+    }
+}
+
+#[test]
+fn binary_cloudevents_read_ce_headers_and_keep_the_body() {
+    let h = headers(&[
+        ("ce-specversion", "1.0"),
+        ("ce-id", "e-2"),
+        ("ce-source", "/s"),
+        ("ce-type", "t.x"),
+        ("content-type", "application/octet-stream"),
+    ]);
+    let m = parse(&h, Some("orders"), &Bytes::from_static(&[9, 8, 7]), MAX).unwrap();
+    assert_eq!(&m.body[..], &[9, 8, 7]);
+    assert_eq!(m.properties.get("ce_datacontenttype").map(String::as_str), Some("application/octet-stream"));
+    assert_eq!(m.keys, vec!["e-2"]);
+}
+
+#[test]
+fn cloudevents_without_a_required_attribute_name_it() {
+    let h = headers(&[("ce-specversion", "1.0"), ("ce-id", "e-2"), ("ce-source", "/s")]);
+    assert_eq!(field_of(parse(&h, Some("t"), &Bytes::new(), MAX)), "type");
+    let h = headers(&[("content-type", "application/cloudevents+json")]);
+    let body = br#"{"specversion":"0.3","id":"1","source":"s","type":"t","data":"x"}"#;
+    assert_eq!(field_of(parse(&h, Some("t"), &Bytes::from_static(body), MAX)), "specversion");
+}
+
+#[test]
+fn an_unsupported_content_type_is_named() {
+    let h = headers(&[("content-type", "text/plain")]);
+    assert_eq!(field_of(parse(&h, Some("t"), &Bytes::from_static(b"x"), MAX)), "content-type");
+}
