@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Idempotent set-up shared by run-local.sh and test.sh (sourced): system packages, the RocketMQ jars, and a
+# build cache under $HOME so a fresh clone does not rebuild rocksdb and the RocketMQ client from scratch.
+set -euo pipefail
+
+need_apt=()
+dpkg -s libclang-dev >/dev/null 2>&1 || need_apt+=(libclang-dev clang)   # bindgen for rocksdb
+command -v java >/dev/null 2>&1 || need_apt+=(openjdk-17-jre-headless)
+command -v mvn >/dev/null 2>&1 || need_apt+=(maven)
+if ((${#need_apt[@]})); then
+  echo "setup: installing ${need_apt[*]}" >&2
+  apt-get update -qq >&2
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >&2
+fi
+
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/popgate/target}"
+ROCKETMQ_JARS_DIR="$("$repo_root/docker/rocketmq/rocketmq.sh" jars)"
+export ROCKETMQ_JARS_DIR

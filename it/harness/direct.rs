@@ -1,0 +1,100 @@
+//! A direct RocketMQ client (rocketmq-client-rust, no popgate), to check what actually reached the broker.
+//! Reads use PULL through the admin tool's consumer group, which commits no offset: browsing changes nothing.
+
+use std::collections::HashMap;
+
+use cheetah_string::CheetahString;
+use rocketmq_client_rust::{DefaultMQAdminExt, TopicAdmin};
+use rocketmq_model::common::message::message_ext::MessageExt;
+use rocketmq_model::common::message::message_queue::MessageQueue;
+use rocketmq_runtime::RuntimeOwner;
+
+/// One message as read back from the broker.
+#[derive(Debug, Clone)]
+pub struct StoredMessage {
+    /// Broker that stores it.
+    pub broker: String,
+    /// Body bytes.
+    pub body: Vec<u8>,
+    /// Every property (TAGS, KEYS, UNIQ_KEY and the user's).
+    pub properties: HashMap<String, String>,
+}
+
+impl StoredMessage {
+    fn from_ext(broker: &str, m: &MessageExt) -> StoredMessage {
+        StoredMessage {
+            broker: broker.to_owned(),
+            body: m.body().map(|b| b.to_vec()).unwrap_or_default(),
+            properties: m.properties().iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+        }
+    }
+
+    /// A property's value.
+    pub fn property(&self, name: &str) -> Option<&str> {
+        self.properties.get(name).map(String::as_str)
+    }
+}
+
+/// The direct client; drop order keeps the runtime owner last.
+pub struct Direct {
+    admin: DefaultMQAdminExt,
+    _owner: RuntimeOwner,
+}
+
+impl Direct {
+    /// Connects an admin client to `namesrv_addr`.
+    pub async fn connect(namesrv_addr: &str) -> Direct {
+        let (owner, runtime) = popgate::broker::client::start_client_runtime().expect("client runtime");
+        let mut admin = DefaultMQAdminExt::new(runtime);
+        admin.set_namesrv_addr(namesrv_addr);
+        admin.start().await.expect("admin client starts");
+        Direct { admin, _owner: owner }
+    }
+
+    /// Creates `topic` with 4 queues on each broker address given (the way an operator pre-creates topics
+    /// when auto-creation is off), so its route names all of them from the start.
+    pub async fn create_topic(&self, topic: &str, broker_addrs: &[String]) {
+        for addr in broker_addrs {
+            let config = rocketmq_model::common::config::TopicConfig::with_queues(topic, 4, 4);
+            TopicAdmin::create_and_update_topic_config(&self.admin, CheetahString::from(addr.as_str()), config)
+                .await
+                .expect("create topic");
+        }
+    }
+
+    /// Every message currently stored in `topic`, on every broker and queue.
+    pub async fn read_all(&self, topic: &str) -> Vec<StoredMessage> {
+        let route = TopicAdmin::examine_topic_route_info(&self.admin, CheetahString::from(topic))
+            .await
+            .expect("route lookup")
+            .expect("topic has a route");
+        let mut out = Vec::new();
+        for queue_data in &route.queue_datas {
+            let broker = route
+                .broker_datas
+                .iter()
+                .find(|b| b.broker_name() == &queue_data.broker_name)
+                .and_then(|b| b.broker_addrs().get(&0).cloned())
+                .expect("broker has a master");
+            for queue_id in 0..queue_data.read_queue_nums {
+                let queue = MessageQueue::from_parts(topic, queue_data.broker_name.as_str(), queue_id as i32);
+                let mut offset = 0i64;
+                loop {
+                    let pulled = self
+                        .admin
+                        .inner()
+                        .pull_message_from_queue(broker.as_str(), &queue, "*", offset, 32, 5_000)
+                        .await
+                        .expect("pull");
+                    let found = pulled.msg_found_list().map(<[MessageExt]>::to_vec).unwrap_or_default();
+                    if found.is_empty() {
+                        break;
+                    }
+                    out.extend(found.iter().map(|m| StoredMessage::from_ext(queue_data.broker_name.as_str(), m)));
+                    offset = pulled.next_begin_offset() as i64;
+                }
+            }
+        }
+        out
+    }
+}

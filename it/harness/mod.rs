@@ -1,0 +1,49 @@
+//! Test harness: real processes, owned by guards that kill them on drop.
+//!
+//! - [`rocketmq`]: Java name server + brokers (`java -cp`, jars fetched by `docker/rocketmq/rocketmq.sh jars`).
+//! - [`popgate`]: the popgate binary under test, with a generated config.
+//! - [`direct`]: a direct RocketMQ client, to check what reached the broker without trusting popgate.
+
+pub mod direct;
+pub mod popgate;
+pub mod rocketmq;
+
+use std::net::TcpListener;
+use std::time::{Duration, Instant};
+
+/// A port that was free a moment ago on every interface.
+pub fn free_port() -> u16 {
+    TcpListener::bind("0.0.0.0:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
+}
+
+/// Whether something accepts connections on 127.0.0.1:`port`.
+pub fn port_open(port: u16) -> bool {
+    std::net::TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_millis(200)).is_ok()
+}
+
+/// Polls `check` every 100 ms until it holds or `timeout` passes.
+pub async fn eventually<F, Fut>(timeout: Duration, what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if check().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("timed out after {timeout:?} waiting for {what}");
+}
+
+/// A topic name no other test uses.
+pub fn unique_topic(prefix: &str) -> String {
+    format!("{prefix}_{}", rand_suffix())
+}
+
+fn rand_suffix() -> String {
+    let nanos =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+    format!("{}_{nanos:x}", std::process::id())
+}

@@ -1,0 +1,162 @@
+//! The popgate binary under test, run as a child process with a generated config file, killed on drop.
+//! Running the real binary keeps each instance's metrics apart and lets tests `kill -9` it.
+
+use std::fs;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use tempfile::TempDir;
+
+use super::free_port;
+
+/// A running popgate; `base` is its `http://127.0.0.1:port`.
+pub struct Popgate {
+    /// Base URL of the HTTP API.
+    pub base: String,
+    /// The config file it was started with.
+    pub config_path: PathBuf,
+    child: Child,
+    log: PathBuf,
+    _dir: TempDir,
+}
+
+impl Popgate {
+    /// Starts popgate against `namesrv_addr` with `extra_toml` appended to a minimal config, and waits for
+    /// `/healthz`.
+    pub async fn start(namesrv_addr: &str, extra_toml: &str) -> Popgate {
+        let dir = tempfile::Builder::new().prefix("popgate-it-").tempdir().expect("tempdir");
+        let port = free_port();
+        let config_path = dir.path().join("popgate.toml");
+        let state_dir = dir.path().join("state");
+        let config = format!(
+            "[server]\nlisten = \"127.0.0.1:{port}\"\nshutdown_grace_secs = 2\n\n[broker]\nnamesrv_addr = \"{namesrv_addr}\"\n\n\
+             [delivery]\nstate_dir = \"{}\"\n{extra_toml}\n",
+            state_dir.display()
+        );
+        fs::write(&config_path, merge_sections(&config)).expect("write config");
+        let log = dir.path().join("popgate.log");
+        let child = Command::new(env!("CARGO_BIN_EXE_popgate"))
+            .args(["serve", "--config"])
+            .arg(&config_path)
+            .env("RUST_LOG", "info,rocketmq_client_rust=warn,rocketmq_transport=warn")
+            .stdin(Stdio::null())
+            .stdout(fs::File::create(&log).expect("log"))
+            .stderr(fs::File::create(dir.path().join("popgate.err")).expect("log"))
+            .spawn()
+            .expect("spawn popgate");
+        let mut popgate = Popgate { base: format!("http://127.0.0.1:{port}"), config_path, child, log, _dir: dir };
+        popgate.wait_healthy().await;
+        popgate
+    }
+
+    async fn wait_healthy(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let client = reqwest::Client::new();
+        loop {
+            if let Ok(resp) = client.get(format!("{}/healthz", self.base)).send().await {
+                if resp.status().is_success() {
+                    return;
+                }
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!("popgate exited with {status} before it was healthy:\n{}", self.output());
+            }
+            assert!(Instant::now() < deadline, "popgate not healthy after 30 s:\n{}", self.output());
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// What popgate logged so far (stdout and stderr).
+    pub fn output(&self) -> String {
+        let out = fs::read_to_string(&self.log).unwrap_or_default();
+        let err = fs::read_to_string(self.log.with_extension("err")).unwrap_or_default();
+        format!("{out}{err}")
+    }
+
+    /// `POST {base}{path}` with a JSON body; returns status and JSON answer.
+    pub async fn post_json(&self, path: &str, body: &Value) -> (u16, Value) {
+        let resp =
+            reqwest::Client::new().post(format!("{}{path}", self.base)).json(body).send().await.expect("request");
+        status_and_json(resp).await
+    }
+
+    /// Publishes `body` (popgate JSON) and returns status and answer.
+    pub async fn publish(&self, body: &Value) -> (u16, Value) {
+        self.post_json("/events/publish", body).await
+    }
+
+    /// The value of one sample in `/metrics` (`name{labels}` as rendered), or 0 when absent.
+    pub async fn metric(&self, series: &str) -> f64 {
+        let text = reqwest::get(format!("{}/metrics", self.base)).await.expect("metrics").text().await.expect("text");
+        metric_value(&text, series)
+    }
+
+    /// The raw `/metrics` text.
+    pub async fn metrics_text(&self) -> String {
+        reqwest::get(format!("{}/metrics", self.base)).await.expect("metrics").text().await.expect("text")
+    }
+
+    /// SIGKILLs the process (a crash: nothing is flushed or drained).
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Popgate {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// Status and JSON body (Null when the body is not JSON).
+pub async fn status_and_json(resp: reqwest::Response) -> (u16, Value) {
+    let status = resp.status().as_u16();
+    let body = resp.json::<Value>().await.unwrap_or(Value::Null);
+    (status, body)
+}
+
+/// Finds `series` (e.g. `popgate_send_attempts_total{broker="broker-a"}`) in Prometheus text.
+pub fn metric_value(text: &str, series: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|line| {
+            let (name, value) = line.rsplit_once(' ')?;
+            (name == series).then(|| value.parse().ok()).flatten()
+        })
+        .unwrap_or(0.0)
+}
+
+/// Later `[section]` blocks of the same name are merged into the first, so a test's extra TOML may repeat
+/// `[delivery]` or `[broker]` from the minimal config.
+fn merge_sections(text: &str) -> String {
+    let mut order: Vec<String> = Vec::new();
+    let mut sections: std::collections::HashMap<String, Vec<String>> = std::collections::HashMap::new();
+    let mut current = String::new();
+    order.push(current.clone());
+    for line in text.lines() {
+        let trimmed = line.trim();
+        if trimmed.starts_with('[') && trimmed.ends_with(']') {
+            current = trimmed.to_owned();
+            if !order.contains(&current) {
+                order.push(current.clone());
+            }
+            continue;
+        }
+        sections.entry(current.clone()).or_default().push(line.to_owned());
+    }
+    order
+        .iter()
+        .map(|name| {
+            let body = sections.get(name).map(|l| l.join("\n")).unwrap_or_default();
+            if name.is_empty() {
+                body
+            } else {
+                format!("{name}\n{body}")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}

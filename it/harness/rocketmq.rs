@@ -1,0 +1,357 @@
+//! Real Apache RocketMQ processes: one name server and any number of brokers, each a `java -cp` child with
+//! its own store directory, on 127.0.0.1.
+//!
+//! Every process is owned by a [`JavaProcess`] guard that SIGKILLs it on drop. For clusters kept in a
+//! `static` (which is never dropped), a watchdog shell kills them when the test process exits, so a failing
+//! or aborted test run leaves nothing behind.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tempfile::TempDir;
+
+use super::{free_port, port_open};
+
+/// Where `docker/rocketmq/rocketmq.sh jars` puts the jars; `ROCKETMQ_JARS_DIR` overrides.
+pub fn rocketmq_lib() -> PathBuf {
+    if let Ok(dir) = std::env::var("ROCKETMQ_JARS_DIR") {
+        return PathBuf::from(dir);
+    }
+    let output = Command::new("bash")
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("docker/rocketmq/rocketmq.sh"))
+        .arg("jars")
+        .output()
+        .expect("run docker/rocketmq/rocketmq.sh jars");
+    assert!(output.status.success(), "fetching RocketMQ jars failed: {}", String::from_utf8_lossy(&output.stderr));
+    PathBuf::from(String::from_utf8_lossy(&output.stdout).trim().to_owned())
+}
+
+/// A Java child process, killed on drop.
+pub struct JavaProcess {
+    child: Child,
+    /// The process's stdout/stderr file.
+    pub log: PathBuf,
+}
+
+impl JavaProcess {
+    fn spawn(lib: &Path, home: &Path, heap_mb: u32, main_class: &str, args: &[&str]) -> JavaProcess {
+        fs::create_dir_all(home).expect("process home");
+        let log = home.join("console.log");
+        let out = fs::File::create(&log).expect("console log");
+        let child = Command::new("java")
+            .arg(format!("-Xms{heap_mb}m"))
+            .arg(format!("-Xmx{heap_mb}m"))
+            .arg("-XX:MaxDirectMemorySize=256m")
+            .arg("-XX:+UseSerialGC")
+            // The broker writes scratch files (TLS test certificates) to the temp dir: keep them in the home.
+            .arg(format!("-Djava.io.tmpdir={}", home.display()))
+            .arg(format!("-Drocketmq.home.dir={}", home.display()))
+            .arg(format!("-Duser.home={}", home.display()))
+            .arg("-cp")
+            .arg(format!("{}/*", lib.display()))
+            .arg(main_class)
+            .args(args)
+            .current_dir(home)
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().expect("log handle"))
+            .stderr(out)
+            .spawn()
+            .expect("java must be installed");
+        JavaProcess { child, log }
+    }
+
+    /// The OS process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends a signal (`STOP`, `CONT`, `KILL`) to the process.
+    pub fn signal(&self, signal: &str) {
+        let status = Command::new("kill").arg(format!("-{signal}")).arg(self.pid().to_string()).status();
+        assert!(status.is_ok_and(|s| s.success()), "kill -{signal} {}", self.pid());
+    }
+
+    fn exited(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(Some(_)))
+    }
+}
+
+impl Drop for JavaProcess {
+    fn drop(&mut self) {
+        // A stopped process cannot die of SIGKILL until continued on some kernels' job control: wake it first.
+        let _ = Command::new("kill").arg("-CONT").arg(self.child.id().to_string()).status();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One broker of a [`Cluster`].
+pub struct Broker {
+    /// `brokerName`.
+    pub name: String,
+    /// Remoting port (`listenPort`).
+    pub port: u16,
+    conf: PathBuf,
+    home: PathBuf,
+    /// `None` while stopped by [`Cluster::kill_broker`].
+    process: Option<JavaProcess>,
+}
+
+/// What the broker logs each time it has registered with the name server (its routes are then served).
+const REGISTERED: &str = "Registering current broker to name server completed";
+
+impl Broker {
+    fn broker_log(&self) -> PathBuf {
+        self.home.join("logs/rocketmqlogs/broker.log")
+    }
+
+    /// How many registrations with the name server the broker has logged so far.
+    fn registrations(&self) -> usize {
+        fs::read_to_string(self.broker_log()).map(|t| t.matches(REGISTERED).count()).unwrap_or(0)
+    }
+
+    /// Waits until the broker logged at least `count` registrations, so the name server routes to it.
+    fn wait_registered(&self, count: usize) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while self.registrations() < count {
+            assert!(Instant::now() < deadline, "{} never registered with the name server", self.name);
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+/// What a cluster is made of.
+#[derive(Clone)]
+pub struct ClusterSpec {
+    /// Broker names; each is a master with brokerId 0.
+    pub brokers: Vec<String>,
+    /// Extra `key=value` lines for every broker's config (short revive intervals, flush mode, …).
+    pub broker_conf: Vec<String>,
+    /// Whether each master also gets a slave (brokerId 1) replicating from it.
+    pub with_slaves: bool,
+}
+
+impl ClusterSpec {
+    /// Masters with the given names and the default broker config.
+    pub fn brokers(names: &[&str]) -> ClusterSpec {
+        ClusterSpec {
+            brokers: names.iter().map(|n| (*n).to_owned()).collect(),
+            broker_conf: Vec::new(),
+            with_slaves: false,
+        }
+    }
+}
+
+/// A name server and its brokers, all stopped on drop.
+pub struct Cluster {
+    /// `127.0.0.1:port` of the name server.
+    pub namesrv_addr: String,
+    /// The brokers, masters first, in spec order.
+    pub brokers: Vec<Broker>,
+    lib: PathBuf,
+    _namesrv: JavaProcess,
+    _watchdog: Option<Child>,
+    dir: TempDir,
+}
+
+/// Three consecutive-ish ports a broker needs: fast port (listen - 2), listen, HA (listen + 1).
+fn broker_port() -> u16 {
+    loop {
+        let port = free_port();
+        if port > 1024
+            && port < 65000
+            && [port - 2, port + 1].iter().all(|p| std::net::TcpListener::bind(("0.0.0.0", *p)).is_ok())
+        {
+            return port;
+        }
+    }
+}
+
+impl Cluster {
+    /// Starts a name server and the brokers of `spec`, and waits until every broker has registered.
+    pub fn start(spec: &ClusterSpec) -> Cluster {
+        let lib = rocketmq_lib();
+        let dir = tempfile::Builder::new().prefix("popgate-rmq-").tempdir().expect("tempdir");
+        let ns_port = free_port();
+        let ns_home = dir.path().join("namesrv");
+        fs::create_dir_all(&ns_home).expect("namesrv home");
+        let ns_conf = ns_home.join("namesrv.conf");
+        fs::write(&ns_conf, format!("listenPort={ns_port}\nbindAddress=127.0.0.1\n")).expect("namesrv conf");
+        let namesrv = JavaProcess::spawn(
+            &lib,
+            &ns_home,
+            256,
+            "org.apache.rocketmq.namesrv.NamesrvStartup",
+            &["-c", &ns_conf.to_string_lossy()],
+        );
+        let namesrv_addr = format!("127.0.0.1:{ns_port}");
+        wait_for(&namesrv.log, "boot success", Duration::from_secs(60));
+
+        let mut brokers = Vec::new();
+        for name in &spec.brokers {
+            brokers.push(Self::new_broker(&lib, dir.path(), &namesrv_addr, name, 0, None, &spec.broker_conf));
+            if spec.with_slaves {
+                let master_port = brokers.last().map(|b: &Broker| b.port).unwrap_or_default();
+                brokers.push(Self::new_broker(
+                    &lib,
+                    dir.path(),
+                    &namesrv_addr,
+                    name,
+                    1,
+                    Some(master_port),
+                    &spec.broker_conf,
+                ));
+            }
+        }
+        let mut cluster = Cluster { namesrv_addr, brokers, lib, _namesrv: namesrv, _watchdog: None, dir };
+        for broker in &cluster.brokers {
+            wait_for(&broker.process.as_ref().expect("started").log, "boot success", Duration::from_secs(90));
+            broker.wait_registered(1);
+        }
+        cluster.arm_watchdog();
+        cluster
+    }
+
+    fn new_broker(
+        lib: &Path,
+        root: &Path,
+        namesrv: &str,
+        name: &str,
+        id: u32,
+        master_port: Option<u16>,
+        extra: &[String],
+    ) -> Broker {
+        let port = broker_port();
+        let home = root.join(format!("{name}-{id}"));
+        fs::create_dir_all(&home).expect("broker home");
+        let store = home.join("store");
+        let role = if id == 0 { "ASYNC_MASTER" } else { "SLAVE" };
+        let mut conf = format!(
+            "brokerClusterName=PopgateTestCluster\nbrokerName={name}\nbrokerId={id}\nbrokerRole={role}\n\
+             brokerIP1=127.0.0.1\nbindAddress=127.0.0.1\nlistenPort={port}\nnamesrvAddr={namesrv}\n\
+             storePathRootDir={store}\nstorePathCommitLog={store}/commitlog\nautoCreateTopicEnable=true\n\
+             autoCreateSubscriptionGroup=true\nmappedFileSizeCommitLog=67108864\nmappedFileSizeConsumeQueue=300000\n\
+             enableConsumeQueueExt=false\nwaitTimeMillsInSendQueue=1000\n",
+            store = store.display()
+        );
+        if let Some(master) = master_port {
+            conf.push_str(&format!("haMasterAddress=127.0.0.1:{}\n", master + 1));
+        }
+        for line in extra {
+            conf.push_str(line);
+            conf.push('\n');
+        }
+        let conf_path = home.join("broker.conf");
+        fs::write(&conf_path, conf).expect("broker conf");
+        let process = JavaProcess::spawn(
+            lib,
+            &home,
+            512,
+            "org.apache.rocketmq.broker.BrokerStartup",
+            &["-c", &conf_path.to_string_lossy()],
+        );
+        Broker { name: name.to_owned(), port, conf: conf_path, home, process: Some(process) }
+    }
+
+    /// Kills every process of this cluster when the test process exits, even if the cluster is never dropped.
+    fn arm_watchdog(&mut self) {
+        let pids: Vec<String> = std::iter::once(self._namesrv.pid())
+            .chain(self.brokers.iter().filter_map(|b| b.process.as_ref().map(JavaProcess::pid)))
+            .map(|p| p.to_string())
+            .collect();
+        let script = format!(
+            "while kill -0 {parent} 2>/dev/null; do sleep 1; done; kill -CONT {pids} 2>/dev/null; kill -9 {pids} 2>/dev/null; \
+             sleep 1; rm -rf '{dir}'",
+            parent = std::process::id(),
+            pids = pids.join(" "),
+            dir = self.dir.path().display()
+        );
+        self._watchdog = Command::new("sh")
+            .arg("-c")
+            .arg(script)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .ok();
+    }
+
+    /// The broker named `name` (its master).
+    pub fn broker(&self, name: &str) -> &Broker {
+        self.brokers.iter().find(|b| b.name == name).expect("broker in the cluster")
+    }
+
+    /// `kill -STOP` the broker: it keeps its sockets but answers nothing (a hung broker).
+    pub fn pause_broker(&self, name: &str) {
+        self.broker(name).process.as_ref().expect("running").signal("STOP");
+    }
+
+    /// `kill -CONT` a paused broker.
+    pub fn resume_broker(&self, name: &str) {
+        self.broker(name).process.as_ref().expect("running").signal("CONT");
+    }
+
+    /// `kill -9` the broker.
+    pub fn kill_broker(&mut self, name: &str) {
+        let broker = self.brokers.iter_mut().find(|b| b.name == name).expect("broker");
+        broker.process = None;
+    }
+
+    /// Starts a killed broker again on the same port and store.
+    pub fn restart_broker(&mut self, name: &str) {
+        let lib = self.lib.clone();
+        let broker = self.brokers.iter_mut().find(|b| b.name == name).expect("broker");
+        assert!(broker.process.is_none(), "restart_broker needs a killed broker");
+        let conf = broker.conf.to_string_lossy().into_owned();
+        let registrations = broker.registrations();
+        let process =
+            JavaProcess::spawn(&lib, &broker.home, 512, "org.apache.rocketmq.broker.BrokerStartup", &["-c", &conf]);
+        let log = process.log.clone();
+        broker.process = Some(process);
+        // The console log is recreated by each spawn, so "boot success" in it is this start's.
+        wait_for(&log, "boot success", Duration::from_secs(90));
+        broker.wait_registered(registrations + 1);
+        self.arm_watchdog();
+    }
+
+    /// The folder holding every process's files (kept for reading logs when a test fails).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+/// Waits until `log` contains `needle`, failing fast with the log when the process died.
+fn wait_for(log: &Path, needle: &str, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let text = fs::read_to_string(log).unwrap_or_default();
+        if text.contains(needle) {
+            return;
+        }
+        if text.contains("Exception in thread \"main\"") || text.contains("Error: Could not") {
+            panic!("RocketMQ process failed to start; {}:\n{}", log.display(), tail(&text));
+        }
+        assert!(Instant::now() < deadline, "`{needle}` not in {} after {timeout:?}:\n{}", log.display(), tail(&text));
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn tail(text: &str) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(30)..].join("\n")
+}
+
+/// Whether the broker's remoting port accepts connections.
+pub fn broker_up(broker: &Broker) -> bool {
+    port_open(broker.port)
+}
+
+impl Cluster {
+    /// Whether the broker's process is alive (not killed).
+    pub fn broker_alive(&mut self, name: &str) -> bool {
+        let broker = self.brokers.iter_mut().find(|b| b.name == name).expect("broker");
+        broker.process.as_mut().is_some_and(|p| !p.exited())
+    }
+}

@@ -1,0 +1,280 @@
+//! The publish path against real brokers: what reaches the broker, CloudEvents mapping, the documented 4xx,
+//! retries onto another broker with fault avoidance, and 503 when no broker can store.
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::harness::direct::Direct;
+use crate::harness::popgate::{status_and_json, Popgate};
+use crate::harness::rocketmq::{Cluster, ClusterSpec};
+use crate::harness::{eventually, unique_topic};
+
+/// Two brokers shared by the tests that neither stop nor reconfigure a broker.
+fn shared_cluster() -> &'static Cluster {
+    static SHARED: OnceLock<Cluster> = OnceLock::new();
+    SHARED.get_or_init(|| Cluster::start(&ClusterSpec::brokers(&["broker-a", "broker-b"])))
+}
+
+fn broker_addrs(cluster: &Cluster) -> Vec<String> {
+    cluster.brokers.iter().map(|b| format!("127.0.0.1:{}", b.port)).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn published_event_reaches_the_broker_with_body_tags_keys_and_properties() {
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, "").await;
+    let topic = unique_topic("pub_roundtrip");
+
+    let (status, answer) = popgate
+        .publish(&json!({"topic": topic, "data": "hello broker", "tags": "created", "keys": ["order-1", "cust-9"],
+            "properties": {"tenant": "acme"}}))
+        .await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["topic"], topic.as_str());
+    assert_eq!(answer["status"], "SEND_OK");
+    assert_eq!(answer["attempts"], 1);
+    assert!(answer["messageId"].as_str().is_some_and(|id| !id.is_empty()), "{answer}");
+    assert!(answer["broker"].as_str().is_some_and(|b| b.starts_with("broker-")), "{answer}");
+
+    let direct = Direct::connect(&cluster.namesrv_addr).await;
+    let stored = direct.read_all(&topic).await;
+    assert_eq!(stored.len(), 1, "exactly the one message is stored");
+    let m = &stored[0];
+    assert_eq!(m.body, b"hello broker");
+    assert_eq!(m.property("TAGS"), Some("created"));
+    assert_eq!(m.property("KEYS"), Some("order-1 cust-9"));
+    assert_eq!(m.property("tenant"), Some("acme"));
+    assert_eq!(m.property("UNIQ_KEY"), answer["messageId"].as_str());
+    assert_eq!(Some(m.broker.as_str()), answer["broker"].as_str());
+    assert!(popgate.metric("popgate_publish_requests_total{result=\"ok\"}").await >= 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cloudevents_in_structured_and_binary_mode_map_attributes_to_properties() {
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, "").await;
+    let topic = unique_topic("pub_ce");
+    let client = reqwest::Client::new();
+
+    let structured = json!({"specversion": "1.0", "id": "evt-1", "source": "/shop", "type": "order.created",
+        "subject": "o-1", "datacontenttype": "application/json", "data": {"total": 42}});
+    let resp = client
+        .post(format!("{}/events/publish?topic={topic}", popgate.base))
+        .header("content-type", "application/cloudevents+json")
+        .body(structured.to_string())
+        .send()
+        .await
+        .expect("request");
+    let (status, answer) = status_and_json(resp).await;
+    assert_eq!(status, 200, "{answer}");
+
+    let resp = client
+        .post(format!("{}/events/publish?topic={topic}", popgate.base))
+        .header("ce-specversion", "1.0")
+        .header("ce-id", "evt-2")
+        .header("ce-source", "/billing")
+        .header("ce-type", "invoice.paid")
+        .header("content-type", "text/plain")
+        .body("paid")
+        .send()
+        .await
+        .expect("request");
+    let (status, answer) = status_and_json(resp).await;
+    assert_eq!(status, 200, "{answer}");
+
+    let direct = Direct::connect(&cluster.namesrv_addr).await;
+    let stored = direct.read_all(&topic).await;
+    assert_eq!(stored.len(), 2);
+    let by_id = |id: &str| stored.iter().find(|m| m.property("ce_id") == Some(id)).expect("event stored").clone();
+    let first = by_id("evt-1");
+    assert_eq!(first.body, br#"{"total":42}"#);
+    assert_eq!(first.property("ce_source"), Some("/shop"));
+    assert_eq!(first.property("ce_type"), Some("order.created"));
+    assert_eq!(first.property("ce_subject"), Some("o-1"));
+    assert_eq!(first.property("ce_specversion"), Some("1.0"));
+    assert_eq!(first.property("KEYS"), Some("evt-1"), "the event id is the message key");
+    let second = by_id("evt-2");
+    assert_eq!(second.body, b"paid");
+    assert_eq!(second.property("ce_type"), Some("invoice.paid"));
+    assert_eq!(second.property("ce_datacontenttype"), Some("text/plain"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_wrong_typed_and_oversized_bodies_get_the_documented_4xx() {
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, "[publish]\nmax_message_bytes = 1024\n").await;
+    let topic = unique_topic("pub_bad");
+    let client = reqwest::Client::new();
+    let url = format!("{}/events/publish", popgate.base);
+
+    let resp =
+        client.post(&url).header("content-type", "application/json").body("{not json").send().await.expect("req");
+    let (status, body) = status_and_json(resp).await;
+    assert_eq!((status, body["error"]["code"].as_str()), (400, Some("malformed_body")), "{body}");
+
+    let cases: Vec<(Value, &str)> = vec![
+        (json!({"data": "x"}), "topic"),
+        (json!({"topic": "bad topic", "data": "x"}), "topic"),
+        (json!({"topic": topic, "data": "x", "tags": 7}), "tags"),
+        (json!({"topic": topic, "data": "x", "keys": {"a": 1}}), "keys"),
+        (json!({"topic": topic, "data": "x", "properties": {"n": 1}}), "properties.n"),
+        (json!({"topic": topic, "data": "x", "delayMs": "soon"}), "delayMs"),
+        (json!({"topic": topic, "dataBase64": "***"}), "dataBase64"),
+        (json!({"topic": topic}), "data"),
+    ];
+    for (body, field) in cases {
+        let (status, answer) = popgate.publish(&body).await;
+        assert_eq!(status, 400, "{body} -> {answer}");
+        assert_eq!(answer["error"]["field"], field, "{body} -> {answer}");
+        assert!(answer["error"]["message"].as_str().is_some_and(|m| !m.is_empty()));
+    }
+
+    let (status, answer) = popgate.publish(&json!({"topic": topic, "data": "x".repeat(2048)})).await;
+    assert_eq!((status, answer["error"]["code"].as_str()), (413, Some("too_large")), "{answer}");
+    // Larger than even the HTTP body limit: still a JSON 413, not a dropped connection.
+    let huge = json!({"topic": topic, "data": "y".repeat(200_000)});
+    let (status, answer) = popgate.publish(&huge).await;
+    assert_eq!((status, answer["error"]["code"].as_str()), (413, Some("too_large")), "{answer}");
+
+    let resp =
+        client.post(format!("{url}?mode=later")).json(&json!({"topic": topic, "data": "x"})).send().await.expect("req");
+    let (status, answer) = status_and_json(resp).await;
+    assert_eq!((status, answer["error"]["field"].as_str()), (400, Some("mode")), "{answer}");
+
+    assert!(popgate.metric("popgate_publish_requests_total{result=\"bad_request\"}").await >= 10.0);
+    assert!(popgate.metric("popgate_publish_requests_total{result=\"too_large\"}").await >= 2.0);
+    let direct = Direct::connect(&cluster.namesrv_addr).await;
+    direct.create_topic(&topic, &broker_addrs(cluster)).await;
+    assert!(direct.read_all(&topic).await.is_empty(), "no rejected event was half-sent");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oneway_is_accepted_without_confirmation_and_async_is_confirmed() {
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, "").await;
+    let topic = unique_topic("pub_modes");
+    let client = reqwest::Client::new();
+    let direct = Direct::connect(&cluster.namesrv_addr).await;
+    direct.create_topic(&topic, &broker_addrs(cluster)).await;
+
+    let resp = client
+        .post(format!("{}/events/publish?mode=oneway", popgate.base))
+        .json(&json!({"topic": topic, "data": "fire"}))
+        .send()
+        .await
+        .expect("req");
+    let (status, answer) = status_and_json(resp).await;
+    assert_eq!((status, answer["status"].as_str()), (202, Some("SENT_ONEWAY")), "{answer}");
+
+    let resp = client
+        .post(format!("{}/events/publish?mode=async", popgate.base))
+        .json(&json!({"topic": topic, "data": "callback"}))
+        .send()
+        .await
+        .expect("req");
+    let (status, answer) = status_and_json(resp).await;
+    assert_eq!((status, answer["status"].as_str()), (200, Some("SEND_OK")), "{answer}");
+
+    eventually(Duration::from_secs(10), "both messages stored", || async { direct.read_all(&topic).await.len() == 2 })
+        .await;
+    assert_eq!(popgate.metric("popgate_publish_requests_total{result=\"accepted\"}").await, 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_topic_is_404_when_the_broker_does_not_auto_create() {
+    let mut spec = ClusterSpec::brokers(&["broker-a"]);
+    spec.broker_conf = vec!["autoCreateTopicEnable=false".to_owned()];
+    let cluster = Cluster::start(&spec);
+    let popgate = Popgate::start(&cluster.namesrv_addr, "").await;
+
+    let (status, answer) = popgate.publish(&json!({"topic": unique_topic("nowhere"), "data": "x"})).await;
+    assert_eq!(status, 404, "{answer}");
+    assert_eq!(answer["error"]["code"], "unknown_topic");
+    assert_eq!(answer["error"]["field"], "topic");
+    assert_eq!(popgate.metric("popgate_publish_requests_total{result=\"not_found\"}").await, 1.0);
+
+    let topic = unique_topic("precreated");
+    let direct = Direct::connect(&cluster.namesrv_addr).await;
+    direct.create_topic(&topic, &broker_addrs(&cluster)).await;
+    eventually(Duration::from_secs(15), "a pre-created topic is publishable", || async {
+        popgate.publish(&json!({"topic": topic, "data": "x"})).await.0 == 200
+    })
+    .await;
+}
+
+/// popgate with short timeouts so a hung broker is noticed quickly and its isolation ends within the test.
+const FAILOVER_CONFIG: &str =
+    "[publish]\nsend_timeout_ms = 1000\n\n[fault_avoidance]\nnetwork_error_isolation_ms = 8000\n\n\
+                               [broker]\nroute_ttl_ms = 300000\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_broker_is_retried_around_isolated_and_restored_after_sigcont() {
+    let cluster = Cluster::start(&ClusterSpec::brokers(&["broker-a", "broker-b"]));
+    let popgate = Popgate::start(&cluster.namesrv_addr, FAILOVER_CONFIG).await;
+    let topic = unique_topic("failover");
+    let direct = Direct::connect(&cluster.namesrv_addr).await;
+    direct.create_topic(&topic, &broker_addrs(&cluster)).await;
+    eventually(Duration::from_secs(15), "both brokers take the topic", || async {
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..4 {
+            let (status, answer) = popgate.publish(&json!({"topic": topic, "data": "warm"})).await;
+            if status == 200 {
+                seen.insert(answer["broker"].as_str().unwrap_or_default().to_owned());
+            }
+        }
+        seen.len() == 2
+    })
+    .await;
+
+    cluster.pause_broker("broker-a");
+    let mut answers = Vec::new();
+    for i in 0..6 {
+        let (status, answer) = popgate.publish(&json!({"topic": topic, "data": format!("during-{i}")})).await;
+        assert_eq!(status, 200, "a send must retry onto broker-b: {answer}");
+        assert_eq!(answer["broker"], "broker-b", "{answer}");
+        answers.push(answer);
+    }
+    let retried = answers.iter().position(|a| a["attempts"] == 2).expect("one publish hit broker-a and retried");
+    assert!(
+        answers[retried + 1..].iter().all(|a| a["attempts"] == 1),
+        "once isolated, broker-a is skipped: {answers:?}"
+    );
+    assert_eq!(popgate.metric("popgate_broker_isolated{broker=\"broker-a\"}").await, 1.0);
+    assert!(popgate.metric("popgate_broker_isolations_total{broker=\"broker-a\",cause=\"unreachable\"}").await >= 1.0);
+    assert!(popgate.metric("popgate_send_retries_total").await >= 1.0);
+    assert!(popgate.metric("popgate_send_failures_total{reason=\"timeout\"}").await >= 1.0);
+
+    cluster.resume_broker("broker-a");
+    eventually(Duration::from_secs(20), "broker-a's isolation ends", || async {
+        popgate.metric("popgate_broker_isolated{broker=\"broker-a\"}").await == 0.0
+    })
+    .await;
+    eventually(Duration::from_secs(20), "sends reach broker-a again", || async {
+        let (status, answer) = popgate.publish(&json!({"topic": topic, "data": "after"})).await;
+        status == 200 && answer["broker"] == "broker-a"
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_broker_down_is_503_with_the_attempts_and_counted() {
+    let mut cluster = Cluster::start(&ClusterSpec::brokers(&["broker-a"]));
+    let popgate = Popgate::start(&cluster.namesrv_addr, FAILOVER_CONFIG).await;
+    let topic = unique_topic("alldown");
+    let (status, answer) = popgate.publish(&json!({"topic": topic, "data": "before"})).await;
+    assert_eq!(status, 200, "{answer}");
+
+    cluster.kill_broker("broker-a");
+    let (status, answer) = popgate.publish(&json!({"topic": topic, "data": "lost?"})).await;
+    assert_eq!(status, 503, "{answer}");
+    assert_eq!(answer["error"]["code"], "unavailable");
+    let attempts = answer["error"]["attempts"].as_array().expect("attempts listed");
+    assert_eq!(attempts.len(), 3, "1 + retryTimesWhenSendFailed attempts: {answer}");
+    assert!(attempts.iter().all(|a| a["error"].is_string()), "{answer}");
+    assert_eq!(popgate.metric("popgate_publish_requests_total{result=\"unavailable\"}").await, 1.0);
+    let failures = popgate.metric("popgate_send_failures_total{reason=\"network\"}").await
+        + popgate.metric("popgate_send_failures_total{reason=\"timeout\"}").await;
+    assert!(failures >= 3.0, "every failed attempt is counted");
+}
