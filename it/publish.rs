@@ -12,7 +12,7 @@ use crate::harness::rocketmq::{Cluster, ClusterSpec};
 use crate::harness::{eventually, unique_topic};
 
 /// Two brokers shared by the tests that neither stop nor reconfigure a broker.
-fn shared_cluster() -> &'static Cluster {
+pub fn shared_cluster() -> &'static Cluster {
     static SHARED: OnceLock<Cluster> = OnceLock::new();
     SHARED.get_or_init(|| Cluster::start(&ClusterSpec::brokers(&["broker-a", "broker-b"])))
 }

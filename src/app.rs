@@ -10,7 +10,9 @@ use tokio::net::TcpListener;
 use crate::api::{self, AppState};
 use crate::broker::{BrokerClient, BrokerError};
 use crate::config::Config;
+use crate::delivery::{DeliveryError, Dispatcher};
 use crate::publish::Publisher;
+use crate::store::{StateStore, StoreError};
 
 /// The producer group popgate's sends are registered under at the broker.
 pub const PRODUCER_GROUP: &str = "popgate_producer";
@@ -27,6 +29,12 @@ pub enum AppError {
     /// The HTTP server failed.
     #[error("http server: {0}")]
     Io(#[from] std::io::Error),
+    /// The state store could not be opened.
+    #[error("{0}")]
+    Store(#[from] StoreError),
+    /// Boot recovery failed.
+    #[error("recovery: {0}")]
+    Recovery(#[from] DeliveryError),
 }
 
 /// Runs popgate on `listener` until `shutdown` resolves; in-flight requests then get
@@ -42,10 +50,20 @@ pub async fn serve(
     let metrics = crate::metrics::install().map_err(AppError::Metrics)?;
     let broker = Arc::new(BrokerClient::connect(&config.broker, PRODUCER_GROUP).await?);
     let publisher = Arc::new(Publisher::new(broker.clone(), config.publish.clone(), &config.fault_avoidance));
+    std::fs::create_dir_all(&config.delivery.state_dir)?;
+    let store = StateStore::open(&config.delivery.state_dir, true)?;
+    let (dispatcher, recovered) = Dispatcher::start(store, broker.clone(), publisher.clone(), config.delivery.clone())?;
+    tracing::info!(?recovered, state_dir = %config.delivery.state_dir.display(), "Delivery state recovered.");
     let grace = Duration::from_secs(config.server.shutdown_grace_secs);
-    let state = AppState { config: Arc::new(config), broker: broker.clone(), publisher: publisher.clone(), metrics };
+    let state = AppState {
+        config: Arc::new(config),
+        broker: broker.clone(),
+        publisher: publisher.clone(),
+        dispatcher: dispatcher.clone(),
+        metrics,
+    };
 
-    let gauges = tokio::spawn(refresh_gauges(publisher));
+    let gauges = tokio::spawn(refresh_gauges(publisher.clone()));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let server = axum::serve(listener, api::router(state)).with_graceful_shutdown(async move {
         shutdown.await;
@@ -57,6 +75,9 @@ pub async fn serve(
         () = grace_elapsed(stop_rx, grace) => Ok(()),
     };
     gauges.abort();
+    dispatcher.shutdown().await;
+    drop(dispatcher);
+    drop(publisher);
     if let Ok(broker) = Arc::try_unwrap(broker) {
         broker.shutdown().await;
     }

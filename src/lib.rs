@@ -5,6 +5,8 @@
 //! - [`config`]: the TOML file and `POPGATE_*` overrides, validated before anything binds.
 //! - [`broker`]: the cluster connection (routes, sends), the fault-avoidance table, popgate's message type.
 //! - [`publish`]: the publish path: request parsing and RocketMQ's producer policy (retries, broker choice).
+//! - [`delivery`]: the consume path: POP, deferred broker ACK, retries, the DLQ, boot recovery.
+//! - [`store`]: the RocksDB state store the consume path writes before it acts.
 //! - [`api`]: the HTTP routes and the one error type they answer with.
 //! - [`metrics`]: every metric's name, help text and buckets.
 //! - [`app`]: wiring and the serve loop; `main.rs` only parses the CLI and waits for a signal.
@@ -16,6 +18,7 @@ pub mod api;
 pub mod app;
 pub mod broker;
 pub mod config;
+pub mod delivery;
 pub mod metrics;
 pub mod publish;
 pub mod store;

@@ -24,6 +24,34 @@ pub const BROKER_ISOLATIONS: &str = "popgate_broker_isolations_total";
 /// Time from a publish request's arrival to its answer.
 pub const PUBLISH_DURATION: &str = "popgate_publish_duration_seconds";
 
+/// In-flight deliveries popgate holds (popped, not yet retired).
+pub const PENDING_DELIVERIES: &str = "popgate_pending_deliveries";
+/// Deliveries handed to a subscriber, by `transport` (poll, sse, websocket, webhook).
+pub const DELIVERIES_DISPATCHED: &str = "popgate_deliveries_dispatched_total";
+/// Subscriber ACKs by `result` (acked, unknown, stale, store_error).
+pub const ACKS: &str = "popgate_acks_total";
+/// Redeliveries scheduled, by `reason` (timeout, nack, push_failure, recovery).
+pub const REDELIVERIES: &str = "popgate_redeliveries_total";
+/// Events written to `%DLQ%<group>` (then ACKed at the broker), by `group`.
+pub const DLQ_MESSAGES: &str = "popgate_dlq_messages_total";
+/// Failed attempts to write an event to the DLQ (retried; the delivery stays in flight).
+pub const DLQ_RECORD_FAILURES: &str = "popgate_dlq_record_failures_total";
+/// Failed broker ACKs (retried from the stored ACK intent).
+pub const BROKER_ACK_FAILURES: &str = "popgate_broker_ack_failures_total";
+/// State-store writes that failed (disk full, I/O error): the seed's offsetWriteFailures.
+pub const OFFSET_WRITE_FAILURES: &str = "popgate_offset_write_failures_total";
+/// Records replayed at boot, by `outcome` (redispatched, ack_pending, dead_letter_pending, corrupt).
+pub const RECOVERED_DELIVERIES: &str = "popgate_recovered_deliveries_total";
+/// Deliveries whose broker lease lapsed or could not be renewed: popgate gave them up to the broker.
+pub const LEASES_LOST: &str = "popgate_leases_lost_total";
+/// Failed broker requests of the consume path, by `op` (pop, renew).
+pub const CONSUME_REQUEST_FAILURES: &str = "popgate_consume_request_failures_total";
+/// Time from dispatch to the subscriber's ACK.
+pub const ACK_LATENCY: &str = "popgate_ack_latency_seconds";
+
+/// Buckets for [`ACK_LATENCY`]: a fast in-process consumer (5 ms) up to the 30 s default ACK timeout.
+pub const ACK_LATENCY_BUCKETS: &[f64] = &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+
 /// Buckets for [`PUBLISH_DURATION`]: from a fast local send (1 ms) to three full 3 s timeouts plus slack.
 pub const PUBLISH_DURATION_BUCKETS: &[f64] =
     &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
@@ -38,6 +66,8 @@ pub fn install() -> Result<PrometheusHandle, String> {
         .get_or_init(|| {
             let handle = PrometheusBuilder::new()
                 .set_buckets_for_metric(Matcher::Full(PUBLISH_DURATION.to_owned()), PUBLISH_DURATION_BUCKETS)
+                .map_err(|e| e.to_string())?
+                .set_buckets_for_metric(Matcher::Full(ACK_LATENCY.to_owned()), ACK_LATENCY_BUCKETS)
                 .map_err(|e| e.to_string())?
                 .install_recorder()
                 .map_err(|e| e.to_string())?;
@@ -55,4 +85,16 @@ fn describe_all() {
     describe_gauge!(BROKER_ISOLATED, "1 while fault avoidance isolates the broker, else 0.");
     describe_counter!(BROKER_ISOLATIONS, Unit::Count, "Broker isolations started, by broker and cause.");
     describe_histogram!(PUBLISH_DURATION, Unit::Seconds, "Publish request duration, arrival to answer.");
+    describe_gauge!(PENDING_DELIVERIES, "In-flight deliveries held (popped, not yet retired).");
+    describe_counter!(DELIVERIES_DISPATCHED, Unit::Count, "Deliveries handed to a subscriber, by transport.");
+    describe_counter!(ACKS, Unit::Count, "Subscriber ACKs, by result.");
+    describe_counter!(REDELIVERIES, Unit::Count, "Redeliveries scheduled, by reason.");
+    describe_counter!(DLQ_MESSAGES, Unit::Count, "Events dead-lettered to %DLQ%<group>, by group.");
+    describe_counter!(DLQ_RECORD_FAILURES, Unit::Count, "Failed DLQ writes (retried).");
+    describe_counter!(BROKER_ACK_FAILURES, Unit::Count, "Failed broker ACKs (retried from the ACK intent).");
+    describe_counter!(OFFSET_WRITE_FAILURES, Unit::Count, "Failed state-store writes (disk full, I/O error).");
+    describe_counter!(RECOVERED_DELIVERIES, Unit::Count, "Records replayed at boot, by outcome.");
+    describe_counter!(LEASES_LOST, Unit::Count, "Deliveries given back to the broker because their lease lapsed.");
+    describe_counter!(CONSUME_REQUEST_FAILURES, Unit::Count, "Failed POP and lease-renewal requests, by op.");
+    describe_histogram!(ACK_LATENCY, Unit::Seconds, "Time from dispatch to the subscriber's ACK.");
 }

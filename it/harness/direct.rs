@@ -98,3 +98,45 @@ impl Direct {
         out
     }
 }
+
+/// A second, direct POP consumer on a group (no popgate in between), to observe what the broker itself
+/// considers consumed: a message popgate ACKed at the broker never reaches it; one popgate did not ACK comes
+/// back to it once its lease lapses.
+pub struct DirectConsumer {
+    client: popgate::broker::BrokerClient,
+}
+
+impl DirectConsumer {
+    /// Connects to `namesrv_addr`.
+    pub async fn connect(namesrv_addr: &str) -> DirectConsumer {
+        let config = popgate::config::BrokerConfig { namesrv_addr: namesrv_addr.to_owned(), ..Default::default() };
+        let client = popgate::broker::BrokerClient::connect(&config, "popgate_test_direct").await.expect("client");
+        DirectConsumer { client }
+    }
+
+    /// POPs (and ACKs) whatever `group` can get from `topic` within `window`, returning the event bodies.
+    pub async fn drain(&self, group: &str, topic: &str, window: std::time::Duration) -> Vec<String> {
+        let deadline = std::time::Instant::now() + window;
+        let handle = self.client.dedicated_handle().expect("handle");
+        let mut bodies = Vec::new();
+        while std::time::Instant::now() < deadline {
+            let Ok(route) = self.client.route(topic).await else { continue };
+            for broker in route.readable() {
+                let request = popgate::broker::consumer::PopRequest {
+                    group,
+                    topic,
+                    filter: "*",
+                    max: 32,
+                    invisible_ms: 60_000,
+                    poll_ms: 1_000,
+                };
+                for popped in self.client.pop(&handle, broker, &request).await.unwrap_or_default() {
+                    self.client.ack(group, &popped.handle).await.expect("direct ack");
+                    bodies.push(String::from_utf8_lossy(&popped.event.body).into_owned());
+                }
+            }
+        }
+        handle.shutdown_owned().await;
+        bodies
+    }
+}

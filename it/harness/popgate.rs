@@ -17,6 +17,8 @@ pub struct Popgate {
     pub base: String,
     /// The config file it was started with.
     pub config_path: PathBuf,
+    /// Its RocksDB state directory.
+    pub state_dir: PathBuf,
     child: Child,
     log: PathBuf,
     _dir: TempDir,
@@ -37,18 +39,24 @@ impl Popgate {
         );
         fs::write(&config_path, merge_sections(&config)).expect("write config");
         let log = dir.path().join("popgate.log");
-        let child = Command::new(env!("CARGO_BIN_EXE_popgate"))
-            .args(["serve", "--config"])
-            .arg(&config_path)
-            .env("RUST_LOG", "info,rocketmq_client_rust=warn,rocketmq_transport=warn")
-            .stdin(Stdio::null())
-            .stdout(fs::File::create(&log).expect("log"))
-            .stderr(fs::File::create(dir.path().join("popgate.err")).expect("log"))
-            .spawn()
-            .expect("spawn popgate");
-        let mut popgate = Popgate { base: format!("http://127.0.0.1:{port}"), config_path, child, log, _dir: dir };
+        let child = spawn(&config_path, &log);
+        let mut popgate =
+            Popgate { base: format!("http://127.0.0.1:{port}"), config_path, state_dir, child, log, _dir: dir };
         popgate.wait_healthy().await;
         popgate
+    }
+
+    /// Starts the process again with the same config and state directory (after [`Popgate::kill9`]).
+    pub async fn restart(&mut self) {
+        self.kill9();
+        self.child = spawn(&self.config_path, &self.log);
+        self.wait_healthy().await;
+    }
+
+    /// `kill -STOP` / `kill -CONT` the process (a hung instance).
+    pub fn signal(&self, signal: &str) {
+        let status = Command::new("kill").arg(format!("-{signal}")).arg(self.child.id().to_string()).status();
+        assert!(status.is_ok_and(|s| s.success()), "kill -{signal} popgate");
     }
 
     async fn wait_healthy(&mut self) {
@@ -73,6 +81,35 @@ impl Popgate {
         let out = fs::read_to_string(&self.log).unwrap_or_default();
         let err = fs::read_to_string(self.log.with_extension("err")).unwrap_or_default();
         format!("{out}{err}")
+    }
+
+    /// `GET {base}{path}`; returns status and JSON answer.
+    pub async fn get_json(&self, path: &str) -> (u16, Value) {
+        let resp = reqwest::Client::new().get(format!("{}{path}", self.base)).send().await.expect("request");
+        status_and_json(resp).await
+    }
+
+    /// Long-polls `group`/`topic` once; returns the deliveries.
+    pub async fn poll(&self, group: &str, topic: &str, max: usize, wait_ms: u64) -> Vec<Value> {
+        let path = format!("/events/poll?group={group}&topic={topic}&max={max}&waitMs={wait_ms}");
+        let (status, body) = self.get_json(&path).await;
+        assert_eq!(status, 200, "poll: {body}");
+        body["deliveries"].as_array().cloned().unwrap_or_default()
+    }
+
+    /// Polls until `count` deliveries arrived or `timeout` passed.
+    pub async fn poll_until(&self, group: &str, topic: &str, count: usize, timeout: Duration) -> Vec<Value> {
+        let deadline = Instant::now() + timeout;
+        let mut got = Vec::new();
+        while got.len() < count && Instant::now() < deadline {
+            got.extend(self.poll(group, topic, count - got.len(), 1_000).await);
+        }
+        got
+    }
+
+    /// ACKs one delivery; returns status and answer.
+    pub async fn ack(&self, delivery_id: &str) -> (u16, Value) {
+        self.post_json("/events/ack", &serde_json::json!({ "deliveryId": delivery_id })).await
     }
 
     /// `POST {base}{path}` with a JSON body; returns status and JSON answer.
@@ -107,8 +144,26 @@ impl Popgate {
 
 impl Drop for Popgate {
     fn drop(&mut self) {
+        // A stopped process must be continued before it can die.
+        if let Ok(None) = self.child.try_wait() {
+            let _ = Command::new("kill").arg("-CONT").arg(self.child.id().to_string()).status();
+        }
         self.kill9();
     }
+}
+
+/// Spawns the binary; output is appended to `log` (and `log.err`), so a restart keeps the earlier output.
+fn spawn(config_path: &std::path::Path, log: &std::path::Path) -> Child {
+    let append = |path: PathBuf| fs::OpenOptions::new().create(true).append(true).open(path).expect("log file");
+    Command::new(env!("CARGO_BIN_EXE_popgate"))
+        .args(["serve", "--config"])
+        .arg(config_path)
+        .env("RUST_LOG", "info,rocketmq_client_rust=warn,rocketmq_transport=warn")
+        .stdin(Stdio::null())
+        .stdout(append(log.to_path_buf()))
+        .stderr(append(log.with_extension("err")))
+        .spawn()
+        .expect("spawn popgate")
 }
 
 /// Status and JSON body (Null when the body is not JSON).

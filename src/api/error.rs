@@ -19,10 +19,14 @@ pub struct ApiError {
     pub field: Option<String>,
     /// Extra JSON merged into the `error` object (e.g. the attempts made before a 503).
     pub details: Option<serde_json::Value>,
+    /// A top-level `status` word, for the delivery answers that promise one (`{"status":"unknown"}`).
+    pub status_word: Option<&'static str>,
 }
 
 #[derive(Serialize)]
 struct Body<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    status: Option<&'a str>,
     error: Inner<'a>,
 }
 
@@ -38,7 +42,7 @@ struct Inner<'a> {
 
 impl ApiError {
     fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> ApiError {
-        ApiError { status, code, message: message.into(), field: None, details: None }
+        ApiError { status, code, message: message.into(), field: None, details: None, status_word: None }
     }
 
     /// 400: `field` is missing, malformed or has the wrong type.
@@ -72,6 +76,12 @@ impl ApiError {
         ApiError { details: Some(details), ..Self::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", message) }
     }
 
+    /// A delivery answer (404 unknown, 409 stale, …) carrying its status word both at the top level and as the
+    /// error code.
+    pub fn delivery_status(status: StatusCode, word: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError { status_word: Some(word), ..Self::new(status, word, message) }
+    }
+
     /// 500: a failure that is popgate's own; logged by the caller.
     pub fn internal(message: impl Into<String>) -> ApiError {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)
@@ -81,6 +91,7 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = Body {
+            status: self.status_word,
             error: Inner {
                 code: self.code,
                 message: &self.message,

@@ -2,14 +2,18 @@
 //!
 //! ```text
 //! POST /events/publish[?topic=&mode=sync|async|oneway]   publish one event (popgate JSON or CloudEvents)
+//! POST /events/subscribe, /events/unsubscribe            manage subscriptions (see [`events`])
+//! GET  /events/poll                                      long-poll deliveries
+//! POST /events/ack, /events/nack, /events/term           settle deliveries
 //! GET  /healthz                                          the process is up
-//! GET  /readyz                                           a name server answers (503 otherwise)
+//! GET  /readyz                                           a name server answers and the state store writes
 //! GET  /metrics                                          Prometheus text format
 //! ```
 //!
 //! Every error is `{"error":{"code","message","field"}}` ([`ApiError`]).
 
 mod error;
+pub mod events;
 mod health;
 mod publish;
 
@@ -24,6 +28,7 @@ pub use error::ApiError;
 
 use crate::broker::BrokerClient;
 use crate::config::Config;
+use crate::delivery::Dispatcher;
 use crate::publish::Publisher;
 
 /// What the handlers share.
@@ -35,6 +40,8 @@ pub struct AppState {
     pub broker: Arc<BrokerClient>,
     /// The publish path.
     pub publisher: Arc<Publisher>,
+    /// The consume path.
+    pub dispatcher: Arc<Dispatcher>,
     /// Renders `/metrics`.
     pub metrics: PrometheusHandle,
 }
@@ -49,6 +56,12 @@ pub fn router(state: AppState) -> Router {
     let limit = body_limit(state.config.publish.max_message_bytes);
     Router::new()
         .route("/events/publish", post(publish::publish))
+        .route("/events/subscribe", post(events::subscribe))
+        .route("/events/unsubscribe", post(events::unsubscribe))
+        .route("/events/poll", get(events::poll))
+        .route("/events/ack", post(events::ack))
+        .route("/events/nack", post(events::nack))
+        .route("/events/term", post(events::term))
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(health::readyz))
         .route("/metrics", get(health::metrics))

@@ -36,6 +36,8 @@ use crate::config::BrokerConfig;
 const AUTO_CREATE_TOPIC_KEY: &str = "TBW102";
 /// Broker permission bit: the queue accepts writes (`PermName.PERM_WRITE`).
 const PERM_WRITE: u32 = 0x1 << 1;
+/// Broker permission bit: the queue serves reads (`PermName.PERM_READ`).
+const PERM_READ: u32 = 0x1 << 2;
 /// Managed-domain id shared by popgate's client handles (one client instance per process).
 const CLIENT_DOMAIN: u64 = 7;
 /// Handles in the request pool: how many broker requests can be in flight at once.
@@ -98,7 +100,7 @@ impl BrokerError {
         }
     }
 
-    fn from_client(error: ClientError, timeout: Duration) -> BrokerError {
+    pub(crate) fn from_client(error: ClientError, timeout: Duration) -> BrokerError {
         if let Some(code) = error.broker_response_code() {
             return BrokerError::Response { code, detail: error.to_string() };
         }
@@ -117,15 +119,29 @@ pub struct BrokerRoute {
     pub name: String,
     /// The master's `host:port`.
     pub addr: String,
-    /// How many queues of the topic this broker takes writes on.
+    /// How many queues of the topic this broker takes writes on (0: not writable).
     pub write_queues: u32,
+    /// How many queues of the topic this broker serves reads from (0: not readable).
+    pub read_queues: u32,
 }
 
-/// Where a topic can be written: its writable brokers, sorted by name.
+/// The brokers that serve a topic (with a master), sorted by name.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TopicRoute {
-    /// Writable brokers of the topic.
+    /// Brokers of the topic.
     pub brokers: Vec<BrokerRoute>,
+}
+
+impl TopicRoute {
+    /// The brokers that take writes.
+    pub fn writable(&self) -> impl Iterator<Item = &BrokerRoute> {
+        self.brokers.iter().filter(|b| b.write_queues > 0)
+    }
+
+    /// The brokers that serve reads (POP).
+    pub fn readable(&self) -> impl Iterator<Item = &BrokerRoute> {
+        self.brokers.iter().filter(|b| b.read_queues > 0)
+    }
 }
 
 /// What the broker said about a stored message.
@@ -209,9 +225,19 @@ impl BrokerClient {
     }
 
     /// The next handle of the pool.
-    fn pooled(&self) -> &ClientInstanceHandle {
+    pub(crate) fn pooled(&self) -> &ClientInstanceHandle {
         let index = self.next_handle.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % self.handles.len();
         &self.handles[index]
+    }
+
+    /// The timeout of one request that is not a send.
+    pub(crate) fn request_timeout(&self) -> Duration {
+        self.config.request_timeout()
+    }
+
+    /// A new handle on the shared client instance.
+    pub(crate) fn new_handle(&self) -> Result<ClientInstanceHandle, BrokerError> {
+        Self::handle(&self.runtime, &self.config)
     }
 
     fn handle(runtime: &ClientRuntime, config: &BrokerConfig) -> Result<ClientInstanceHandle, BrokerError> {
@@ -264,8 +290,16 @@ impl BrokerClient {
                 .await
                 .map_err(|e| BrokerError::from_client(e, self.config.request_timeout()))?;
             if let Some(data) = data {
-                let route = writable_brokers(&data);
-                if !route.brokers.is_empty() {
+                let mut route = brokers_with_master(&data);
+                if lookup == AUTO_CREATE_TOPIC_KEY {
+                    // The broker creates the topic with `defaultTopicQueueNums` queues, not TBW102's count:
+                    // a queue id beyond that would be refused (the Java producer caps it the same way).
+                    for broker in &mut route.brokers {
+                        broker.write_queues = broker.write_queues.min(DEFAULT_TOPIC_QUEUE_NUMS as u32);
+                        broker.read_queues = broker.read_queues.min(DEFAULT_TOPIC_QUEUE_NUMS as u32);
+                    }
+                }
+                if route.writable().next().is_some() {
                     return Ok(route);
                 }
             }
@@ -374,7 +408,7 @@ impl BrokerClient {
     }
 }
 
-fn now_millis() -> i64 {
+pub(crate) fn now_millis() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
@@ -399,19 +433,20 @@ pub fn start_client_runtime() -> Result<(RuntimeOwner, Arc<ClientRuntime>), Brok
     Ok((owner, runtime))
 }
 
-/// The brokers of a route that have a master and accept writes, sorted by name for a stable rotation.
-fn writable_brokers(data: &rocketmq_protocol::protocol::route::topic_route_data::TopicRouteData) -> TopicRoute {
+/// The brokers of a route that have a master, with the queues each may be written and read, sorted by
+/// name for a stable rotation.
+fn brokers_with_master(data: &rocketmq_protocol::protocol::route::topic_route_data::TopicRouteData) -> TopicRoute {
     let mut brokers: Vec<BrokerRoute> = data
         .queue_datas
         .iter()
-        .filter(|q| q.perm & PERM_WRITE != 0 && q.write_queue_nums > 0)
         .filter_map(|q| {
             let broker = data.broker_datas.iter().find(|b| b.broker_name() == &q.broker_name)?;
             let master = broker.broker_addrs().get(&0)?;
             Some(BrokerRoute {
                 name: q.broker_name.to_string(),
                 addr: master.to_string(),
-                write_queues: q.write_queue_nums,
+                write_queues: if q.perm & PERM_WRITE != 0 { q.write_queue_nums } else { 0 },
+                read_queues: if q.perm & PERM_READ != 0 { q.read_queue_nums } else { 0 },
             })
         })
         .collect();

@@ -2,9 +2,11 @@
 //!
 //! - [`client`]: the connection (routes, sends) over rocketmq-client-rust; no policy.
 //! - [`fault`]: the latency fault-avoidance table (MQFaultStrategy) and the broker choice for one attempt.
+//! - [`consumer`]: POP, ACK and ChangeInvisibleTime, and the receipt handle they use.
 //! - [`message`]: popgate's message type, free of client-crate types.
 
 pub mod client;
+pub mod consumer;
 pub mod fault;
 pub mod message;
 

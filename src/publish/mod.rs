@@ -119,7 +119,7 @@ impl Publisher {
             }
         })?;
         let start = self.rotation.fetch_add(1, Ordering::Relaxed);
-        let mut brokers: Vec<String> = route.brokers.iter().map(|b| b.name.clone()).collect();
+        let mut brokers: Vec<String> = route.writable().map(|b| b.name.clone()).collect();
         let first = start % brokers.len().max(1);
         brokers.rotate_left(first);
 

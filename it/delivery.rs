@@ -1,0 +1,312 @@
+//! The consume path against a real broker (seed 000's contract): deferred broker ACK, backoff redelivery,
+//! %DLQ%, NACK/TERM, kill -9 recovery, two instances on one group, a broker restart.
+
+use std::collections::{BTreeSet, HashMap};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::harness::direct::{Direct, DirectConsumer};
+use crate::harness::eventually;
+use crate::harness::popgate::Popgate;
+use crate::harness::rocketmq::{Cluster, ClusterSpec};
+use crate::harness::unique_topic;
+use crate::publish::shared_cluster;
+
+/// Short leases and POP waits so broker-side redelivery happens within a test.
+const FAST_LEASE: &str = "[delivery]\nlease_ms = 4000\npop_poll_ms = 1000\n";
+
+async fn publish_all(popgate: &Popgate, topic: &str, bodies: &[&str]) {
+    for body in bodies {
+        let (status, answer) = popgate.publish(&json!({"topic": topic, "data": body})).await;
+        assert_eq!(status, 200, "{answer}");
+    }
+}
+
+async fn subscribe(popgate: &Popgate, body: Value) {
+    let (status, answer) = popgate.post_json("/events/subscribe", &body).await;
+    assert_eq!(status, 200, "{answer}");
+}
+
+fn data(delivery: &Value) -> String {
+    delivery["event"]["data"].as_str().unwrap_or_default().to_owned()
+}
+
+fn id(delivery: &Value) -> String {
+    delivery["deliveryId"].as_str().unwrap_or_default().to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_broker_sees_only_acked_events_as_consumed() {
+    let cluster = shared_cluster();
+    let mut popgate = Popgate::start(&cluster.namesrv_addr, FAST_LEASE).await;
+    let (topic, group) = (unique_topic("ack_progress"), unique_topic("g_ack"));
+    publish_all(&popgate, &topic, &["acked", "unacked"]).await;
+
+    let deliveries = popgate.poll_until(&group, &topic, 2, Duration::from_secs(30)).await;
+    assert_eq!(deliveries.len(), 2, "{deliveries:?}");
+    for d in &deliveries {
+        assert_eq!(d["attempt"], 1);
+        assert_eq!(d["deliveryId"].as_str().map(str::len), Some(32), "128-bit hex id");
+        assert!(d["ackDeadline"].as_i64().is_some());
+    }
+    let acked = deliveries.iter().find(|d| data(d) == "acked").expect("delivered");
+    let (status, answer) = popgate.ack(&id(acked)).await;
+    assert_eq!((status, answer["status"].as_str()), (200, Some("acked")), "{answer}");
+    let (status, answer) = popgate.ack(&id(acked)).await;
+    assert_eq!((status, answer["status"].as_str()), (404, Some("unknown")), "a double ACK is a no-op: {answer}");
+
+    // popgate dies holding "unacked": no renewal, no ACK. The broker's own redelivery must bring back that one
+    // event, and never the ACKed one, to a second consumer of the group.
+    popgate.kill9();
+    let consumer = DirectConsumer::connect(&cluster.namesrv_addr).await;
+    let bodies = consumer.drain(&group, &topic, Duration::from_secs(30)).await;
+    assert_eq!(bodies, vec!["unacked".to_owned()], "the broker redelivers exactly the unacknowledged event");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_never_acked_event_is_redelivered_at_the_backoff_times_then_dead_lettered() {
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, FAST_LEASE).await;
+    let (topic, group) = (unique_topic("backoff"), unique_topic("g_backoff"));
+    let (initial_ms, max_ms, ack_timeout_ms) = (300u64, 1_200u64, 1_000u64);
+    subscribe(
+        &popgate,
+        json!({"group": group, "topic": topic, "ackTimeoutMs": ack_timeout_ms, "maxAttempts": 6,
+        "initialBackoffMs": initial_ms, "maxBackoffMs": max_ms}),
+    )
+    .await;
+    publish_all(&popgate, &topic, &["poison"]).await;
+
+    let mut arrivals: Vec<(Instant, Value)> = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while arrivals.len() < 6 && Instant::now() < deadline {
+        for d in popgate.poll(&group, &topic, 1, 500).await {
+            arrivals.push((Instant::now(), d));
+        }
+    }
+    let attempts: Vec<i64> = arrivals.iter().map(|(_, d)| d["attempt"].as_i64().unwrap_or(0)).collect();
+    assert_eq!(attempts, vec![1, 2, 3, 4, 5, 6], "one delivery per attempt, counted");
+    let ids: BTreeSet<String> = arrivals.iter().map(|(_, d)| id(d)).collect();
+    assert_eq!(ids.len(), 1, "a redelivery keeps its deliveryId");
+    for (n, pair) in arrivals.windows(2).enumerate() {
+        let backoff = (initial_ms << n).min(max_ms) as f64;
+        let gap = pair[1].0.duration_since(pair[0].0).as_millis() as f64;
+        let (low, high) = (ack_timeout_ms as f64 + 0.8 * backoff - 50.0, ack_timeout_ms as f64 + 1.2 * backoff + 700.0);
+        assert!((low..=high).contains(&gap), "gap before attempt {} was {gap} ms, expected {low}..{high}", n + 2);
+    }
+
+    let direct = Direct::connect(&cluster.namesrv_addr).await;
+    let dlq = format!("%DLQ%{group}");
+    let mut stored = Vec::new();
+    for _ in 0..60 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        if popgate.metric(&format!("popgate_dlq_messages_total{{group=\"{group}\"}}")).await == 1.0 {
+            stored = direct.read_all(&dlq).await;
+            break;
+        }
+    }
+    assert_eq!(stored.len(), 1, "the event is in {dlq}");
+    let dead = &stored[0];
+    assert_eq!(dead.body, b"poison");
+    assert_eq!(dead.property("DLQ_ORIGIN_TOPIC"), Some(topic.as_str()));
+    assert_eq!(dead.property("DLQ_ORIGIN_MESSAGE_ID"), arrivals[0].1["event"]["id"].as_str());
+    assert_eq!(dead.property("POPGATE_ATTEMPTS"), Some("6"));
+    assert_eq!(dead.property("POPGATE_LAST_FAILURE"), Some("ack timeout"));
+    assert!(dead.property("POPGATE_DEAD_LETTERED_AT").is_some());
+
+    assert!(popgate.poll(&group, &topic, 1, 6_000).await.is_empty(), "the original is retired, not redelivered");
+    assert_eq!(popgate.metric("popgate_redeliveries_total{reason=\"timeout\"}").await, 5.0);
+    assert_eq!(popgate.metric("popgate_pending_deliveries").await, 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nack_term_double_ack_and_unknown_ids_behave_as_documented() {
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, FAST_LEASE).await;
+    let (topic, group) = (unique_topic("settle"), unique_topic("g_settle"));
+    subscribe(&popgate, json!({"group": group, "topic": topic, "ackTimeoutMs": 30000})).await;
+    publish_all(&popgate, &topic, &["to-nack", "to-term"]).await;
+    let deliveries = popgate.poll_until(&group, &topic, 2, Duration::from_secs(30)).await;
+    let by_data: HashMap<String, Value> = deliveries.into_iter().map(|d| (data(&d), d)).collect();
+    let nacked = id(&by_data["to-nack"]);
+    let termed = id(&by_data["to-term"]);
+
+    let nacked_at = Instant::now();
+    let (status, answer) = popgate.post_json("/events/nack", &json!({"deliveryId": nacked, "delayMs": 700})).await;
+    assert_eq!(
+        (status, answer["status"].as_str(), answer["attempt"].as_i64()),
+        (200, Some("retry"), Some(2)),
+        "{answer}"
+    );
+    let again = popgate.poll_until(&group, &topic, 1, Duration::from_secs(10)).await;
+    assert_eq!(again.len(), 1);
+    assert_eq!((id(&again[0]), again[0]["attempt"].as_i64()), (nacked.clone(), Some(2)));
+    assert!(nacked_at.elapsed() >= Duration::from_millis(650), "the NACK delay is honoured");
+
+    let (status, answer) =
+        popgate.post_json("/events/term", &json!({"deliveryId": termed, "reason": "bad payload"})).await;
+    assert_eq!((status, answer["status"].as_str()), (200, Some("terminated")), "{answer}");
+    let direct = Direct::connect(&cluster.namesrv_addr).await;
+    let dlq = format!("%DLQ%{group}");
+    eventually(Duration::from_secs(20), "the terminated event reaches the DLQ", || async {
+        popgate.metric(&format!("popgate_dlq_messages_total{{group=\"{group}\"}}")).await == 1.0
+    })
+    .await;
+    let dead = direct.read_all(&dlq).await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].body, b"to-term");
+    assert!(dead[0].property("POPGATE_LAST_FAILURE").is_some_and(|r| r.contains("bad payload")));
+    assert_eq!(dead[0].property("POPGATE_ATTEMPTS"), Some("1"));
+
+    assert_eq!(popgate.ack(&nacked).await.0, 200);
+    let (status, answer) = popgate.ack(&nacked).await;
+    assert_eq!((status, answer["status"].as_str()), (404, Some("unknown")), "{answer}");
+    let (status, answer) = popgate.ack("0123456789abcdef0123456789abcdef").await;
+    assert_eq!((status, answer["status"].as_str()), (404, Some("unknown")), "{answer}");
+    let (status, _) = popgate.post_json("/events/nack", &json!({"deliveryId": "nope"})).await;
+    assert_eq!(status, 404);
+    let (status, answer) = popgate.post_json("/events/ack", &json!({})).await;
+    assert_eq!((status, answer["error"]["field"].as_str()), (400, Some("deliveryId")), "{answer}");
+    let (status, answer) = popgate.post_json("/events/ack", &json!({"deliveryId": 7})).await;
+    assert_eq!((status, answer["error"]["field"].as_str()), (400, Some("deliveryId")), "{answer}");
+    let (status, answer) = popgate.get_json(&format!("/events/poll?group={group}&topic={topic}&max=0")).await;
+    assert_eq!((status, answer["error"]["field"].as_str()), (400, Some("max")), "{answer}");
+    let (status, answer) =
+        popgate.post_json("/events/subscribe", &json!({"group": "g", "topic": "t", "maxAttempts": 0})).await;
+    assert_eq!((status, answer["error"]["field"].as_str()), (400, Some("maxAttempts")), "{answer}");
+
+    let (status, answer) = popgate.post_json("/events/ack", &json!({"deliveryIds": [nacked, "ffff"]})).await;
+    assert_eq!(status, 200, "{answer}");
+    let statuses: Vec<&str> =
+        answer["results"].as_array().expect("results").iter().filter_map(|r| r["status"].as_str()).collect();
+    assert_eq!(statuses, vec!["unknown", "unknown"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill9_keeps_attempts_and_ids_finishes_acks_and_retires_corrupt_records() {
+    let cluster = shared_cluster();
+    let mut popgate = Popgate::start(&cluster.namesrv_addr, "[delivery]\nlease_ms = 30000\npop_poll_ms = 1000\n").await;
+    let (topic, group) = (unique_topic("crash"), unique_topic("g_crash"));
+    subscribe(&popgate, json!({"group": group, "topic": topic, "ackTimeoutMs": 60000})).await;
+    publish_all(&popgate, &topic, &["acked-before", "nacked-once", "in-flight"]).await;
+    let first = popgate.poll_until(&group, &topic, 3, Duration::from_secs(30)).await;
+    let by_data: HashMap<String, String> = first.iter().map(|d| (data(d), id(d))).collect();
+    assert_eq!(by_data.len(), 3);
+    assert_eq!(popgate.ack(&by_data["acked-before"]).await.0, 200);
+    let (status, _) =
+        popgate.post_json("/events/nack", &json!({"deliveryId": by_data["nacked-once"], "delayMs": 0})).await;
+    assert_eq!(status, 200);
+    let second = popgate.poll_until(&group, &topic, 1, Duration::from_secs(10)).await;
+    assert_eq!((data(&second[0]), second[0]["attempt"].as_i64()), ("nacked-once".to_owned(), Some(2)));
+
+    popgate.kill9();
+    {
+        let store = popgate::store::StateStore::open(&popgate.state_dir, true).expect("open the crashed store");
+        store.put_raw(popgate::store::Family::Deliveries, "corrupt-record", b"{not json").expect("plant");
+    }
+    popgate.restart().await;
+
+    // A deliveryId from before the crash still settles its delivery.
+    let (status, answer) = popgate.ack(&by_data["in-flight"]).await;
+    assert_eq!((status, answer["status"].as_str()), (200, Some("acked")), "{answer}");
+    let redelivered = popgate.poll_until(&group, &topic, 2, Duration::from_secs(10)).await;
+    assert_eq!(redelivered.len(), 1, "only the unacknowledged event comes back: {redelivered:?}");
+    assert_eq!(data(&redelivered[0]), "nacked-once");
+    assert_eq!(id(&redelivered[0]), by_data["nacked-once"], "same deliveryId");
+    assert_eq!(redelivered[0]["attempt"], 2, "the attempt counter survives the crash");
+    assert_eq!(popgate.ack(&id(&redelivered[0])).await.0, 200);
+
+    assert_eq!(popgate.metric("popgate_recovered_deliveries_total{outcome=\"corrupt\"}").await, 1.0);
+    assert_eq!(popgate.metric("popgate_recovered_deliveries_total{outcome=\"redispatched\"}").await, 2.0);
+    assert!(popgate.poll(&group, &topic, 5, 3_000).await.is_empty(), "nothing else comes back");
+    let store_listing = {
+        popgate.kill9();
+        let store = popgate::store::StateStore::open(&popgate.state_dir, true).expect("reopen");
+        store.list::<Value>(popgate::store::Family::Deliveries).expect("list")
+    };
+    assert!(store_listing.records.is_empty() && store_listing.undecodable.is_empty(), "every record retired");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_share_a_group_and_a_stale_ack_gets_409() {
+    let cluster = shared_cluster();
+    let config = "[delivery]\nlease_ms = 3000\npop_poll_ms = 500\n";
+    let a = Popgate::start(&cluster.namesrv_addr, config).await;
+    let b = Popgate::start(&cluster.namesrv_addr, config).await;
+    let (topic, group) = (unique_topic("shared"), unique_topic("g_shared"));
+    let bodies: Vec<String> = (0..10).map(|i| format!("m{i}")).collect();
+    publish_all(&a, &topic, &bodies.iter().map(String::as_str).collect::<Vec<_>>()).await;
+
+    let mut consumed = BTreeSet::new();
+    let deadline = Instant::now() + Duration::from_secs(40);
+    while consumed.len() < bodies.len() && Instant::now() < deadline {
+        for instance in [&a, &b] {
+            for d in instance.poll(&group, &topic, 4, 300).await {
+                assert_eq!(instance.ack(&id(&d)).await.0, 200);
+                consumed.insert(data(&d));
+            }
+        }
+    }
+    assert_eq!(consumed, bodies.iter().cloned().collect::<BTreeSet<_>>(), "every message consumed");
+
+    // Let B's last long-polling POP (500 ms) end, so the next event can only go to a POP that A issues.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    publish_all(&a, &topic, &["contested"]).await;
+    let held = a.poll_until(&group, &topic, 1, Duration::from_secs(20)).await;
+    assert_eq!(data(&held[0]), "contested");
+    a.signal("STOP");
+    // A is frozen past its lease: the broker hands the message to B.
+    let taken = b.poll_until(&group, &topic, 1, Duration::from_secs(40)).await;
+    a.signal("CONT");
+    assert_eq!(taken.iter().map(data).collect::<Vec<_>>(), vec!["contested".to_owned()]);
+    let (status, answer) = a.ack(&id(&held[0])).await;
+    assert_eq!((status, answer["status"].as_str()), (409, Some("stale")), "{answer}");
+    assert_eq!(b.ack(&id(&taken[0])).await.0, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_restart_with_deliveries_in_flight_loses_nothing_and_the_dlq_write_is_retried() {
+    let mut cluster = Cluster::start(&ClusterSpec::brokers(&["broker-a"]));
+    // A lease longer than the broker's downtime, so popgate still owns its deliveries when it comes back.
+    let popgate = Popgate::start(&cluster.namesrv_addr, "[delivery]\nlease_ms = 40000\npop_poll_ms = 1000\n").await;
+    let (topic, group) = (unique_topic("brokerbounce"), unique_topic("g_bounce"));
+    subscribe(&popgate, json!({"group": group, "topic": topic, "ackTimeoutMs": 2000, "initialBackoffMs": 200})).await;
+    let bodies = ["b0", "b1", "b2", "doomed"];
+    publish_all(&popgate, &topic, &bodies).await;
+    let in_flight = popgate.poll_until(&group, &topic, 4, Duration::from_secs(30)).await;
+    assert_eq!(in_flight.len(), 4);
+    let by_data: HashMap<String, String> = in_flight.iter().map(|d| (data(d), id(d))).collect();
+
+    cluster.kill_broker("broker-a");
+    // While the broker is down: an ACK is recorded (the broker ACK is owed), and a TERM's DLQ write fails,
+    // is counted, and stays owed.
+    let (status, answer) = popgate.ack(&by_data["b0"]).await;
+    assert_eq!(status, 200, "a recorded ACK does not depend on the broker: {answer}");
+    let (status, _) = popgate.post_json("/events/term", &json!({"deliveryId": by_data["doomed"], "reason": "x"})).await;
+    assert_eq!(status, 200);
+    eventually(Duration::from_secs(20), "the failed DLQ write is counted", || async {
+        popgate.metric("popgate_dlq_record_failures_total").await >= 1.0
+    })
+    .await;
+    assert!(popgate.metric("popgate_broker_ack_failures_total").await >= 1.0, "the owed broker ACK failed");
+    cluster.restart_broker("broker-a");
+
+    let mut acked: BTreeSet<String> = BTreeSet::from(["b0".to_owned()]);
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while acked.len() < 3 && Instant::now() < deadline {
+        for d in popgate.poll(&group, &topic, 3, 1_000).await {
+            if popgate.ack(&id(&d)).await.0 == 200 {
+                acked.insert(data(&d));
+            }
+        }
+    }
+    assert_eq!(acked, ["b0", "b1", "b2"].iter().map(|s| (*s).to_owned()).collect::<BTreeSet<_>>(), "no event lost");
+    eventually(Duration::from_secs(30), "the DLQ write and the owed broker ACKs complete", || async {
+        popgate.metric("popgate_pending_deliveries").await == 0.0
+    })
+    .await;
+    assert_eq!(popgate.metric(&format!("popgate_dlq_messages_total{{group=\"{group}\"}}")).await, 1.0);
+    let dead = Direct::connect(&cluster.namesrv_addr).await.read_all(&format!("%DLQ%{group}")).await;
+    assert_eq!(dead.iter().map(|m| m.body.clone()).collect::<Vec<_>>(), vec![b"doomed".to_vec()]);
+}

@@ -1,0 +1,234 @@
+//! The consume API (EventMesh-style paths). Every transport shares the one dispatcher; this one is long-poll.
+//!
+//! ```text
+//! POST /events/subscribe   {"group","topic","filter","ackTimeoutMs","maxAttempts","initialBackoffMs","maxBackoffMs"}
+//!                          200 {"subscription":{...}}
+//! POST /events/unsubscribe {"group","topic"}                 200 {"status":"unsubscribed"} | 404
+//! GET  /events/poll?group=&topic=&max=&waitMs=               200 {"deliveries":[{"deliveryId","attempt","ackDeadline",
+//!                          "event":{"id","topic","tags","keys","properties","data"|"dataBase64","bornTimestamp"}}]}
+//! POST /events/ack         {"deliveryId"}                    200 {"status":"acked"} | 404 {"status":"unknown"}
+//!                                                            | 409 {"status":"stale"}
+//!                          {"deliveryIds":[...]}             200 {"results":[{"deliveryId","status"}]}
+//! POST /events/nack        {"deliveryId","delayMs"?}         200 {"status":"retry","attempt","dueAt"} | {"status":"dead_letter"}
+//! POST /events/term        {"deliveryId","reason"}           200 {"status":"terminated"}
+//! ```
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::{Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use base64::Engine;
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::{ApiError, AppState};
+use crate::delivery::{DeliveryError, Dispatched, NackOutcome, SubscriptionRequest};
+
+/// Default long-poll wait when `waitMs` is absent.
+const DEFAULT_WAIT_MS: u64 = 1_000;
+/// Default batch when `max` is absent.
+const DEFAULT_MAX: usize = 16;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct SubscribeBody {
+    group: String,
+    topic: String,
+    filter: Option<String>,
+    ack_timeout_ms: Option<u64>,
+    max_attempts: Option<u32>,
+    initial_backoff_ms: Option<u64>,
+    max_backoff_ms: Option<u64>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GroupTopic {
+    group: String,
+    topic: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct AckBody {
+    delivery_id: Option<String>,
+    delivery_ids: Option<Vec<String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct NackBody {
+    delivery_id: String,
+    delay_ms: Option<u64>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct TermBody {
+    delivery_id: String,
+    reason: Option<String>,
+}
+
+/// Parses a JSON body, naming the field at fault (path included) in the 400.
+fn parse_body<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+    let mut deserializer = serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(&mut deserializer).map_err(|error| {
+        let path = error.path().to_string();
+        let inner = error.into_inner();
+        let message = inner.to_string();
+        if inner.is_syntax() || inner.is_eof() {
+            return ApiError::malformed_body(format!("the body is not valid JSON: {message}"));
+        }
+        let field = field_in_message(&message).unwrap_or(if path == "." { String::new() } else { path });
+        if field.is_empty() {
+            ApiError::malformed_body(message)
+        } else {
+            ApiError::invalid_field(&field, message)
+        }
+    })
+}
+
+/// serde names the field itself in "missing field `x`" and "unknown field `x`".
+fn field_in_message(message: &str) -> Option<String> {
+    let rest = message.strip_prefix("missing field `").or_else(|| message.strip_prefix("unknown field `"))?;
+    rest.split('`').next().map(str::to_owned)
+}
+
+fn delivery_error(error: DeliveryError) -> ApiError {
+    match error {
+        DeliveryError::Unknown => ApiError::delivery_status(StatusCode::NOT_FOUND, "unknown", error.to_string()),
+        DeliveryError::Stale => ApiError::delivery_status(StatusCode::CONFLICT, "stale", error.to_string()),
+        DeliveryError::NotInFlight => {
+            ApiError::delivery_status(StatusCode::CONFLICT, "not_in_flight", error.to_string())
+        }
+        DeliveryError::Invalid(field, message) => ApiError::invalid_field(field, message),
+        DeliveryError::Store(store) => {
+            tracing::warn!(error = %store, "Delivery request refused: state store unavailable.");
+            ApiError::unavailable(format!("state store unavailable: {store}"), json!({}))
+        }
+    }
+}
+
+/// `POST /events/subscribe`.
+pub async fn subscribe(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
+    let body: SubscribeBody = parse_body(&body)?;
+    let sub = state
+        .dispatcher
+        .subscribe(SubscriptionRequest {
+            group: body.group,
+            topic: body.topic,
+            filter: body.filter,
+            ack_timeout_ms: body.ack_timeout_ms,
+            max_attempts: body.max_attempts,
+            initial_backoff_ms: body.initial_backoff_ms,
+            max_backoff_ms: body.max_backoff_ms,
+        })
+        .map_err(delivery_error)?;
+    Ok(Json(json!({ "subscription": sub })).into_response())
+}
+
+/// `POST /events/unsubscribe`.
+pub async fn unsubscribe(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
+    let body: GroupTopic = parse_body(&body)?;
+    state.dispatcher.unsubscribe(&body.group, &body.topic).map_err(delivery_error)?;
+    Ok(Json(json!({"status": "unsubscribed"})).into_response())
+}
+
+/// `GET /events/poll`.
+pub async fn poll(
+    State(state): State<AppState>,
+    Query(query): Query<HashMap<String, String>>,
+) -> Result<Response, ApiError> {
+    let required = |name: &str| {
+        query.get(name).filter(|v| !v.is_empty()).cloned().ok_or_else(|| ApiError::invalid_field(name, "required"))
+    };
+    let group = required("group")?;
+    let topic = required("topic")?;
+    let number = |name: &str, default: u64| match query.get(name) {
+        None => Ok(default),
+        Some(text) => text.parse::<u64>().map_err(|_| ApiError::invalid_field(name, "must be a non-negative integer")),
+    };
+    let max = number("max", DEFAULT_MAX as u64)?;
+    if max == 0 || max > crate::delivery::MAX_POLL_BATCH as u64 {
+        return Err(ApiError::invalid_field("max", format!("must be in 1..={}", crate::delivery::MAX_POLL_BATCH)));
+    }
+    let wait = Duration::from_millis(number("waitMs", DEFAULT_WAIT_MS)?);
+    let deliveries = state.dispatcher.poll(&group, &topic, max as usize, wait).await.map_err(delivery_error)?;
+    let deliveries: Vec<Value> = deliveries.iter().map(delivery_json).collect();
+    Ok(Json(json!({ "deliveries": deliveries })).into_response())
+}
+
+/// The wire form of one delivery (shared by every transport).
+pub fn delivery_json(delivery: &Dispatched) -> Value {
+    let event = &delivery.event;
+    let mut event_json = json!({
+        "id": event.id,
+        "topic": event.topic,
+        "tags": event.tags,
+        "keys": event.keys,
+        "properties": event.properties,
+        "bornTimestamp": event.born_timestamp,
+    });
+    match std::str::from_utf8(&event.body) {
+        Ok(text) => event_json["data"] = Value::String(text.to_owned()),
+        Err(_) => {
+            event_json["dataBase64"] = Value::String(base64::engine::general_purpose::STANDARD.encode(&event.body));
+        }
+    }
+    json!({
+        "deliveryId": delivery.id,
+        "attempt": delivery.attempt,
+        "ackDeadline": delivery.ack_deadline_ms,
+        "event": event_json,
+    })
+}
+
+/// `POST /events/ack`: one id, or a batch with a result per id.
+pub async fn ack(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
+    let body: AckBody = parse_body(&body)?;
+    match (body.delivery_id, body.delivery_ids) {
+        (Some(id), None) => {
+            state.dispatcher.ack(&id).await.map_err(delivery_error)?;
+            Ok(Json(json!({"status": "acked"})).into_response())
+        }
+        (None, Some(ids)) => {
+            let mut results = Vec::with_capacity(ids.len());
+            for id in ids {
+                let status = match state.dispatcher.ack(&id).await {
+                    Ok(()) => "acked",
+                    Err(DeliveryError::Unknown) => "unknown",
+                    Err(DeliveryError::Stale) => "stale",
+                    Err(_) => "error",
+                };
+                results.push(json!({"deliveryId": id, "status": status}));
+            }
+            Ok(Json(json!({ "results": results })).into_response())
+        }
+        _ => Err(ApiError::invalid_field("deliveryId", "give `deliveryId` or `deliveryIds`, not both or neither")),
+    }
+}
+
+/// `POST /events/nack`.
+pub async fn nack(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
+    let body: NackBody = parse_body(&body)?;
+    let delay = body.delay_ms.map(Duration::from_millis);
+    let outcome = state.dispatcher.nack(&body.delivery_id, delay).await.map_err(delivery_error)?;
+    Ok(Json(match outcome {
+        NackOutcome::Retry { attempt, due_ms } => json!({"status": "retry", "attempt": attempt, "dueAt": due_ms}),
+        NackOutcome::DeadLetter => json!({"status": "dead_letter"}),
+    })
+    .into_response())
+}
+
+/// `POST /events/term`.
+pub async fn term(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
+    let body: TermBody = parse_body(&body)?;
+    let reason = body.reason.unwrap_or_else(|| "terminated".to_owned());
+    state.dispatcher.term(&body.delivery_id, &reason).await.map_err(delivery_error)?;
+    Ok(Json(json!({"status": "terminated"})).into_response())
+}

@@ -1,0 +1,283 @@
+//! The consume side of the broker connection: POP, ACK and ChangeInvisibleTime, with the receipt handle
+//! (`POP_CK`) they revolve around.
+//!
+//! Facts from the broker's source that shape this (`PopMessageProcessor`, `AckMessageProcessor`,
+//! `ChangeInvisibleTimeProcessor`, see ../shared/notes/rocketmq-pop.md):
+//! - A popped message stays invisible for `invisible_time` from `pop_time`; after that the broker's revive
+//!   service re-puts it to `%RETRY%` with `reconsumeTimes + 1`.
+//! - ChangeInvisibleTime acks the old checkpoint and writes a new one: the answer's `popTime` makes a new
+//!   handle, and the old one is dead.
+//! - ACK with a lapsed handle still answers SUCCESS, so ownership is judged from the handle's own deadline.
+//! - A message that came back from the retry topic must be ACKed on that topic (the handle's retry marker).
+
+use std::collections::BTreeMap;
+
+use cheetah_string::CheetahString;
+use rocketmq_client_rust::{AckStatus, ClientInstanceHandle, PopStatus};
+use rocketmq_model::common::message::message_ext::MessageExt;
+use rocketmq_protocol::protocol::header::ack_message_request_header::AckMessageRequestHeader;
+use rocketmq_protocol::protocol::header::change_invisible_time_request_header::ChangeInvisibleTimeRequestHeader;
+use rocketmq_protocol::protocol::header::extra_info_util::ExtraInfoUtil;
+use rocketmq_protocol::protocol::header::pop_message_request_header::PopMessageRequestHeader;
+
+use super::client::{BrokerClient, BrokerError, BrokerRoute};
+use super::message::is_reserved_property;
+
+/// `ConsumeInitMode.MIN`: a group that never consumed a queue starts at its oldest message, so nothing
+/// published before the first POP is skipped.
+const INIT_MODE_MIN: i32 = 0;
+/// Slack added to a POP's remoting timeout over its long-poll time.
+const POP_TIMEOUT_SLACK_MS: u64 = 3_000;
+
+/// The event as popped, ready for a subscriber.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PoppedEvent {
+    /// The client message id (`UNIQ_KEY`), or the broker's message id when the producer set none.
+    pub id: String,
+    /// The topic the event was published to (not the retry topic).
+    pub topic: String,
+    /// RocketMQ tag, if any.
+    pub tags: Option<String>,
+    /// Message keys.
+    pub keys: Vec<String>,
+    /// User properties (RocketMQ's system properties are left out).
+    pub properties: BTreeMap<String, String>,
+    /// The payload.
+    #[serde(with = "base64_bytes")]
+    pub body: Vec<u8>,
+    /// When the producer created the message (epoch ms).
+    pub born_timestamp: i64,
+    /// How often the broker already redelivered it (`reconsumeTimes`).
+    pub reconsume_times: u32,
+    /// The retry topic it came back from, if it did.
+    pub retry_topic: Option<String>,
+}
+
+/// The broker's receipt handle for a popped message, and the lease it grants.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ReceiptHandle {
+    /// Broker that holds the checkpoint.
+    pub broker_name: String,
+    /// Its address when popped.
+    pub broker_addr: String,
+    /// The `POP_CK` extra info: what ACK and ChangeInvisibleTime must quote.
+    pub extra_info: String,
+    /// The topic to ACK on: the retry topic when the message came back from `%RETRY%`.
+    pub ack_topic: String,
+    /// Queue of the message (in `ack_topic`).
+    pub queue_id: i32,
+    /// Offset of the message in that queue.
+    pub queue_offset: i64,
+    /// When the current checkpoint was taken (epoch ms, the broker's clock).
+    pub pop_time_ms: i64,
+    /// How long the broker keeps the message invisible from `pop_time_ms`.
+    pub invisible_ms: i64,
+}
+
+impl ReceiptHandle {
+    /// The instant (epoch ms) after which the broker may hand the message to someone else.
+    pub fn lease_deadline_ms(&self) -> i64 {
+        self.pop_time_ms.saturating_add(self.invisible_ms)
+    }
+}
+
+/// One message from a POP.
+#[derive(Debug, Clone)]
+pub struct Popped {
+    /// The event.
+    pub event: PoppedEvent,
+    /// Its lease.
+    pub handle: ReceiptHandle,
+}
+
+/// What one POP asks for.
+#[derive(Debug, Clone)]
+pub struct PopRequest<'a> {
+    /// Consumer group.
+    pub group: &'a str,
+    /// Topic.
+    pub topic: &'a str,
+    /// Tag expression.
+    pub filter: &'a str,
+    /// At most this many messages (≤ 32).
+    pub max: u32,
+    /// Lease to take on each message.
+    pub invisible_ms: u64,
+    /// How long the broker may hold the request waiting for a message.
+    pub poll_ms: u64,
+}
+
+impl BrokerClient {
+    /// A handle of its own for a caller whose requests are slow (a long-polling POP), so it never waits
+    /// behind the shared pool or makes others wait.
+    ///
+    /// # Errors
+    /// [`BrokerError::Client`] when the handle cannot be made.
+    pub fn dedicated_handle(&self) -> Result<ClientInstanceHandle, BrokerError> {
+        self.new_handle()
+    }
+
+    /// POPs up to `request.max` messages from `broker`, across all its queues (retry queue included).
+    /// "No message" is an empty list, not an error.
+    ///
+    /// # Errors
+    /// [`BrokerError`] when the broker is unreachable or refuses (e.g. code 17, no such topic).
+    pub async fn pop(
+        &self,
+        handle: &ClientInstanceHandle,
+        broker: &BrokerRoute,
+        request: &PopRequest<'_>,
+    ) -> Result<Vec<Popped>, BrokerError> {
+        let header = PopMessageRequestHeader {
+            consumer_group: request.group.into(),
+            topic: request.topic.into(),
+            queue_id: -1,
+            max_msg_nums: request.max,
+            invisible_time: request.invisible_ms,
+            poll_time: request.poll_ms,
+            born_time: u64::try_from(super::client::now_millis()).unwrap_or_default(),
+            init_mode: INIT_MODE_MIN,
+            exp_type: Some("TAG".into()),
+            exp: Some(request.filter.into()),
+            order: Some(false),
+            attempt_id: None,
+            topic_request_header: None,
+        };
+        let timeout_ms = request.poll_ms + POP_TIMEOUT_SLACK_MS;
+        let result = handle
+            .pop_message(&broker.name.as_str().into(), &broker.addr.as_str().into(), header, timeout_ms)
+            .await
+            .map_err(|e| BrokerError::from_client(e, std::time::Duration::from_millis(timeout_ms)))?;
+        if result.pop_status != PopStatus::Found {
+            return Ok(Vec::new());
+        }
+        let messages = result.msg_found_list.unwrap_or_default();
+        Ok(messages.iter().filter_map(|m| popped(m, request, broker)).collect())
+    }
+
+    /// ACKs the message at the broker. A message the broker no longer has (`NotExist`) counts as done.
+    ///
+    /// # Errors
+    /// [`BrokerError`] when the broker could not be asked.
+    pub async fn ack(&self, group: &str, handle: &ReceiptHandle) -> Result<(), BrokerError> {
+        let header = AckMessageRequestHeader {
+            consumer_group: group.into(),
+            topic: handle.ack_topic.as_str().into(),
+            queue_id: handle.queue_id,
+            extra_info: handle.extra_info.as_str().into(),
+            offset: handle.queue_offset,
+            lite_topic: None,
+            topic_request_header: None,
+        };
+        let timeout = self.request_timeout();
+        let result = self
+            .pooled()
+            .ack_message(&handle.broker_addr.as_str().into(), header, timeout.as_millis() as u64)
+            .await
+            .map_err(|e| BrokerError::from_client(e, timeout))?;
+        if result.status() == AckStatus::NotExist {
+            tracing::debug!(broker = %handle.broker_name, offset = handle.queue_offset, "Broker no longer has the acked message.");
+        }
+        Ok(())
+    }
+
+    /// Extends the lease: the broker takes a new checkpoint invisible for `invisible_ms` from now and the
+    /// returned handle replaces the old one, which is dead from then on.
+    ///
+    /// # Errors
+    /// [`BrokerError`] when the broker could not be asked or refused.
+    pub async fn renew(
+        &self,
+        group: &str,
+        handle: &ReceiptHandle,
+        invisible_ms: u64,
+    ) -> Result<ReceiptHandle, BrokerError> {
+        let header = ChangeInvisibleTimeRequestHeader {
+            consumer_group: group.into(),
+            topic: handle.ack_topic.as_str().into(),
+            queue_id: handle.queue_id,
+            extra_info: handle.extra_info.as_str().into(),
+            offset: handle.queue_offset,
+            invisible_time: i64::try_from(invisible_ms).unwrap_or(i64::MAX),
+            lite_topic: None,
+            suspend: false,
+            topic_request_header: None,
+        };
+        let timeout = self.request_timeout();
+        let result = self
+            .pooled()
+            .change_invisible_time(
+                &handle.broker_name.as_str().into(),
+                &handle.broker_addr.as_str().into(),
+                header,
+                timeout.as_millis() as u64,
+            )
+            .await
+            .map_err(|e| BrokerError::from_client(e, timeout))?;
+        if result.status() != AckStatus::Ok {
+            return Err(BrokerError::Response { code: -1, detail: "change invisible time refused".to_owned() });
+        }
+        Ok(ReceiptHandle {
+            // The crate appends " <offset>" to the rebuilt extra info, as the POP_CK property has it.
+            extra_info: result.extra_info().to_string(),
+            pop_time_ms: result.pop_time(),
+            invisible_ms: i64::try_from(invisible_ms).unwrap_or(i64::MAX),
+            ..handle.clone()
+        })
+    }
+}
+
+/// Turns one popped message into an event and its handle; a message without a readable `POP_CK` is
+/// skipped (it cannot be ACKed, so the broker will deliver it again).
+fn popped(message: &MessageExt, request: &PopRequest<'_>, broker: &BrokerRoute) -> Option<Popped> {
+    let property = |name: &str| message.properties().get(&CheetahString::from(name)).map(ToString::to_string);
+    let extra_info = property("POP_CK")?;
+    let parsed = ExtraInfoUtil::parse_ack_extra_info(&extra_info).ok()?;
+    let ack_topic = ExtraInfoUtil::get_real_topic_with_retry(request.topic, request.group, parsed.retry).ok()?;
+    let retry_topic = (ack_topic != request.topic).then(|| ack_topic.clone());
+    let event = PoppedEvent {
+        id: property("UNIQ_KEY").unwrap_or_else(|| message.msg_id().to_string()),
+        topic: request.topic.to_owned(),
+        tags: property("TAGS"),
+        keys: property("KEYS")
+            .map(|k| k.split(' ').filter(|s| !s.is_empty()).map(str::to_owned).collect())
+            .unwrap_or_default(),
+        properties: message
+            .properties()
+            .iter()
+            .filter(|(k, _)| !is_reserved_property(k.as_str()))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+        body: message.body().map(|b| b.to_vec()).unwrap_or_default(),
+        born_timestamp: message.born_timestamp(),
+        reconsume_times: u32::try_from(message.reconsume_times()).unwrap_or(0),
+        retry_topic,
+    };
+    let handle = ReceiptHandle {
+        broker_name: parsed.broker_name.to_owned(),
+        broker_addr: broker.addr.clone(),
+        ack_topic,
+        queue_id: parsed.queue_id,
+        queue_offset: parsed.queue_offset,
+        pop_time_ms: parsed.pop_time,
+        invisible_ms: parsed.invisible_time,
+        extra_info,
+    };
+    Some(Popped { event, handle })
+}
+
+mod base64_bytes {
+    use base64::Engine;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(bytes: &[u8], serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&base64::engine::general_purpose::STANDARD.encode(bytes))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<u8>, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        base64::engine::general_purpose::STANDARD.decode(text).map_err(serde::de::Error::custom)
+    }
+}

@@ -1,0 +1,448 @@
+//! The dispatcher: the one owner of every in-flight delivery and of the state machine in [`super`].
+//!
+//! State lives in memory (for speed) and in the state store (for crashes); every transition is written to
+//! the store *before* it takes effect in memory or at the broker. A record being worked on by a task (a
+//! broker call in progress) is marked `busy`, so no two tasks act on it at once; the lock itself is never
+//! held across an `.await` or a store write.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use metrics::{counter, gauge, histogram};
+use parking_lot::Mutex;
+use rand::RngCore;
+use tokio::sync::Notify;
+
+use super::record::{DeliveryRecord, Event, Phase, Subscription};
+use super::retry::{NextStep, RetryPolicy};
+use crate::broker::client::now_millis;
+use crate::broker::consumer::Popped;
+use crate::broker::BrokerClient;
+use crate::config::DeliveryConfig;
+use crate::metrics as m;
+use crate::publish::Publisher;
+use crate::store::{Change, Family, StateStore, StoreError};
+
+/// How long an id whose lease was lost is remembered, to answer its late ACK with 409 rather than 404.
+const STALE_MEMORY_MS: i64 = 10 * 60 * 1000;
+/// Pause before retrying a broker ACK, a DLQ write or a lease renewal that failed.
+pub(super) const RETRY_PAUSE_MS: i64 = 1_000;
+/// How long an ACK waits for a record another task is working on.
+const BUSY_WAIT: Duration = Duration::from_secs(10);
+
+/// Why a delivery request could not be served.
+#[derive(Debug, thiserror::Error)]
+pub enum DeliveryError {
+    /// No such delivery, or it was already ACKed.
+    #[error("unknown or already acknowledged delivery")]
+    Unknown,
+    /// popgate no longer owns the message (its lease lapsed or a renewal failed): the broker may have handed it
+    /// to someone else, and will redeliver it.
+    #[error("the delivery's broker lease was lost; the broker will redeliver the event")]
+    Stale,
+    /// The delivery is not handed out (it is waiting for a retry or for the DLQ).
+    #[error("the delivery is not awaiting an ACK")]
+    NotInFlight,
+    /// The state store could not record the change; nothing was changed.
+    #[error("state store unavailable: {0}")]
+    Store(#[from] StoreError),
+    /// A request value is out of range.
+    #[error("{1}")]
+    Invalid(&'static str, String),
+}
+
+/// One delivery handed to a subscriber.
+#[derive(Debug, Clone)]
+pub struct Dispatched {
+    /// The delivery id to ACK.
+    pub id: String,
+    /// Attempt number (1-based).
+    pub attempt: u32,
+    /// ACK by this time (epoch ms).
+    pub ack_deadline_ms: i64,
+    /// The event.
+    pub event: Event,
+}
+
+/// The outcome of a NACK.
+#[derive(Debug, Clone, PartialEq)]
+pub enum NackOutcome {
+    /// Attempt `attempt` is due at `due_ms`.
+    Retry {
+        /// The next attempt's number.
+        attempt: u32,
+        /// When (epoch ms).
+        due_ms: i64,
+    },
+    /// It was the last attempt: the event goes to the DLQ.
+    DeadLetter,
+}
+
+pub(super) struct Live {
+    pub record: DeliveryRecord,
+    /// A task is acting on this record; others leave it alone.
+    pub busy: bool,
+    /// The id sits in its subscription's ready queue.
+    pub queued: bool,
+    /// Earliest time to retry a failed broker ACK / DLQ write / renewal.
+    pub next_try_ms: i64,
+}
+
+pub(super) struct SubState {
+    pub sub: Subscription,
+    pub policy: RetryPolicy,
+    /// Ids ready to hand out, oldest first.
+    pub ready: VecDeque<String>,
+    /// Deliveries requested by waiting pollers: the POP loop only pops what is asked for.
+    pub demand: usize,
+    /// Tells this subscription's POP loop to stop.
+    pub stop: Arc<AtomicBool>,
+}
+
+impl SubState {
+    pub fn new(sub: Subscription, policy: RetryPolicy) -> SubState {
+        SubState { sub, policy, ready: VecDeque::new(), demand: 0, stop: Arc::new(AtomicBool::new(false)) }
+    }
+}
+
+#[derive(Default)]
+pub(super) struct State {
+    pub subs: HashMap<String, SubState>,
+    pub records: HashMap<String, Live>,
+    /// Ids given up to the broker, with the time until which they are remembered.
+    pub stale: HashMap<String, i64>,
+}
+
+/// Everything the dispatcher's tasks share.
+pub(super) struct Shared {
+    pub state: Mutex<State>,
+    pub store: StateStore,
+    pub broker: Arc<BrokerClient>,
+    pub publisher: Arc<Publisher>,
+    pub config: DeliveryConfig,
+    /// Woken when deliveries become ready or demand changes.
+    pub changed: Notify,
+    /// False from a failed store write until the next successful one (`/readyz`).
+    pub store_healthy: AtomicBool,
+    pub shutting_down: AtomicBool,
+}
+
+impl Shared {
+    /// Writes `changes`, keeping the store-health flag and the failure counter true to the outcome.
+    pub fn write(&self, changes: &[Change<'_>]) -> Result<(), StoreError> {
+        let result = self.store.apply(changes);
+        match &result {
+            Ok(()) => self.store_healthy.store(true, Ordering::Relaxed),
+            Err(error) => {
+                self.store_healthy.store(false, Ordering::Relaxed);
+                counter!(m::OFFSET_WRITE_FAILURES).increment(1);
+                tracing::warn!(%error, "State store write failed.");
+            }
+        }
+        result
+    }
+
+    /// Stores `record` (one batch with any extra changes).
+    pub fn save(&self, record: &DeliveryRecord) -> Result<(), StoreError> {
+        let value = serde_json::to_vec(record)?;
+        self.write(&[Change::Put(Family::Deliveries, &record.id, value)])
+    }
+
+    /// Forgets a delivery everywhere (retired: ACKed at the broker, dead-lettered, or given up).
+    pub fn retire(&self, id: &str) {
+        // A failed delete leaves a record that boot recovery retires again (its lease will have lapsed, or
+        // its ACK intent is replayed): harmless.
+        let _ = self.write(&[Change::Delete(Family::Deliveries, id)]);
+        let mut state = self.state.lock();
+        state.records.remove(id);
+        gauge!(m::PENDING_DELIVERIES).set(state.records.len() as f64);
+    }
+
+    /// Gives a delivery up to the broker without ACKing it: its lease lapsed (or a renewal failed until it
+    /// did), so the broker may already have handed it elsewhere and will redeliver it.
+    pub fn give_up_lease(&self, id: &str) {
+        counter!(m::LEASES_LOST).increment(1);
+        self.retire(id);
+        self.state.lock().stale.insert(id.to_owned(), now_millis() + STALE_MEMORY_MS);
+    }
+
+    /// Clears `busy` (and sets the next retry time) after a task is done with a record.
+    pub fn release(&self, id: &str, retry_at_ms: Option<i64>) {
+        if let Some(live) = self.state.lock().records.get_mut(id) {
+            live.busy = false;
+            if let Some(at) = retry_at_ms {
+                live.next_try_ms = at;
+            }
+        }
+    }
+
+    /// Marks `id` busy for the caller and returns a copy of its record, waiting while another task has it.
+    async fn claim(&self, id: &str) -> Result<DeliveryRecord, DeliveryError> {
+        let started = tokio::time::Instant::now();
+        loop {
+            {
+                let mut state = self.state.lock();
+                match state.records.get_mut(id) {
+                    None => {
+                        return Err(if state.stale.contains_key(id) {
+                            DeliveryError::Stale
+                        } else {
+                            DeliveryError::Unknown
+                        });
+                    }
+                    Some(live) if !live.busy => {
+                        live.busy = true;
+                        return Ok(live.record.clone());
+                    }
+                    Some(_) => {}
+                }
+            }
+            if started.elapsed() > BUSY_WAIT {
+                return Err(DeliveryError::NotInFlight);
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// Writes `record` and makes it the live one, releasing the claim; on a store failure nothing changes.
+    fn commit(&self, record: DeliveryRecord) -> Result<(), DeliveryError> {
+        let id = record.id.clone();
+        if let Err(error) = self.save(&record) {
+            self.release(&id, None);
+            return Err(error.into());
+        }
+        let mut state = self.state.lock();
+        if let Some(live) = state.records.get_mut(&id) {
+            live.record = record;
+            live.busy = false;
+            live.queued = false;
+        }
+        Ok(())
+    }
+
+    /// The retry policy of the delivery's subscription (the configured defaults if it is gone).
+    pub fn policy_for(&self, record: &DeliveryRecord) -> RetryPolicy {
+        let key = Subscription::key_of(&record.group, &record.topic);
+        self.state
+            .lock()
+            .subs
+            .get(&key)
+            .map(|s| s.policy)
+            .unwrap_or_else(|| RetryPolicy::from_config(&self.config).unwrap_or(RetryPolicy::SEED_DEFAULT))
+    }
+
+    /// Applies a failed attempt to `record`: the next attempt after the backoff (or `delay`), or the DLQ.
+    pub fn after_failure(&self, record: &mut DeliveryRecord, reason: &str, delay: Option<Duration>) -> NackOutcome {
+        record.last_failure = Some(reason.to_owned());
+        match self.policy_for(record).next(record.attempt, &mut rand::rng()) {
+            NextStep::RetryAfter(backoff, next) => {
+                let due_ms = now_millis() + delay.unwrap_or(backoff).as_millis() as i64;
+                record.attempt = next;
+                record.phase = Phase::Ready { due_ms };
+                NackOutcome::Retry { attempt: next, due_ms }
+            }
+            NextStep::DeadLetter => {
+                record.phase = Phase::DeadLetter { reason: reason.to_owned() };
+                NackOutcome::DeadLetter
+            }
+        }
+    }
+
+    /// Records the popped messages of one subscription before anything else sees them, and queues them.
+    /// On a store failure nothing is kept: the broker redelivers them when their lease lapses.
+    pub fn admit(&self, sub: &Subscription, policy: &RetryPolicy, popped: Vec<Popped>) -> Result<(), StoreError> {
+        let now = now_millis();
+        let records: Vec<DeliveryRecord> = popped
+            .into_iter()
+            .map(|p| {
+                // The broker's count survives popgate's crashes: a crash loop cannot reset the budget.
+                let attempt = p.event.reconsume_times.saturating_add(1).max(1);
+                let phase = if attempt > policy.max_attempts {
+                    Phase::DeadLetter { reason: format!("the broker redelivered it {} times", p.event.reconsume_times) }
+                } else {
+                    Phase::Ready { due_ms: now }
+                };
+                DeliveryRecord {
+                    id: new_delivery_id(),
+                    group: sub.group.clone(),
+                    topic: sub.topic.clone(),
+                    event: p.event,
+                    handle: p.handle,
+                    attempt,
+                    phase,
+                    last_failure: None,
+                }
+            })
+            .collect();
+        let encoded = records.iter().map(serde_json::to_vec).collect::<Result<Vec<_>, _>>()?;
+        let changes: Vec<Change<'_>> =
+            records.iter().zip(encoded).map(|(r, v)| Change::Put(Family::Deliveries, &r.id, v)).collect();
+        self.write(&changes)?;
+        let mut state = self.state.lock();
+        for record in records {
+            let id = record.id.clone();
+            let ready = matches!(record.phase, Phase::Ready { .. });
+            state.records.insert(id.clone(), Live { record, busy: false, queued: ready, next_try_ms: 0 });
+            if ready {
+                if let Some(sub_state) = state.subs.get_mut(&sub.key()) {
+                    sub_state.ready.push_back(id);
+                }
+            }
+        }
+        gauge!(m::PENDING_DELIVERIES).set(state.records.len() as f64);
+        drop(state);
+        self.changed.notify_waiters();
+        Ok(())
+    }
+}
+
+/// A fresh 128-bit random delivery id (32 hex chars): unguessable and never reused across restarts.
+pub fn new_delivery_id() -> String {
+    let mut bytes = [0u8; 16];
+    rand::rng().fill_bytes(&mut bytes);
+    hex::encode(bytes)
+}
+
+// === client operations ===
+
+impl Shared {
+    /// Hands out up to `max` ready deliveries of `key`, marking them awaiting ACK (written first).
+    pub fn take_ready(&self, key: &str, max: usize, transport: &'static str) -> Result<Vec<Dispatched>, DeliveryError> {
+        let now = now_millis();
+        let mut taken: Vec<DeliveryRecord> = Vec::new();
+        {
+            let mut state = self.state.lock();
+            let State { subs, records, .. } = &mut *state;
+            let Some(sub_state) = subs.get_mut(key) else { return Ok(Vec::new()) };
+            let ack_timeout = sub_state.sub.ack_timeout_ms as i64;
+            while taken.len() < max {
+                let Some(id) = sub_state.ready.pop_front() else { break };
+                let Some(live) = records.get_mut(&id) else { continue };
+                live.queued = false;
+                if live.busy || !matches!(live.record.phase, Phase::Ready { due_ms } if due_ms <= now) {
+                    continue;
+                }
+                live.busy = true;
+                let mut record = live.record.clone();
+                record.phase = Phase::AwaitingAck { deadline_ms: now + ack_timeout, dispatched_ms: now };
+                taken.push(record);
+            }
+        }
+        if taken.is_empty() {
+            return Ok(Vec::new());
+        }
+        let encoded = taken.iter().map(serde_json::to_vec).collect::<Result<Vec<_>, _>>().map_err(StoreError::from)?;
+        let changes: Vec<Change<'_>> =
+            taken.iter().zip(encoded).map(|(r, v)| Change::Put(Family::Deliveries, &r.id, v)).collect();
+        if let Err(error) = self.write(&changes) {
+            // Not handed out: put them back at the head of the queue, unchanged.
+            let mut state = self.state.lock();
+            let State { subs, records, .. } = &mut *state;
+            for record in taken.iter().rev() {
+                if let Some(live) = records.get_mut(&record.id) {
+                    live.busy = false;
+                    live.queued = true;
+                }
+                if let Some(sub_state) = subs.get_mut(key) {
+                    sub_state.ready.push_front(record.id.clone());
+                }
+            }
+            return Err(error.into());
+        }
+        let mut state = self.state.lock();
+        let mut out = Vec::with_capacity(taken.len());
+        for record in taken {
+            let Phase::AwaitingAck { deadline_ms, .. } = record.phase else { continue };
+            out.push(Dispatched {
+                id: record.id.clone(),
+                attempt: record.attempt,
+                ack_deadline_ms: deadline_ms,
+                event: record.event.clone(),
+            });
+            if let Some(live) = state.records.get_mut(&record.id) {
+                live.record = record;
+                live.busy = false;
+            }
+        }
+        counter!(m::DELIVERIES_DISPATCHED, "transport" => transport).increment(out.len() as u64);
+        Ok(out)
+    }
+
+    /// The subscriber's ACK: recorded durably (the ACK intent), then the broker ACK; a failed broker ACK is
+    /// retried from the intent, so the client's answer does not depend on it.
+    pub async fn ack(&self, id: &str) -> Result<(), DeliveryError> {
+        let result = self.ack_inner(id).await;
+        let label = match &result {
+            Ok(()) => "acked",
+            Err(DeliveryError::Stale) => "stale",
+            Err(DeliveryError::Store(_)) => "store_error",
+            Err(_) => "unknown",
+        };
+        counter!(m::ACKS, "result" => label).increment(1);
+        result
+    }
+
+    async fn ack_inner(&self, id: &str) -> Result<(), DeliveryError> {
+        let mut record = self.claim(id).await?;
+        if record.phase == Phase::Acked {
+            self.release(id, None);
+            return Err(DeliveryError::Unknown);
+        }
+        if record.handle.lease_deadline_ms() <= now_millis() {
+            // The broker answers SUCCESS even to a lapsed handle, so the check is ours. Write nothing.
+            self.release(id, None);
+            return Err(DeliveryError::Stale);
+        }
+        if let Phase::AwaitingAck { dispatched_ms, .. } = record.phase {
+            histogram!(m::ACK_LATENCY).record((now_millis() - dispatched_ms).max(0) as f64 / 1000.0);
+        }
+        record.phase = Phase::Acked;
+        if let Err(error) = self.save(&record) {
+            self.release(id, None);
+            return Err(error.into());
+        }
+        let handle = record.handle.clone();
+        let group = record.group.clone();
+        if let Some(live) = self.state.lock().records.get_mut(id) {
+            live.record = record;
+        }
+        match self.broker.ack(&group, &handle).await {
+            Ok(()) => self.retire(id),
+            Err(error) => {
+                counter!(m::BROKER_ACK_FAILURES).increment(1);
+                tracing::warn!(%error, delivery = id, "Broker ACK failed; retrying from the ACK intent.");
+                self.release(id, Some(now_millis() + RETRY_PAUSE_MS));
+            }
+        }
+        Ok(())
+    }
+
+    /// The subscriber's NACK: the attempt is spent; the next one is scheduled (after `delay` if given).
+    pub async fn nack(&self, id: &str, delay: Option<Duration>) -> Result<NackOutcome, DeliveryError> {
+        let mut record = self.claim(id).await?;
+        if !matches!(record.phase, Phase::AwaitingAck { .. }) {
+            self.release(id, None);
+            return Err(if record.phase == Phase::Acked { DeliveryError::Unknown } else { DeliveryError::NotInFlight });
+        }
+        let outcome = self.after_failure(&mut record, "nack", delay);
+        self.commit(record)?;
+        if matches!(outcome, NackOutcome::Retry { .. }) {
+            counter!(m::REDELIVERIES, "reason" => "nack").increment(1);
+        }
+        Ok(outcome)
+    }
+
+    /// The subscriber's TERM: straight to the DLQ with its reason.
+    pub async fn term(&self, id: &str, reason: &str) -> Result<(), DeliveryError> {
+        let mut record = self.claim(id).await?;
+        if matches!(record.phase, Phase::Acked | Phase::DeadLetter { .. }) {
+            self.release(id, None);
+            return Err(DeliveryError::Unknown);
+        }
+        record.last_failure = Some(format!("terminated: {reason}"));
+        record.phase = Phase::DeadLetter { reason: format!("terminated by the subscriber: {reason}") };
+        self.commit(record)
+    }
+}

@@ -1,0 +1,353 @@
+//! The consume path: at-least-once delivery with the broker ACK deferred until the subscriber ACKs.
+//!
+//! A delivery's life (every arrow is "write the new state, then act"):
+//!
+//! ```text
+//! POP ──record──▶ ready(attempt n) ──hand out──▶ awaiting ACK ──ACK──▶ ACK intent ──broker ACK──▶ retired
+//!                     ▲                               │
+//!                     └── backoff (1 s ×2 ≤ 16 s ±20 %) ◀── timeout / NACK
+//! awaiting ACK or ready with n = max ──▶ dead-letter pending ──%DLQ% write──▶ broker ACK ──▶ retired
+//! TERM ──▶ dead-letter pending
+//! lease lapsed (renewal failed too long) ──▶ given up: ACKs get 409, the broker redelivers the message
+//! ```
+//!
+//! While popgate owns a delivery it keeps the message invisible at the broker by renewing its lease
+//! (ChangeInvisibleTime) ahead of expiry; if popgate dies, the lease running out is the backstop and the
+//! broker redelivers. Nothing but a subscriber ACK, or a successful DLQ write, ever ACKs the broker.
+//!
+//! - [`dispatcher`]: the state machine and the client operations (poll, ack, nack, term).
+//! - [`popper`]: one demand-paced POP loop per subscription.
+//! - [`sweeper`]: timeouts, retries, lease renewal, owed broker ACKs and DLQ writes.
+//! - [`recovery`]: boot replay of the stored state. [`dlq`]: the dead-letter message. [`retry`]: the backoff.
+
+pub mod dispatcher;
+pub mod dlq;
+mod popper;
+pub mod record;
+pub mod recovery;
+pub mod retry;
+mod sweeper;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+
+pub use dispatcher::{DeliveryError, Dispatched, NackOutcome};
+pub use record::Subscription;
+
+use dispatcher::{Shared, State, SubState};
+use recovery::RecoveryReport;
+use retry::RetryPolicy;
+
+use crate::broker::client::now_millis;
+use crate::broker::BrokerClient;
+use crate::config::DeliveryConfig;
+use crate::publish::Publisher;
+use crate::store::{Family, StateStore};
+
+/// Longest long-poll wait a client may ask for.
+pub const MAX_POLL_WAIT: Duration = Duration::from_secs(30);
+/// Most deliveries one poll may return.
+pub const MAX_POLL_BATCH: usize = 256;
+
+/// What a subscriber may set on its subscription; unset fields take the configured defaults.
+#[derive(Debug, Clone, Default)]
+pub struct SubscriptionRequest {
+    /// Consumer group.
+    pub group: String,
+    /// Topic.
+    pub topic: String,
+    /// Tag expression (default `*`).
+    pub filter: Option<String>,
+    /// ACK timeout.
+    pub ack_timeout_ms: Option<u64>,
+    /// Attempts in all.
+    pub max_attempts: Option<u32>,
+    /// First retry delay.
+    pub initial_backoff_ms: Option<u64>,
+    /// Largest retry delay.
+    pub max_backoff_ms: Option<u64>,
+}
+
+/// The consume path's entry point, shared by every transport.
+pub struct Dispatcher {
+    shared: Arc<Shared>,
+    tasks: parking_lot::Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Dispatcher {
+    /// Opens nothing itself: takes the store, replays it ([`recovery`]), starts the sweeper and a POP loop per
+    /// subscription.
+    ///
+    /// # Errors
+    /// [`DeliveryError::Store`] when the store cannot be read.
+    pub fn start(
+        store: StateStore,
+        broker: Arc<BrokerClient>,
+        publisher: Arc<Publisher>,
+        config: DeliveryConfig,
+    ) -> Result<(Arc<Dispatcher>, RecoveryReport), DeliveryError> {
+        let shared = Arc::new(Shared {
+            state: parking_lot::Mutex::new(State::default()),
+            store,
+            broker,
+            publisher,
+            config,
+            changed: Notify::new(),
+            store_healthy: AtomicBool::new(true),
+            shutting_down: AtomicBool::new(false),
+        });
+        let report = recovery::recover(&shared)?;
+        let dispatcher = Arc::new(Dispatcher { shared: shared.clone(), tasks: parking_lot::Mutex::new(Vec::new()) });
+        dispatcher.tasks.lock().push(tokio::spawn(sweeper::run(shared.clone())));
+        let keys: Vec<String> = shared.state.lock().subs.keys().cloned().collect();
+        for key in keys {
+            dispatcher.start_popper(&key);
+        }
+        Ok((dispatcher, report))
+    }
+
+    /// Runs recovery again (it is idempotent: live records are skipped). For operators and tests.
+    ///
+    /// # Errors
+    /// [`DeliveryError::Store`] when the store cannot be read.
+    pub fn recover_again(&self) -> Result<RecoveryReport, DeliveryError> {
+        Ok(recovery::recover(&self.shared)?)
+    }
+
+    fn start_popper(&self, key: &str) {
+        let stop = match self.shared.state.lock().subs.get(key) {
+            Some(sub) => sub.stop.clone(),
+            None => return,
+        };
+        let task = tokio::spawn(popper::run(self.shared.clone(), key.to_owned(), stop));
+        self.tasks.lock().push(task);
+    }
+
+    /// Creates or updates a subscription (persisted) and starts its POP loop.
+    ///
+    /// # Errors
+    /// [`DeliveryError::Invalid`] naming a bad field; [`DeliveryError::Store`] when it cannot be stored.
+    pub fn subscribe(&self, request: SubscriptionRequest) -> Result<Subscription, DeliveryError> {
+        let config = &self.shared.config;
+        validate_name("group", &request.group)?;
+        validate_name("topic", &request.topic)?;
+        let sub = Subscription {
+            group: request.group,
+            topic: request.topic,
+            filter: request.filter.unwrap_or_else(|| "*".to_owned()),
+            ack_timeout_ms: request.ack_timeout_ms.unwrap_or(config.ack_timeout_ms),
+            max_attempts: request.max_attempts.unwrap_or(config.max_attempts),
+            initial_backoff_ms: request.initial_backoff_ms.unwrap_or(config.initial_backoff_ms),
+            max_backoff_ms: request.max_backoff_ms.unwrap_or(config.max_backoff_ms),
+        };
+        if sub.filter.trim().is_empty() {
+            return Err(DeliveryError::Invalid("filter", "must be a tag expression such as `*` or `a || b`".into()));
+        }
+        if !(100..=3_600_000).contains(&sub.ack_timeout_ms) {
+            return Err(DeliveryError::Invalid("ackTimeoutMs", "must be in 100..=3600000".into()));
+        }
+        if !(1..=100).contains(&sub.max_attempts) {
+            return Err(DeliveryError::Invalid("maxAttempts", "must be in 1..=100".into()));
+        }
+        let policy = RetryPolicy::try_new(
+            Duration::from_millis(sub.initial_backoff_ms),
+            Duration::from_millis(sub.max_backoff_ms),
+            config.jitter_ratio,
+            sub.max_attempts,
+        )
+        .map_err(|e| DeliveryError::Invalid("initialBackoffMs", e.to_string()))?;
+        let key = sub.key();
+        self.shared.write(&[crate::store::Change::Put(
+            Family::Subscriptions,
+            &key,
+            serde_json::to_vec(&sub).map_err(crate::store::StoreError::from)?,
+        )])?;
+        let is_new = {
+            let mut state = self.shared.state.lock();
+            match state.subs.get_mut(&key) {
+                Some(existing) => {
+                    existing.sub = sub.clone();
+                    existing.policy = policy;
+                    false
+                }
+                None => {
+                    state.subs.insert(key.clone(), SubState::new(sub.clone(), policy));
+                    true
+                }
+            }
+        };
+        if is_new {
+            self.start_popper(&key);
+        }
+        Ok(sub)
+    }
+
+    /// Removes a subscription: its POP loop stops, and its undelivered events are given back to the broker
+    /// (not ACKed), which redelivers them to whoever subscribes next.
+    ///
+    /// # Errors
+    /// [`DeliveryError::Unknown`] when there is no such subscription; [`DeliveryError::Store`].
+    pub fn unsubscribe(&self, group: &str, topic: &str) -> Result<(), DeliveryError> {
+        let key = Subscription::key_of(group, topic);
+        if !self.shared.state.lock().subs.contains_key(&key) {
+            return Err(DeliveryError::Unknown);
+        }
+        self.shared.write(&[crate::store::Change::Delete(Family::Subscriptions, &key)])?;
+        let released: Vec<String> = {
+            let mut state = self.shared.state.lock();
+            if let Some(sub) = state.subs.remove(&key) {
+                sub.stop.store(true, Ordering::Relaxed);
+            }
+            state
+                .records
+                .iter()
+                .filter(|(_, live)| live.record.group == group && live.record.topic == topic && !live.busy)
+                .filter(|(_, live)| {
+                    !matches!(live.record.phase, record::Phase::Acked | record::Phase::DeadLetter { .. })
+                })
+                .map(|(id, _)| id.clone())
+                .collect()
+        };
+        for id in released {
+            self.shared.retire(&id);
+        }
+        self.shared.changed.notify_waiters();
+        Ok(())
+    }
+
+    /// The subscription of `group`/`topic`, created with the defaults when there is none.
+    ///
+    /// # Errors
+    /// As [`Dispatcher::subscribe`].
+    pub fn ensure_subscription(&self, group: &str, topic: &str) -> Result<Subscription, DeliveryError> {
+        if let Some(sub) = self.shared.state.lock().subs.get(&Subscription::key_of(group, topic)) {
+            return Ok(sub.sub.clone());
+        }
+        self.subscribe(SubscriptionRequest { group: group.to_owned(), topic: topic.to_owned(), ..Default::default() })
+    }
+
+    /// Every subscription.
+    pub fn subscriptions(&self) -> Vec<Subscription> {
+        self.shared.state.lock().subs.values().map(|s| s.sub.clone()).collect()
+    }
+
+    /// Long-polls up to `max` deliveries for `group`/`topic`, waiting at most `wait` when none is ready.
+    ///
+    /// # Errors
+    /// [`DeliveryError::Store`] when the hand-out cannot be recorded (nothing is handed out then).
+    pub async fn poll(
+        &self,
+        group: &str,
+        topic: &str,
+        max: usize,
+        wait: Duration,
+    ) -> Result<Vec<Dispatched>, DeliveryError> {
+        let key = self.ensure_subscription(group, topic)?.key();
+        let max = max.clamp(1, MAX_POLL_BATCH);
+        let _demand = Demand::register(&self.shared, &key, max);
+        let deadline = tokio::time::Instant::now() + wait.min(MAX_POLL_WAIT);
+        loop {
+            let notified = self.shared.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let taken = self.shared.take_ready(&key, max, "poll")?;
+            if !taken.is_empty() || tokio::time::Instant::now() >= deadline {
+                return Ok(taken);
+            }
+            tokio::select! {
+                () = &mut notified => {}
+                () = tokio::time::sleep_until(deadline) => {}
+            }
+        }
+    }
+
+    /// See [`Shared::ack`].
+    ///
+    /// # Errors
+    /// [`DeliveryError::Unknown`] (404), [`DeliveryError::Stale`] (409), [`DeliveryError::Store`] (503).
+    pub async fn ack(&self, id: &str) -> Result<(), DeliveryError> {
+        self.shared.ack(id).await
+    }
+
+    /// NACK: the attempt is spent; the next is scheduled after `delay` (or the backoff), or the DLQ.
+    ///
+    /// # Errors
+    /// As [`Dispatcher::ack`], and [`DeliveryError::NotInFlight`] for a delivery not handed out.
+    pub async fn nack(&self, id: &str, delay: Option<Duration>) -> Result<NackOutcome, DeliveryError> {
+        self.shared.nack(id, delay).await
+    }
+
+    /// TERM: straight to the DLQ with `reason`.
+    ///
+    /// # Errors
+    /// As [`Dispatcher::ack`].
+    pub async fn term(&self, id: &str, reason: &str) -> Result<(), DeliveryError> {
+        self.shared.term(id, reason).await
+    }
+
+    /// False after a failed state-store write, until a write succeeds again.
+    pub fn store_healthy(&self) -> bool {
+        self.shared.store_healthy.load(Ordering::Relaxed)
+    }
+
+    /// In-flight deliveries held.
+    pub fn pending(&self) -> usize {
+        self.shared.state.lock().records.len()
+    }
+
+    /// Stops every background task (POP loops, sweeper). In-flight state stays in the store.
+    pub async fn shutdown(&self) {
+        self.shared.shutting_down.store(true, Ordering::Relaxed);
+        self.shared.changed.notify_waiters();
+        let tasks: Vec<JoinHandle<()>> = self.tasks.lock().drain(..).collect();
+        for task in tasks {
+            let _ = tokio::time::timeout(Duration::from_secs(10), task).await;
+        }
+    }
+}
+
+/// A waiting poller's demand on its subscription, withdrawn when the poll ends (or its client goes away).
+struct Demand {
+    shared: Arc<Shared>,
+    key: String,
+    count: usize,
+}
+
+impl Demand {
+    fn register(shared: &Arc<Shared>, key: &str, count: usize) -> Demand {
+        if let Some(sub) = shared.state.lock().subs.get_mut(key) {
+            sub.demand += count;
+        }
+        shared.changed.notify_waiters();
+        Demand { shared: shared.clone(), key: key.to_owned(), count }
+    }
+}
+
+impl Drop for Demand {
+    fn drop(&mut self) {
+        if let Some(sub) = self.shared.state.lock().subs.get_mut(&self.key) {
+            sub.demand = sub.demand.saturating_sub(self.count);
+        }
+    }
+}
+
+/// Group and topic names: RocketMQ's character set, at most 127 characters.
+fn validate_name(field: &'static str, name: &str) -> Result<(), DeliveryError> {
+    let valid = !name.is_empty()
+        && name.len() <= 127
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '%' | '|'));
+    if valid {
+        Ok(())
+    } else {
+        Err(DeliveryError::Invalid(field, format!("`{name}` must be 1..=127 letters, digits, `_`, `-`, `%`, `|`")))
+    }
+}
+
+/// Epoch ms now (re-exported for transports that print deadlines).
+pub fn now_ms() -> i64 {
+    now_millis()
+}

@@ -1,0 +1,89 @@
+//! What popgate stores about one in-flight delivery, and the subscription it belongs to.
+//!
+//! A record is written before the event is handed to anyone, and rewritten at every phase change
+//! ("write the new state, then act"), so boot recovery can replay from it. Its JSON form is what the state
+//! store holds.
+
+use serde::{Deserialize, Serialize};
+
+pub use crate::broker::consumer::{PoppedEvent as Event, ReceiptHandle};
+
+/// Where a delivery stands.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "phase", rename_all = "camelCase")]
+pub enum Phase {
+    /// Waiting to be dispatched: at once for a new event, at `due_ms` for a retry.
+    Ready {
+        /// Not before this time (epoch ms).
+        due_ms: i64,
+    },
+    /// Handed to a subscriber; an ACK is due by `deadline_ms`.
+    AwaitingAck {
+        /// Epoch ms.
+        deadline_ms: i64,
+        /// When it was handed out, for the ACK latency.
+        dispatched_ms: i64,
+    },
+    /// The subscriber ACKed (the ACK intent): the broker ACK is owed, and nothing else.
+    Acked,
+    /// Attempts exhausted or terminated: the event is owed to `%DLQ%<group>`, then the broker ACK.
+    DeadLetter {
+        /// Why (the last failure, or the subscriber's TERM reason).
+        reason: String,
+    },
+}
+
+/// One in-flight delivery.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DeliveryRecord {
+    /// 128-bit random id, 32 hex characters; never reused.
+    pub id: String,
+    /// Consumer group.
+    pub group: String,
+    /// Subscribed topic.
+    pub topic: String,
+    /// The event.
+    pub event: Event,
+    /// The broker lease.
+    pub handle: ReceiptHandle,
+    /// The number of the current (or next) attempt, 1-based.
+    pub attempt: u32,
+    /// Where it stands.
+    #[serde(flatten)]
+    pub phase: Phase,
+    /// The last failed attempt's reason.
+    pub last_failure: Option<String>,
+}
+
+/// A subscription: which group consumes which topic, and its delivery policy.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Subscription {
+    /// Consumer group.
+    pub group: String,
+    /// Topic.
+    pub topic: String,
+    /// RocketMQ tag expression (`*`, `a || b`).
+    pub filter: String,
+    /// Time a subscriber has to ACK one delivery.
+    pub ack_timeout_ms: u64,
+    /// Attempts in all before the DLQ.
+    pub max_attempts: u32,
+    /// First retry delay.
+    pub initial_backoff_ms: u64,
+    /// Largest retry delay.
+    pub max_backoff_ms: u64,
+}
+
+impl Subscription {
+    /// The store key (and in-memory key) of a group/topic pair.
+    pub fn key_of(group: &str, topic: &str) -> String {
+        format!("{group}\n{topic}")
+    }
+
+    /// This subscription's key.
+    pub fn key(&self) -> String {
+        Self::key_of(&self.group, &self.topic)
+    }
+}

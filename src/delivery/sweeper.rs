@@ -1,0 +1,193 @@
+//! The timer side of the dispatcher, every 100 ms:
+//! - a retry whose backoff is over becomes ready to hand out;
+//! - a delivery not ACKed by its deadline spends its attempt (next attempt, or the DLQ);
+//! - an owed broker ACK or DLQ write is (re)tried;
+//! - a lease with less than half its time left is renewed (ChangeInvisibleTime), and one that lapsed is given
+//!   up: the broker will redeliver that message, so popgate stops claiming it.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use metrics::{counter, gauge};
+
+use super::dispatcher::{NackOutcome, Shared, RETRY_PAUSE_MS};
+use super::dlq;
+use super::record::{DeliveryRecord, Phase, Subscription};
+use crate::broker::client::now_millis;
+use crate::metrics as m;
+
+/// How often the sweeper looks at every record.
+const TICK: Duration = Duration::from_millis(100);
+
+/// Work the sweeper hands to a task of its own (it involves the broker).
+enum Task {
+    Renew(DeliveryRecord),
+    BrokerAck(DeliveryRecord),
+    DeadLetter(DeliveryRecord),
+    GiveUp(String),
+}
+
+/// Runs until shutdown.
+pub(super) async fn run(shared: Arc<Shared>) {
+    let mut tick = tokio::time::interval(TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    while !shared.shutting_down.load(Ordering::Relaxed) {
+        tick.tick().await;
+        sweep(&shared);
+    }
+}
+
+fn sweep(shared: &Arc<Shared>) {
+    let now = now_millis();
+    let half_lease = (shared.config.lease_ms / 2) as i64;
+    let mut newly_ready: Vec<(String, String)> = Vec::new();
+    let mut timed_out: Vec<DeliveryRecord> = Vec::new();
+    let mut tasks: Vec<Task> = Vec::new();
+    {
+        let mut state = shared.state.lock();
+        state.stale.retain(|_, until| *until > now);
+        for (id, live) in state.records.iter_mut() {
+            if live.busy {
+                continue;
+            }
+            let lease_deadline = live.record.handle.lease_deadline_ms();
+            if lease_deadline <= now {
+                live.busy = true;
+                tasks.push(Task::GiveUp(id.clone()));
+                continue;
+            }
+            let retry_due = live.next_try_ms <= now;
+            match &live.record.phase {
+                Phase::Ready { due_ms } if *due_ms <= now && !live.queued => {
+                    live.queued = true;
+                    newly_ready.push((Subscription::key_of(&live.record.group, &live.record.topic), id.clone()));
+                }
+                Phase::AwaitingAck { deadline_ms, .. } if *deadline_ms <= now => {
+                    live.busy = true;
+                    timed_out.push(live.record.clone());
+                    continue;
+                }
+                Phase::Acked if retry_due => {
+                    live.busy = true;
+                    tasks.push(Task::BrokerAck(live.record.clone()));
+                    continue;
+                }
+                Phase::DeadLetter { .. } if retry_due => {
+                    live.busy = true;
+                    tasks.push(Task::DeadLetter(live.record.clone()));
+                    continue;
+                }
+                _ => {}
+            }
+            if lease_deadline - now < half_lease && retry_due {
+                live.busy = true;
+                tasks.push(Task::Renew(live.record.clone()));
+            }
+        }
+        for (key, id) in &newly_ready {
+            if let Some(sub) = state.subs.get_mut(key) {
+                sub.ready.push_back(id.clone());
+            }
+        }
+        gauge!(m::PENDING_DELIVERIES).set(state.records.len() as f64);
+    }
+    if !newly_ready.is_empty() {
+        shared.changed.notify_waiters();
+    }
+    for record in timed_out {
+        expire(shared, record);
+    }
+    for task in tasks {
+        tokio::spawn(run_task(shared.clone(), task));
+    }
+}
+
+/// An unACKed delivery past its deadline: the attempt is spent.
+fn expire(shared: &Shared, mut record: DeliveryRecord) {
+    let id = record.id.clone();
+    let outcome = shared.after_failure(&mut record, "ack timeout", None);
+    // A failed write leaves the record as it was (still awaiting ACK, past its deadline): the next tick
+    // tries again, so the delivery stays in flight until the store recovers.
+    if shared.save(&record).is_err() {
+        shared.release(&id, None);
+        return;
+    }
+    if matches!(outcome, NackOutcome::Retry { .. }) {
+        counter!(m::REDELIVERIES, "reason" => "timeout").increment(1);
+    }
+    let mut state = shared.state.lock();
+    if let Some(live) = state.records.get_mut(&id) {
+        live.record = record;
+        live.busy = false;
+        live.queued = false;
+    }
+}
+
+async fn run_task(shared: Arc<Shared>, task: Task) {
+    match task {
+        Task::GiveUp(id) => {
+            tracing::warn!(delivery = %id, "Broker lease lapsed; the broker will redeliver the event.");
+            shared.give_up_lease(&id);
+        }
+        Task::BrokerAck(record) => match shared.broker.ack(&record.group, &record.handle).await {
+            Ok(()) => shared.retire(&record.id),
+            Err(error) => {
+                counter!(m::BROKER_ACK_FAILURES).increment(1);
+                tracing::warn!(%error, delivery = %record.id, "Broker ACK failed; will retry.");
+                shared.release(&record.id, Some(now_millis() + RETRY_PAUSE_MS));
+            }
+        },
+        Task::DeadLetter(record) => dead_letter(&shared, record).await,
+        Task::Renew(record) => renew(&shared, record).await,
+    }
+}
+
+/// Writes the event to `%DLQ%<group>`; only then ACKs the original at the broker and retires the delivery.
+async fn dead_letter(shared: &Shared, mut record: DeliveryRecord) {
+    if let Err(error) = dlq::send(&shared.publisher, &record).await {
+        counter!(m::DLQ_RECORD_FAILURES).increment(1);
+        tracing::warn!(%error, delivery = %record.id, "DLQ write failed; the delivery stays in flight and will retry.");
+        shared.release(&record.id, Some(now_millis() + RETRY_PAUSE_MS));
+        return;
+    }
+    counter!(m::DLQ_MESSAGES, "group" => record.group.clone()).increment(1);
+    match shared.broker.ack(&record.group, &record.handle).await {
+        Ok(()) => shared.retire(&record.id),
+        Err(error) => {
+            counter!(m::BROKER_ACK_FAILURES).increment(1);
+            tracing::warn!(%error, delivery = %record.id, "Broker ACK after the DLQ write failed; will retry.");
+            // The DLQ has the event: from here only the broker ACK is owed, never a second DLQ write.
+            record.phase = Phase::Acked;
+            let _ = shared.save(&record);
+            let mut state = shared.state.lock();
+            if let Some(live) = state.records.get_mut(&record.id) {
+                live.record = record;
+                live.busy = false;
+                live.next_try_ms = now_millis() + RETRY_PAUSE_MS;
+            }
+        }
+    }
+}
+
+/// Extends the lease. The new handle is written before it is relied on; the old one is dead either way.
+async fn renew(shared: &Shared, mut record: DeliveryRecord) {
+    match shared.broker.renew(&record.group, &record.handle, shared.config.lease_ms).await {
+        Ok(handle) => {
+            record.handle = handle;
+            // A failed write is counted; memory holds the live handle, and after a crash the stored (dead)
+            // one only means the broker redelivers: a duplicate, never a loss.
+            let _ = shared.save(&record);
+            let mut state = shared.state.lock();
+            if let Some(live) = state.records.get_mut(&record.id) {
+                live.record.handle = record.handle;
+                live.busy = false;
+            }
+        }
+        Err(error) => {
+            counter!(m::CONSUME_REQUEST_FAILURES, "op" => "renew").increment(1);
+            tracing::warn!(%error, delivery = %record.id, "Lease renewal failed; will retry until the lease lapses.");
+            shared.release(&record.id, Some(now_millis() + RETRY_PAUSE_MS));
+        }
+    }
+}
