@@ -7,10 +7,10 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::harness::direct::{Direct, DirectConsumer};
-use crate::harness::eventually;
 use crate::harness::popgate::Popgate;
 use crate::harness::rocketmq::{Cluster, ClusterSpec};
 use crate::harness::unique_topic;
+use crate::harness::{eventually, Tmpfs};
 use crate::publish::shared_cluster;
 
 /// Short leases and POP waits so broker-side redelivery happens within a test.
@@ -215,6 +215,10 @@ async fn kill9_keeps_attempts_and_ids_finishes_acks_and_retires_corrupt_records(
     assert_eq!(data(&redelivered[0]), "nacked-once");
     assert_eq!(id(&redelivered[0]), by_data["nacked-once"], "same deliveryId");
     assert_eq!(redelivered[0]["attempt"], 2, "the attempt counter survives the crash");
+    let now_ms =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0);
+    let ack_window = redelivered[0]["ackDeadline"].as_i64().unwrap_or(0) - now_ms;
+    assert!(ack_window > 45_000, "the restored subscription keeps its 60 s ACK timeout, not the 30 s default");
     assert_eq!(popgate.ack(&id(&redelivered[0])).await.0, 200);
 
     assert_eq!(popgate.metric("popgate_recovered_deliveries_total{outcome=\"corrupt\"}").await, 1.0);
@@ -309,4 +313,47 @@ async fn a_broker_restart_with_deliveries_in_flight_loses_nothing_and_the_dlq_wr
     assert_eq!(popgate.metric(&format!("popgate_dlq_messages_total{{group=\"{group}\"}}")).await, 1.0);
     let dead = Direct::connect(&cluster.namesrv_addr).await.read_all(&format!("%DLQ%{group}")).await;
     assert_eq!(dead.iter().map(|m| m.body.clone()).collect::<Vec<_>>(), vec![b"doomed".to_vec()]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_state_disk_dispatches_and_acks_nothing_then_delivery_resumes() {
+    let cluster = shared_cluster();
+    let disk = Tmpfs::mount(16 * 1024);
+    let state_dir = disk.path.join("state");
+    let config = format!("[delivery]\nstate_dir = \"{}\"\nlease_ms = 5000\npop_poll_ms = 1000\n", state_dir.display());
+    let popgate = Popgate::start(&cluster.namesrv_addr, &config).await;
+    let (topic, group) = (unique_topic("diskfull"), unique_topic("g_diskfull"));
+    subscribe(&popgate, json!({"group": group, "topic": topic, "ackTimeoutMs": 30000})).await;
+    publish_all(&popgate, &topic, &["before"]).await;
+    let first = popgate.poll_until(&group, &topic, 1, Duration::from_secs(30)).await;
+    assert_eq!(popgate.ack(&id(&first[0])).await.0, 200);
+
+    disk.fill();
+    // Each record is larger than any slack left in the WAL's last page, so none of them fits.
+    let during: Vec<String> = (0..5).map(|i| format!("during-{i}-{}", "x".repeat(4096))).collect();
+    publish_all(&popgate, &topic, &during.iter().map(String::as_str).collect::<Vec<_>>()).await;
+    assert!(
+        popgate.poll(&group, &topic, 5, 4_000).await.is_empty(),
+        "an event that cannot be recorded is not handed out"
+    );
+    assert!(popgate.metric("popgate_offset_write_failures_total").await >= 1.0);
+    let (status, ready) = popgate.get_json("/readyz").await;
+    assert_eq!(status, 503, "{ready}");
+    assert!(ready["store"].as_str().is_some_and(|s| s.starts_with("unhealthy")), "{ready}");
+
+    disk.free();
+    // Nothing was ACKed for them: the broker redelivers each once its lease lapses, and popgate records it now.
+    let mut resumed = BTreeSet::new();
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while resumed.len() < during.len() && Instant::now() < deadline {
+        for d in popgate.poll(&group, &topic, 5, 1_000).await {
+            assert_eq!(popgate.ack(&id(&d)).await.0, 200);
+            resumed.insert(data(&d));
+        }
+    }
+    assert_eq!(resumed, during.iter().cloned().collect::<BTreeSet<_>>(), "every event is delivered once space is free");
+    eventually(Duration::from_secs(10), "the store reports healthy again", || async {
+        popgate.get_json("/readyz").await.0 == 200
+    })
+    .await;
 }

@@ -47,3 +47,45 @@ fn rand_suffix() -> String {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
     format!("{}_{nanos:x}", std::process::id())
 }
+
+/// A small tmpfs mounted for a test (root can mount one here), unmounted on drop: a real disk that fills up.
+pub struct Tmpfs {
+    /// The mount point.
+    pub path: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Tmpfs {
+    /// Mounts a tmpfs of `size_kib` KiB.
+    pub fn mount(size_kib: u32) -> Tmpfs {
+        let dir = tempfile::Builder::new().prefix("popgate-tmpfs-").tempdir().expect("tempdir");
+        let path = dir.path().to_path_buf();
+        let status = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size_kib}k"), "tmpfs"])
+            .arg(&path)
+            .status()
+            .expect("run mount");
+        assert!(status.success(), "mounting a tmpfs needs root");
+        Tmpfs { path, _dir: dir }
+    }
+
+    /// Fills the file system to the last byte with a filler file.
+    pub fn fill(&self) {
+        let _ = std::process::Command::new("dd")
+            .args(["if=/dev/zero", "bs=4k"])
+            .arg(format!("of={}", self.path.join("filler").display()))
+            .stderr(std::process::Stdio::null())
+            .status();
+    }
+
+    /// Frees what [`Tmpfs::fill`] took.
+    pub fn free(&self) {
+        std::fs::remove_file(self.path.join("filler")).expect("remove filler");
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg("-l").arg(&self.path).status();
+    }
+}

@@ -32,10 +32,19 @@ impl Popgate {
         let port = free_port();
         let config_path = dir.path().join("popgate.toml");
         let state_dir = dir.path().join("state");
+        // A test may put the state elsewhere (a small tmpfs) by naming `state_dir` itself.
+        let state_dir = match extra_toml.lines().find_map(|l| l.trim().strip_prefix("state_dir = ")) {
+            Some(quoted) => PathBuf::from(quoted.trim_matches('"')),
+            None => state_dir,
+        };
+        let state_line = if extra_toml.contains("state_dir") {
+            String::new()
+        } else {
+            format!("state_dir = \"{}\"\n", state_dir.display())
+        };
         let config = format!(
             "[server]\nlisten = \"127.0.0.1:{port}\"\nshutdown_grace_secs = 2\n\n[broker]\nnamesrv_addr = \"{namesrv_addr}\"\n\n\
-             [delivery]\nstate_dir = \"{}\"\n{extra_toml}\n",
-            state_dir.display()
+             [delivery]\n{state_line}{extra_toml}\n"
         );
         fs::write(&config_path, merge_sections(&config)).expect("write config");
         let log = dir.path().join("popgate.log");

@@ -13,14 +13,18 @@ pub async fn healthz() -> impl IntoResponse {
     Json(json!({"status": "ok"}))
 }
 
-/// `GET /readyz`: 200 when a name server answers, else 503 with the reason.
+/// `GET /readyz`: 200 when a name server answers and the state store's last write succeeded, else 503
+/// naming what is wrong.
 pub async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
-    match state.broker.ping().await {
-        Ok(()) => (StatusCode::OK, Json(json!({"status": "ready", "broker": "ok"}))),
-        Err(error) => {
-            (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "not_ready", "broker": error.to_string()})))
-        }
-    }
+    let broker = state.broker.ping().await;
+    let store_ok = state.dispatcher.store_healthy();
+    let ready = broker.is_ok() && store_ok;
+    let body = json!({
+        "status": if ready { "ready" } else { "not_ready" },
+        "broker": broker.as_ref().map(|()| "ok".to_owned()).unwrap_or_else(|e| e.to_string()),
+        "store": if store_ok { "ok" } else { "unhealthy: the last state write failed" },
+    });
+    (if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE }, Json(body))
 }
 
 /// `GET /metrics`: Prometheus text exposition.

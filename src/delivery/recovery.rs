@@ -115,3 +115,104 @@ pub(super) fn policy_of(sub: &Subscription, shared: &Shared) -> RetryPolicy {
     .or_else(|_| RetryPolicy::from_config(&shared.config))
     .unwrap_or(RetryPolicy::SEED_DEFAULT)
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::broker::consumer::{PoppedEvent, ReceiptHandle};
+    use crate::broker::BrokerClient;
+    use crate::config::{BrokerConfig, Config};
+    use crate::delivery::Dispatcher;
+    use crate::publish::Publisher;
+    use crate::store::StateStore;
+
+    fn record(id: &str, phase: Phase, attempt: u32) -> DeliveryRecord {
+        DeliveryRecord {
+            id: id.to_owned(),
+            group: "g".to_owned(),
+            topic: "t".to_owned(),
+            event: PoppedEvent {
+                id: format!("msg-{id}"),
+                topic: "t".to_owned(),
+                tags: None,
+                keys: Vec::new(),
+                properties: Default::default(),
+                body: b"body".to_vec(),
+                born_timestamp: 0,
+                reconsume_times: 0,
+                retry_topic: None,
+            },
+            handle: ReceiptHandle {
+                broker_name: "broker-a".to_owned(),
+                broker_addr: "127.0.0.1:1".to_owned(),
+                extra_info: "0 0 0 0 0 broker-a 0 0".to_owned(),
+                ack_topic: "t".to_owned(),
+                queue_id: 0,
+                queue_offset: 0,
+                // A lease far in the future: the sweeper neither renews nor gives it up during the test.
+                pop_time_ms: now_millis(),
+                invisible_ms: 3_600_000,
+            },
+            attempt,
+            phase,
+            last_failure: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn recovery_replays_each_phase_retires_corrupt_records_and_is_idempotent() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = StateStore::open(dir.path(), true).expect("open");
+        let sub = Subscription {
+            group: "g".into(),
+            topic: "t".into(),
+            filter: "*".into(),
+            ack_timeout_ms: 30_000,
+            max_attempts: 6,
+            initial_backoff_ms: 1_000,
+            max_backoff_ms: 16_000,
+        };
+        store.put(Family::Subscriptions, &sub.key(), &sub).expect("put sub");
+        let planted = [
+            record("awaiting", Phase::AwaitingAck { deadline_ms: 0, dispatched_ms: 0 }, 3),
+            record("ready", Phase::Ready { due_ms: 0 }, 2),
+            record("acked", Phase::Acked, 1),
+            record("dead", Phase::DeadLetter { reason: "r".into() }, 6),
+        ];
+        for r in &planted {
+            store.put(Family::Deliveries, &r.id, r).expect("put");
+        }
+        store.put_raw(Family::Deliveries, "garbage", b"\xff not json").expect("put raw");
+
+        // No broker is reachable: recovery itself must not need one.
+        let config = Config::default();
+        let broker_config = BrokerConfig { namesrv_addr: "127.0.0.1:1".into(), ..BrokerConfig::default() };
+        let broker = Arc::new(BrokerClient::connect(&broker_config, "test").await.expect("client"));
+        let publisher = Arc::new(Publisher::new(broker.clone(), config.publish.clone(), &config.fault_avoidance));
+        let (dispatcher, report) = Dispatcher::start(store, broker, publisher, config.delivery.clone()).expect("start");
+        assert_eq!(
+            report,
+            RecoveryReport {
+                subscriptions: 1,
+                redispatched: 2,
+                ack_pending: 1,
+                dead_letter_pending: 1,
+                corrupt: 1,
+                skipped: 0
+            }
+        );
+        assert_eq!(dispatcher.subscriptions(), vec![sub]);
+
+        let again = dispatcher.recover_again().expect("second pass");
+        assert_eq!(again, RecoveryReport { skipped: 4, ..RecoveryReport::default() }, "a second pass changes nothing");
+
+        // The redispatched deliveries keep their ids and attempt counters.
+        let polled = dispatcher.poll("g", "t", 10, std::time::Duration::from_millis(500)).await.expect("poll");
+        let mut seen: Vec<(String, u32)> = polled.iter().map(|d| (d.id.clone(), d.attempt)).collect();
+        seen.sort();
+        assert_eq!(seen, vec![("awaiting".to_owned(), 3), ("ready".to_owned(), 2)]);
+        dispatcher.shutdown().await;
+    }
+}

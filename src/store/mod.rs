@@ -9,9 +9,17 @@
 //! module), and this module only stores and lists them. No RocksDB type leaves it. Every write is synced to
 //! the WAL before it returns when `sync_writes` is on, so a `kill -9` (or power loss) keeps what was
 //! acknowledged. A record that no longer decodes is listed apart, for recovery to retire.
+//!
+//! After a failed write (disk full, I/O error) RocksDB refuses every later write, even once space is free.
+//! The store then reopens the database before its next operation (at most once a second): opening replays
+//! the WAL, so everything that was acknowledged is still there, and writing works again as soon as the
+//! disk has room.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
+use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 use rocksdb::{ColumnFamilyDescriptor, IteratorMode, Options, WriteBatch, WriteOptions, DB};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -57,7 +65,13 @@ pub enum StoreError {
     /// A record could not be encoded (a bug, not an I/O problem).
     #[error("cannot encode a record: {0}")]
     Encode(#[from] serde_json::Error),
+    /// The database is closed after a failure and could not be reopened yet.
+    #[error("state store unavailable until it can be reopened")]
+    Closed,
 }
+
+/// The shortest pause between two attempts to reopen a failed database.
+const REOPEN_PAUSE: Duration = Duration::from_secs(1);
 
 /// One change in an atomic batch.
 #[derive(Debug)]
@@ -70,8 +84,13 @@ pub enum Change<'a> {
 
 /// The open state store.
 pub struct StateStore {
-    db: DB,
+    dir: PathBuf,
     sync_writes: bool,
+    /// `None` while closed after a failure.
+    db: RwLock<Option<DB>>,
+    /// A write failed: reopen before the next operation.
+    failed: AtomicBool,
+    last_reopen: Mutex<Option<Instant>>,
 }
 
 /// Records listed from a family: those that decode, and the keys of those that do not.
@@ -82,22 +101,32 @@ pub struct Listing<T> {
     pub undecodable: Vec<String>,
 }
 
+fn open_db(dir: &Path) -> Result<DB, StoreError> {
+    let mut options = Options::default();
+    options.create_if_missing(true);
+    options.create_missing_column_families(true);
+    // Deliveries are small and short-lived: keep the memory and file footprint modest.
+    options.set_max_total_wal_size(64 * 1024 * 1024);
+    options.set_keep_log_file_num(3);
+    let families = Family::ALL.iter().map(|f| ColumnFamilyDescriptor::new(f.name(), Options::default()));
+    DB::open_cf_descriptors(&options, dir, families)
+        .map_err(|source| StoreError::Open { path: dir.display().to_string(), source })
+}
+
 impl StateStore {
     /// Opens (creating if needed) the store in `dir`.
     ///
     /// # Errors
     /// [`StoreError::Open`] when RocksDB cannot open the directory.
     pub fn open(dir: &Path, sync_writes: bool) -> Result<StateStore, StoreError> {
-        let mut options = Options::default();
-        options.create_if_missing(true);
-        options.create_missing_column_families(true);
-        // Deliveries are small and short-lived: keep the memory and file footprint modest.
-        options.set_max_total_wal_size(64 * 1024 * 1024);
-        options.set_keep_log_file_num(3);
-        let families = Family::ALL.iter().map(|f| ColumnFamilyDescriptor::new(f.name(), Options::default()));
-        let db = DB::open_cf_descriptors(&options, dir, families)
-            .map_err(|source| StoreError::Open { path: dir.display().to_string(), source })?;
-        Ok(StateStore { db, sync_writes })
+        let db = open_db(dir)?;
+        Ok(StateStore {
+            dir: dir.to_path_buf(),
+            sync_writes,
+            db: RwLock::new(Some(db)),
+            failed: AtomicBool::new(false),
+            last_reopen: Mutex::new(None),
+        })
     }
 
     fn write_options(&self) -> WriteOptions {
@@ -106,19 +135,57 @@ impl StateStore {
         options
     }
 
+    /// The database, reopened first if a write failed (rate-limited).
+    fn db(&self) -> Result<RwLockReadGuard<'_, Option<DB>>, StoreError> {
+        if self.failed.load(Ordering::Relaxed) {
+            self.reopen();
+        }
+        let guard = self.db.read();
+        if guard.is_none() {
+            return Err(StoreError::Closed);
+        }
+        Ok(guard)
+    }
+
+    fn reopen(&self) {
+        {
+            let mut last = self.last_reopen.lock();
+            if last.is_some_and(|at| at.elapsed() < REOPEN_PAUSE) {
+                return;
+            }
+            *last = Some(Instant::now());
+        }
+        let mut slot = self.db.write();
+        // Close first: RocksDB holds a lock on the directory.
+        *slot = None;
+        match open_db(&self.dir) {
+            Ok(db) => {
+                *slot = Some(db);
+                self.failed.store(false, Ordering::Relaxed);
+                tracing::info!(dir = %self.dir.display(), "State store reopened after a failure.");
+            }
+            Err(error) => tracing::warn!(%error, "State store still cannot be reopened."),
+        }
+    }
+
     /// Applies every change or none.
     ///
     /// # Errors
     /// [`StoreError::Write`] when the batch could not be made durable; nothing of it is visible then.
     pub fn apply(&self, changes: &[Change<'_>]) -> Result<(), StoreError> {
+        let guard = self.db()?;
+        let db = guard.as_ref().ok_or(StoreError::Closed)?;
         let mut batch = WriteBatch::default();
         for change in changes {
             match change {
-                Change::Put(family, key, value) => batch.put_cf(self.family(*family), key.as_bytes(), value),
-                Change::Delete(family, key) => batch.delete_cf(self.family(*family), key.as_bytes()),
+                Change::Put(family, key, value) => batch.put_cf(family_handle(db, *family), key.as_bytes(), value),
+                Change::Delete(family, key) => batch.delete_cf(family_handle(db, *family), key.as_bytes()),
             }
         }
-        self.db.write_opt(batch, &self.write_options()).map_err(StoreError::Write)
+        db.write_opt(batch, &self.write_options()).map_err(|error| {
+            self.failed.store(true, Ordering::Relaxed);
+            StoreError::Write(error)
+        })
     }
 
     /// Stores one record.
@@ -142,8 +209,10 @@ impl StateStore {
     /// # Errors
     /// [`StoreError::Read`] when iteration fails.
     pub fn list<T: DeserializeOwned>(&self, family: Family) -> Result<Listing<T>, StoreError> {
+        let guard = self.db()?;
+        let db = guard.as_ref().ok_or(StoreError::Closed)?;
         let mut listing = Listing { records: Vec::new(), undecodable: Vec::new() };
-        for item in self.db.iterator_cf(self.family(family), IteratorMode::Start) {
+        for item in db.iterator_cf(family_handle(db, family), IteratorMode::Start) {
             let (key, value) = item.map_err(StoreError::Read)?;
             let key = String::from_utf8_lossy(&key).into_owned();
             match serde_json::from_slice::<T>(&value) {
@@ -161,12 +230,12 @@ impl StateStore {
     pub fn put_raw(&self, family: Family, key: &str, value: &[u8]) -> Result<(), StoreError> {
         self.apply(&[Change::Put(family, key, value.to_vec())])
     }
+}
 
-    fn family(&self, family: Family) -> &rocksdb::ColumnFamily {
-        // Every family is created at open (`create_missing_column_families`), so the handle always exists.
-        #[allow(clippy::expect_used)]
-        self.db.cf_handle(family.name()).expect("column family created at open")
-    }
+fn family_handle(db: &DB, family: Family) -> &rocksdb::ColumnFamily {
+    // Every family is created at open (`create_missing_column_families`), so the handle always exists.
+    #[allow(clippy::expect_used)]
+    db.cf_handle(family.name()).expect("column family created at open")
 }
 
 #[cfg(test)]
