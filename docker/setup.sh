@@ -7,6 +7,7 @@ need_apt=()
 dpkg -s libclang-dev >/dev/null 2>&1 || need_apt+=(libclang-dev clang)   # bindgen for rocksdb
 command -v java >/dev/null 2>&1 || need_apt+=(openjdk-17-jre-headless)
 command -v mvn >/dev/null 2>&1 || need_apt+=(maven)
+command -v promtool >/dev/null 2>&1 || need_apt+=(prometheus)                # promtool checks /metrics in it/
 if ((${#need_apt[@]})); then
   echo "setup: installing ${need_apt[*]}" >&2
   apt-get update -qq >&2

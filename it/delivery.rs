@@ -357,3 +357,22 @@ async fn a_full_state_disk_dispatches_and_acks_nothing_then_delivery_resumes() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tag_filter_delivers_only_matching_events() {
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, FAST_LEASE).await;
+    let (topic, group) = (unique_topic("filtered"), unique_topic("g_filtered"));
+    subscribe(&popgate, json!({"group": group, "topic": topic, "filter": "keep || also"})).await;
+    for (tag, body) in [("keep", "k1"), ("drop", "d1"), ("also", "a1"), ("drop", "d2")] {
+        let (status, answer) = popgate.publish(&json!({"topic": topic, "data": body, "tags": tag})).await;
+        assert_eq!(status, 200, "{answer}");
+    }
+    let got = popgate.poll_until(&group, &topic, 2, Duration::from_secs(30)).await;
+    let bodies: BTreeSet<String> = got.iter().map(data).collect();
+    assert_eq!(bodies, BTreeSet::from(["k1".to_owned(), "a1".to_owned()]));
+    for d in &got {
+        assert_eq!(popgate.ack(&id(d)).await.0, 200);
+    }
+    assert!(popgate.poll(&group, &topic, 4, 3_000).await.is_empty(), "events outside the filter are never delivered");
+}

@@ -5,4 +5,5 @@
 mod delivery;
 #[allow(dead_code)]
 mod harness;
+mod metrics;
 mod publish;

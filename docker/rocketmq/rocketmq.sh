@@ -49,8 +49,7 @@ start() {
   wait_port 10911 "$local_dir/broker-a/console.log"
   if grep -q '^brokerRole=SYNC_MASTER' "$here/profiles/$profile.conf"; then
     broker_conf broker-a-s 1 10921 "$(grep '^flushDiskType' "$here/profiles/$profile.conf")
-brokerRole=SLAVE
-haMasterAddress=127.0.0.1:10912"
+brokerRole=SLAVE"
     run_java "$local_dir/broker-a-s" 512 org.apache.rocketmq.broker.BrokerStartup -c "$local_dir/broker-a-s/broker.conf"
     wait_port 10921 "$local_dir/broker-a-s/console.log"
   fi

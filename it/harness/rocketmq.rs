@@ -131,6 +131,8 @@ pub struct ClusterSpec {
     pub broker_conf: Vec<String>,
     /// Whether each master also gets a slave (brokerId 1) replicating from it.
     pub with_slaves: bool,
+    /// Masters replicate synchronously (`SYNC_MASTER`): a send is stored only once the slave has it.
+    pub sync_replication: bool,
 }
 
 impl ClusterSpec {
@@ -140,6 +142,7 @@ impl ClusterSpec {
             brokers: names.iter().map(|n| (*n).to_owned()).collect(),
             broker_conf: Vec::new(),
             with_slaves: false,
+            sync_replication: false,
         }
     }
 }
@@ -191,18 +194,12 @@ impl Cluster {
 
         let mut brokers = Vec::new();
         for name in &spec.brokers {
-            brokers.push(Self::new_broker(&lib, dir.path(), &namesrv_addr, name, 0, None, &spec.broker_conf));
+            let master_role = if spec.sync_replication { "SYNC_MASTER" } else { "ASYNC_MASTER" };
+            let master = Self::new_broker(&lib, dir.path(), &namesrv_addr, name, master_role, &spec.broker_conf);
+            brokers.push(master);
             if spec.with_slaves {
-                let master_port = brokers.last().map(|b: &Broker| b.port).unwrap_or_default();
-                brokers.push(Self::new_broker(
-                    &lib,
-                    dir.path(),
-                    &namesrv_addr,
-                    name,
-                    1,
-                    Some(master_port),
-                    &spec.broker_conf,
-                ));
+                let slave = Self::new_broker(&lib, dir.path(), &namesrv_addr, name, "SLAVE", &spec.broker_conf);
+                brokers.push(slave);
             }
         }
         let mut cluster = Cluster { namesrv_addr, brokers, lib, _namesrv: namesrv, _watchdog: None, dir };
@@ -214,30 +211,26 @@ impl Cluster {
         cluster
     }
 
-    fn new_broker(
-        lib: &Path,
-        root: &Path,
-        namesrv: &str,
-        name: &str,
-        id: u32,
-        master_port: Option<u16>,
-        extra: &[String],
-    ) -> Broker {
+    fn new_broker(lib: &Path, root: &Path, namesrv: &str, name: &str, role: &str, extra: &[String]) -> Broker {
         let port = broker_port();
+        let id = if role == "SLAVE" { 1 } else { 0 };
         let home = root.join(format!("{name}-{id}"));
         fs::create_dir_all(&home).expect("broker home");
         let store = home.join("store");
-        let role = if id == 0 { "ASYNC_MASTER" } else { "SLAVE" };
         let mut conf = format!(
             "brokerClusterName=PopgateTestCluster\nbrokerName={name}\nbrokerId={id}\nbrokerRole={role}\n\
-             brokerIP1=127.0.0.1\nbindAddress=127.0.0.1\nlistenPort={port}\nnamesrvAddr={namesrv}\n\
+             brokerIP1=127.0.0.1\nbrokerIP2=127.0.0.1\nbindAddress=127.0.0.1\nlistenPort={port}\nnamesrvAddr={namesrv}\n\
              storePathRootDir={store}\nstorePathCommitLog={store}/commitlog\nautoCreateTopicEnable=true\n\
              autoCreateSubscriptionGroup=true\nmappedFileSizeCommitLog=67108864\nmappedFileSizeConsumeQueue=300000\n\
              enableConsumeQueueExt=false\nwaitTimeMillsInSendQueue=1000\n",
             store = store.display()
         );
-        if let Some(master) = master_port {
-            conf.push_str(&format!("haMasterAddress=127.0.0.1:{}\n", master + 1));
+        if role == "SYNC_MASTER" {
+            // In 5.x a SYNC_MASTER waits for `inSyncReplicas` copies, and the default of 1 is the master alone:
+            // 2 makes it wait for its slave, as SYNC_MASTER did in 4.x. A short slaveTimeout keeps tests quick.
+            // (The slave learns the master's HA address, brokerIP2:listenPort+1, from the name server; a fixed
+            // haMasterAddress is dropped by 5.x's master-offline handling at start and never restored.)
+            conf.push_str("inSyncReplicas=2\nslaveTimeout=1000\n");
         }
         for line in extra {
             conf.push_str(line);
@@ -281,6 +274,12 @@ impl Cluster {
     /// The broker named `name` (its master).
     pub fn broker(&self, name: &str) -> &Broker {
         self.brokers.iter().find(|b| b.name == name).expect("broker in the cluster")
+    }
+
+    /// `kill -9` the slave of `name`.
+    pub fn kill_slave(&mut self, name: &str) {
+        let slave = self.brokers.iter_mut().filter(|b| b.name == name).nth(1).expect("a slave");
+        slave.process = None;
     }
 
     /// `kill -STOP` the broker: it keeps its sockets but answers nothing (a hung broker).
