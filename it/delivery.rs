@@ -273,7 +273,7 @@ async fn two_instances_share_a_group_and_a_stale_ack_gets_409() {
 async fn a_broker_restart_with_deliveries_in_flight_loses_nothing_and_the_dlq_write_is_retried() {
     let mut cluster = Cluster::start(&ClusterSpec::brokers(&["broker-a"]));
     // A lease longer than the broker's downtime, so popgate still owns its deliveries when it comes back.
-    let popgate = Popgate::start(&cluster.namesrv_addr, "[delivery]\nlease_ms = 40000\npop_poll_ms = 1000\n").await;
+    let popgate = Popgate::start(&cluster.namesrv_addr, "[delivery]\nlease_ms = 120000\npop_poll_ms = 1000\n").await;
     let (topic, group) = (unique_topic("brokerbounce"), unique_topic("g_bounce"));
     subscribe(&popgate, json!({"group": group, "topic": topic, "ackTimeoutMs": 2000, "initialBackoffMs": 200})).await;
     let bodies = ["b0", "b1", "b2", "doomed"];
@@ -306,10 +306,11 @@ async fn a_broker_restart_with_deliveries_in_flight_loses_nothing_and_the_dlq_wr
         }
     }
     assert_eq!(acked, ["b0", "b1", "b2"].iter().map(|s| (*s).to_owned()).collect::<BTreeSet<_>>(), "no event lost");
-    eventually(Duration::from_secs(30), "the DLQ write and the owed broker ACKs complete", || async {
+    eventually(Duration::from_secs(60), "the DLQ write and the owed broker ACKs complete", || async {
         popgate.metric("popgate_pending_deliveries").await == 0.0
     })
     .await;
+    assert_eq!(popgate.metric("popgate_leases_lost_total").await, 0.0, "popgate owned every delivery throughout");
     assert_eq!(popgate.metric(&format!("popgate_dlq_messages_total{{group=\"{group}\"}}")).await, 1.0);
     let dead = Direct::connect(&cluster.namesrv_addr).await.read_all(&format!("%DLQ%{group}")).await;
     assert_eq!(dead.iter().map(|m| m.body.clone()).collect::<Vec<_>>(), vec![b"doomed".to_vec()]);

@@ -153,6 +153,12 @@ impl Popgate {
 
 impl Drop for Popgate {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            let output = self.output();
+            let lines: Vec<&str> = output.lines().collect();
+            eprintln!("--- popgate {} output (last 60 lines) ---", self.base);
+            eprintln!("{}", lines[lines.len().saturating_sub(60)..].join("\n"));
+        }
         // A stopped process must be continued before it can die.
         if let Ok(None) = self.child.try_wait() {
             let _ = Command::new("kill").arg("-CONT").arg(self.child.id().to_string()).status();

@@ -206,18 +206,26 @@ impl Shared {
         }
     }
 
-    /// Writes `record` and makes it the live one, releasing the claim; on a store failure nothing changes.
-    fn commit(&self, record: DeliveryRecord) -> Result<(), DeliveryError> {
+    /// Writes `record` and makes it the live one, releasing the claim; on a store failure nothing changes
+    /// (the claim is released all the same, so the next tick or request can try again).
+    pub fn commit(&self, record: DeliveryRecord) -> Result<(), DeliveryError> {
+        self.commit_then_retry_at(record, None)
+    }
+
+    /// [`Shared::commit`], also setting when an owed broker call may be tried next.
+    pub fn commit_then_retry_at(&self, record: DeliveryRecord, retry_at_ms: Option<i64>) -> Result<(), DeliveryError> {
         let id = record.id.clone();
         if let Err(error) = self.save(&record) {
-            self.release(&id, None);
+            self.release(&id, retry_at_ms);
             return Err(error.into());
         }
         let mut state = self.state.lock();
         if let Some(live) = state.records.get_mut(&id) {
             live.record = record;
             live.busy = false;
-            live.queued = false;
+            if let Some(at) = retry_at_ms {
+                live.next_try_ms = at;
+            }
         }
         Ok(())
     }

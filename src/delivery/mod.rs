@@ -42,7 +42,6 @@ use dispatcher::{Shared, State, SubState};
 use recovery::RecoveryReport;
 use retry::RetryPolicy;
 
-use crate::broker::client::now_millis;
 use crate::broker::BrokerClient;
 use crate::config::DeliveryConfig;
 use crate::publish::Publisher;
@@ -345,9 +344,4 @@ fn validate_name(field: &'static str, name: &str) -> Result<(), DeliveryError> {
     } else {
         Err(DeliveryError::Invalid(field, format!("`{name}` must be 1..=127 letters, digits, `_`, `-`, `%`, `|`")))
     }
-}
-
-/// Epoch ms now (re-exported for transports that print deadlines).
-pub fn now_ms() -> i64 {
-    now_millis()
 }

@@ -103,24 +103,13 @@ fn sweep(shared: &Arc<Shared>) {
     }
 }
 
-/// An unACKed delivery past its deadline: the attempt is spent.
+/// An unACKed delivery past its deadline: the attempt is spent. A failed write leaves the record as it was
+/// (still awaiting ACK, past its deadline), so the next tick tries again and the delivery stays in flight
+/// until the store recovers.
 fn expire(shared: &Shared, mut record: DeliveryRecord) {
-    let id = record.id.clone();
     let outcome = shared.after_failure(&mut record, "ack timeout", None);
-    // A failed write leaves the record as it was (still awaiting ACK, past its deadline): the next tick
-    // tries again, so the delivery stays in flight until the store recovers.
-    if shared.save(&record).is_err() {
-        shared.release(&id, None);
-        return;
-    }
-    if matches!(outcome, NackOutcome::Retry { .. }) {
+    if shared.commit(record).is_ok() && matches!(outcome, NackOutcome::Retry { .. }) {
         counter!(m::REDELIVERIES, "reason" => "timeout").increment(1);
-    }
-    let mut state = shared.state.lock();
-    if let Some(live) = state.records.get_mut(&id) {
-        live.record = record;
-        live.busy = false;
-        live.queued = false;
     }
 }
 
@@ -157,15 +146,10 @@ async fn dead_letter(shared: &Shared, mut record: DeliveryRecord) {
         Err(error) => {
             counter!(m::BROKER_ACK_FAILURES).increment(1);
             tracing::warn!(%error, delivery = %record.id, "Broker ACK after the DLQ write failed; will retry.");
-            // The DLQ has the event: from here only the broker ACK is owed, never a second DLQ write.
+            // The DLQ has the event: from here only the broker ACK is owed, never a second DLQ write. If even
+            // this write fails, the next attempt writes the DLQ again: a duplicate there, never a loss.
             record.phase = Phase::Acked;
-            let _ = shared.save(&record);
-            let mut state = shared.state.lock();
-            if let Some(live) = state.records.get_mut(&record.id) {
-                live.record = record;
-                live.busy = false;
-                live.next_try_ms = now_millis() + RETRY_PAUSE_MS;
-            }
+            let _ = shared.commit_then_retry_at(record, Some(now_millis() + RETRY_PAUSE_MS));
         }
     }
 }
@@ -175,13 +159,14 @@ async fn renew(shared: &Shared, mut record: DeliveryRecord) {
     match shared.broker.renew(&record.group, &record.handle, shared.config.lease_ms).await {
         Ok(handle) => {
             record.handle = handle;
-            // A failed write is counted; memory holds the live handle, and after a crash the stored (dead)
-            // one only means the broker redelivers: a duplicate, never a loss.
-            let _ = shared.save(&record);
-            let mut state = shared.state.lock();
-            if let Some(live) = state.records.get_mut(&record.id) {
-                live.record.handle = record.handle;
-                live.busy = false;
+            let id = record.id.clone();
+            let live_handle = record.handle.clone();
+            if shared.commit(record).is_err() {
+                // The old handle is dead whatever the store says: memory must hold the new one. After a crash
+                // the stored (dead) handle only means the broker redelivers: a duplicate, never a loss.
+                if let Some(live) = shared.state.lock().records.get_mut(&id) {
+                    live.record.handle = live_handle;
+                }
             }
         }
         Err(error) => {
