@@ -7,3 +7,4 @@ mod delivery;
 mod harness;
 mod metrics;
 mod publish;
+mod reliability;

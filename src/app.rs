@@ -12,6 +12,7 @@ use crate::broker::{BrokerClient, BrokerError};
 use crate::config::Config;
 use crate::delivery::{DeliveryError, Dispatcher};
 use crate::publish::Publisher;
+use crate::reliability::ProfileMonitor;
 use crate::store::{StateStore, StoreError};
 
 /// The producer group popgate's sends are registered under at the broker.
@@ -32,6 +33,9 @@ pub enum AppError {
     /// The state store could not be opened.
     #[error("{0}")]
     Store(#[from] StoreError),
+    /// A broker is weaker than the reliability profile and `reliability.fail_on_mismatch` is set.
+    #[error("brokers weaker than the reliability profile: {0}")]
+    ProfileMismatch(String),
     /// Boot recovery failed.
     #[error("recovery: {0}")]
     Recovery(#[from] DeliveryError),
@@ -49,13 +53,22 @@ pub async fn serve(
 ) -> Result<(), AppError> {
     let metrics = crate::metrics::install().map_err(AppError::Metrics)?;
     let broker = Arc::new(BrokerClient::connect(&config.broker, PRODUCER_GROUP).await?);
-    let publisher = Arc::new(Publisher::new(broker.clone(), config.publish.clone(), &config.fault_avoidance));
+    let profile = config.reliability.profile;
+    let publisher = Arc::new(Publisher::new(broker.clone(), config.publish.clone(), &config.fault_avoidance, profile));
     std::fs::create_dir_all(&config.delivery.state_dir)?;
-    let store = StateStore::open(&config.delivery.state_dir, true)?;
-    let (dispatcher, recovered) = Dispatcher::start(store, broker.clone(), publisher.clone(), config.delivery.clone())?;
+    // Sync-flush profiles sync every state write, as the broker syncs every message; async ones group-commit.
+    let sync_writes = profile.sync_flush();
+    let store = StateStore::open(&config.delivery.state_dir, sync_writes)?;
+    let group_commit = (!sync_writes).then(|| Duration::from_millis(config.reliability.group_commit_interval_ms));
+    let (dispatcher, recovered) =
+        Dispatcher::start(store, broker.clone(), publisher.clone(), config.delivery.clone(), group_commit)?;
     tracing::info!(?recovered, state_dir = %config.delivery.state_dir.display(), "Delivery state recovered.");
     let grace = Duration::from_secs(config.server.shutdown_grace_secs);
+    let monitor = Arc::new(ProfileMonitor::new(profile, broker.clone()));
+    check_profile_at_start(&monitor, config.reliability.fail_on_mismatch).await?;
+    let check_every = Duration::from_secs(config.reliability.broker_check_interval_secs);
     let state = AppState {
+        profile: monitor.clone(),
         config: Arc::new(config),
         broker: broker.clone(),
         publisher: publisher.clone(),
@@ -64,6 +77,7 @@ pub async fn serve(
     };
 
     let gauges = tokio::spawn(refresh_gauges(publisher.clone()));
+    let profile_checks = tokio::spawn(monitor.run(check_every));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let server = axum::serve(listener, api::router(state)).with_graceful_shutdown(async move {
         shutdown.await;
@@ -75,6 +89,7 @@ pub async fn serve(
         () = grace_elapsed(stop_rx, grace) => Ok(()),
     };
     gauges.abort();
+    profile_checks.abort();
     dispatcher.shutdown().await;
     drop(dispatcher);
     drop(publisher);
@@ -82,6 +97,25 @@ pub async fn serve(
         broker.shutdown().await;
     }
     result.map_err(AppError::from)
+}
+
+/// Checks the brokers once before serving: a mismatch is a warning, or fatal when configured so. A cluster
+/// that cannot be asked yet is not a mismatch (the periodic check catches up).
+async fn check_profile_at_start(monitor: &ProfileMonitor, fail_on_mismatch: bool) -> Result<(), AppError> {
+    match monitor.check().await {
+        Ok(reports) => {
+            let weaker: Vec<String> = reports
+                .iter()
+                .filter(|r| !r.shortfalls.is_empty())
+                .map(|r| format!("{}: {}", r.broker, r.shortfalls.join("; ")))
+                .collect();
+            if fail_on_mismatch && !weaker.is_empty() {
+                return Err(AppError::ProfileMismatch(weaker.join(" | ")));
+            }
+        }
+        Err(error) => tracing::warn!(%error, "Cannot check the brokers against the reliability profile yet."),
+    }
+    Ok(())
 }
 
 async fn grace_elapsed(mut stop: tokio::sync::watch::Receiver<bool>, grace: Duration) {

@@ -7,6 +7,7 @@
 //! - [`publish`]: the publish path: request parsing and RocketMQ's producer policy (retries, broker choice).
 //! - [`delivery`]: the consume path: POP, deferred broker ACK, retries, the DLQ, boot recovery.
 //! - [`store`]: the RocksDB state store the consume path writes before it acts.
+//! - [`reliability`]: the reliability profile checked against each broker's running settings.
 //! - [`api`]: the HTTP routes and the one error type they answer with.
 //! - [`metrics`]: every metric's name, help text and buckets.
 //! - [`app`]: wiring and the serve loop; `main.rs` only parses the CLI and waits for a signal.
@@ -21,6 +22,7 @@ pub mod config;
 pub mod delivery;
 pub mod metrics;
 pub mod publish;
+pub mod reliability;
 pub mod store;
 
 pub use app::{serve, AppError};

@@ -17,6 +17,8 @@ pub const SEND_ATTEMPTS: &str = "popgate_send_attempts_total";
 pub const SEND_RETRIES: &str = "popgate_send_retries_total";
 /// Failed send attempts by `reason` (timeout, network, broker_error, not_stored, no_route).
 pub const SEND_FAILURES: &str = "popgate_send_failures_total";
+/// Sends accepted with a store status short of `SEND_OK` that the profile does not demand, by `status`.
+pub const SEND_DEGRADED: &str = "popgate_send_degraded_total";
 /// 1 while the fault-avoidance table isolates the broker, else 0.
 pub const BROKER_ISOLATED: &str = "popgate_broker_isolated";
 /// Isolations started, by broker and `cause` (latency, unreachable).
@@ -46,6 +48,8 @@ pub const RECOVERED_DELIVERIES: &str = "popgate_recovered_deliveries_total";
 pub const LEASES_LOST: &str = "popgate_leases_lost_total";
 /// Failed broker requests of the consume path, by `op` (pop, renew).
 pub const CONSUME_REQUEST_FAILURES: &str = "popgate_consume_request_failures_total";
+/// 1 while the broker is weaker than the reliability profile (flush or replication), else 0.
+pub const PROFILE_MISMATCH: &str = "popgate_profile_mismatch";
 /// Time from dispatch to the subscriber's ACK.
 pub const ACK_LATENCY: &str = "popgate_ack_latency_seconds";
 
@@ -72,9 +76,40 @@ pub fn install() -> Result<PrometheusHandle, String> {
                 .install_recorder()
                 .map_err(|e| e.to_string())?;
             describe_all();
+            register_zeroes();
             Ok(handle)
         })
         .clone()
+}
+
+/// Label values of each fixed set, registered at 0 at start: a series that exists before its first event
+/// lets `rate()` and dashboards show 0 instead of "no data", and alerts tell "never happened" from "not
+/// scraped".
+const ZERO_SERIES: &[(&str, &str, &[&str])] = &[
+    (PUBLISH_REQUESTS, "result", &["ok", "accepted", "bad_request", "too_large", "not_found", "unavailable"]),
+    (SEND_FAILURES, "reason", &["timeout", "network", "broker_error", "not_stored", "no_route", "client"]),
+    (SEND_DEGRADED, "status", &["FLUSH_DISK_TIMEOUT", "FLUSH_SLAVE_TIMEOUT", "SLAVE_NOT_AVAILABLE"]),
+    (DELIVERIES_DISPATCHED, "transport", &["poll"]),
+    (ACKS, "result", &["acked", "unknown", "stale", "store_error"]),
+    (REDELIVERIES, "reason", &["timeout", "nack", "recovery"]),
+    (RECOVERED_DELIVERIES, "outcome", &["redispatched", "ack_pending", "dead_letter_pending", "corrupt"]),
+    (CONSUME_REQUEST_FAILURES, "op", &["pop", "renew"]),
+];
+
+/// Counters without labels, registered at 0 at start for the same reason.
+const ZERO_COUNTERS: &[&str] =
+    &[SEND_RETRIES, DLQ_RECORD_FAILURES, BROKER_ACK_FAILURES, OFFSET_WRITE_FAILURES, LEASES_LOST];
+
+fn register_zeroes() {
+    for (name, label, values) in ZERO_SERIES {
+        for value in *values {
+            metrics::counter!(*name, *label => *value).increment(0);
+        }
+    }
+    for name in ZERO_COUNTERS {
+        metrics::counter!(*name).increment(0);
+    }
+    metrics::gauge!(PENDING_DELIVERIES).set(0.0);
 }
 
 fn describe_all() {
@@ -83,6 +118,7 @@ fn describe_all() {
     describe_counter!(SEND_RETRIES, Unit::Count, "Send attempts that retried a failed attempt.");
     describe_counter!(SEND_FAILURES, Unit::Count, "Failed send attempts, by reason.");
     describe_gauge!(BROKER_ISOLATED, "1 while fault avoidance isolates the broker, else 0.");
+    describe_counter!(SEND_DEGRADED, Unit::Count, "Sends accepted with a store status weaker than SEND_OK, by status.");
     describe_counter!(BROKER_ISOLATIONS, Unit::Count, "Broker isolations started, by broker and cause.");
     describe_histogram!(PUBLISH_DURATION, Unit::Seconds, "Publish request duration, arrival to answer.");
     describe_gauge!(PENDING_DELIVERIES, "In-flight deliveries held (popped, not yet retired).");
@@ -97,4 +133,5 @@ fn describe_all() {
     describe_counter!(LEASES_LOST, Unit::Count, "Deliveries given back to the broker because their lease lapsed.");
     describe_counter!(CONSUME_REQUEST_FAILURES, Unit::Count, "Failed POP and lease-renewal requests, by op.");
     describe_histogram!(ACK_LATENCY, Unit::Seconds, "Time from dispatch to the subscriber's ACK.");
+    describe_gauge!(PROFILE_MISMATCH, "1 while the broker is weaker than the reliability profile, else 0.");
 }

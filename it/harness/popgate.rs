@@ -55,6 +55,48 @@ impl Popgate {
         popgate
     }
 
+    /// Runs popgate with a config it must refuse: returns its exit code and what it printed.
+    pub async fn expect_exit(namesrv_addr: &str, extra_toml: &str) -> (Option<i32>, String) {
+        let dir = tempfile::Builder::new().prefix("popgate-it-").tempdir().expect("tempdir");
+        let config_path = dir.path().join("popgate.toml");
+        let config = format!(
+            "[server]\nlisten = \"127.0.0.1:{}\"\n\n[broker]\nnamesrv_addr = \"{namesrv_addr}\"\n\n[delivery]\n\
+             state_dir = \"{}\"\n{extra_toml}\n",
+            free_port(),
+            dir.path().join("state").display()
+        );
+        fs::write(&config_path, merge_sections(&config)).expect("write config");
+        let run = Command::new(env!("CARGO_BIN_EXE_popgate"))
+            .args(["serve", "--config"])
+            .arg(&config_path)
+            .stdin(Stdio::null())
+            .output();
+        let output = tokio::time::timeout(Duration::from_secs(60), tokio::task::spawn_blocking(move || run))
+            .await
+            .expect("popgate exits by itself")
+            .expect("join")
+            .expect("run popgate");
+        let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+        (output.status.code(), text)
+    }
+
+    /// Rewrites one `key = value` line of the config file (for a restart with a new setting).
+    pub fn set_config_line(&self, key: &str, value: &str) {
+        let text = fs::read_to_string(&self.config_path).expect("read config");
+        let replaced: Vec<String> = text
+            .lines()
+            .map(|line| {
+                if line.trim_start().starts_with(&format!("{key} =")) {
+                    format!("{key} = {value}")
+                } else {
+                    line.to_owned()
+                }
+            })
+            .collect();
+        assert!(replaced.iter().any(|l| l == &format!("{key} = {value}")), "`{key}` is in the config");
+        fs::write(&self.config_path, replaced.join("\n")).expect("write config");
+    }
+
     /// Starts the process again with the same config and state directory (after [`Popgate::kill9`]).
     pub async fn restart(&mut self) {
         self.kill9();

@@ -8,10 +8,12 @@
 //! GET  /healthz                                          the process is up
 //! GET  /readyz                                           a name server answers and the state store writes
 //! GET  /metrics                                          Prometheus text format
+//! GET  /admin/brokers                                    each broker: fault-avoidance state and profile check
 //! ```
 //!
 //! Every error is `{"error":{"code","message","field"}}` ([`ApiError`]).
 
+mod admin;
 mod error;
 pub mod events;
 mod health;
@@ -30,6 +32,7 @@ use crate::broker::BrokerClient;
 use crate::config::Config;
 use crate::delivery::Dispatcher;
 use crate::publish::Publisher;
+use crate::reliability::ProfileMonitor;
 
 /// What the handlers share.
 #[derive(Clone)]
@@ -42,6 +45,8 @@ pub struct AppState {
     pub publisher: Arc<Publisher>,
     /// The consume path.
     pub dispatcher: Arc<Dispatcher>,
+    /// The reliability profile's broker checks.
+    pub profile: Arc<ProfileMonitor>,
     /// Renders `/metrics`.
     pub metrics: PrometheusHandle,
 }
@@ -65,6 +70,7 @@ pub fn router(state: AppState) -> Router {
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(health::readyz))
         .route("/metrics", get(health::metrics))
+        .route("/admin/brokers", get(admin::brokers))
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
 }

@@ -19,6 +19,7 @@ use metrics::{counter, histogram};
 use serde_json::json;
 
 use super::{ApiError, AppState};
+use crate::config::Profile;
 use crate::metrics as m;
 use crate::publish::{request, PublishError, Published, SendMode};
 
@@ -60,6 +61,12 @@ async fn handle(
             SendMode::parse(text).ok_or_else(|| ApiError::invalid_field("mode", "must be sync, async or oneway"))?
         }
     };
+    if mode == SendMode::Oneway && state.publisher.profile() == Profile::Financial {
+        return Err(ApiError::invalid_field(
+            "mode",
+            "oneway sends are never confirmed by the broker; the financial profile refuses them",
+        ));
+    }
     let message = request::parse(headers, query.get("topic").map(String::as_str), &body, max)?;
     match state.publisher.publish(&message, mode).await {
         Ok(published) => Ok(answer(published)),

@@ -1,10 +1,12 @@
 //! Everything that talks to, or decides about, the RocketMQ brokers.
 //!
+//! - [`admin`]: the cluster's brokers and their running configuration.
 //! - [`client`]: the connection (routes, sends) over rocketmq-client-rust; no policy.
 //! - [`fault`]: the latency fault-avoidance table (MQFaultStrategy) and the broker choice for one attempt.
 //! - [`consumer`]: POP, ACK and ChangeInvisibleTime, and the receipt handle they use.
 //! - [`message`]: popgate's message type, free of client-crate types.
 
+pub mod admin;
 pub mod client;
 pub mod consumer;
 pub mod fault;

@@ -80,3 +80,27 @@ fn a_missing_file_is_an_error_not_defaults() {
         .to_string();
     assert!(err.contains("does not exist"), "{err}");
 }
+
+#[test]
+fn each_profile_maps_to_the_seed_combination() {
+    let table: Vec<(Profile, bool, bool)> =
+        Profile::ALL.iter().map(|p| (*p, p.sync_flush(), p.sync_replication())).collect();
+    assert_eq!(
+        table,
+        vec![
+            (Profile::Financial, true, true),
+            (Profile::Durable, true, false),
+            (Profile::Balanced, false, true),
+            (Profile::Throughput, false, false),
+        ]
+    );
+    assert_eq!(Config::default().reliability.profile, Profile::Balanced, "the seed's recommended default");
+}
+
+#[test]
+fn a_profile_is_chosen_by_name_and_an_unknown_name_is_refused() {
+    let config = Config::from_toml_str("[reliability]\nprofile = \"financial\"\n").expect("valid");
+    assert_eq!(config.reliability.profile, Profile::Financial);
+    let err = Config::from_toml_str("[reliability]\nprofile = \"paranoid\"\n").unwrap_err().to_string();
+    assert!(err.contains("reliability.profile"), "{err}");
+}

@@ -75,5 +75,13 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
         &format!("must be in 1..={MAX_POP_BATCH} (the broker's POP limit)"),
     );
     check(delivery.pop_poll_ms > 0, "delivery.pop_poll_ms", "must be > 0");
+
+    let reliability = &config.reliability;
+    check(
+        (1..=10_000).contains(&reliability.group_commit_interval_ms),
+        "reliability.group_commit_interval_ms",
+        "must be in 1..=10000 (it bounds how much acknowledged state a power loss can take)",
+    );
+    check(reliability.broker_check_interval_secs > 0, "reliability.broker_check_interval_secs", "must be > 0");
     out
 }

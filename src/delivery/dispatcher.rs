@@ -144,6 +144,18 @@ impl Shared {
         result
     }
 
+    /// Syncs the store's WAL (group commit), counted like any failed write.
+    pub fn sync_wal(&self) {
+        match self.store.sync_wal() {
+            Ok(()) => {}
+            Err(error) => {
+                self.store_healthy.store(false, Ordering::Relaxed);
+                counter!(m::OFFSET_WRITE_FAILURES).increment(1);
+                tracing::warn!(%error, "State store WAL sync failed.");
+            }
+        }
+    }
+
     /// Stores `record` (one batch with any extra changes).
     pub fn save(&self, record: &DeliveryRecord) -> Result<(), StoreError> {
         let value = serde_json::to_vec(record)?;

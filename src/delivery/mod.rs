@@ -83,11 +83,14 @@ impl Dispatcher {
     ///
     /// # Errors
     /// [`DeliveryError::Store`] when the store cannot be read.
+    ///
+    /// `group_commit` is the WAL sync interval when the store does not sync each write (async-flush profiles).
     pub fn start(
         store: StateStore,
         broker: Arc<BrokerClient>,
         publisher: Arc<Publisher>,
         config: DeliveryConfig,
+        group_commit: Option<Duration>,
     ) -> Result<(Arc<Dispatcher>, RecoveryReport), DeliveryError> {
         let shared = Arc::new(Shared {
             state: parking_lot::Mutex::new(State::default()),
@@ -102,6 +105,9 @@ impl Dispatcher {
         let report = recovery::recover(&shared)?;
         let dispatcher = Arc::new(Dispatcher { shared: shared.clone(), tasks: parking_lot::Mutex::new(Vec::new()) });
         dispatcher.tasks.lock().push(tokio::spawn(sweeper::run(shared.clone())));
+        if let Some(interval) = group_commit {
+            dispatcher.tasks.lock().push(tokio::spawn(group_commit_loop(shared.clone(), interval)));
+        }
         let keys: Vec<String> = shared.state.lock().subs.keys().cloned().collect();
         for key in keys {
             dispatcher.start_popper(&key);
@@ -307,6 +313,17 @@ impl Dispatcher {
             let _ = tokio::time::timeout(Duration::from_secs(10), task).await;
         }
     }
+}
+
+/// Syncs the WAL every `interval` until shutdown: bounded loss for async-flush profiles, whose writes are not
+/// synced one by one. One last sync runs on the way out.
+async fn group_commit_loop(shared: Arc<Shared>, interval: Duration) {
+    let mut tick = tokio::time::interval(interval);
+    while !shared.shutting_down.load(Ordering::Relaxed) {
+        tick.tick().await;
+        shared.sync_wal();
+    }
+    shared.sync_wal();
 }
 
 /// A waiting poller's demand on its subscription, withdrawn when the poll ends (or its client goes away).

@@ -190,8 +190,14 @@ mod tests {
         let config = Config::default();
         let broker_config = BrokerConfig { namesrv_addr: "127.0.0.1:1".into(), ..BrokerConfig::default() };
         let broker = Arc::new(BrokerClient::connect(&broker_config, "test").await.expect("client"));
-        let publisher = Arc::new(Publisher::new(broker.clone(), config.publish.clone(), &config.fault_avoidance));
-        let (dispatcher, report) = Dispatcher::start(store, broker, publisher, config.delivery.clone()).expect("start");
+        let publisher = Arc::new(Publisher::new(
+            broker.clone(),
+            config.publish.clone(),
+            &config.fault_avoidance,
+            config.reliability.profile,
+        ));
+        let (dispatcher, report) =
+            Dispatcher::start(store, broker, publisher, config.delivery.clone(), None).expect("start");
         assert_eq!(
             report,
             RecoveryReport {

@@ -3,8 +3,8 @@
 //! A synchronous publish makes at most `1 + retry_times_when_send_failed` attempts. Each attempt picks a
 //! broker with [`fault::choose_broker`]: never the one that just failed while another exists, and never an
 //! isolated one while a healthy one exists. After every attempt the broker's latency (or failure) is recorded
-//! in the fault table. The answer is a success only when the broker's store status is accepted
-//! ([`accepts_store_status`]), so a 200 means "stored as the reliability profile demands".
+//! in the fault table. The answer is a success only when the broker's store status satisfies the reliability
+//! profile ([`judge_store_status`]), so a 200 means "stored as the profile demands".
 //!
 //! `mode=async` keeps its retries on the broker it started with (the seed's async semantics); `mode=oneway`
 //! makes one attempt and does not wait for the broker.
@@ -21,7 +21,7 @@ use serde::Serialize;
 
 use crate::broker::fault::{self, FaultTable, IsolationCause};
 use crate::broker::{BrokerClient, BrokerError, BrokerRoute, OutgoingMessage, SendReceipt, StoreStatus};
-use crate::config::{FaultAvoidanceConfig, PublishConfig};
+use crate::config::{FaultAvoidanceConfig, Profile, PublishConfig};
 use crate::metrics as m;
 
 /// How a publish request waits for the broker.
@@ -84,10 +84,34 @@ pub enum PublishError {
     },
 }
 
-/// The single decision point for "is this store status a success?". Today only `SEND_OK` is; the
-/// reliability profiles will accept weaker statuses under async flush/replication.
-pub fn accepts_store_status(status: StoreStatus) -> bool {
-    status == StoreStatus::SendOk
+/// What a broker's store status means under the reliability profile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreVerdict {
+    /// Stored as the profile demands.
+    Stored,
+    /// Stored, but short of a guarantee the profile does not demand (e.g. the flush timed out under async
+    /// flush): accepted, returned in `status`, counted in `popgate_send_degraded_total`.
+    Degraded,
+    /// Short of a guarantee the profile demands: a failed attempt, retried.
+    NotStored,
+}
+
+/// The single decision point for "is this store status a success?" (seed 004, checkpoint 2):
+/// - `SEND_OK` is always stored;
+/// - `FLUSH_DISK_TIMEOUT` fails under sync-flush profiles (`financial`, `durable`), is degraded otherwise;
+/// - `FLUSH_SLAVE_TIMEOUT` / `SLAVE_NOT_AVAILABLE` fail under sync-replication profiles (`financial`,
+///   `balanced`), are degraded otherwise.
+pub fn judge_store_status(profile: Profile, status: StoreStatus) -> StoreVerdict {
+    let demanded = match status {
+        StoreStatus::SendOk => return StoreVerdict::Stored,
+        StoreStatus::FlushDiskTimeout => profile.sync_flush(),
+        StoreStatus::FlushSlaveTimeout | StoreStatus::SlaveNotAvailable => profile.sync_replication(),
+    };
+    if demanded {
+        StoreVerdict::NotStored
+    } else {
+        StoreVerdict::Degraded
+    }
 }
 
 /// Sends messages under RocketMQ's producer policy with popgate's own fault avoidance.
@@ -95,14 +119,31 @@ pub struct Publisher {
     broker: Arc<BrokerClient>,
     faults: Mutex<FaultTable>,
     config: PublishConfig,
+    profile: Profile,
     /// Round-robin position (`sendWhichQueue`), shared by every topic as in the Java client per topic.
     rotation: AtomicUsize,
 }
 
 impl Publisher {
-    /// A publisher over `broker` with the configured policy.
-    pub fn new(broker: Arc<BrokerClient>, config: PublishConfig, faults: &FaultAvoidanceConfig) -> Publisher {
-        Publisher { broker, faults: Mutex::new(FaultTable::new(faults)), config, rotation: AtomicUsize::new(0) }
+    /// A publisher over `broker` with the configured policy and reliability profile.
+    pub fn new(
+        broker: Arc<BrokerClient>,
+        config: PublishConfig,
+        faults: &FaultAvoidanceConfig,
+        profile: Profile,
+    ) -> Publisher {
+        Publisher {
+            broker,
+            faults: Mutex::new(FaultTable::new(faults)),
+            config,
+            profile,
+            rotation: AtomicUsize::new(0),
+        }
+    }
+
+    /// The reliability profile sends are judged by.
+    pub fn profile(&self) -> Profile {
+        self.profile
     }
 
     /// Publishes one message.
@@ -190,11 +231,20 @@ impl Publisher {
                 if isolation.is_some() {
                     note_isolation(broker, IsolationCause::Latency);
                 }
-                if accepts_store_status(receipt.status) {
-                    Ok(Some(receipt))
-                } else {
-                    counter!(m::SEND_FAILURES, "reason" => "not_stored").increment(1);
-                    Err(AttemptError::Retriable(format!("broker answered {}", receipt.status.as_str())))
+                match judge_store_status(self.profile, receipt.status) {
+                    StoreVerdict::Stored => Ok(Some(receipt)),
+                    StoreVerdict::Degraded => {
+                        counter!(m::SEND_DEGRADED, "status" => receipt.status.as_str()).increment(1);
+                        Ok(Some(receipt))
+                    }
+                    StoreVerdict::NotStored => {
+                        counter!(m::SEND_FAILURES, "reason" => "not_stored").increment(1);
+                        Err(AttemptError::Retriable(format!(
+                            "broker answered {}, short of the {} profile",
+                            receipt.status.as_str(),
+                            self.profile.name()
+                        )))
+                    }
                 }
             }
             Err(error) => {
@@ -209,6 +259,11 @@ impl Publisher {
                 Err(AttemptError::Retriable(error.to_string()))
             }
         }
+    }
+
+    /// A copy of every broker's fault-avoidance entry.
+    pub fn fault_entries(&self) -> Vec<(String, crate::broker::fault::BrokerFault)> {
+        self.faults.lock().entries().map(|(name, fault)| (name.clone(), fault.clone())).collect()
     }
 
     /// Sets `popgate_broker_isolated{broker}` from the table, so an isolation that ended shows as 0 again.
@@ -233,4 +288,27 @@ fn note_isolation(broker: &str, cause: IsolationCause) {
     counter!(m::BROKER_ISOLATIONS, "broker" => broker.to_owned(), "cause" => cause.as_label()).increment(1);
     gauge!(m::BROKER_ISOLATED, "broker" => broker.to_owned()).set(1.0);
     tracing::warn!(broker, cause = cause.as_label(), "Broker isolated by fault avoidance.");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_profile_accepts_exactly_the_guarantees_it_does_not_demand() {
+        use StoreStatus::*;
+        use StoreVerdict::*;
+        let statuses = [SendOk, FlushDiskTimeout, FlushSlaveTimeout, SlaveNotAvailable];
+        let expected = [
+            (Profile::Financial, [Stored, NotStored, NotStored, NotStored]),
+            (Profile::Durable, [Stored, NotStored, Degraded, Degraded]),
+            (Profile::Balanced, [Stored, Degraded, NotStored, NotStored]),
+            (Profile::Throughput, [Stored, Degraded, Degraded, Degraded]),
+        ];
+        for (profile, verdicts) in expected {
+            for (status, verdict) in statuses.iter().zip(verdicts) {
+                assert_eq!(judge_store_status(profile, *status), verdict, "{profile:?} {status:?}");
+            }
+        }
+    }
 }

@@ -204,6 +204,19 @@ impl StateStore {
         self.apply(&[Change::Delete(family, key)])
     }
 
+    /// Syncs the WAL to disk: the group commit of async-flush profiles, whose writes are not synced one by one.
+    ///
+    /// # Errors
+    /// [`StoreError::Write`] when the sync fails (the store is reopened before its next use).
+    pub fn sync_wal(&self) -> Result<(), StoreError> {
+        let guard = self.db()?;
+        let db = guard.as_ref().ok_or(StoreError::Closed)?;
+        db.flush_wal(true).map_err(|error| {
+            self.failed.store(true, Ordering::Relaxed);
+            StoreError::Write(error)
+        })
+    }
+
     /// Every record of `family`, decoded as `T`.
     ///
     /// # Errors

@@ -1,0 +1,89 @@
+//! Admin requests to the cluster: which brokers exist (GET_BROKER_CLUSTER_INFO, from the name server) and how
+//! each is configured (GET_BROKER_CONFIG, from the broker).
+
+use std::collections::BTreeMap;
+
+use cheetah_string::CheetahString;
+use rocketmq_protocol::code::request_code::RequestCode;
+use rocketmq_protocol::protocol::header::empty_header::EmptyHeader;
+use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
+
+use super::client::{BrokerClient, BrokerError};
+
+/// One master broker of the cluster.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct MasterBroker {
+    /// `brokerName`.
+    pub name: String,
+    /// The master's `host:port`.
+    pub addr: String,
+}
+
+impl BrokerClient {
+    /// Every master broker the name server knows, sorted by name.
+    ///
+    /// # Errors
+    /// [`BrokerError`] when no name server answered.
+    pub async fn cluster_masters(&self) -> Result<Vec<MasterBroker>, BrokerError> {
+        let timeout = self.request_timeout();
+        let info = self
+            .pooled()
+            .broker_cluster_info(timeout.as_millis() as u64)
+            .await
+            .map_err(|e| BrokerError::from_client(e, timeout))?;
+        let mut masters: Vec<MasterBroker> = info
+            .broker_addr_table
+            .unwrap_or_default()
+            .values()
+            .filter_map(|data| {
+                let addr = data.broker_addrs().get(&0)?;
+                Some(MasterBroker { name: data.broker_name().to_string(), addr: addr.to_string() })
+            })
+            .collect();
+        masters.sort();
+        Ok(masters)
+    }
+
+    /// The broker's running configuration (`key=value` properties, as `mqadmin getBrokerConfig` prints them).
+    ///
+    /// # Errors
+    /// [`BrokerError`] when the broker cannot be asked or refuses.
+    pub async fn broker_config(&self, addr: &str) -> Result<BTreeMap<String, String>, BrokerError> {
+        let timeout = self.request_timeout();
+        let request = RemotingCommand::create_request_command(RequestCode::GetBrokerConfig, EmptyHeader {});
+        let response = self
+            .pooled()
+            .invoke_remoting(&CheetahString::from(addr), request, timeout.as_millis() as u64)
+            .await
+            .map_err(|e| BrokerError::from_client(e, timeout))?;
+        if response.code() != 0 {
+            let detail = response.remark().map(ToString::to_string).unwrap_or_default();
+            return Err(BrokerError::Response { code: response.code(), detail });
+        }
+        let body = response.body().map(|b| String::from_utf8_lossy(b).into_owned()).unwrap_or_default();
+        Ok(parse_properties(&body))
+    }
+}
+
+/// Java `Properties` text as the broker writes it: `key=value` lines, `#` comments.
+pub fn parse_properties(text: &str) -> BTreeMap<String, String> {
+    text.lines()
+        .map(str::trim)
+        .filter(|line| !line.is_empty() && !line.starts_with('#'))
+        .filter_map(|line| line.split_once('='))
+        .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn properties_text_is_read_as_the_broker_writes_it() {
+        let parsed = parse_properties("#comment\nflushDiskType=ASYNC_FLUSH\n brokerRole = SYNC_MASTER \n\nbad line\n");
+        assert_eq!(parsed.get("flushDiskType").map(String::as_str), Some("ASYNC_FLUSH"));
+        assert_eq!(parsed.get("brokerRole").map(String::as_str), Some("SYNC_MASTER"));
+        assert_eq!(parsed.len(), 2);
+    }
+}
