@@ -5,8 +5,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source docker/setup.sh
+# One word, both sides: the local broker's flush/replication and popgate's reliability profile.
+profile="${ROCKETMQ_PROFILE:-balanced}"
+export POPGATE_RELIABILITY__PROFILE="${POPGATE_RELIABILITY__PROFILE:-$profile}"
 if [[ -z "${POPGATE_BROKER__NAMESRV_ADDR:-}" ]]; then
-  docker/rocketmq/rocketmq.sh start "${ROCKETMQ_PROFILE:-throughput}"
+  docker/rocketmq/rocketmq.sh start "$profile"
 fi
 args=("$@")
 ((${#args[@]})) || args=(--config popgate.toml)

@@ -2,6 +2,7 @@
 //! brokers, started by [`harness`] on 127.0.0.1, spoken to with a real HTTP client.
 
 // Parts of the harness serve only some test files (broker restarts, metrics text); that is not dead code.
+mod dashboards;
 mod delivery;
 #[allow(dead_code)]
 mod harness;

@@ -23,6 +23,8 @@ pub const SEND_DEGRADED: &str = "popgate_send_degraded_total";
 pub const BROKER_ISOLATED: &str = "popgate_broker_isolated";
 /// Isolations started, by broker and `cause` (latency, unreachable).
 pub const BROKER_ISOLATIONS: &str = "popgate_broker_isolations_total";
+/// Time of one send attempt, by broker.
+pub const SEND_DURATION: &str = "popgate_send_duration_seconds";
 /// Time from a publish request's arrival to its answer.
 pub const PUBLISH_DURATION: &str = "popgate_publish_duration_seconds";
 
@@ -56,7 +58,8 @@ pub const ACK_LATENCY: &str = "popgate_ack_latency_seconds";
 /// Buckets for [`ACK_LATENCY`]: a fast in-process consumer (5 ms) up to the 30 s default ACK timeout.
 pub const ACK_LATENCY_BUCKETS: &[f64] = &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
 
-/// Buckets for [`PUBLISH_DURATION`]: from a fast local send (1 ms) to three full 3 s timeouts plus slack.
+/// Buckets for [`PUBLISH_DURATION`] and [`SEND_DURATION`]: from a fast local send (1 ms) to three full 3 s
+/// timeouts plus slack.
 pub const PUBLISH_DURATION_BUCKETS: &[f64] =
     &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
 
@@ -72,6 +75,8 @@ pub fn install() -> Result<PrometheusHandle, String> {
                 .set_buckets_for_metric(Matcher::Full(PUBLISH_DURATION.to_owned()), PUBLISH_DURATION_BUCKETS)
                 .map_err(|e| e.to_string())?
                 .set_buckets_for_metric(Matcher::Full(ACK_LATENCY.to_owned()), ACK_LATENCY_BUCKETS)
+                .map_err(|e| e.to_string())?
+                .set_buckets_for_metric(Matcher::Full(SEND_DURATION.to_owned()), PUBLISH_DURATION_BUCKETS)
                 .map_err(|e| e.to_string())?
                 .install_recorder()
                 .map_err(|e| e.to_string())?;
@@ -121,6 +126,7 @@ fn describe_all() {
     describe_counter!(SEND_DEGRADED, Unit::Count, "Sends accepted with a store status weaker than SEND_OK, by status.");
     describe_counter!(BROKER_ISOLATIONS, Unit::Count, "Broker isolations started, by broker and cause.");
     describe_histogram!(PUBLISH_DURATION, Unit::Seconds, "Publish request duration, arrival to answer.");
+    describe_histogram!(SEND_DURATION, Unit::Seconds, "One send attempt, by broker.");
     describe_gauge!(PENDING_DELIVERIES, "In-flight deliveries held (popped, not yet retired).");
     describe_counter!(DELIVERIES_DISPATCHED, Unit::Count, "Deliveries handed to a subscriber, by transport.");
     describe_counter!(ACKS, Unit::Count, "Subscriber ACKs, by result.");

@@ -3,7 +3,7 @@
 #
 #   rocketmq.sh jars                 fetch the name server + broker jars once (cached under $HOME), print the lib dir
 #   rocketmq.sh start [PROFILE]      start a local name server (9876) and broker-a (10911) unless one answers already;
-#                                    PROFILE (profiles/*.conf, default throughput) sets flush and replication, and a
+#                                    PROFILE (profiles/*.conf, default balanced) sets flush and replication, and a
 #                                    SYNC_MASTER profile also gets its slave (10921), or no send could be stored
 #   rocketmq.sh stop                 stop what `start` started
 #
@@ -33,7 +33,7 @@ wait_port() {
 }
 
 start() {
-  local profile="${1:-throughput}"
+  local profile="${1:-balanced}"
   if port_open 9876; then
     echo "rocketmq.sh: a name server already answers on 127.0.0.1:9876; using it" >&2
     return 0
@@ -85,7 +85,7 @@ stop() {
 
 case "${1:-}" in
   jars) jars ;;
-  start) start "${2:-throughput}" ;;
+  start) start "${2:-balanced}" ;;
   stop) stop ;;
   *) echo "usage: rocketmq.sh jars|start [profile]|stop" >&2; exit 2 ;;
 esac

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use metrics::{counter, gauge};
+use metrics::{counter, gauge, histogram};
 use parking_lot::Mutex;
 use serde::Serialize;
 
@@ -222,9 +222,11 @@ impl Publisher {
             return Ok(None);
         }
         let broker = route.name.as_str();
+        self.first_sight(broker);
         let started = Instant::now();
         let result = self.broker.send(message, route, queue_id, self.config.send_timeout()).await;
         let latency = started.elapsed();
+        histogram!(m::SEND_DURATION, "broker" => broker.to_owned()).record(latency.as_secs_f64());
         match result {
             Ok(receipt) => {
                 let isolation = self.faults.lock().record_success(broker, latency, Instant::now());
@@ -259,6 +261,17 @@ impl Publisher {
                 Err(AttemptError::Retriable(error.to_string()))
             }
         }
+    }
+
+    /// Registers a broker's isolation series at 0 the first time it is used, so "never isolated" shows as 0.
+    fn first_sight(&self, broker: &str) {
+        if self.faults.lock().fault(broker).is_some() {
+            return;
+        }
+        for cause in [IsolationCause::Latency, IsolationCause::Unreachable] {
+            counter!(m::BROKER_ISOLATIONS, "broker" => broker.to_owned(), "cause" => cause.as_label()).increment(0);
+        }
+        gauge!(m::BROKER_ISOLATED, "broker" => broker.to_owned()).set(0.0);
     }
 
     /// A copy of every broker's fault-avoidance entry.
