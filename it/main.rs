@@ -8,4 +8,5 @@ mod delivery;
 mod harness;
 mod metrics;
 mod publish;
+mod push;
 mod reliability;

@@ -43,6 +43,8 @@ fn main() -> ExitCode {
             EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| EnvFilter::new("info,rocketmq_client_rust=warn,rocketmq_transport=warn")),
         )
+        // Colours only for a person at a terminal, never in log files.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
         .init();
     match cli.command {
         Command::Serve { config } => serve(config),

@@ -32,6 +32,10 @@ pub const PUBLISH_DURATION: &str = "popgate_publish_duration_seconds";
 pub const PENDING_DELIVERIES: &str = "popgate_pending_deliveries";
 /// Deliveries handed to a subscriber, by `transport` (poll, sse, websocket, webhook).
 pub const DELIVERIES_DISPATCHED: &str = "popgate_deliveries_dispatched_total";
+/// Deliveries a push transport could not write to its subscriber, by `transport` (sse, websocket).
+pub const PUSH_WRITE_FAILURES: &str = "popgate_push_write_failures_total";
+/// Push subscribers connected now, by `transport`.
+pub const PUSH_SUBSCRIBERS: &str = "popgate_push_subscribers";
 /// Subscriber ACKs by `result` (acked, unknown, stale, store_error).
 pub const ACKS: &str = "popgate_acks_total";
 /// Redeliveries scheduled, by `reason` (timeout, nack, push_failure, recovery).
@@ -94,9 +98,10 @@ const ZERO_SERIES: &[(&str, &str, &[&str])] = &[
     (PUBLISH_REQUESTS, "result", &["ok", "accepted", "bad_request", "too_large", "not_found", "unavailable"]),
     (SEND_FAILURES, "reason", &["timeout", "network", "broker_error", "not_stored", "no_route", "client"]),
     (SEND_DEGRADED, "status", &["FLUSH_DISK_TIMEOUT", "FLUSH_SLAVE_TIMEOUT", "SLAVE_NOT_AVAILABLE"]),
-    (DELIVERIES_DISPATCHED, "transport", &["poll"]),
+    (DELIVERIES_DISPATCHED, "transport", &["poll", "sse", "websocket"]),
+    (PUSH_WRITE_FAILURES, "transport", &["sse", "websocket"]),
     (ACKS, "result", &["acked", "unknown", "stale", "store_error"]),
-    (REDELIVERIES, "reason", &["timeout", "nack", "recovery"]),
+    (REDELIVERIES, "reason", &["timeout", "nack", "push_failure", "recovery"]),
     (RECOVERED_DELIVERIES, "outcome", &["redispatched", "ack_pending", "dead_letter_pending", "corrupt"]),
     (CONSUME_REQUEST_FAILURES, "op", &["pop", "renew"]),
 ];
@@ -130,6 +135,8 @@ fn describe_all() {
     describe_gauge!(PENDING_DELIVERIES, "In-flight deliveries held (popped, not yet retired).");
     describe_counter!(DELIVERIES_DISPATCHED, Unit::Count, "Deliveries handed to a subscriber, by transport.");
     describe_counter!(ACKS, Unit::Count, "Subscriber ACKs, by result.");
+    describe_counter!(PUSH_WRITE_FAILURES, Unit::Count, "Deliveries a push transport could not write, by transport.");
+    describe_gauge!(PUSH_SUBSCRIBERS, "Push subscribers connected now, by transport.");
     describe_counter!(REDELIVERIES, Unit::Count, "Redeliveries scheduled, by reason.");
     describe_counter!(DLQ_MESSAGES, Unit::Count, "Events dead-lettered to %DLQ%<group>, by group.");
     describe_counter!(DLQ_RECORD_FAILURES, Unit::Count, "Failed DLQ writes (retried).");

@@ -6,6 +6,7 @@
 
 pub mod direct;
 pub mod popgate;
+pub mod push;
 pub mod rocketmq;
 
 use std::net::TcpListener;

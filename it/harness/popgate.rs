@@ -29,7 +29,6 @@ impl Popgate {
     /// `/healthz`.
     pub async fn start(namesrv_addr: &str, extra_toml: &str) -> Popgate {
         let dir = tempfile::Builder::new().prefix("popgate-it-").tempdir().expect("tempdir");
-        let port = free_port();
         let config_path = dir.path().join("popgate.toml");
         let state_dir = dir.path().join("state");
         // A test may put the state elsewhere (a small tmpfs) by naming `state_dir` itself.
@@ -43,15 +42,15 @@ impl Popgate {
             format!("state_dir = \"{}\"\n", state_dir.display())
         };
         let config = format!(
-            "[server]\nlisten = \"127.0.0.1:{port}\"\nshutdown_grace_secs = 2\n\n[broker]\nnamesrv_addr = \"{namesrv_addr}\"\n\n\
+            // Port 0: popgate binds a free port itself and logs it, so concurrent tests never share one.
+            "[server]\nlisten = \"127.0.0.1:0\"\nshutdown_grace_secs = 2\n\n[broker]\nnamesrv_addr = \"{namesrv_addr}\"\n\n\
              [delivery]\n{state_line}{extra_toml}\n"
         );
         fs::write(&config_path, merge_sections(&config)).expect("write config");
         let log = dir.path().join("popgate.log");
         let child = spawn(&config_path, &log);
-        let mut popgate =
-            Popgate { base: format!("http://127.0.0.1:{port}"), config_path, state_dir, child, log, _dir: dir };
-        popgate.wait_healthy().await;
+        let mut popgate = Popgate { base: String::new(), config_path, state_dir, child, log, _dir: dir };
+        popgate.wait_healthy(0).await;
         popgate
     }
 
@@ -100,8 +99,9 @@ impl Popgate {
     /// Starts the process again with the same config and state directory (after [`Popgate::kill9`]).
     pub async fn restart(&mut self) {
         self.kill9();
+        let logged = fs::metadata(&self.log).map(|m| m.len() as usize).unwrap_or(0);
         self.child = spawn(&self.config_path, &self.log);
-        self.wait_healthy().await;
+        self.wait_healthy(logged).await;
     }
 
     /// `kill -STOP` / `kill -CONT` the process (a hung instance).
@@ -110,12 +110,21 @@ impl Popgate {
         assert!(status.is_ok_and(|s| s.success()), "kill -{signal} popgate");
     }
 
-    async fn wait_healthy(&mut self) {
+    /// Waits for the "listening on" line this start logged (after byte `from` of the log), then for `/healthz`.
+    async fn wait_healthy(&mut self, from: usize) {
         let deadline = Instant::now() + Duration::from_secs(30);
         let client = reqwest::Client::new();
+        self.base.clear();
         loop {
-            if let Ok(resp) = client.get(format!("{}/healthz", self.base)).send().await {
-                if resp.status().is_success() {
+            if self.base.is_empty() {
+                let text = fs::read_to_string(&self.log).unwrap_or_default();
+                if let Some(addr) = text.get(from..).and_then(listening_addr) {
+                    self.base = format!("http://{addr}");
+                }
+            }
+            if !self.base.is_empty() {
+                let healthy = client.get(format!("{}/healthz", self.base)).send().await;
+                if healthy.is_ok_and(|resp| resp.status().is_success()) {
                     return;
                 }
             }
@@ -221,6 +230,13 @@ fn spawn(config_path: &std::path::Path, log: &std::path::Path) -> Child {
         .stderr(append(log.with_extension("err")))
         .spawn()
         .expect("spawn popgate")
+}
+
+/// The address in popgate's "popgate listening on http://ADDR" log line.
+fn listening_addr(log: &str) -> Option<String> {
+    let start = log.find("listening on http://")? + "listening on http://".len();
+    let addr: String = log[start..].chars().take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':').collect();
+    (!addr.is_empty()).then_some(addr)
 }
 
 /// Status and JSON body (Null when the body is not JSON).

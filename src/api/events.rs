@@ -99,7 +99,8 @@ fn field_in_message(message: &str) -> Option<String> {
     rest.split('`').next().map(str::to_owned)
 }
 
-fn delivery_error(error: DeliveryError) -> ApiError {
+/// The HTTP answer for a delivery failure (shared by every transport).
+pub fn delivery_error(error: DeliveryError) -> ApiError {
     match error {
         DeliveryError::Unknown => ApiError::delivery_status(StatusCode::NOT_FOUND, "unknown", error.to_string()),
         DeliveryError::Stale => ApiError::delivery_status(StatusCode::CONFLICT, "stale", error.to_string()),

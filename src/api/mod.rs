@@ -4,6 +4,7 @@
 //! POST /events/publish[?topic=&mode=sync|async|oneway]   publish one event (popgate JSON or CloudEvents)
 //! POST /events/subscribe, /events/unsubscribe            manage subscriptions (see [`events`])
 //! GET  /events/poll                                      long-poll deliveries
+//! GET  /events/stream, /events/ws                        push deliveries over SSE or WebSocket (see [`push`])
 //! POST /events/ack, /events/nack, /events/term           settle deliveries
 //! GET  /healthz                                          the process is up
 //! GET  /readyz                                           a name server answers and the state store writes
@@ -18,6 +19,7 @@ mod error;
 pub mod events;
 mod health;
 mod publish;
+mod push;
 
 use std::sync::Arc;
 
@@ -64,6 +66,8 @@ pub fn router(state: AppState) -> Router {
         .route("/events/subscribe", post(events::subscribe))
         .route("/events/unsubscribe", post(events::unsubscribe))
         .route("/events/poll", get(events::poll))
+        .route("/events/stream", get(push::stream))
+        .route("/events/ws", get(push::websocket))
         .route("/events/ack", post(events::ack))
         .route("/events/nack", post(events::nack))
         .route("/events/term", post(events::term))

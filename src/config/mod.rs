@@ -253,6 +253,14 @@ pub struct DeliveryConfig {
     pub pop_batch: u32,
     /// How long one POP may wait at the broker for a message.
     pub pop_poll_ms: u64,
+    /// Default per-subscriber prefetch of push transports: at most this many unACKed deliveries in flight to
+    /// one SSE or WebSocket subscriber (`?prefetch=` may lower or raise it up to 1024).
+    pub prefetch: usize,
+    /// When a push subscriber disconnects, hand its unACKed deliveries to another subscriber at once, instead
+    /// of after their ACK timeout (the client may still ACK them over `POST /events/ack`).
+    pub redeliver_on_disconnect: bool,
+    /// Most deliveries one instance holds in flight; POP pauses (backpressure) at this bound.
+    pub max_in_flight: usize,
 }
 
 impl Default for DeliveryConfig {
@@ -267,6 +275,9 @@ impl Default for DeliveryConfig {
             lease_ms: 60_000,
             pop_batch: 16,
             pop_poll_ms: 5_000,
+            prefetch: 32,
+            redeliver_on_disconnect: false,
+            max_in_flight: 100_000,
         }
     }
 }

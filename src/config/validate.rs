@@ -75,6 +75,8 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
         &format!("must be in 1..={MAX_POP_BATCH} (the broker's POP limit)"),
     );
     check(delivery.pop_poll_ms > 0, "delivery.pop_poll_ms", "must be > 0");
+    check((1..=1024).contains(&delivery.prefetch), "delivery.prefetch", "must be in 1..=1024");
+    check(delivery.max_in_flight >= 1, "delivery.max_in_flight", "must be >= 1");
 
     let reliability = &config.reliability;
     check(

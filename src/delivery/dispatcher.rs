@@ -88,6 +88,8 @@ pub(super) struct Live {
     pub queued: bool,
     /// Earliest time to retry a failed broker ACK / DLQ write / renewal.
     pub next_try_ms: i64,
+    /// The push subscriber the delivery is handed to (memory only: a restart hands everything out anew).
+    pub holder: Option<u64>,
 }
 
 pub(super) struct SubState {
@@ -304,7 +306,7 @@ impl Shared {
         for record in records {
             let id = record.id.clone();
             let ready = matches!(record.phase, Phase::Ready { .. });
-            state.records.insert(id.clone(), Live { record, busy: false, queued: ready, next_try_ms: 0 });
+            state.records.insert(id.clone(), Live { record, busy: false, queued: ready, next_try_ms: 0, holder: None });
             if ready {
                 if let Some(sub_state) = state.subs.get_mut(&sub.key()) {
                     sub_state.ready.push_back(id);
@@ -329,7 +331,13 @@ pub fn new_delivery_id() -> String {
 
 impl Shared {
     /// Hands out up to `max` ready deliveries of `key`, marking them awaiting ACK (written first).
-    pub fn take_ready(&self, key: &str, max: usize, transport: &'static str) -> Result<Vec<Dispatched>, DeliveryError> {
+    pub fn take_ready(
+        &self,
+        key: &str,
+        max: usize,
+        transport: &'static str,
+        holder: Option<u64>,
+    ) -> Result<Vec<Dispatched>, DeliveryError> {
         let now = now_millis();
         let mut taken: Vec<DeliveryRecord> = Vec::new();
         {
@@ -384,6 +392,7 @@ impl Shared {
             if let Some(live) = state.records.get_mut(&record.id) {
                 live.record = record;
                 live.busy = false;
+                live.holder = holder;
             }
         }
         counter!(m::DELIVERIES_DISPATCHED, "transport" => transport).increment(out.len() as u64);
@@ -394,6 +403,8 @@ impl Shared {
     /// retried from the intent, so the client's answer does not depend on it.
     pub async fn ack(&self, id: &str) -> Result<(), DeliveryError> {
         let result = self.ack_inner(id).await;
+        // A settled delivery frees a push subscriber's prefetch slot.
+        self.changed.notify_waiters();
         let label = match &result {
             Ok(()) => "acked",
             Err(DeliveryError::Stale) => "stale",
@@ -448,6 +459,7 @@ impl Shared {
         }
         let outcome = self.after_failure(&mut record, "nack", delay);
         self.commit(record)?;
+        self.changed.notify_waiters();
         if matches!(outcome, NackOutcome::Retry { .. }) {
             counter!(m::REDELIVERIES, "reason" => "nack").increment(1);
         }
@@ -463,6 +475,61 @@ impl Shared {
         }
         record.last_failure = Some(format!("terminated: {reason}"));
         record.phase = Phase::DeadLetter { reason: format!("terminated by the subscriber: {reason}") };
-        self.commit(record)
+        self.commit(record)?;
+        self.changed.notify_waiters();
+        Ok(())
+    }
+
+    /// A push transport could not hand these deliveries to its subscriber (the write failed, the connection is
+    /// gone): they go straight back and are dispatched again at once, to any subscriber of the group. The
+    /// subscriber never saw them, so no attempt is spent.
+    pub async fn push_failed(&self, ids: &[String], transport: &'static str, reason: &'static str) {
+        for id in ids {
+            let Ok(mut record) = self.claim(id).await else { continue };
+            if !matches!(record.phase, Phase::AwaitingAck { .. }) {
+                self.release(id, None);
+                continue;
+            }
+            record.phase = Phase::Ready { due_ms: now_millis() };
+            if self.commit(record).is_err() {
+                continue;
+            }
+            if reason == "push_failure" {
+                counter!(m::PUSH_WRITE_FAILURES, "transport" => transport).increment(1);
+            }
+            counter!(m::REDELIVERIES, "reason" => "push_failure").increment(1);
+            let key = {
+                let mut state = self.state.lock();
+                let Some(live) = state.records.get_mut(id) else { continue };
+                live.holder = None;
+                live.queued = true;
+                Subscription::key_of(&live.record.group, &live.record.topic)
+            };
+            if let Some(sub) = self.state.lock().subs.get_mut(&key) {
+                sub.ready.push_front(id.clone());
+            }
+        }
+        self.changed.notify_waiters();
+    }
+
+    /// A push subscriber left: its deliveries stay in flight (their ACK timeout will bring them back) but no
+    /// longer count against it.
+    pub fn forget_holder(&self, holder: u64) {
+        for live in self.state.lock().records.values_mut() {
+            if live.holder == Some(holder) {
+                live.holder = None;
+            }
+        }
+    }
+
+    /// How many of `held` are still handed to `holder` and unsettled; the others are dropped from the set.
+    pub fn prune_held(&self, holder: u64, held: &mut std::collections::HashSet<String>) -> usize {
+        let state = self.state.lock();
+        held.retain(|id| {
+            state.records.get(id).is_some_and(|live| {
+                live.holder == Some(holder) && matches!(live.record.phase, Phase::AwaitingAck { .. })
+            })
+        });
+        held.len()
     }
 }

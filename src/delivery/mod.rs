@@ -18,6 +18,7 @@
 //! - [`dispatcher`]: the state machine and the client operations (poll, ack, nack, term).
 //! - [`popper`]: one demand-paced POP loop per subscription.
 //! - [`sweeper`]: timeouts, retries, lease renewal, owed broker ACKs and DLQ writes.
+//! - [`subscriber`]: a push subscriber's session (prefetch, write failures, disconnects).
 //! - [`recovery`]: boot replay of the stored state. [`dlq`]: the dead-letter message. [`retry`]: the backoff.
 
 pub mod dispatcher;
@@ -26,6 +27,7 @@ mod popper;
 pub mod record;
 pub mod recovery;
 pub mod retry;
+pub mod subscriber;
 mod sweeper;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -37,6 +39,7 @@ use tokio::task::JoinHandle;
 
 pub use dispatcher::{DeliveryError, Dispatched, NackOutcome};
 pub use record::Subscription;
+pub use subscriber::Subscriber;
 
 use dispatcher::{Shared, State, SubState};
 use recovery::RecoveryReport;
@@ -259,7 +262,7 @@ impl Dispatcher {
             let notified = self.shared.changed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let taken = self.shared.take_ready(&key, max, "poll")?;
+            let taken = self.shared.take_ready(&key, max, "poll", None)?;
             if !taken.is_empty() || tokio::time::Instant::now() >= deadline {
                 return Ok(taken);
             }
@@ -268,6 +271,26 @@ impl Dispatcher {
                 () = tokio::time::sleep_until(deadline) => {}
             }
         }
+    }
+
+    /// Attaches a push subscriber (SSE, WebSocket) to `group`/`topic`, creating the subscription with the
+    /// defaults if there is none. `prefetch` (default `delivery.prefetch`) bounds its unACKed deliveries.
+    ///
+    /// # Errors
+    /// As [`Dispatcher::subscribe`]; [`DeliveryError::Invalid`] for a prefetch outside 1..=1024.
+    pub fn attach(
+        &self,
+        group: &str,
+        topic: &str,
+        prefetch: Option<usize>,
+        transport: &'static str,
+    ) -> Result<Subscriber, DeliveryError> {
+        let prefetch = prefetch.unwrap_or(self.shared.config.prefetch);
+        if !(1..=1024).contains(&prefetch) {
+            return Err(DeliveryError::Invalid("prefetch", "must be in 1..=1024".into()));
+        }
+        let key = self.ensure_subscription(group, topic)?.key();
+        Ok(Subscriber::new(self.shared.clone(), key, prefetch, transport))
     }
 
     /// See [`Shared::ack`].

@@ -30,7 +30,10 @@ pub(super) async fn run(shared: Arc<Shared>, key: String, stop: Arc<AtomicBool>)
         let (sub, policy, wanted) = {
             let state = shared.state.lock();
             let Some(sub_state) = state.subs.get(&key) else { break };
-            (sub_state.sub.clone(), sub_state.policy, sub_state.demand.saturating_sub(sub_state.ready.len()))
+            let wanted = sub_state.demand.saturating_sub(sub_state.ready.len());
+            // Backpressure: at the instance's in-flight bound nothing more is popped until deliveries retire.
+            let room = shared.config.max_in_flight.saturating_sub(state.records.len());
+            (sub_state.sub.clone(), sub_state.policy, wanted.min(room))
         };
         if wanted == 0 {
             let _ = tokio::time::timeout(IDLE_WAIT, notified).await;
@@ -69,6 +72,7 @@ pub(super) async fn run(shared: Arc<Shared>, key: String, stop: Arc<AtomicBool>)
             .map(|(broker, handle)| shared.broker.pop(handle, broker, &request));
         let mut popped = Vec::new();
         let mut failed = false;
+        tracing::debug!(topic = %sub.topic, brokers = brokers.len(), wanted, "POP round.");
         for result in join_all(rounds).await {
             match result {
                 Ok(messages) => popped.extend(messages),

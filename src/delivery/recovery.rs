@@ -99,7 +99,9 @@ pub(super) fn recover(shared: &Shared) -> Result<RecoveryReport, StoreError> {
             }
         };
         counter!(m::RECOVERED_DELIVERIES, "outcome" => outcome).increment(1);
-        state.records.insert(record.id.clone(), Live { record, busy: false, queued: false, next_try_ms: 0 });
+        state
+            .records
+            .insert(record.id.clone(), Live { record, busy: false, queued: false, next_try_ms: 0, holder: None });
     }
     Ok(report)
 }

@@ -1,0 +1,181 @@
+//! Push transports against a real broker: SSE and WebSocket deliver each event once while healthy, a killed
+//! connection hands its events to another subscriber, and prefetch bounds a slow subscriber.
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::harness::eventually;
+use crate::harness::popgate::Popgate;
+use crate::harness::push::{SseClient, WsClient};
+use crate::harness::unique_topic;
+use crate::publish::shared_cluster;
+
+const CONFIG: &str = "[delivery]\nlease_ms = 20000\npop_poll_ms = 500\n";
+
+async fn publish_n(popgate: &Popgate, topic: &str, n: usize) -> BTreeSet<String> {
+    publish_sized(popgate, topic, n, 0).await
+}
+
+/// Publishes `n` events whose bodies are padded to about `pad` bytes.
+async fn publish_sized(popgate: &Popgate, topic: &str, n: usize, pad: usize) -> BTreeSet<String> {
+    let mut bodies = BTreeSet::new();
+    for i in 0..n {
+        let body = format!("event-{i}{}", "x".repeat(pad));
+        let (status, answer) = popgate.publish(&json!({"topic": topic, "data": body})).await;
+        assert_eq!(status, 200, "{answer}");
+        bodies.insert(body);
+    }
+    bodies
+}
+
+fn data(delivery: &Value) -> String {
+    delivery["event"]["data"].as_str().unwrap_or_default().to_owned()
+}
+
+fn id(delivery: &Value) -> String {
+    delivery["deliveryId"].as_str().unwrap_or_default().to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sse_delivers_every_event_once_and_takes_acks_by_post() {
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, CONFIG).await;
+    let (topic, group) = (unique_topic("sse"), unique_topic("g_sse"));
+    let mut sse = SseClient::connect(&popgate.base, &format!("group={group}&topic={topic}")).await;
+    let published = publish_n(&popgate, &topic, 12).await;
+
+    let mut seen = Vec::new();
+    while seen.len() < published.len() {
+        let Some(delivery) = sse.next(Duration::from_secs(30)).await else {
+            panic!(
+                "DEBUG seen {} dispatched {} pending {}",
+                seen.len(),
+                popgate.metric("popgate_deliveries_dispatched_total{transport=\"sse\"}").await,
+                popgate.metric("popgate_pending_deliveries").await
+            );
+        };
+        assert_eq!(popgate.ack(&id(&delivery)).await.0, 200);
+        seen.push(data(&delivery));
+    }
+    assert_eq!(seen.iter().cloned().collect::<BTreeSet<_>>(), published);
+    assert_eq!(seen.len(), published.len(), "each exactly once");
+    assert!(sse.next(Duration::from_secs(2)).await.is_none(), "nothing more");
+    assert_eq!(popgate.metric("popgate_deliveries_dispatched_total{transport=\"sse\"}").await, 12.0);
+    eventually(Duration::from_secs(10), "every delivery retired", || async {
+        popgate.metric("popgate_pending_deliveries").await == 0.0
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn websocket_delivers_every_event_once_and_settles_in_band() {
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, CONFIG).await;
+    let (topic, group) = (unique_topic("ws"), unique_topic("g_ws"));
+    let mut ws = WsClient::connect(&popgate.base, &format!("group={group}&topic={topic}")).await;
+    let published = publish_n(&popgate, &topic, 12).await;
+
+    let mut seen = Vec::new();
+    let mut nacked = false;
+    while seen.len() < published.len() {
+        let delivery = ws.next(Duration::from_secs(30)).await.expect("every event is pushed");
+        if !nacked {
+            // One NACK in band: the same event comes back as attempt 2.
+            let result = ws.settle(json!({"nack": id(&delivery), "delayMs": 100})).await;
+            assert_eq!((result["op"].as_str(), result["status"].as_str()), (Some("nack"), Some("retry")), "{result}");
+            nacked = true;
+            continue;
+        }
+        let result = ws.settle(json!({"ack": id(&delivery)})).await;
+        assert_eq!(result["status"], "acked", "{result}");
+        seen.push(data(&delivery));
+    }
+    assert_eq!(seen.iter().cloned().collect::<BTreeSet<_>>(), published);
+    let result = ws.settle(json!({"ack": "0123456789abcdef0123456789abcdef"})).await;
+    assert_eq!(result["status"], "unknown", "{result}");
+    let result = ws.settle(json!({"hello": 1})).await;
+    assert_eq!(result["type"], "error", "{result}");
+    assert!(ws.next(Duration::from_secs(2)).await.is_none(), "nothing more");
+}
+
+/// Reads `keep` deliveries from a push connection, then kills it; returns what it held unACKed.
+async fn kill_mid_stream(popgate: &Popgate, transport: &str, group: &str, topic: &str, keep: usize) -> Vec<String> {
+    let query = format!("group={group}&topic={topic}");
+    let mut held = Vec::new();
+    if transport == "sse" {
+        let mut sse = SseClient::connect(&popgate.base, &query).await;
+        while held.len() < keep {
+            held.push(data(&sse.next(Duration::from_secs(30)).await.expect("pushed")));
+        }
+    } else {
+        let mut ws = WsClient::connect(&popgate.base, &query).await;
+        while held.len() < keep {
+            held.push(data(&ws.next(Duration::from_secs(30)).await.expect("pushed")));
+        }
+    }
+    held
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_sse_or_websocket_connection_hands_its_events_to_another_subscriber() {
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, CONFIG).await;
+    for transport in ["sse", "websocket"] {
+        let (topic, group) = (unique_topic(&format!("kill_{transport}")), unique_topic("g_kill"));
+        let (status, _) = popgate
+            .post_json("/events/subscribe", &json!({"group": group, "topic": topic, "ackTimeoutMs": 1500}))
+            .await;
+        assert_eq!(status, 200);
+        // More than loopback socket buffers absorb (24 × 1 MiB, about 10 MiB would fit): popgate is still
+        // writing when the subscriber dies, and the write fails.
+        let published = publish_sized(&popgate, &topic, 24, 1024 * 1024).await;
+        let failures_before =
+            popgate.metric(&format!("popgate_push_write_failures_total{{transport=\"{transport}\"}}")).await;
+        let held = kill_mid_stream(&popgate, transport, &group, &topic, 2).await;
+        assert_eq!(held.len(), 2);
+
+        // Another subscriber gets everything: the unwritten events at once, the two the dead one held after
+        // their ACK timeout.
+        let mut received = BTreeSet::new();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while received.len() < published.len() && Instant::now() < deadline {
+            for d in popgate.poll(&group, &topic, 16, 1_000).await {
+                assert_eq!(popgate.ack(&id(&d)).await.0, 200);
+                received.insert(data(&d));
+            }
+        }
+        assert_eq!(received.len(), published.len(), "{transport}: no event stranded by the dead connection");
+        assert_eq!(received, published);
+        let failures = popgate.metric(&format!("popgate_push_write_failures_total{{transport=\"{transport}\"}}")).await;
+        assert!(failures > failures_before, "{transport}: the failed write is counted");
+    }
+    assert!(popgate.metric("popgate_redeliveries_total{reason=\"push_failure\"}").await >= 2.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefetch_bounds_what_a_slow_subscriber_holds() {
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, CONFIG).await;
+    let (topic, group) = (unique_topic("prefetch"), unique_topic("g_prefetch"));
+    let mut slow = SseClient::connect(&popgate.base, &format!("group={group}&topic={topic}&prefetch=4")).await;
+    let published = publish_n(&popgate, &topic, 10).await;
+
+    let mut held = Vec::new();
+    while let Some(d) = slow.next(Duration::from_secs(if held.len() < 4 { 30 } else { 3 })).await {
+        held.push(d);
+    }
+    assert_eq!(held.len(), 4, "never more than the prefetch unACKed");
+    assert_eq!(popgate.ack(&id(&held[0])).await.0, 200);
+    let one_more = slow.next(Duration::from_secs(10)).await.expect("an ACK frees a slot");
+    assert!(slow.next(Duration::from_secs(2)).await.is_none(), "and only one");
+
+    // The rest of the group's events go to a sibling subscriber, not to the slow one.
+    let others = popgate.poll_until(&group, &topic, 5, Duration::from_secs(20)).await;
+    let mut all: BTreeSet<String> = held.iter().chain(std::iter::once(&one_more)).map(data).collect();
+    all.extend(others.iter().map(data));
+    assert_eq!(all, published);
+    let (status, answer) = popgate.get_json(&format!("/events/stream?group={group}&topic={topic}&prefetch=0")).await;
+    assert_eq!((status, answer["error"]["field"].as_str()), (400, Some("prefetch")), "{answer}");
+}

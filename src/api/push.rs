@@ -1,0 +1,207 @@
+//! Push transports. Each moves deliveries and ACKs between a [`Subscriber`] session and a connection; the
+//! delivery rules all stay in the dispatcher.
+//!
+//! ```text
+//! GET /events/stream?group=&topic=[&prefetch=]   SSE: `event: delivery`, `id: <deliveryId>`, data = the poll JSON
+//!                                                of one delivery; keep-alive comments every 15 s. ACK/NACK/TERM
+//!                                                over POST /events/ack|nack|term. `Last-Event-ID` is accepted.
+//! GET /events/ws?group=&topic=[&prefetch=]       WebSocket: deliveries as text frames {"type":"delivery",...};
+//!                                                the client settles in band:
+//!                                                  {"ack":"<id>"} | {"nack":"<id>","delayMs":n} | {"term":"<id>","reason":"..."}
+//!                                                each answered {"type":"result","op","deliveryId","status"};
+//!                                                a ping every 15 s, and no pong for 45 s closes the connection.
+//! ```
+//!
+//! A delivery whose write fails goes straight back to the dispatcher and is dispatched again at once to any
+//! subscriber of the group (`popgate_push_write_failures_total{transport}`).
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
+use axum::extract::{Query, State};
+use axum::http::HeaderMap;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use futures::{SinkExt, StreamExt};
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use super::events::{delivery_error, delivery_json};
+use super::{ApiError, AppState};
+use crate::delivery::{DeliveryError, Dispatched, Dispatcher, NackOutcome, Subscriber};
+
+/// How long one wait for deliveries lasts before a transport looks at its connection again.
+const WAIT_SLICE: Duration = Duration::from_secs(5);
+/// SSE keep-alive comments and WebSocket pings.
+const KEEP_ALIVE: Duration = Duration::from_secs(15);
+/// A WebSocket with no pong for this long is dead.
+const PONG_TIMEOUT: Duration = Duration::from_secs(45);
+
+/// `group`, `topic` and an optional `prefetch` from the query.
+fn push_params(query: &HashMap<String, String>) -> Result<(String, String, Option<usize>), ApiError> {
+    let required = |name: &str| {
+        query.get(name).filter(|v| !v.is_empty()).cloned().ok_or_else(|| ApiError::invalid_field(name, "required"))
+    };
+    let prefetch = match query.get("prefetch") {
+        None => None,
+        Some(text) => {
+            Some(text.parse::<usize>().map_err(|_| ApiError::invalid_field("prefetch", "must be an integer"))?)
+        }
+    };
+    Ok((required("group")?, required("topic")?, prefetch))
+}
+
+fn ids_from(batch: &[Dispatched]) -> Vec<String> {
+    batch.iter().map(|d| d.id.clone()).collect()
+}
+
+/// `GET /events/stream`: Server-Sent Events.
+pub async fn stream(
+    State(state): State<AppState>,
+    Query(query): Query<HashMap<String, String>>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    let (group, topic, prefetch) = push_params(&query)?;
+    let subscriber = state.dispatcher.attach(&group, &topic, prefetch, "sse").map_err(delivery_error)?;
+    // A reconnecting client names the last delivery it saw. What it still holds unACKed stays in flight to it
+    // (it is not sent again on this stream): it ACKs those by POST, or they come back after their ACK timeout.
+    if let Some(last) = headers.get("last-event-id").and_then(|v| v.to_str().ok()) {
+        tracing::debug!(last_event_id = last, %group, %topic, "SSE subscriber reconnected.");
+    }
+    // Capacity 1: a delivery leaves the pump only when the connection takes it, so a dead connection is
+    // noticed with at most one delivery in its buffer.
+    let (tx, rx) = mpsc::channel::<Event>(1);
+    tokio::spawn(sse_pump(subscriber, tx));
+    let events = futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|event| (Ok::<Event, Infallible>(event), rx))
+    });
+    Ok(Sse::new(events).keep_alive(KeepAlive::new().interval(KEEP_ALIVE).text("keep-alive")).into_response())
+}
+
+async fn sse_pump(mut subscriber: Subscriber, tx: mpsc::Sender<Event>) {
+    loop {
+        let batch = tokio::select! {
+            batch = subscriber.next(WAIT_SLICE) => batch,
+            () = tx.closed() => return,
+        };
+        let batch = match batch {
+            Ok(batch) => batch,
+            Err(error) => {
+                tracing::warn!(%error, "SSE subscriber cannot be served now.");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
+        };
+        for (i, delivery) in batch.iter().enumerate() {
+            let event =
+                Event::default().event("delivery").id(delivery.id.clone()).data(delivery_json(delivery).to_string());
+            if tx.send(event).await.is_err() {
+                subscriber.push_failed(&ids_from(&batch[i..])).await;
+                return;
+            }
+        }
+    }
+}
+
+/// `GET /events/ws`: WebSocket with in-band settlement.
+pub async fn websocket(
+    upgrade: WebSocketUpgrade,
+    State(state): State<AppState>,
+    Query(query): Query<HashMap<String, String>>,
+) -> Result<Response, ApiError> {
+    let (group, topic, prefetch) = push_params(&query)?;
+    let subscriber = state.dispatcher.attach(&group, &topic, prefetch, "websocket").map_err(delivery_error)?;
+    let dispatcher = state.dispatcher.clone();
+    Ok(upgrade.on_upgrade(move |socket| ws_session(socket, subscriber, dispatcher)))
+}
+
+async fn ws_session(socket: WebSocket, mut subscriber: Subscriber, dispatcher: Arc<Dispatcher>) {
+    let (mut sink, mut incoming) = socket.split();
+    let mut ping = tokio::time::interval(KEEP_ALIVE);
+    ping.tick().await;
+    let mut last_pong = Instant::now();
+    loop {
+        tokio::select! {
+            batch = subscriber.next(WAIT_SLICE) => {
+                let Ok(batch) = batch else { continue };
+                for (i, delivery) in batch.iter().enumerate() {
+                    let mut frame = delivery_json(delivery);
+                    frame["type"] = Value::String("delivery".into());
+                    if sink.send(Message::Text(frame.to_string().into())).await.is_err() {
+                        subscriber.push_failed(&ids_from(&batch[i..])).await;
+                        return;
+                    }
+                }
+            }
+            message = incoming.next() => match message {
+                Some(Ok(Message::Text(text))) => {
+                    let reply = settle_in_band(&dispatcher, text.as_str()).await;
+                    if sink.send(Message::Text(reply.to_string().into())).await.is_err() {
+                        return;
+                    }
+                }
+                Some(Ok(Message::Pong(_))) => last_pong = Instant::now(),
+                Some(Ok(Message::Ping(_))) => {}
+                Some(Ok(Message::Binary(_))) => {
+                    let reply = json!({"type": "error", "error": {"code": "malformed_body", "message": "send JSON text frames"}});
+                    if sink.send(Message::Text(reply.to_string().into())).await.is_err() {
+                        return;
+                    }
+                }
+                Some(Ok(Message::Close(_))) | Some(Err(_)) | None => return,
+            },
+            _ = ping.tick() => {
+                if last_pong.elapsed() > PONG_TIMEOUT {
+                    tracing::info!("WebSocket subscriber missed its pongs; closing.");
+                    return;
+                }
+                if sink.send(Message::Ping(Vec::new().into())).await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// One in-band command: `{"ack":id}`, `{"nack":id,"delayMs":n}` or `{"term":id,"reason":"..."}`.
+async fn settle_in_band(dispatcher: &Dispatcher, text: &str) -> Value {
+    let command: Value = match serde_json::from_str(text) {
+        Ok(Value::Object(map)) => Value::Object(map),
+        _ => {
+            return json!({"type": "error", "error": {"code": "malformed_body", "message": "a frame is one JSON object"}})
+        }
+    };
+    let id_of = |op: &str| command.get(op).and_then(Value::as_str).map(str::to_owned);
+    let (op, id, result) = if let Some(id) = id_of("ack") {
+        let result = dispatcher.ack(&id).await.map(|()| "acked".to_owned());
+        ("ack", id, result)
+    } else if let Some(id) = id_of("nack") {
+        let delay = command.get("delayMs").and_then(Value::as_u64).map(Duration::from_millis);
+        let result = dispatcher.nack(&id, delay).await.map(|outcome| match outcome {
+            NackOutcome::Retry { .. } => "retry".to_owned(),
+            NackOutcome::DeadLetter => "dead_letter".to_owned(),
+        });
+        ("nack", id, result)
+    } else if let Some(id) = id_of("term") {
+        let reason = command.get("reason").and_then(Value::as_str).unwrap_or("terminated").to_owned();
+        let result = dispatcher.term(&id, &reason).await.map(|()| "terminated".to_owned());
+        ("term", id, result)
+    } else {
+        return json!({"type": "error", "error": {"code": "invalid_field", "field": "ack",
+            "message": "expected {\"ack\":id}, {\"nack\":id,\"delayMs\":n} or {\"term\":id,\"reason\":text}"}});
+    };
+    let status = match result {
+        Ok(status) => status,
+        Err(DeliveryError::Unknown) => "unknown".to_owned(),
+        Err(DeliveryError::Stale) => "stale".to_owned(),
+        Err(DeliveryError::NotInFlight) => "not_in_flight".to_owned(),
+        Err(error) => {
+            tracing::warn!(%error, "In-band settlement failed.");
+            "error".to_owned()
+        }
+    };
+    json!({"type": "result", "op": op, "deliveryId": id, "status": status})
+}

@@ -1,0 +1,119 @@
+//! A push subscriber's session with the dispatcher: the one thing SSE and WebSocket share. A transport only
+//! moves deliveries and ACKs; every delivery rule (deferred broker ACK, backoff, DLQ, recovery) stays in the
+//! dispatcher.
+//!
+//! - **Prefetch.** At most `prefetch` unACKed deliveries are handed to one subscriber, so a slow subscriber
+//!   never holds the group's messages; the rest go to its siblings (several subscribers of a group share it,
+//!   one message in flight to one subscriber).
+//! - **Write failure.** What could not be written goes straight back ([`Subscriber::push_failed`]): it is
+//!   dispatched again at once to any subscriber, counted in `popgate_push_write_failures_total{transport}` and
+//!   `popgate_redeliveries_total{reason="push_failure"}`.
+//! - **Disconnect.** Dropping the session withdraws it. Its unACKed deliveries are redelivered after their ACK
+//!   timeout (the client may still ACK them by POST), or at once with `delivery.redeliver_on_disconnect`.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use metrics::gauge;
+
+use super::dispatcher::{DeliveryError, Dispatched, Shared};
+use super::Demand;
+use crate::metrics as m;
+
+/// Session ids, unique within the process.
+static NEXT_SUBSCRIBER: AtomicU64 = AtomicU64::new(1);
+
+/// One connected push subscriber of a group/topic.
+pub struct Subscriber {
+    shared: Arc<Shared>,
+    key: String,
+    id: u64,
+    prefetch: usize,
+    transport: &'static str,
+    /// Deliveries handed to this subscriber and not yet known to be settled.
+    held: HashSet<String>,
+}
+
+impl Subscriber {
+    pub(super) fn new(shared: Arc<Shared>, key: String, prefetch: usize, transport: &'static str) -> Subscriber {
+        gauge!(m::PUSH_SUBSCRIBERS, "transport" => transport).increment(1.0);
+        Subscriber {
+            shared,
+            key,
+            id: NEXT_SUBSCRIBER.fetch_add(1, Ordering::Relaxed),
+            prefetch,
+            transport,
+            held: HashSet::new(),
+        }
+    }
+
+    /// Waits up to `wait` for deliveries, handing out no more than the prefetch allows; empty on timeout.
+    /// Cancel-safe: deliveries are taken only in the instant before it returns.
+    ///
+    /// # Errors
+    /// [`DeliveryError::Store`] when the hand-out cannot be recorded.
+    pub async fn next(&mut self, wait: Duration) -> Result<Vec<Dispatched>, DeliveryError> {
+        let deadline = tokio::time::Instant::now() + wait;
+        // The demand this wait asks the POP loop for; registered again only when the free room changes, since
+        // registering wakes every waiter (this one included).
+        let mut demand: Option<(usize, Demand)> = None;
+        loop {
+            let notified = self.shared.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let room = self.prefetch.saturating_sub(self.shared.prune_held(self.id, &mut self.held));
+            if room == 0 {
+                demand = None;
+            } else {
+                if demand.as_ref().is_none_or(|(registered, _)| *registered != room) {
+                    drop(demand.take());
+                    demand = Some((room, Demand::register(&self.shared, &self.key, room)));
+                }
+                let taken = self.shared.take_ready(&self.key, room, self.transport, Some(self.id))?;
+                if !taken.is_empty() {
+                    self.held.extend(taken.iter().map(|d| d.id.clone()));
+                    return Ok(taken);
+                }
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Ok(Vec::new());
+            }
+            tokio::select! {
+                () = &mut notified => {}
+                () = tokio::time::sleep_until(deadline) => {}
+            }
+        }
+    }
+
+    /// These deliveries could not be written to the subscriber: they are dispatched again at once.
+    pub async fn push_failed(&mut self, ids: &[String]) {
+        for id in ids {
+            self.held.remove(id);
+        }
+        self.shared.push_failed(ids, self.transport, "push_failure").await;
+    }
+
+    /// How many deliveries this subscriber holds unACKed.
+    pub fn unacked(&mut self) -> usize {
+        self.shared.prune_held(self.id, &mut self.held)
+    }
+}
+
+impl Drop for Subscriber {
+    fn drop(&mut self) {
+        gauge!(m::PUSH_SUBSCRIBERS, "transport" => self.transport).decrement(1.0);
+        let held: Vec<String> = self.held.drain().collect();
+        let shared = self.shared.clone();
+        let id = self.id;
+        if shared.config.redeliver_on_disconnect && !held.is_empty() {
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                let transport = self.transport;
+                runtime.spawn(async move { shared.push_failed(&held, transport, "disconnect").await });
+                return;
+            }
+        }
+        shared.forget_holder(id);
+    }
+}
