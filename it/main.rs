@@ -7,6 +7,7 @@ mod delivery;
 #[allow(dead_code)]
 mod harness;
 mod metrics;
+mod ordered;
 mod publish;
 mod push;
 mod reliability;

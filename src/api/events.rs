@@ -1,7 +1,8 @@
 //! The consume API (EventMesh-style paths). Every transport shares the one dispatcher; this one is long-poll.
 //!
 //! ```text
-//! POST /events/subscribe   {"group","topic","filter","ackTimeoutMs","maxAttempts","initialBackoffMs","maxBackoffMs"}
+//! POST /events/subscribe   {"group","topic","filter","ackTimeoutMs","maxAttempts","initialBackoffMs","maxBackoffMs",
+//!                           "ordered"}
 //!                          200 {"subscription":{...}}
 //! POST /events/unsubscribe {"group","topic"}                 200 {"status":"unsubscribed"} | 404
 //! GET  /events/poll?group=&topic=&max=&waitMs=               200 {"deliveries":[{"deliveryId","attempt","ackDeadline",
@@ -44,6 +45,7 @@ struct SubscribeBody {
     max_attempts: Option<u32>,
     initial_backoff_ms: Option<u64>,
     max_backoff_ms: Option<u64>,
+    ordered: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -128,6 +130,7 @@ pub async fn subscribe(State(state): State<AppState>, body: Bytes) -> Result<Res
             max_attempts: body.max_attempts,
             initial_backoff_ms: body.initial_backoff_ms,
             max_backoff_ms: body.max_backoff_ms,
+            ordered: body.ordered,
         })
         .map_err(delivery_error)?;
     Ok(Json(json!({ "subscription": sub })).into_response())

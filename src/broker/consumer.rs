@@ -52,6 +52,9 @@ pub struct PoppedEvent {
     pub reconsume_times: u32,
     /// The retry topic it came back from, if it did.
     pub retry_topic: Option<String>,
+    /// The FIFO message group (`__SHARDINGKEY`), if the producer gave one.
+    #[serde(default)]
+    pub message_group: Option<String>,
 }
 
 /// The broker's receipt handle for a popped message, and the lease it grants.
@@ -254,6 +257,7 @@ fn popped(message: &MessageExt, request: &PopRequest<'_>, broker: &BrokerRoute) 
         born_timestamp: message.born_timestamp(),
         reconsume_times: u32::try_from(message.reconsume_times()).unwrap_or(0),
         retry_topic,
+        message_group: property(super::message::PROPERTY_SHARDING_KEY),
     };
     let handle = ReceiptHandle {
         broker_name: parsed.broker_name.to_owned(),

@@ -126,6 +126,8 @@ pub(super) struct Shared {
     pub config: DeliveryConfig,
     /// Woken when deliveries become ready or demand changes.
     pub changed: Notify,
+    /// The next admission sequence number (see [`DeliveryRecord::seq`]).
+    pub next_seq: std::sync::atomic::AtomicU64,
     /// False from a failed store write until the next successful one (`/readyz`).
     pub store_healthy: AtomicBool,
     pub shutting_down: AtomicBool,
@@ -295,6 +297,7 @@ impl Shared {
                     attempt,
                     phase,
                     last_failure: None,
+                    seq: self.next_seq.fetch_add(1, Ordering::Relaxed),
                 }
             })
             .collect();
@@ -318,6 +321,26 @@ impl Shared {
         self.changed.notify_waiters();
         Ok(())
     }
+}
+
+/// For an ordered subscription: each message group's head, the lowest `seq` among its unsettled deliveries
+/// (ready or awaiting an ACK). Only the head may be handed out; ACKed and dead-lettered ones no longer block.
+fn group_heads(records: &HashMap<String, Live>, sub: &Subscription) -> HashMap<String, u64> {
+    let mut heads: HashMap<String, u64> = HashMap::new();
+    for live in records.values() {
+        let record = &live.record;
+        if record.group != sub.group || record.topic != sub.topic {
+            continue;
+        }
+        if !matches!(record.phase, Phase::Ready { .. } | Phase::AwaitingAck { .. }) {
+            continue;
+        }
+        if let Some(group) = &record.event.message_group {
+            let head = heads.entry(group.clone()).or_insert(record.seq);
+            *head = (*head).min(record.seq);
+        }
+    }
+    heads
 }
 
 /// A fresh 128-bit random delivery id (32 hex chars): unguessable and never reused across restarts.
@@ -345,6 +368,8 @@ impl Shared {
             let State { subs, records, .. } = &mut *state;
             let Some(sub_state) = subs.get_mut(key) else { return Ok(Vec::new()) };
             let ack_timeout = sub_state.sub.ack_timeout_ms as i64;
+            let heads = if sub_state.sub.ordered { Some(group_heads(records, &sub_state.sub)) } else { None };
+            let mut blocked = Vec::new();
             while taken.len() < max {
                 let Some(id) = sub_state.ready.pop_front() else { break };
                 let Some(live) = records.get_mut(&id) else { continue };
@@ -352,10 +377,22 @@ impl Shared {
                 if live.busy || !matches!(live.record.phase, Phase::Ready { due_ms } if due_ms <= now) {
                     continue;
                 }
+                if let (Some(heads), Some(group)) = (&heads, &live.record.event.message_group) {
+                    if heads.get(group).is_some_and(|head| *head != live.record.seq) {
+                        // An earlier event of its message group is still unsettled: it waits its turn.
+                        live.queued = true;
+                        blocked.push(id);
+                        continue;
+                    }
+                }
                 live.busy = true;
                 let mut record = live.record.clone();
                 record.phase = Phase::AwaitingAck { deadline_ms: now + ack_timeout, dispatched_ms: now };
                 taken.push(record);
+            }
+            // Blocked ids go back in their order, ahead of what was not looked at.
+            for id in blocked.into_iter().rev() {
+                sub_state.ready.push_front(id);
             }
         }
         if taken.is_empty() {

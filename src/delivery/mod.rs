@@ -72,6 +72,8 @@ pub struct SubscriptionRequest {
     pub initial_backoff_ms: Option<u64>,
     /// Largest retry delay.
     pub max_backoff_ms: Option<u64>,
+    /// FIFO message groups (default false).
+    pub ordered: Option<bool>,
 }
 
 /// The consume path's entry point, shared by every transport.
@@ -102,6 +104,7 @@ impl Dispatcher {
             publisher,
             config,
             changed: Notify::new(),
+            next_seq: std::sync::atomic::AtomicU64::new(1),
             store_healthy: AtomicBool::new(true),
             shutting_down: AtomicBool::new(false),
         });
@@ -151,6 +154,7 @@ impl Dispatcher {
             max_attempts: request.max_attempts.unwrap_or(config.max_attempts),
             initial_backoff_ms: request.initial_backoff_ms.unwrap_or(config.initial_backoff_ms),
             max_backoff_ms: request.max_backoff_ms.unwrap_or(config.max_backoff_ms),
+            ordered: request.ordered.unwrap_or(false),
         };
         if sub.filter.trim().is_empty() {
             return Err(DeliveryError::Invalid("filter", "must be a tag expression such as `*` or `a || b`".into()));

@@ -19,6 +19,9 @@ use crate::metrics as m;
 
 /// Pause after a failed POP round or store write, so a down broker is not hammered.
 const ERROR_PAUSE: Duration = Duration::from_secs(1);
+/// How many ready events an ordered subscription may hold beyond its demand, so events blocked behind their
+/// message group's head do not stop other groups.
+const ORDERED_LOOKAHEAD: usize = 256;
 /// How long the loop sleeps without demand before looking again (it is also woken on demand).
 const IDLE_WAIT: Duration = Duration::from_secs(1);
 
@@ -30,7 +33,14 @@ pub(super) async fn run(shared: Arc<Shared>, key: String, stop: Arc<AtomicBool>)
         let (sub, policy, wanted) = {
             let state = shared.state.lock();
             let Some(sub_state) = state.subs.get(&key) else { break };
-            let wanted = sub_state.demand.saturating_sub(sub_state.ready.len());
+            // An ordered subscription's ready queue may hold events waiting for their group's head: pop past
+            // them (within a bound) so other groups keep flowing.
+            let queued = if sub_state.sub.ordered {
+                sub_state.ready.len().saturating_sub(ORDERED_LOOKAHEAD)
+            } else {
+                sub_state.ready.len()
+            };
+            let wanted = sub_state.demand.saturating_sub(queued);
             // Backpressure: at the instance's in-flight bound nothing more is popped until deliveries retire.
             let room = shared.config.max_in_flight.saturating_sub(state.records.len());
             (sub_state.sub.clone(), sub_state.policy, wanted.min(room))

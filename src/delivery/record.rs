@@ -54,6 +54,10 @@ pub struct DeliveryRecord {
     pub phase: Phase,
     /// The last failed attempt's reason.
     pub last_failure: Option<String>,
+    /// Admission order within this popgate's store: messages of one group come from one queue in offset
+    /// order, so this orders a FIFO message group.
+    #[serde(default)]
+    pub seq: u64,
 }
 
 /// A subscription: which group consumes which topic, and its delivery policy.
@@ -74,6 +78,10 @@ pub struct Subscription {
     pub initial_backoff_ms: u64,
     /// Largest retry delay.
     pub max_backoff_ms: u64,
+    /// FIFO message groups: an event of a message group is dispatched only once every earlier event of that
+    /// group is ACKed or dead-lettered. Different groups proceed in parallel.
+    #[serde(default)]
+    pub ordered: bool,
 }
 
 impl Subscription {

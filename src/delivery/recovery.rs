@@ -99,6 +99,7 @@ pub(super) fn recover(shared: &Shared) -> Result<RecoveryReport, StoreError> {
             }
         };
         counter!(m::RECOVERED_DELIVERIES, "outcome" => outcome).increment(1);
+        shared.next_seq.fetch_max(record.seq + 1, std::sync::atomic::Ordering::Relaxed);
         state
             .records
             .insert(record.id.clone(), Live { record, busy: false, queued: false, next_try_ms: 0, holder: None });
@@ -145,6 +146,7 @@ mod tests {
                 born_timestamp: 0,
                 reconsume_times: 0,
                 retry_topic: None,
+                message_group: None,
             },
             handle: ReceiptHandle {
                 broker_name: "broker-a".to_owned(),
@@ -160,6 +162,7 @@ mod tests {
             attempt,
             phase,
             last_failure: None,
+            seq: 0,
         }
     }
 
@@ -175,6 +178,7 @@ mod tests {
             max_attempts: 6,
             initial_backoff_ms: 1_000,
             max_backoff_ms: 16_000,
+            ordered: false,
         };
         store.put(Family::Subscriptions, &sub.key(), &sub).expect("put sub");
         let planted = [

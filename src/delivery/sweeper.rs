@@ -95,8 +95,13 @@ fn sweep(shared: &Arc<Shared>) {
     if !newly_ready.is_empty() {
         shared.changed.notify_waiters();
     }
+    let expired = !timed_out.is_empty();
     for record in timed_out {
         expire(shared, record);
+    }
+    if expired {
+        // A delivery that went to the DLQ unblocks its FIFO message group.
+        shared.changed.notify_waiters();
     }
     for task in tasks {
         tokio::spawn(run_task(shared.clone(), task));

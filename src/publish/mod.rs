@@ -20,7 +20,8 @@ use parking_lot::Mutex;
 use serde::Serialize;
 
 use crate::broker::fault::{self, FaultTable, IsolationCause};
-use crate::broker::{BrokerClient, BrokerError, BrokerRoute, OutgoingMessage, SendReceipt, StoreStatus};
+use crate::broker::message::PROPERTY_SHARDING_KEY;
+use crate::broker::{BrokerClient, BrokerError, BrokerRoute, OutgoingMessage, SendReceipt, StoreStatus, TopicRoute};
 use crate::config::{FaultAvoidanceConfig, Profile, PublishConfig};
 use crate::metrics as m;
 
@@ -169,16 +170,22 @@ impl Publisher {
             SendMode::Async => 1 + self.config.retry_times_when_send_async_failed,
             SendMode::Oneway => 1,
         };
+        // A FIFO message group always goes to the same queue, retries included: order over availability.
+        let pinned = message.properties.get(PROPERTY_SHARDING_KEY).and_then(|group| group_queue(&route, group));
         let mut attempts = Vec::new();
         let mut last_failed: Option<String> = None;
         let mut last_error = String::new();
         for attempt in 0..max_attempts {
-            let chosen = match (mode, attempts.first()) {
-                (SendMode::Async, Some(Attempt { broker, .. })) => broker.clone(),
+            let chosen = match (&pinned, mode, attempts.first()) {
+                (Some((broker, _)), _, _) => broker.clone(),
+                (None, SendMode::Async, Some(Attempt { broker, .. })) => broker.clone(),
                 _ => self.choose(&brokers, last_failed.as_deref()),
             };
             let Some(broker) = route.brokers.iter().find(|b| b.name == chosen) else { break };
-            let queue_id = i32::try_from((start + attempt as usize) % broker.write_queues.max(1) as usize).unwrap_or(0);
+            let queue_id = match &pinned {
+                Some((_, queue)) => *queue,
+                None => i32::try_from((start + attempt as usize) % broker.write_queues.max(1) as usize).unwrap_or(0),
+            };
             counter!(m::SEND_ATTEMPTS, "broker" => broker.name.clone()).increment(1);
             if attempt > 0 {
                 counter!(m::SEND_RETRIES).increment(1);
@@ -290,6 +297,20 @@ impl Publisher {
     }
 }
 
+/// The queue of a FIFO message group: a stable hash of the group over every writable queue of the topic
+/// (brokers in name order), like RocketMQ's `SelectMessageQueueByHash`.
+pub fn group_queue(route: &TopicRoute, group: &str) -> Option<(String, i32)> {
+    let queues: Vec<(&str, u32)> =
+        route.writable().flat_map(|b| (0..b.write_queues).map(move |q| (b.name.as_str(), q))).collect();
+    if queues.is_empty() {
+        return None;
+    }
+    // FNV-1a: stable across processes and versions, unlike the std hasher's seeds.
+    let hash = group.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+    let (broker, queue) = queues[(hash % queues.len() as u64) as usize];
+    Some((broker.to_owned(), i32::try_from(queue).unwrap_or(0)))
+}
+
 enum AttemptError {
     /// Another attempt may succeed (the broker was unreachable, slow to store, or busy).
     Retriable(String),
@@ -306,6 +327,18 @@ fn note_isolation(broker: &str, cause: IsolationCause) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_message_group_maps_to_one_stable_queue_and_groups_spread() {
+        let broker =
+            |name: &str| BrokerRoute { name: name.into(), addr: String::new(), write_queues: 4, read_queues: 4 };
+        let route = TopicRoute { brokers: vec![broker("broker-a"), broker("broker-b")] };
+        assert_eq!(group_queue(&route, "order-7"), group_queue(&route, "order-7"), "stable");
+        let spread: std::collections::HashSet<_> =
+            (0..64).filter_map(|i| group_queue(&route, &format!("group-{i}"))).collect();
+        assert!(spread.len() >= 6, "groups spread over the 8 queues: {spread:?}");
+        assert_eq!(group_queue(&TopicRoute { brokers: vec![] }, "g"), None);
+    }
 
     #[test]
     fn each_profile_accepts_exactly_the_guarantees_it_does_not_demand() {
