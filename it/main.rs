@@ -11,3 +11,4 @@ mod ordered;
 mod publish;
 mod push;
 mod reliability;
+mod webhook;

@@ -104,6 +104,16 @@ impl Popgate {
         self.wait_healthy(logged).await;
     }
 
+    /// The process's resident memory in KiB (`VmRSS`).
+    pub fn rss_kib(&self) -> u64 {
+        let status = fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap_or_default();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap_or(0)
+    }
+
     /// `kill -STOP` / `kill -CONT` the process (a hung instance).
     pub fn signal(&self, signal: &str) {
         let status = Command::new("kill").arg(format!("-{signal}")).arg(self.child.id().to_string()).status();

@@ -112,3 +112,65 @@ impl WsClient {
         self.next_frame(Duration::from_secs(10)).await.expect("a result frame")
     }
 }
+
+/// A TCP connection to `addr` with a tiny receive buffer, so a subscriber that stops reading makes popgate's
+/// writes block after a few kilobytes (loopback buffers otherwise absorb tens of megabytes).
+pub async fn tight_stream(addr: &str) -> TcpStream {
+    let addr: std::net::SocketAddr = addr.parse().expect("socket address");
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
+    socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
+    socket.connect(&addr.into()).expect("connect");
+    socket.set_nonblocking(true).expect("nonblocking");
+    TcpStream::from_std(std::net::TcpStream::from(socket)).expect("tokio stream")
+}
+
+/// Opens an SSE stream over a [`tight_stream`], reads `keep` deliveries, then stops reading; returns them
+/// with the connection, which the caller drops to kill it.
+pub async fn tight_sse(base: &str, query: &str, keep: usize) -> (Vec<Value>, TcpStream) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let host = base.trim_start_matches("http://");
+    let mut stream = tight_stream(host).await;
+    let request = format!("GET /events/stream?{query} HTTP/1.1\r\nHost: {host}\r\nAccept: text/event-stream\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.expect("send request");
+    let mut text = String::new();
+    let mut deliveries = Vec::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    while deliveries.len() < keep {
+        let n =
+            tokio::time::timeout(Duration::from_secs(30), stream.read(&mut buf)).await.expect("read").expect("read");
+        assert!(n > 0, "stream closed early");
+        text.push_str(&String::from_utf8_lossy(&buf[..n]));
+        // Chunked encoding frames the events; each data line holds one whole delivery.
+        while let Some(start) = text.find("data: {") {
+            let Some(end) = text[start..].find('\n') else { break };
+            let line: String = text.drain(..start + end + 1).collect();
+            let json = line[line.find("data: ").map(|i| i + 6).unwrap_or(0)..].trim();
+            if let Ok(value) = serde_json::from_str::<Value>(json) {
+                deliveries.push(value);
+            }
+        }
+    }
+    deliveries.truncate(keep);
+    (deliveries, stream)
+}
+
+/// Opens a WebSocket over a [`tight_stream`] and reads `keep` delivery frames; the caller drops the socket.
+pub async fn tight_ws(base: &str, query: &str, keep: usize) -> (Vec<Value>, WebSocketStream<TcpStream>) {
+    let host = base.trim_start_matches("http://");
+    let stream = tight_stream(host).await;
+    let (mut socket, _) = tokio_tungstenite::client_async(format!("ws://{host}/events/ws?{query}"), stream)
+        .await
+        .expect("WebSocket handshake");
+    let mut deliveries = Vec::new();
+    while deliveries.len() < keep {
+        let frame = tokio::time::timeout(Duration::from_secs(30), socket.next()).await.expect("frame").expect("open");
+        if let Ok(Message::Text(text)) = frame {
+            if let Ok(value) = serde_json::from_str::<Value>(text.as_str()) {
+                if value["type"] == "delivery" {
+                    deliveries.push(value);
+                }
+            }
+        }
+    }
+    (deliveries, socket)
+}

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! POST /events/subscribe   {"group","topic","filter","ackTimeoutMs","maxAttempts","initialBackoffMs","maxBackoffMs",
-//!                           "ordered"}
+//!                           "ordered","push":{"url","secret","timeoutMs","maxConcurrency"}}
 //!                          200 {"subscription":{...}}
 //! POST /events/unsubscribe {"group","topic"}                 200 {"status":"unsubscribed"} | 404
 //! GET  /events/poll?group=&topic=&max=&waitMs=               200 {"deliveries":[{"deliveryId","attempt","ackDeadline",
@@ -46,6 +46,7 @@ struct SubscribeBody {
     initial_backoff_ms: Option<u64>,
     max_backoff_ms: Option<u64>,
     ordered: Option<bool>,
+    push: Option<crate::delivery::webhook::WebhookPush>,
 }
 
 #[derive(Deserialize)]
@@ -131,9 +132,15 @@ pub async fn subscribe(State(state): State<AppState>, body: Bytes) -> Result<Res
             initial_backoff_ms: body.initial_backoff_ms,
             max_backoff_ms: body.max_backoff_ms,
             ordered: body.ordered,
+            push: body.push,
         })
         .map_err(delivery_error)?;
-    Ok(Json(json!({ "subscription": sub })).into_response())
+    let mut answer = json!(sub);
+    if answer.get("push").is_some() {
+        // The signing secret is written, never read back.
+        answer["push"]["secret"] = Value::String("<redacted>".into());
+    }
+    Ok(Json(json!({ "subscription": answer })).into_response())
 }
 
 /// `POST /events/unsubscribe`.

@@ -85,7 +85,10 @@ async fn sse_pump(mut subscriber: Subscriber, tx: mpsc::Sender<Event>) {
     loop {
         let batch = tokio::select! {
             batch = subscriber.next(WAIT_SLICE) => batch,
-            () = tx.closed() => return,
+            () = tx.closed() => {
+                tracing::debug!("SSE subscriber left while nothing was being written.");
+                return;
+            }
         };
         let batch = match batch {
             Ok(batch) => batch,
@@ -99,6 +102,10 @@ async fn sse_pump(mut subscriber: Subscriber, tx: mpsc::Sender<Event>) {
             let event =
                 Event::default().event("delivery").id(delivery.id.clone()).data(delivery_json(delivery).to_string());
             if tx.send(event).await.is_err() {
+                tracing::info!(
+                    unwritten = batch.len() - i,
+                    "SSE subscriber went away mid-write; handing deliveries back."
+                );
                 subscriber.push_failed(&ids_from(&batch[i..])).await;
                 return;
             }

@@ -261,6 +261,9 @@ pub struct DeliveryConfig {
     pub redeliver_on_disconnect: bool,
     /// Most deliveries one instance holds in flight; POP pauses (backpressure) at this bound.
     pub max_in_flight: usize,
+    /// Most deliveries one subscription (group + topic) holds in flight, so one busy group cannot take the
+    /// whole instance bound from the others.
+    pub max_in_flight_per_subscription: usize,
 }
 
 impl Default for DeliveryConfig {
@@ -278,6 +281,7 @@ impl Default for DeliveryConfig {
             prefetch: 32,
             redeliver_on_disconnect: false,
             max_in_flight: 100_000,
+            max_in_flight_per_subscription: 10_000,
         }
     }
 }

@@ -77,6 +77,11 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
     check(delivery.pop_poll_ms > 0, "delivery.pop_poll_ms", "must be > 0");
     check((1..=1024).contains(&delivery.prefetch), "delivery.prefetch", "must be in 1..=1024");
     check(delivery.max_in_flight >= 1, "delivery.max_in_flight", "must be >= 1");
+    check(
+        (1..=delivery.max_in_flight).contains(&delivery.max_in_flight_per_subscription),
+        "delivery.max_in_flight_per_subscription",
+        "must be in 1..=delivery.max_in_flight",
+    );
 
     let reliability = &config.reliability;
     check(

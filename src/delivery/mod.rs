@@ -19,6 +19,7 @@
 //! - [`popper`]: one demand-paced POP loop per subscription.
 //! - [`sweeper`]: timeouts, retries, lease renewal, owed broker ACKs and DLQ writes.
 //! - [`subscriber`]: a push subscriber's session (prefetch, write failures, disconnects).
+//! - [`webhook`]: pushing a subscription's deliveries to an HTTP endpoint (CloudEvents, HMAC-signed).
 //! - [`recovery`]: boot replay of the stored state. [`dlq`]: the dead-letter message. [`retry`]: the backoff.
 
 pub mod dispatcher;
@@ -29,6 +30,7 @@ pub mod recovery;
 pub mod retry;
 pub mod subscriber;
 mod sweeper;
+pub mod webhook;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -74,12 +76,18 @@ pub struct SubscriptionRequest {
     pub max_backoff_ms: Option<u64>,
     /// FIFO message groups (default false).
     pub ordered: Option<bool>,
+    /// Push deliveries to a webhook.
+    pub push: Option<webhook::WebhookPush>,
 }
 
 /// The consume path's entry point, shared by every transport.
 pub struct Dispatcher {
     shared: Arc<Shared>,
     tasks: parking_lot::Mutex<Vec<JoinHandle<()>>>,
+    /// This dispatcher, for the webhook pushers it starts (they hold it as subscribers do).
+    me: std::sync::Weak<Dispatcher>,
+    /// Stop flags of the running webhook pushers, by subscription key.
+    webhooks: parking_lot::Mutex<std::collections::HashMap<String, Arc<AtomicBool>>>,
 }
 
 impl Dispatcher {
@@ -109,7 +117,12 @@ impl Dispatcher {
             shutting_down: AtomicBool::new(false),
         });
         let report = recovery::recover(&shared)?;
-        let dispatcher = Arc::new(Dispatcher { shared: shared.clone(), tasks: parking_lot::Mutex::new(Vec::new()) });
+        let dispatcher = Arc::new_cyclic(|me| Dispatcher {
+            shared: shared.clone(),
+            tasks: parking_lot::Mutex::new(Vec::new()),
+            me: me.clone(),
+            webhooks: parking_lot::Mutex::new(std::collections::HashMap::new()),
+        });
         dispatcher.tasks.lock().push(tokio::spawn(sweeper::run(shared.clone())));
         if let Some(interval) = group_commit {
             dispatcher.tasks.lock().push(tokio::spawn(group_commit_loop(shared.clone(), interval)));
@@ -117,6 +130,9 @@ impl Dispatcher {
         let keys: Vec<String> = shared.state.lock().subs.keys().cloned().collect();
         for key in keys {
             dispatcher.start_popper(&key);
+        }
+        for sub in dispatcher.subscriptions() {
+            dispatcher.restart_webhook(&sub);
         }
         Ok((dispatcher, report))
     }
@@ -127,6 +143,19 @@ impl Dispatcher {
     /// [`DeliveryError::Store`] when the store cannot be read.
     pub fn recover_again(&self) -> Result<RecoveryReport, DeliveryError> {
         Ok(recovery::recover(&self.shared)?)
+    }
+
+    /// Stops the subscription's webhook pusher, if any, and starts one for its current `push` config.
+    fn restart_webhook(&self, sub: &Subscription) {
+        let key = sub.key();
+        if let Some(stop) = self.webhooks.lock().remove(&key) {
+            stop.store(true, Ordering::Relaxed);
+        }
+        let (Some(push), Some(me)) = (sub.push.clone(), self.me.upgrade()) else { return };
+        let stop = Arc::new(AtomicBool::new(false));
+        self.webhooks.lock().insert(key, stop.clone());
+        let task = tokio::spawn(webhook::run(me, sub.group.clone(), sub.topic.clone(), push, stop));
+        self.tasks.lock().push(task);
     }
 
     fn start_popper(&self, key: &str) {
@@ -155,7 +184,11 @@ impl Dispatcher {
             initial_backoff_ms: request.initial_backoff_ms.unwrap_or(config.initial_backoff_ms),
             max_backoff_ms: request.max_backoff_ms.unwrap_or(config.max_backoff_ms),
             ordered: request.ordered.unwrap_or(false),
+            push: request.push,
         };
+        if let Some(push) = &sub.push {
+            push.validate()?;
+        }
         if sub.filter.trim().is_empty() {
             return Err(DeliveryError::Invalid("filter", "must be a tag expression such as `*` or `a || b`".into()));
         }
@@ -195,6 +228,7 @@ impl Dispatcher {
         if is_new {
             self.start_popper(&key);
         }
+        self.restart_webhook(&sub);
         Ok(sub)
     }
 
@@ -213,6 +247,9 @@ impl Dispatcher {
             let mut state = self.shared.state.lock();
             if let Some(sub) = state.subs.remove(&key) {
                 sub.stop.store(true, Ordering::Relaxed);
+            }
+            if let Some(stop) = self.webhooks.lock().remove(&key) {
+                stop.store(true, Ordering::Relaxed);
             }
             state
                 .records
@@ -334,6 +371,9 @@ impl Dispatcher {
     /// Stops every background task (POP loops, sweeper). In-flight state stays in the store.
     pub async fn shutdown(&self) {
         self.shared.shutting_down.store(true, Ordering::Relaxed);
+        for stop in self.webhooks.lock().values() {
+            stop.store(true, Ordering::Relaxed);
+        }
         self.shared.changed.notify_waiters();
         let tasks: Vec<JoinHandle<()>> = self.tasks.lock().drain(..).collect();
         for task in tasks {

@@ -41,8 +41,18 @@ pub(super) async fn run(shared: Arc<Shared>, key: String, stop: Arc<AtomicBool>)
                 sub_state.ready.len()
             };
             let wanted = sub_state.demand.saturating_sub(queued);
-            // Backpressure: at the instance's in-flight bound nothing more is popped until deliveries retire.
-            let room = shared.config.max_in_flight.saturating_sub(state.records.len());
+            // Backpressure: at the instance's (or this subscription's) in-flight bound nothing more is popped
+            // until deliveries retire.
+            let held = state
+                .records
+                .values()
+                .filter(|l| l.record.group == sub_state.sub.group && l.record.topic == sub_state.sub.topic)
+                .count();
+            let room = shared
+                .config
+                .max_in_flight
+                .saturating_sub(state.records.len())
+                .min(shared.config.max_in_flight_per_subscription.saturating_sub(held));
             (sub_state.sub.clone(), sub_state.policy, wanted.min(room))
         };
         if wanted == 0 {

@@ -82,6 +82,9 @@ pub struct Subscription {
     /// group is ACKed or dead-lettered. Different groups proceed in parallel.
     #[serde(default)]
     pub ordered: bool,
+    /// Push every delivery to a webhook instead of waiting for subscribers to connect.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub push: Option<super::webhook::WebhookPush>,
 }
 
 impl Subscription {

@@ -179,6 +179,7 @@ mod tests {
             initial_backoff_ms: 1_000,
             max_backoff_ms: 16_000,
             ordered: false,
+            push: None,
         };
         store.put(Family::Subscriptions, &sub.key(), &sub).expect("put sub");
         let planted = [

@@ -1,0 +1,133 @@
+//! Webhook push against a real broker and a small real HTTP receiver in the test: 5xx is a failed attempt,
+//! 429 with `Retry-After` is honoured, 2xx ACKs, and every request is a signed CloudEvent.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::post;
+use axum::Router;
+use hmac::{Hmac, Mac};
+use serde_json::json;
+use sha2::Sha256;
+
+use crate::harness::eventually;
+use crate::harness::popgate::Popgate;
+use crate::harness::unique_topic;
+use crate::publish::shared_cluster;
+
+const SECRET: &str = "s3cret";
+
+#[derive(Clone, Debug)]
+struct Received {
+    at: Instant,
+    headers: HeaderMap,
+    body: String,
+}
+
+#[derive(Clone, Default)]
+struct Receiver {
+    requests: Arc<Mutex<Vec<Received>>>,
+}
+
+impl Receiver {
+    fn for_body(&self, body: &str) -> Vec<Received> {
+        self.requests.lock().expect("lock").iter().filter(|r| r.body == body).cloned().collect()
+    }
+}
+
+/// `flaky`: 500, 500, then 200. `busy`: 429 with `Retry-After: 2`, then 200. Anything else: 200.
+async fn receive(State(receiver): State<Receiver>, headers: HeaderMap, body: String) -> impl IntoResponse {
+    let seen_before = {
+        let mut requests = receiver.requests.lock().expect("lock");
+        let before = requests.iter().filter(|r| r.body == body).count();
+        requests.push(Received { at: Instant::now(), headers, body: body.clone() });
+        before
+    };
+    match (body.as_str(), seen_before) {
+        ("flaky", 0 | 1) => (StatusCode::INTERNAL_SERVER_ERROR, HeaderMap::new()),
+        ("busy", 0) => {
+            let mut headers = HeaderMap::new();
+            headers.insert("retry-after", "2".parse().expect("header"));
+            (StatusCode::TOO_MANY_REQUESTS, headers)
+        }
+        _ => (StatusCode::OK, HeaderMap::new()),
+    }
+}
+
+fn expected_signature(headers: &HeaderMap, body: &str) -> String {
+    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or_default().to_owned();
+    let mut mac = Hmac::<Sha256>::new_from_slice(SECRET.as_bytes()).expect("any key length");
+    mac.update(format!("{}.{}.{body}", header("x-popgate-timestamp"), header("x-popgate-delivery-id")).as_bytes());
+    format!("sha256={}", hex::encode(mac.finalize().into_bytes()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhook_retries_failures_honours_retry_after_and_signs_every_request() {
+    let receiver = Receiver::default();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind receiver");
+    let url = format!("http://{}/hook", listener.local_addr().expect("addr"));
+    let app = Router::new().route("/hook", post(receive)).with_state(receiver.clone());
+    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, "[delivery]\nlease_ms = 20000\npop_poll_ms = 500\n").await;
+    let (topic, group) = (unique_topic("hook"), unique_topic("g_hook"));
+    let (status, answer) = popgate
+        .post_json(
+            "/events/subscribe",
+            &json!({"group": group, "topic": topic, "initialBackoffMs": 200, "maxBackoffMs": 400,
+                "push": {"url": url, "secret": SECRET, "timeoutMs": 2000, "maxConcurrency": 4}}),
+        )
+        .await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["subscription"]["push"]["secret"], "<redacted>", "the secret is never read back");
+    for body in ["flaky", "busy", "plain"] {
+        let (status, answer) = popgate.publish(&json!({"topic": topic, "data": body})).await;
+        assert_eq!(status, 200, "{answer}");
+    }
+
+    eventually(Duration::from_secs(40), "every event reaches the receiver until it answers 200", || async {
+        receiver.for_body("flaky").len() >= 3
+            && receiver.for_body("busy").len() >= 2
+            && !receiver.for_body("plain").is_empty()
+    })
+    .await;
+    let flaky = receiver.for_body("flaky");
+    let attempts: Vec<String> =
+        flaky.iter().map(|r| r.headers["x-popgate-attempt"].to_str().unwrap_or_default().to_owned()).collect();
+    assert_eq!(attempts, vec!["1", "2", "3"], "two 500s are failed attempts; the 200 is attempt 3");
+    let busy = receiver.for_body("busy");
+    let waited = busy[1].at.duration_since(busy[0].at);
+    assert!(waited >= Duration::from_millis(1_800), "Retry-After: 2 honoured, retried after {waited:?}");
+
+    let mut by_id: HashMap<String, usize> = HashMap::new();
+    for request in receiver.requests.lock().expect("lock").iter() {
+        let h = &request.headers;
+        assert_eq!(h["x-popgate-signature"].to_str().ok(), Some(expected_signature(h, &request.body).as_str()));
+        assert_eq!(h["ce-specversion"], "1.0");
+        assert_eq!(h["ce-type"], "popgate.event");
+        assert_eq!(h["ce-source"].to_str().ok(), Some(format!("/popgate/{topic}").as_str()));
+        assert!(!h["ce-id"].is_empty());
+        *by_id.entry(h["x-popgate-delivery-id"].to_str().unwrap_or_default().to_owned()).or_default() += 1;
+    }
+    assert_eq!(by_id.len(), 3, "one delivery per event, retried under its id");
+    eventually(Duration::from_secs(10), "every delivery is ACKed and retired", || async {
+        popgate.metric("popgate_pending_deliveries").await == 0.0
+    })
+    .await;
+    assert!(popgate.metric("popgate_deliveries_dispatched_total{transport=\"webhook\"}").await >= 6.0);
+    assert!(receiver.for_body("plain").len() == 1, "a 200 is never retried");
+
+    let (status, answer) = popgate
+        .post_json(
+            "/events/subscribe",
+            &json!({"group": group, "topic": topic, "push": {"url": "ftp://x/y", "secret": "s"}}),
+        )
+        .await;
+    assert_eq!((status, answer["error"]["field"].as_str()), (400, Some("push.url")), "{answer}");
+    server.abort();
+}
