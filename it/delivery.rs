@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::harness::direct::{Direct, DirectConsumer};
-use crate::harness::popgate::Popgate;
+use crate::harness::popgate::{data, id, Popgate};
 use crate::harness::rocketmq::{Cluster, ClusterSpec};
 use crate::harness::unique_topic;
 use crate::harness::{eventually, Tmpfs};
@@ -17,23 +17,12 @@ use crate::publish::shared_cluster;
 const FAST_LEASE: &str = "[delivery]\nlease_ms = 4000\npop_poll_ms = 1000\n";
 
 async fn publish_all(popgate: &Popgate, topic: &str, bodies: &[&str]) {
-    for body in bodies {
-        let (status, answer) = popgate.publish(&json!({"topic": topic, "data": body})).await;
-        assert_eq!(status, 200, "{answer}");
-    }
+    popgate.publish_bodies(topic, bodies).await;
 }
 
 async fn subscribe(popgate: &Popgate, body: Value) {
     let (status, answer) = popgate.post_json("/events/subscribe", &body).await;
     assert_eq!(status, 200, "{answer}");
-}
-
-fn data(delivery: &Value) -> String {
-    delivery["event"]["data"].as_str().unwrap_or_default().to_owned()
-}
-
-fn id(delivery: &Value) -> String {
-    delivery["deliveryId"].as_str().unwrap_or_default().to_owned()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

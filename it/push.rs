@@ -4,10 +4,10 @@
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Value};
+use serde_json::json;
 
 use crate::harness::eventually;
-use crate::harness::popgate::Popgate;
+use crate::harness::popgate::{data, id, Popgate};
 use crate::harness::push::{tight_sse, tight_ws, SseClient, WsClient};
 use crate::harness::unique_topic;
 use crate::publish::shared_cluster;
@@ -20,22 +20,9 @@ async fn publish_n(popgate: &Popgate, topic: &str, n: usize) -> BTreeSet<String>
 
 /// Publishes `n` events whose bodies are padded to about `pad` bytes.
 async fn publish_sized(popgate: &Popgate, topic: &str, n: usize, pad: usize) -> BTreeSet<String> {
-    let mut bodies = BTreeSet::new();
-    for i in 0..n {
-        let body = format!("event-{i}{}", "x".repeat(pad));
-        let (status, answer) = popgate.publish(&json!({"topic": topic, "data": body})).await;
-        assert_eq!(status, 200, "{answer}");
-        bodies.insert(body);
-    }
-    bodies
-}
-
-fn data(delivery: &Value) -> String {
-    delivery["event"]["data"].as_str().unwrap_or_default().to_owned()
-}
-
-fn id(delivery: &Value) -> String {
-    delivery["deliveryId"].as_str().unwrap_or_default().to_owned()
+    let bodies: Vec<String> = (0..n).map(|i| format!("event-{i}{}", "x".repeat(pad))).collect();
+    popgate.publish_bodies(topic, &bodies).await;
+    bodies.into_iter().collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -159,6 +159,14 @@ impl Popgate {
         status_and_json(resp).await
     }
 
+    /// Publishes each body (popgate JSON) to `topic`, asserting every answer is 200.
+    pub async fn publish_bodies(&self, topic: &str, bodies: &[impl AsRef<str>]) {
+        for body in bodies {
+            let (status, answer) = self.publish(&serde_json::json!({"topic": topic, "data": body.as_ref()})).await;
+            assert_eq!(status, 200, "{answer}");
+        }
+    }
+
     /// Long-polls `group`/`topic` once; returns the deliveries.
     pub async fn poll(&self, group: &str, topic: &str, max: usize, wait_ms: u64) -> Vec<Value> {
         let path = format!("/events/poll?group={group}&topic={topic}&max={max}&waitMs={wait_ms}");
@@ -247,6 +255,16 @@ fn listening_addr(log: &str) -> Option<String> {
     let start = log.find("listening on http://")? + "listening on http://".len();
     let addr: String = log[start..].chars().take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':').collect();
     (!addr.is_empty()).then_some(addr)
+}
+
+/// A delivery's event data, as text.
+pub fn data(delivery: &Value) -> String {
+    delivery["event"]["data"].as_str().unwrap_or_default().to_owned()
+}
+
+/// A delivery's id.
+pub fn id(delivery: &Value) -> String {
+    delivery["deliveryId"].as_str().unwrap_or_default().to_owned()
 }
 
 /// Status and JSON body (Null when the body is not JSON).
