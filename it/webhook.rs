@@ -131,3 +131,30 @@ async fn webhook_retries_failures_honours_retry_after_and_signs_every_request() 
     assert_eq!((status, answer["error"]["field"].as_str()), (400, Some("push.url")), "{answer}");
     server.abort();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_webhook_is_counted_and_its_events_end_in_the_dlq() {
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, "[delivery]\nlease_ms = 20000\npop_poll_ms = 500\n").await;
+    let (topic, group) = (unique_topic("hook_down"), unique_topic("g_hook_down"));
+    // A port nobody listens on: every POST fails to connect.
+    let dead = format!("http://127.0.0.1:{}/hook", crate::harness::free_port());
+    let (status, answer) = popgate
+        .post_json(
+            "/events/subscribe",
+            &json!({"group": group, "topic": topic, "maxAttempts": 2, "initialBackoffMs": 100, "maxBackoffMs": 100,
+                "push": {"url": dead, "secret": SECRET, "timeoutMs": 1000, "maxConcurrency": 2}}),
+        )
+        .await;
+    assert_eq!(status, 200, "{answer}");
+    let (status, _) = popgate.publish(&json!({"topic": topic, "data": "nobody home"})).await;
+    assert_eq!(status, 200);
+    eventually(Duration::from_secs(30), "both failed attempts are counted", || async {
+        popgate.metric("popgate_push_write_failures_total{transport=\"webhook\"}").await >= 2.0
+    })
+    .await;
+    eventually(Duration::from_secs(20), "the event is dead-lettered after its attempts", || async {
+        popgate.metric(&format!("popgate_dlq_messages_total{{group=\"{group}\"}}")).await == 1.0
+    })
+    .await;
+}
