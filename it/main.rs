@@ -1,10 +1,8 @@
 //! Integration tests: popgate (the real binary) in front of a real Apache RocketMQ 5.x name server and
 //! brokers, started by [`harness`] on 127.0.0.1, spoken to with a real HTTP client.
 
-// Parts of the harness serve only some test files (broker restarts, metrics text); that is not dead code.
 mod dashboards;
 mod delivery;
-#[allow(dead_code)]
 mod harness;
 mod metrics;
 mod ordered;

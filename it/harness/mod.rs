@@ -17,11 +17,6 @@ pub fn free_port() -> u16 {
     TcpListener::bind("0.0.0.0:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
 }
 
-/// Whether something accepts connections on 127.0.0.1:`port`.
-pub fn port_open(port: u16) -> bool {
-    std::net::TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_millis(200)).is_ok()
-}
-
 /// Polls `check` every 100 ms until it holds or `timeout` passes.
 pub async fn eventually<F, Fut>(timeout: Duration, what: &str, mut check: F)
 where

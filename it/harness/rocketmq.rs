@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
 
-use super::{free_port, port_open};
+use super::free_port;
 
 /// Where `docker/rocketmq/rocketmq.sh jars` puts the jars; `ROCKETMQ_JARS_DIR` overrides.
 pub fn rocketmq_lib() -> PathBuf {
@@ -71,10 +71,6 @@ impl JavaProcess {
     pub fn signal(&self, signal: &str) {
         let status = Command::new("kill").arg(format!("-{signal}")).arg(self.pid().to_string()).status();
         assert!(status.is_ok_and(|s| s.success()), "kill -{signal} {}", self.pid());
-    }
-
-    fn exited(&mut self) -> bool {
-        matches!(self.child.try_wait(), Ok(Some(_)))
     }
 }
 
@@ -314,11 +310,6 @@ impl Cluster {
         broker.wait_registered(registrations + 1);
         self.arm_watchdog();
     }
-
-    /// The folder holding every process's files (kept for reading logs when a test fails).
-    pub fn dir(&self) -> &Path {
-        self.dir.path()
-    }
 }
 
 /// Waits until `log` contains `needle`, failing fast with the log when the process died.
@@ -340,17 +331,4 @@ fn wait_for(log: &Path, needle: &str, timeout: Duration) {
 fn tail(text: &str) -> String {
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(30)..].join("\n")
-}
-
-/// Whether the broker's remoting port accepts connections.
-pub fn broker_up(broker: &Broker) -> bool {
-    port_open(broker.port)
-}
-
-impl Cluster {
-    /// Whether the broker's process is alive (not killed).
-    pub fn broker_alive(&mut self, name: &str) -> bool {
-        let broker = self.brokers.iter_mut().find(|b| b.name == name).expect("broker");
-        broker.process.as_mut().is_some_and(|p| !p.exited())
-    }
 }

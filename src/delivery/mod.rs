@@ -363,11 +363,6 @@ impl Dispatcher {
         self.shared.store_healthy.load(Ordering::Relaxed)
     }
 
-    /// In-flight deliveries held.
-    pub fn pending(&self) -> usize {
-        self.shared.state.lock().records.len()
-    }
-
     /// Stops every background task (POP loops, sweeper). In-flight state stays in the store.
     pub async fn shutdown(&self) {
         self.shared.shutting_down.store(true, Ordering::Relaxed);

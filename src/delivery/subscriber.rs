@@ -94,11 +94,6 @@ impl Subscriber {
         }
         self.shared.push_failed(ids, self.transport, "push_failure").await;
     }
-
-    /// How many deliveries this subscriber holds unACKed.
-    pub fn unacked(&mut self) -> usize {
-        self.shared.prune_held(self.id, &mut self.held)
-    }
 }
 
 impl Drop for Subscriber {
