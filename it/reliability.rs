@@ -28,7 +28,7 @@ async fn a_lost_slave_fails_sync_replication_profiles_and_degrades_throughput() 
     let throughput = Popgate::start(&cluster.namesrv_addr, &profile("throughput")).await;
     let topic = unique_topic("profiles");
 
-    eventually(Duration::from_secs(30), "the slave replicates: SEND_OK", || async {
+    eventually(Duration::from_secs(60), "the slave replicates: SEND_OK", || async {
         let (status, answer) = balanced.publish(&json!({"topic": topic, "data": "both copies"})).await;
         status == 200 && answer["status"] == "SEND_OK"
     })

@@ -188,23 +188,34 @@ impl Cluster {
         let namesrv_addr = format!("127.0.0.1:{ns_port}");
         wait_for(&namesrv.log, "boot success", Duration::from_secs(60));
 
+        // Masters first, each booted and registered before anything else starts: a slave learns its master's
+        // HA address from its own registration with the name server, and the next one is 30 s away.
         let mut brokers = Vec::new();
+        let master_role = if spec.sync_replication { "SYNC_MASTER" } else { "ASYNC_MASTER" };
         for name in &spec.brokers {
-            let master_role = if spec.sync_replication { "SYNC_MASTER" } else { "ASYNC_MASTER" };
-            let master = Self::new_broker(&lib, dir.path(), &namesrv_addr, name, master_role, &spec.broker_conf);
-            brokers.push(master);
-            if spec.with_slaves {
-                let slave = Self::new_broker(&lib, dir.path(), &namesrv_addr, name, "SLAVE", &spec.broker_conf);
-                brokers.push(slave);
-            }
+            brokers.push(Self::new_broker(&lib, dir.path(), &namesrv_addr, name, master_role, &spec.broker_conf));
+        }
+        Self::wait_started(&brokers);
+        if spec.with_slaves {
+            let slaves: Vec<Broker> = spec
+                .brokers
+                .iter()
+                .map(|name| Self::new_broker(&lib, dir.path(), &namesrv_addr, name, "SLAVE", &spec.broker_conf))
+                .collect();
+            Self::wait_started(&slaves);
+            brokers.extend(slaves);
         }
         let mut cluster = Cluster { namesrv_addr, brokers, lib, _namesrv: namesrv, _watchdog: None, dir };
-        for broker in &cluster.brokers {
+        cluster.arm_watchdog();
+        cluster
+    }
+
+    /// Waits until each broker booted and registered with the name server.
+    fn wait_started(brokers: &[Broker]) {
+        for broker in brokers {
             wait_for(&broker.process.as_ref().expect("started").log, "boot success", Duration::from_secs(90));
             broker.wait_registered(1);
         }
-        cluster.arm_watchdog();
-        cluster
     }
 
     fn new_broker(lib: &Path, root: &Path, namesrv: &str, name: &str, role: &str, extra: &[String]) -> Broker {
