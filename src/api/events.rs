@@ -102,6 +102,11 @@ fn field_in_message(message: &str) -> Option<String> {
     rest.split('`').next().map(str::to_owned)
 }
 
+/// A query parameter that must be present and non-empty (shared by every transport).
+pub fn required_param(query: &HashMap<String, String>, name: &str) -> Result<String, ApiError> {
+    query.get(name).filter(|v| !v.is_empty()).cloned().ok_or_else(|| ApiError::invalid_field(name, "required"))
+}
+
 /// The HTTP answer for a delivery failure (shared by every transport).
 pub fn delivery_error(error: DeliveryError) -> ApiError {
     match error {
@@ -155,11 +160,8 @@ pub async fn poll(
     State(state): State<AppState>,
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Response, ApiError> {
-    let required = |name: &str| {
-        query.get(name).filter(|v| !v.is_empty()).cloned().ok_or_else(|| ApiError::invalid_field(name, "required"))
-    };
-    let group = required("group")?;
-    let topic = required("topic")?;
+    let group = required_param(&query, "group")?;
+    let topic = required_param(&query, "topic")?;
     let number = |name: &str, default: u64| match query.get(name) {
         None => Ok(default),
         Some(text) => text.parse::<u64>().map_err(|_| ApiError::invalid_field(name, "must be a non-negative integer")),

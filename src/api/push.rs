@@ -29,7 +29,7 @@ use futures::{SinkExt, StreamExt};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use super::events::{delivery_error, delivery_json};
+use super::events::{delivery_error, delivery_json, required_param};
 use super::{ApiError, AppState};
 use crate::delivery::{DeliveryError, Dispatched, Dispatcher, NackOutcome, Subscriber};
 
@@ -42,16 +42,13 @@ const PONG_TIMEOUT: Duration = Duration::from_secs(45);
 
 /// `group`, `topic` and an optional `prefetch` from the query.
 fn push_params(query: &HashMap<String, String>) -> Result<(String, String, Option<usize>), ApiError> {
-    let required = |name: &str| {
-        query.get(name).filter(|v| !v.is_empty()).cloned().ok_or_else(|| ApiError::invalid_field(name, "required"))
-    };
     let prefetch = match query.get("prefetch") {
         None => None,
         Some(text) => {
             Some(text.parse::<usize>().map_err(|_| ApiError::invalid_field("prefetch", "must be an integer"))?)
         }
     };
-    Ok((required("group")?, required("topic")?, prefetch))
+    Ok((required_param(query, "group")?, required_param(query, "topic")?, prefetch))
 }
 
 fn ids_from(batch: &[Dispatched]) -> Vec<String> {

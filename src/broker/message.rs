@@ -10,6 +10,17 @@ pub const PROPERTY_SHARDING_KEY: &str = "__SHARDINGKEY";
 /// Absolute delivery time in epoch ms for the broker's timer wheel (`PROPERTY_TIMER_DELIVER_MS`).
 pub const PROPERTY_TIMER_DELIVER_MS: &str = "TIMER_DELIVER_MS";
 
+/// RocketMQ's longest topic or consumer-group name.
+pub const MAX_NAME_LEN: usize = 127;
+
+/// Whether `name` is a valid RocketMQ topic or consumer-group name: 1..=127 of letters, digits, `_`, `-`,
+/// `%`, `|` (the broker's `TopicValidator` character set).
+pub fn is_valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= MAX_NAME_LEN
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '%' | '|'))
+}
+
 /// Property names the broker gives meaning to; a user property may not take one of them.
 pub fn is_reserved_property(name: &str) -> bool {
     rocketmq_model::common::message::STRING_HASH_SET.contains(name)

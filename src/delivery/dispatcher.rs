@@ -18,8 +18,8 @@ use tokio::sync::Notify;
 use super::record::{DeliveryRecord, Event, Phase, Subscription};
 use super::retry::{NextStep, RetryPolicy};
 use crate::broker::client::now_millis;
-use crate::broker::consumer::Popped;
-use crate::broker::BrokerClient;
+use crate::broker::consumer::{Popped, ReceiptHandle};
+use crate::broker::{BrokerClient, BrokerError};
 use crate::config::DeliveryConfig;
 use crate::metrics as m;
 use crate::publish::Publisher;
@@ -476,15 +476,32 @@ impl Shared {
         if let Some(live) = self.state.lock().records.get_mut(id) {
             live.record = record;
         }
-        match self.broker.ack(&group, &handle).await {
-            Ok(()) => self.retire(id),
+        self.ack_at_broker_or_retry(id, &group, &handle).await;
+        Ok(())
+    }
+
+    /// ACKs the message at the broker and retires the delivery. A failure is counted and returned; the
+    /// delivery stays as it is for the caller to retry.
+    pub async fn ack_at_broker(&self, id: &str, group: &str, handle: &ReceiptHandle) -> Result<(), BrokerError> {
+        match self.broker.ack(group, handle).await {
+            Ok(()) => {
+                self.retire(id);
+                Ok(())
+            }
             Err(error) => {
                 counter!(m::BROKER_ACK_FAILURES).increment(1);
-                tracing::warn!(%error, delivery = id, "Broker ACK failed; retrying from the ACK intent.");
-                self.release(id, Some(now_millis() + RETRY_PAUSE_MS));
+                Err(error)
             }
         }
-        Ok(())
+    }
+
+    /// [`Shared::ack_at_broker`] for a delivery whose ACK intent is stored: on failure it is released to be
+    /// retried from that intent.
+    pub async fn ack_at_broker_or_retry(&self, id: &str, group: &str, handle: &ReceiptHandle) {
+        if let Err(error) = self.ack_at_broker(id, group, handle).await {
+            tracing::warn!(%error, delivery = id, "Broker ACK failed; retrying from the ACK intent.");
+            self.release(id, Some(now_millis() + RETRY_PAUSE_MS));
+        }
     }
 
     /// The subscriber's NACK: the attempt is spent; the next one is scheduled (after `delay` if given).

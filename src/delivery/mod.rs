@@ -415,10 +415,7 @@ impl Drop for Demand {
 
 /// Group and topic names: RocketMQ's character set, at most 127 characters.
 fn validate_name(field: &'static str, name: &str) -> Result<(), DeliveryError> {
-    let valid = !name.is_empty()
-        && name.len() <= 127
-        && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '%' | '|'));
-    if valid {
+    if crate::broker::message::is_valid_name(name) {
         Ok(())
     } else {
         Err(DeliveryError::Invalid(field, format!("`{name}` must be 1..=127 letters, digits, `_`, `-`, `%`, `|`")))

@@ -124,14 +124,7 @@ async fn run_task(shared: Arc<Shared>, task: Task) {
             tracing::warn!(delivery = %id, "Broker lease lapsed; the broker will redeliver the event.");
             shared.give_up_lease(&id);
         }
-        Task::BrokerAck(record) => match shared.broker.ack(&record.group, &record.handle).await {
-            Ok(()) => shared.retire(&record.id),
-            Err(error) => {
-                counter!(m::BROKER_ACK_FAILURES).increment(1);
-                tracing::warn!(%error, delivery = %record.id, "Broker ACK failed; will retry.");
-                shared.release(&record.id, Some(now_millis() + RETRY_PAUSE_MS));
-            }
-        },
+        Task::BrokerAck(record) => shared.ack_at_broker_or_retry(&record.id, &record.group, &record.handle).await,
         Task::DeadLetter(record) => dead_letter(&shared, record).await,
         Task::Renew(record) => renew(&shared, record).await,
     }
@@ -146,10 +139,9 @@ async fn dead_letter(shared: &Shared, mut record: DeliveryRecord) {
         return;
     }
     counter!(m::DLQ_MESSAGES, "group" => record.group.clone()).increment(1);
-    match shared.broker.ack(&record.group, &record.handle).await {
-        Ok(()) => shared.retire(&record.id),
+    match shared.ack_at_broker(&record.id, &record.group, &record.handle).await {
+        Ok(()) => {}
         Err(error) => {
-            counter!(m::BROKER_ACK_FAILURES).increment(1);
             tracing::warn!(%error, delivery = %record.id, "Broker ACK after the DLQ write failed; will retry.");
             // The DLQ has the event: from here only the broker ACK is owed, never a second DLQ write. If even
             // this write fails, the next attempt writes the DLQ again: a duplicate there, never a loss.

@@ -16,7 +16,7 @@
 //! an event by its id. Every rejection names the field at fault.
 
 use std::collections::BTreeMap;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use axum::http::HeaderMap;
 use base64::Engine;
@@ -24,12 +24,14 @@ use bytes::Bytes;
 use serde_json::{Map, Value};
 
 use crate::api::ApiError;
-use crate::broker::message::{is_reserved_property, OutgoingMessage, PROPERTY_SHARDING_KEY, PROPERTY_TIMER_DELIVER_MS};
+use crate::broker::client::now_millis;
+use crate::broker::message::{
+    is_reserved_property, is_valid_name, OutgoingMessage, MAX_NAME_LEN, PROPERTY_SHARDING_KEY,
+    PROPERTY_TIMER_DELIVER_MS,
+};
 
 /// The broker's longest timer delay by default (`timerMaxDelaySec`, 3 days).
 pub const MAX_DELAY: Duration = Duration::from_secs(3 * 24 * 3600);
-/// RocketMQ's topic name limit.
-const MAX_TOPIC_LEN: usize = 127;
 /// The content type of a structured-mode CloudEvent.
 const CLOUDEVENTS_JSON: &str = "application/cloudevents+json";
 /// CloudEvents attributes that must be present (spec 1.0).
@@ -198,21 +200,17 @@ fn set_delay(message: &mut OutgoingMessage, delay: Duration) -> Result<(), ApiEr
     if delay.is_zero() {
         return Ok(());
     }
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
-    let deliver_at = (now + delay).as_millis();
+    let deliver_at = now_millis().saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
     message.properties.insert(PROPERTY_TIMER_DELIVER_MS.to_owned(), deliver_at.to_string());
     Ok(())
 }
 
 fn topic(param: Option<&str>, field: Option<&str>) -> Result<String, ApiError> {
     let topic = param.or(field).ok_or_else(|| ApiError::invalid_field("topic", "required (body field or ?topic=)"))?;
-    let valid = !topic.is_empty()
-        && topic.len() <= MAX_TOPIC_LEN
-        && topic.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '%' || c == '|');
-    if !valid {
+    if !is_valid_name(topic) {
         return Err(ApiError::invalid_field(
             "topic",
-            format!("must be 1..={MAX_TOPIC_LEN} characters of letters, digits, `_`, `-`, `%`, `|`"),
+            format!("must be 1..={MAX_NAME_LEN} characters of letters, digits, `_`, `-`, `%`, `|`"),
         ));
     }
     Ok(topic.to_owned())
