@@ -62,6 +62,8 @@ impl SseClient {
 pub struct WsClient {
     socket: WebSocketStream<MaybeTlsStream<TcpStream>>,
     deliveries: VecDeque<Value>,
+    /// Result and error frames.
+    others: VecDeque<Value>,
 }
 
 impl WsClient {
@@ -69,47 +71,37 @@ impl WsClient {
     pub async fn connect(base: &str, query: &str) -> WsClient {
         let url = format!("{}/events/ws?{query}", base.replacen("http://", "ws://", 1));
         let (socket, _) = tokio_tungstenite::connect_async(url).await.expect("connect WebSocket");
-        WsClient { socket, deliveries: VecDeque::new() }
+        WsClient { socket, deliveries: VecDeque::new(), others: VecDeque::new() }
     }
 
-    /// The next frame that is not a delivery (a result or an error), keeping deliveries read meanwhile.
-    async fn next_frame(&mut self, timeout: Duration) -> Option<Value> {
+    /// The next delivery (`deliveries`) or other frame, reading frames only as needed and keeping the kind
+    /// not asked for; `None` after `timeout`.
+    async fn next_of(&mut self, want_delivery: bool, timeout: Duration) -> Option<Value> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
-            let frame = tokio::time::timeout_at(deadline, self.socket.next()).await.ok()??.ok()?;
-            if let Message::Text(text) = frame {
-                let value: Value = serde_json::from_str(text.as_str()).ok()?;
-                if value["type"] == "delivery" {
-                    self.deliveries.push_back(value);
-                } else {
-                    return Some(value);
-                }
-            }
-        }
-    }
-
-    /// The next delivery frame, reading no more than needed; `None` after `timeout`.
-    pub async fn next(&mut self, timeout: Duration) -> Option<Value> {
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            if let Some(value) = self.deliveries.pop_front() {
+            let queue = if want_delivery { &mut self.deliveries } else { &mut self.others };
+            if let Some(value) = queue.pop_front() {
                 return Some(value);
             }
             let frame = tokio::time::timeout_at(deadline, self.socket.next()).await.ok()??.ok()?;
             if let Message::Text(text) = frame {
                 if let Ok(value) = serde_json::from_str::<Value>(text.as_str()) {
-                    if value["type"] == "delivery" {
-                        self.deliveries.push_back(value);
-                    }
+                    let queue = if value["type"] == "delivery" { &mut self.deliveries } else { &mut self.others };
+                    queue.push_back(value);
                 }
             }
         }
     }
 
+    /// The next delivery frame; `None` after `timeout`.
+    pub async fn next(&mut self, timeout: Duration) -> Option<Value> {
+        self.next_of(true, timeout).await
+    }
+
     /// Sends an in-band command and waits for its result frame.
     pub async fn settle(&mut self, command: Value) -> Value {
         self.socket.send(Message::Text(command.to_string().into())).await.expect("socket open");
-        self.next_frame(Duration::from_secs(10)).await.expect("a result frame")
+        self.next_of(false, Duration::from_secs(10)).await.expect("a result frame")
     }
 }
 
@@ -154,23 +146,17 @@ pub async fn tight_sse(base: &str, query: &str, keep: usize) -> (Vec<Value>, Tcp
     (deliveries, stream)
 }
 
-/// Opens a WebSocket over a [`tight_stream`] and reads `keep` delivery frames; the caller drops the socket.
-pub async fn tight_ws(base: &str, query: &str, keep: usize) -> (Vec<Value>, WebSocketStream<TcpStream>) {
+/// Opens a WebSocket over a [`tight_stream`] and reads `keep` delivery frames; the caller drops the client.
+pub async fn tight_ws(base: &str, query: &str, keep: usize) -> (Vec<Value>, WsClient) {
     let host = base.trim_start_matches("http://");
-    let stream = tight_stream(host).await;
-    let (mut socket, _) = tokio_tungstenite::client_async(format!("ws://{host}/events/ws?{query}"), stream)
+    let stream = MaybeTlsStream::Plain(tight_stream(host).await);
+    let (socket, _) = tokio_tungstenite::client_async(format!("ws://{host}/events/ws?{query}"), stream)
         .await
         .expect("WebSocket handshake");
+    let mut client = WsClient { socket, deliveries: VecDeque::new(), others: VecDeque::new() };
     let mut deliveries = Vec::new();
     while deliveries.len() < keep {
-        let frame = tokio::time::timeout(Duration::from_secs(30), socket.next()).await.expect("frame").expect("open");
-        if let Ok(Message::Text(text)) = frame {
-            if let Ok(value) = serde_json::from_str::<Value>(text.as_str()) {
-                if value["type"] == "delivery" {
-                    deliveries.push(value);
-                }
-            }
-        }
+        deliveries.push(client.next(Duration::from_secs(30)).await.expect("a delivery frame"));
     }
-    (deliveries, socket)
+    (deliveries, client)
 }
