@@ -7,10 +7,14 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 
+use crate::api::guard::ConnectionLimits;
+use crate::api::tls::{self, TlsError, TlsListener};
 use crate::api::{self, AppState};
+use crate::auth::TokenTable;
 use crate::broker::{BrokerClient, BrokerError};
 use crate::config::Config;
 use crate::delivery::{DeliveryError, Dispatcher};
+use crate::dlq::DlqAdmin;
 use crate::publish::Publisher;
 use crate::reliability::ProfileMonitor;
 use crate::store::{StateStore, StoreError};
@@ -36,6 +40,9 @@ pub enum AppError {
     /// A broker is weaker than the reliability profile and `reliability.fail_on_mismatch` is set.
     #[error("brokers weaker than the reliability profile: {0}")]
     ProfileMismatch(String),
+    /// The TLS certificate or key cannot be used.
+    #[error("{0}")]
+    Tls(#[from] TlsError),
     /// Boot recovery failed.
     #[error("recovery: {0}")]
     Recovery(#[from] DeliveryError),
@@ -52,22 +59,33 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), AppError> {
     let metrics = crate::metrics::install().map_err(AppError::Metrics)?;
+    // TLS files are read before anything else starts, so a bad certificate stops popgate at once.
+    let tls = match (&config.server.tls_cert_path, &config.server.tls_key_path) {
+        (Some(cert), Some(key)) => Some(tls::server_config(cert, key)?),
+        _ => None,
+    };
+    if !config.auth.enabled {
+        tracing::warn!("Authentication is switched off (auth.enabled = false): every caller may do everything.");
+    }
     let broker = Arc::new(BrokerClient::connect(&config.broker, PRODUCER_GROUP).await?);
     let profile = config.reliability.profile;
     let publisher = Arc::new(Publisher::new(broker.clone(), config.publish.clone(), &config.fault_avoidance, profile));
     std::fs::create_dir_all(&config.delivery.state_dir)?;
     // Sync-flush profiles sync every state write, as the broker syncs every message; async ones group-commit.
     let sync_writes = profile.sync_flush();
-    let store = StateStore::open(&config.delivery.state_dir, sync_writes)?;
+    let store = Arc::new(StateStore::open(&config.delivery.state_dir, sync_writes)?);
     let group_commit = (!sync_writes).then(|| Duration::from_millis(config.reliability.group_commit_interval_ms));
     let (dispatcher, recovered) =
-        Dispatcher::start(store, broker.clone(), publisher.clone(), config.delivery.clone(), group_commit)?;
+        Dispatcher::start(store.clone(), broker.clone(), publisher.clone(), config.delivery.clone(), group_commit)?;
     tracing::info!(?recovered, state_dir = %config.delivery.state_dir.display(), "Delivery state recovered.");
     let grace = Duration::from_secs(config.server.shutdown_grace_secs);
     let monitor = Arc::new(ProfileMonitor::new(profile, broker.clone()));
     check_profile_at_start(&monitor, config.reliability.fail_on_mismatch).await?;
     let check_every = Duration::from_secs(config.reliability.broker_check_interval_secs);
     let state = AppState {
+        dlq: Arc::new(DlqAdmin::new(broker.clone(), publisher.clone(), store)),
+        tokens: Arc::new(TokenTable::new(&config.auth)),
+        limits: ConnectionLimits::new(config.server.max_waiters_per_token, config.server.max_streams_per_token),
         profile: monitor.clone(),
         config: Arc::new(config),
         broker: broker.clone(),
@@ -79,10 +97,19 @@ pub async fn serve(
     let gauges = tokio::spawn(refresh_gauges(publisher.clone()));
     let profile_checks = tokio::spawn(monitor.run(check_every));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let server = axum::serve(listener, api::router(state)).with_graceful_shutdown(async move {
+    let stop_signal = async move {
         shutdown.await;
         let _ = stop_tx.send(true);
-    });
+    };
+    let router = api::router(state);
+    let server = async move {
+        match tls {
+            Some(tls) => {
+                axum::serve(TlsListener::new(listener, tls)?, router).with_graceful_shutdown(stop_signal).await
+            }
+            None => axum::serve(listener, router).with_graceful_shutdown(stop_signal).await,
+        }
+    };
     let result = tokio::select! {
         result = server => result,
         // The grace period starts when shutdown is asked for; a request still running after it is dropped.

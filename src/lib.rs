@@ -8,8 +8,11 @@
 //! - [`delivery`]: the consume path: POP, deferred broker ACK, retries, the DLQ, boot recovery.
 //! - [`store`]: the RocksDB state store the consume path writes before it acts.
 //! - [`reliability`]: the reliability profile checked against each broker's running settings.
+//! - [`auth`]: bearer tokens and what each may do.
+//! - [`dlq`]: browsing and replaying dead-lettered events (the admin plane's DLQ).
 //! - [`api`]: the HTTP routes and the one error type they answer with.
 //! - [`metrics`]: every metric's name, help text and buckets.
+//! - [`cli`]: the operator CLI's client of the admin API.
 //! - [`app`]: wiring and the serve loop; `main.rs` only parses the CLI and waits for a signal.
 
 #![forbid(unsafe_code)]
@@ -17,9 +20,12 @@
 
 pub mod api;
 pub mod app;
+pub mod auth;
 pub mod broker;
+pub mod cli;
 pub mod config;
 pub mod delivery;
+pub mod dlq;
 pub mod metrics;
 pub mod publish;
 pub mod reliability;

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use popgate::cli::Endpoint;
 use popgate::Config;
 use tracing_subscriber::EnvFilter;
 
@@ -34,6 +35,80 @@ enum Command {
         #[arg(long, short)]
         config: Option<PathBuf>,
     },
+    /// Browse or replay a dead-letter queue through a running popgate's admin API.
+    Dlq {
+        #[command(subcommand)]
+        command: DlqCommand,
+    },
+    /// List in-flight deliveries of a running popgate.
+    Deliveries {
+        /// Only this consumer group.
+        #[arg(long)]
+        group: Option<String>,
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        max: usize,
+        #[command(flatten)]
+        endpoint: Endpoint,
+    },
+}
+
+/// Which DLQ: `--group` or `--topic %DLQ%<group>`.
+#[derive(clap::Args)]
+#[group(required = true, multiple = false)]
+struct DlqName {
+    /// The consumer group whose DLQ it is.
+    #[arg(long)]
+    group: Option<String>,
+    /// The DLQ topic, `%DLQ%<group>`.
+    #[arg(long)]
+    topic: Option<String>,
+}
+
+impl DlqName {
+    fn query(&self) -> Vec<(&'static str, String)> {
+        match (&self.group, &self.topic) {
+            (Some(group), _) => vec![("group", group.clone())],
+            (None, Some(topic)) => vec![("topic", topic.clone())],
+            (None, None) => Vec::new(),
+        }
+    }
+}
+
+#[derive(Subcommand)]
+enum DlqCommand {
+    /// List dead-lettered events without consuming them.
+    Browse {
+        #[command(flatten)]
+        dlq: DlqName,
+        /// Page size.
+        #[arg(long, default_value_t = 32)]
+        max: usize,
+        /// The previous page's `nextCursor`.
+        #[arg(long)]
+        cursor: Option<String>,
+        /// Only events from this topic.
+        #[arg(long)]
+        origin_topic: Option<String>,
+        #[command(flatten)]
+        endpoint: Endpoint,
+    },
+    /// Re-publish dead-lettered events to their origin topics.
+    Replay {
+        #[command(flatten)]
+        dlq: DlqName,
+        /// At most this many.
+        #[arg(long, default_value_t = 32)]
+        max: usize,
+        /// Messages per second (default: the server's admin.replay_rate_per_sec).
+        #[arg(long)]
+        rate: Option<u32>,
+        /// Only these message ids, comma-separated.
+        #[arg(long)]
+        ids: Option<String>,
+        #[command(flatten)]
+        endpoint: Endpoint,
+    },
 }
 
 fn main() -> ExitCode {
@@ -55,6 +130,54 @@ fn main() -> ExitCode {
             }
             Err(code) => code,
         },
+        Command::Dlq { command } => admin_call(dlq_call(command)),
+        Command::Deliveries { group, max, endpoint } => {
+            let mut query = vec![("max", max.to_string())];
+            query.extend(group.map(|g| ("group", g)));
+            admin_call((endpoint, reqwest::Method::GET, "/admin/deliveries", query))
+        }
+    }
+}
+
+type AdminCall = (Endpoint, reqwest::Method, &'static str, Vec<(&'static str, String)>);
+
+fn dlq_call(command: DlqCommand) -> AdminCall {
+    match command {
+        DlqCommand::Browse { dlq, max, cursor, origin_topic, endpoint } => {
+            let mut query = dlq.query();
+            query.push(("max", max.to_string()));
+            query.extend(cursor.map(|c| ("cursor", c)));
+            query.extend(origin_topic.map(|t| ("originTopic", t)));
+            (endpoint, reqwest::Method::GET, "/admin/dlq/browse", query)
+        }
+        DlqCommand::Replay { dlq, max, rate, ids, endpoint } => {
+            let mut query = dlq.query();
+            query.push(("max", max.to_string()));
+            query.extend(rate.map(|r| ("rate", r.to_string())));
+            query.extend(ids.map(|i| ("ids", i)));
+            (endpoint, reqwest::Method::POST, "/admin/dlq/replay", query)
+        }
+    }
+}
+
+/// Runs one admin API call and prints the answer: JSON on stdout, or the error on stderr with exit code 1.
+fn admin_call((endpoint, method, path, query): AdminCall) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("popgate: cannot start the async runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(popgate::cli::call(&endpoint, method, path, &query)) {
+        Ok(answer) => {
+            println!("{}", serde_json::to_string_pretty(&answer).unwrap_or_default());
+            ExitCode::SUCCESS
+        }
+        Err(error) => {
+            eprintln!("popgate: {error}");
+            ExitCode::FAILURE
+        }
     }
 }
 

@@ -56,6 +56,14 @@ pub const LEASES_LOST: &str = "popgate_leases_lost_total";
 pub const CONSUME_REQUEST_FAILURES: &str = "popgate_consume_request_failures_total";
 /// 1 while the broker is weaker than the reliability profile (flush or replication), else 0.
 pub const PROFILE_MISMATCH: &str = "popgate_profile_mismatch";
+/// Requests refused before or by their handler for a limit or for authentication, by `reason`
+/// (unauthenticated, forbidden, uri_too_long, headers_too_large, body_too_large, batch_too_large,
+/// too_many_waiters, too_many_streams).
+pub const REQUESTS_REJECTED: &str = "popgate_requests_rejected_total";
+/// TLS handshakes that failed or timed out.
+pub const TLS_HANDSHAKE_FAILURES: &str = "popgate_tls_handshake_failures_total";
+/// DLQ events replayed by the admin plane, by `result` (replayed, failed).
+pub const DLQ_REPLAYS: &str = "popgate_dlq_replays_total";
 /// Time from dispatch to the subscriber's ACK.
 pub const ACK_LATENCY: &str = "popgate_ack_latency_seconds";
 
@@ -104,11 +112,32 @@ const ZERO_SERIES: &[(&str, &str, &[&str])] = &[
     (REDELIVERIES, "reason", &["timeout", "nack", "push_failure", "recovery"]),
     (RECOVERED_DELIVERIES, "outcome", &["redispatched", "ack_pending", "dead_letter_pending", "corrupt"]),
     (CONSUME_REQUEST_FAILURES, "op", &["pop", "renew"]),
+    (
+        REQUESTS_REJECTED,
+        "reason",
+        &[
+            "unauthenticated",
+            "forbidden",
+            "uri_too_long",
+            "headers_too_large",
+            "body_too_large",
+            "batch_too_large",
+            "too_many_waiters",
+            "too_many_streams",
+        ],
+    ),
+    (DLQ_REPLAYS, "result", &["replayed", "failed"]),
 ];
 
 /// Counters without labels, registered at 0 at start for the same reason.
-const ZERO_COUNTERS: &[&str] =
-    &[SEND_RETRIES, DLQ_RECORD_FAILURES, BROKER_ACK_FAILURES, OFFSET_WRITE_FAILURES, LEASES_LOST];
+const ZERO_COUNTERS: &[&str] = &[
+    SEND_RETRIES,
+    DLQ_RECORD_FAILURES,
+    BROKER_ACK_FAILURES,
+    OFFSET_WRITE_FAILURES,
+    LEASES_LOST,
+    TLS_HANDSHAKE_FAILURES,
+];
 
 fn register_zeroes() {
     for (name, label, values) in ZERO_SERIES {
@@ -145,6 +174,9 @@ fn describe_all() {
     describe_counter!(RECOVERED_DELIVERIES, Unit::Count, "Records replayed at boot, by outcome.");
     describe_counter!(LEASES_LOST, Unit::Count, "Deliveries given back to the broker because their lease lapsed.");
     describe_counter!(CONSUME_REQUEST_FAILURES, Unit::Count, "Failed POP and lease-renewal requests, by op.");
+    describe_counter!(REQUESTS_REJECTED, Unit::Count, "Requests refused for a limit or authentication, by reason.");
+    describe_counter!(TLS_HANDSHAKE_FAILURES, Unit::Count, "TLS handshakes that failed or timed out.");
+    describe_counter!(DLQ_REPLAYS, Unit::Count, "DLQ events replayed to their origin topic, by result.");
     describe_histogram!(ACK_LATENCY, Unit::Seconds, "Time from dispatch to the subscriber's ACK.");
     describe_gauge!(PROFILE_MISMATCH, "1 while the broker is weaker than the reliability profile, else 0.");
 }

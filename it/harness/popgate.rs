@@ -46,7 +46,7 @@ impl Popgate {
             "[server]\nlisten = \"127.0.0.1:0\"\nshutdown_grace_secs = 2\n\n[broker]\nnamesrv_addr = \"{namesrv_addr}\"\n\n\
              [delivery]\n{state_line}{extra_toml}\n"
         );
-        fs::write(&config_path, merge_sections(&config)).expect("write config");
+        fs::write(&config_path, merge_sections(&with_auth_default(&config))).expect("write config");
         let log = dir.path().join("popgate.log");
         let child = spawn(&config_path, &log);
         let mut popgate = Popgate { base: String::new(), config_path, state_dir, child, log, _dir: dir };
@@ -64,7 +64,7 @@ impl Popgate {
             free_port(),
             dir.path().join("state").display()
         );
-        fs::write(&config_path, merge_sections(&config)).expect("write config");
+        fs::write(&config_path, merge_sections(&with_auth_default(&config))).expect("write config");
         let run = Command::new(env!("CARGO_BIN_EXE_popgate"))
             .args(["serve", "--config"])
             .arg(&config_path)
@@ -287,15 +287,26 @@ pub fn metric_value(text: &str, series: &str) -> f64 {
 
 /// Later `[section]` blocks of the same name are merged into the first, so a test's extra TOML may repeat
 /// `[delivery]` or `[broker]` from the minimal config.
+/// Tests that are not about authentication run with it switched off, explicitly (as popgate demands); a test
+/// that configures `[auth]` or `[[auth.tokens]]` gets exactly what it wrote.
+fn with_auth_default(config: &str) -> String {
+    if config.contains("[auth") {
+        config.to_owned()
+    } else {
+        format!("{config}\n[auth]\nenabled = false\n")
+    }
+}
+
 fn merge_sections(text: &str) -> String {
     let mut order: Vec<String> = Vec::new();
     let mut sections: std::collections::HashMap<String, Vec<String>> = std::collections::HashMap::new();
     let mut current = String::new();
     order.push(current.clone());
-    for line in text.lines() {
+    for (number, line) in text.lines().enumerate() {
         let trimmed = line.trim();
         if trimmed.starts_with('[') && trimmed.ends_with(']') {
-            current = trimmed.to_owned();
+            // Each `[[array]]` entry is its own table: never merged (the suffix is cut off below).
+            current = if trimmed.starts_with("[[") { format!("{trimmed}\u{0}{number}") } else { trimmed.to_owned() };
             if !order.contains(&current) {
                 order.push(current.clone());
             }
@@ -307,10 +318,11 @@ fn merge_sections(text: &str) -> String {
         .iter()
         .map(|name| {
             let body = sections.get(name).map(|l| l.join("\n")).unwrap_or_default();
+            let header = name.split('\u{0}').next().unwrap_or_default();
             if name.is_empty() {
                 body
             } else {
-                format!("{name}\n{body}")
+                format!("{header}\n{body}")
             }
         })
         .collect::<Vec<_>>()

@@ -82,6 +82,44 @@ impl ApiError {
         ApiError { status_word: Some(word), ..Self::new(status, word, message) }
     }
 
+    /// 401: no valid bearer token.
+    pub fn unauthenticated(message: impl Into<String>) -> ApiError {
+        ApiError {
+            field: Some("authorization".to_owned()),
+            ..Self::new(StatusCode::UNAUTHORIZED, "unauthenticated", message)
+        }
+    }
+
+    /// 403: the token is valid but lacks the right for what `field` names.
+    pub fn forbidden(field: &str, message: impl Into<String>) -> ApiError {
+        ApiError { field: Some(field.to_owned()), ..Self::new(StatusCode::FORBIDDEN, "forbidden", message) }
+    }
+
+    /// 429: a per-token limit is used up; retry when an earlier request ends.
+    pub fn too_many(message: impl Into<String>) -> ApiError {
+        Self::new(StatusCode::TOO_MANY_REQUESTS, "too_many_requests", message)
+    }
+
+    /// A size limit (414 URI, 431 headers, 413 batch) on `field`.
+    pub fn limit(status: StatusCode, code: &'static str, field: &str, message: impl Into<String>) -> ApiError {
+        ApiError { field: Some(field.to_owned()), ..Self::new(status, code, message) }
+    }
+
+    /// 404 `not_found`: no such route or resource.
+    pub fn not_found(message: impl Into<String>) -> ApiError {
+        Self::new(StatusCode::NOT_FOUND, "not_found", message)
+    }
+
+    /// 405: the route exists, the method does not.
+    pub fn method_not_allowed() -> ApiError {
+        Self::new(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", "this route does not take that method")
+    }
+
+    /// 409 `conflict`: the request cannot run now (another one holds what it needs).
+    pub fn conflict(message: impl Into<String>) -> ApiError {
+        Self::new(StatusCode::CONFLICT, "conflict", message)
+    }
+
     /// 500: a failure that is popgate's own; logged by the caller.
     pub fn internal(message: impl Into<String>) -> ApiError {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)

@@ -18,17 +18,21 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
+use axum::Extension;
 use axum::Json;
 use base64::Engine;
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use super::guard::{authorize, read_body, rejected, Budget};
 use super::{ApiError, AppState};
-use crate::delivery::{DeliveryError, Dispatched, NackOutcome, SubscriptionRequest};
+use crate::auth::{Action, Caller};
+use crate::delivery::{DeliveryError, Dispatched, NackOutcome, Subscription, SubscriptionRequest};
 
 /// Default long-poll wait when `waitMs` is absent.
 const DEFAULT_WAIT_MS: u64 = 1_000;
@@ -123,9 +127,37 @@ pub fn delivery_error(error: DeliveryError) -> ApiError {
     }
 }
 
+/// 403 unless `caller` may consume as the group of delivery `id`. An id popgate does not hold is let through:
+/// the dispatcher answers it (unknown or stale), and ids are unguessable.
+///
+/// # Errors
+/// [`ApiError`] 403.
+pub fn authorize_delivery(state: &AppState, caller: &Caller, id: &str) -> Result<(), ApiError> {
+    match state.dispatcher.group_of(id) {
+        Some(group) => authorize(caller, Action::Consume(&group), "deliveryId"),
+        None => Ok(()),
+    }
+}
+
+/// The wire form of a subscription: its admin id (`<group>:<topic>`), and the webhook secret redacted (it is
+/// written, never read back).
+pub fn subscription_json(sub: &Subscription) -> Value {
+    let mut answer = json!(sub);
+    answer["id"] = Value::String(format!("{}:{}", sub.group, sub.topic));
+    if answer.get("push").is_some() {
+        answer["push"]["secret"] = Value::String("<redacted>".into());
+    }
+    answer
+}
+
 /// `POST /events/subscribe`.
-pub async fn subscribe(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
-    let body: SubscribeBody = parse_body(&body)?;
+pub async fn subscribe(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let body: SubscribeBody = parse_body(&read_body(body)?)?;
+    authorize(&caller, Action::Consume(&body.group), "group")?;
     let sub = state
         .dispatcher
         .subscribe(SubscriptionRequest {
@@ -140,17 +172,17 @@ pub async fn subscribe(State(state): State<AppState>, body: Bytes) -> Result<Res
             push: body.push,
         })
         .map_err(delivery_error)?;
-    let mut answer = json!(sub);
-    if answer.get("push").is_some() {
-        // The signing secret is written, never read back.
-        answer["push"]["secret"] = Value::String("<redacted>".into());
-    }
-    Ok(Json(json!({ "subscription": answer })).into_response())
+    Ok(Json(json!({ "subscription": subscription_json(&sub) })).into_response())
 }
 
 /// `POST /events/unsubscribe`.
-pub async fn unsubscribe(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
-    let body: GroupTopic = parse_body(&body)?;
+pub async fn unsubscribe(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let body: GroupTopic = parse_body(&read_body(body)?)?;
+    authorize(&caller, Action::Consume(&body.group), "group")?;
     state.dispatcher.unsubscribe(&body.group, &body.topic).map_err(delivery_error)?;
     Ok(Json(json!({"status": "unsubscribed"})).into_response())
 }
@@ -158,10 +190,12 @@ pub async fn unsubscribe(State(state): State<AppState>, body: Bytes) -> Result<R
 /// `GET /events/poll`.
 pub async fn poll(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Response, ApiError> {
     let group = required_param(&query, "group")?;
     let topic = required_param(&query, "topic")?;
+    authorize(&caller, Action::Consume(&group), "group")?;
     let number = |name: &str, default: u64| match query.get(name) {
         None => Ok(default),
         Some(text) => text.parse::<u64>().map_err(|_| ApiError::invalid_field(name, "must be a non-negative integer")),
@@ -171,6 +205,7 @@ pub async fn poll(
         return Err(ApiError::invalid_field("max", format!("must be in 1..={}", crate::delivery::MAX_POLL_BATCH)));
     }
     let wait = Duration::from_millis(number("waitMs", DEFAULT_WAIT_MS)?);
+    let _waiting = state.limits.acquire(&caller, Budget::Waiters)?;
     let deliveries = state.dispatcher.poll(&group, &topic, max as usize, wait).await.map_err(delivery_error)?;
     let deliveries: Vec<Value> = deliveries.iter().map(delivery_json).collect();
     Ok(Json(json!({ "deliveries": deliveries })).into_response())
@@ -202,16 +237,38 @@ pub fn delivery_json(delivery: &Dispatched) -> Value {
 }
 
 /// `POST /events/ack`: one id, or a batch with a result per id.
-pub async fn ack(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
-    let body: AckBody = parse_body(&body)?;
+pub async fn ack(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let body: AckBody = parse_body(&read_body(body)?)?;
     match (body.delivery_id, body.delivery_ids) {
         (Some(id), None) => {
+            authorize_delivery(&state, &caller, &id)?;
             state.dispatcher.ack(&id).await.map_err(delivery_error)?;
+            tracing::debug!(delivery_id = %id, "Delivery acked.");
             Ok(Json(json!({"status": "acked"})).into_response())
         }
         (None, Some(ids)) => {
+            let max = state.config.server.max_ack_batch;
+            if ids.len() > max {
+                return Err(rejected(
+                    "batch_too_large",
+                    ApiError::limit(
+                        StatusCode::PAYLOAD_TOO_LARGE,
+                        "too_large",
+                        "deliveryIds",
+                        format!("at most {max} ids per batch"),
+                    ),
+                ));
+            }
             let mut results = Vec::with_capacity(ids.len());
             for id in ids {
+                if authorize_delivery(&state, &caller, &id).is_err() {
+                    results.push(json!({"deliveryId": id, "status": "forbidden"}));
+                    continue;
+                }
                 let status = match state.dispatcher.ack(&id).await {
                     Ok(()) => "acked",
                     Err(DeliveryError::Unknown) => "unknown",
@@ -227,8 +284,13 @@ pub async fn ack(State(state): State<AppState>, body: Bytes) -> Result<Response,
 }
 
 /// `POST /events/nack`.
-pub async fn nack(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
-    let body: NackBody = parse_body(&body)?;
+pub async fn nack(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let body: NackBody = parse_body(&read_body(body)?)?;
+    authorize_delivery(&state, &caller, &body.delivery_id)?;
     let delay = body.delay_ms.map(Duration::from_millis);
     let outcome = state.dispatcher.nack(&body.delivery_id, delay).await.map_err(delivery_error)?;
     Ok(Json(match outcome {
@@ -239,8 +301,13 @@ pub async fn nack(State(state): State<AppState>, body: Bytes) -> Result<Response
 }
 
 /// `POST /events/term`.
-pub async fn term(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
-    let body: TermBody = parse_body(&body)?;
+pub async fn term(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let body: TermBody = parse_body(&read_body(body)?)?;
+    authorize_delivery(&state, &caller, &body.delivery_id)?;
     let reason = body.reason.unwrap_or_else(|| "terminated".to_owned());
     state.dispatcher.term(&body.delivery_id, &reason).await.map_err(delivery_error)?;
     Ok(Json(json!({"status": "terminated"})).into_response())

@@ -14,11 +14,14 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
+use axum::Extension;
 use axum::Json;
 use metrics::{counter, histogram};
 use serde_json::json;
 
+use super::guard::{authorize, rejected};
 use super::{ApiError, AppState};
+use crate::auth::{Action, Caller};
 use crate::config::Profile;
 use crate::metrics as m;
 use crate::publish::{request, PublishError, Published, SendMode};
@@ -26,12 +29,13 @@ use crate::publish::{request, PublishError, Published, SendMode};
 /// Handles one publish request, counting its result and timing it.
 pub async fn publish(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     Query(query): Query<HashMap<String, String>>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let started = Instant::now();
-    let (result, response) = match handle(&state, &query, &headers, body).await {
+    let (result, response) = match handle(&state, &caller, &query, &headers, body).await {
         Ok(response) => ("ok", response),
         Err(error) => (result_label(&error), error.into_response()),
     };
@@ -43,6 +47,7 @@ pub async fn publish(
 
 async fn handle(
     state: &AppState,
+    caller: &Caller,
     query: &HashMap<String, String>,
     headers: &HeaderMap,
     body: Result<Bytes, BytesRejection>,
@@ -50,7 +55,7 @@ async fn handle(
     let max = state.config.publish.max_message_bytes;
     let body = body.map_err(|rejection| {
         if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::too_large(max)
+            rejected("body_too_large", ApiError::too_large(max))
         } else {
             ApiError::malformed_body(rejection.body_text())
         }
@@ -68,8 +73,13 @@ async fn handle(
         ));
     }
     let message = request::parse(headers, query.get("topic").map(String::as_str), &body, max)?;
+    authorize(caller, Action::Publish(&message.topic), "topic")?;
     match state.publisher.publish(&message, mode).await {
-        Ok(published) => Ok(answer(published)),
+        Ok(published) => {
+            let id = published.receipt.as_ref().map(|r| r.message_id.as_str());
+            tracing::debug!(topic = %message.topic, event_id = ?id, "Event published.");
+            Ok(answer(published))
+        }
         Err(PublishError::TopicNotFound(topic)) => Err(ApiError::unknown_topic(&topic)),
         Err(PublishError::Exhausted { attempts, last_error }) => {
             tracing::warn!(topic = %message.topic, attempts = attempts.len(), error = %last_error, "Publish failed.");

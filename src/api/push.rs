@@ -17,7 +17,6 @@
 
 use std::collections::HashMap;
 use std::convert::Infallible;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
@@ -25,13 +24,16 @@ use axum::extract::{Query, State};
 use axum::http::HeaderMap;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
+use axum::Extension;
 use futures::{SinkExt, StreamExt};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use super::events::{delivery_error, delivery_json, required_param};
+use super::events::{authorize_delivery, delivery_error, delivery_json, required_param};
+use super::guard::{authorize, Budget, Slot};
 use super::{ApiError, AppState};
-use crate::delivery::{DeliveryError, Dispatched, Dispatcher, NackOutcome, Subscriber};
+use crate::auth::{Action, Caller};
+use crate::delivery::{DeliveryError, Dispatched, NackOutcome, Subscriber};
 
 /// How long one wait for deliveries lasts before a transport looks at its connection again.
 const WAIT_SLICE: Duration = Duration::from_secs(5);
@@ -58,10 +60,13 @@ fn ids_from(batch: &[Dispatched]) -> Vec<String> {
 /// `GET /events/stream`: Server-Sent Events.
 pub async fn stream(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     Query(query): Query<HashMap<String, String>>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     let (group, topic, prefetch) = push_params(&query)?;
+    authorize(&caller, Action::Consume(&group), "group")?;
+    let slot = state.limits.acquire(&caller, Budget::Streams)?;
     let subscriber = state.dispatcher.attach(&group, &topic, prefetch, "sse").map_err(delivery_error)?;
     // A reconnecting client names the last delivery it saw. What it still holds unACKed stays in flight to it
     // (it is not sent again on this stream): it ACKs those by POST, or they come back after their ACK timeout.
@@ -71,14 +76,15 @@ pub async fn stream(
     // Capacity 1: a delivery leaves the pump only when the connection takes it, so a dead connection is
     // noticed with at most one delivery in its buffer.
     let (tx, rx) = mpsc::channel::<Event>(1);
-    tokio::spawn(sse_pump(subscriber, tx));
+    tokio::spawn(sse_pump(subscriber, tx, slot));
     let events = futures::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|event| (Ok::<Event, Infallible>(event), rx))
     });
     Ok(Sse::new(events).keep_alive(KeepAlive::new().interval(KEEP_ALIVE).text("keep-alive")).into_response())
 }
 
-async fn sse_pump(mut subscriber: Subscriber, tx: mpsc::Sender<Event>) {
+/// Runs for as long as the stream is open; `_slot` is the token's stream slot, given back when it ends.
+async fn sse_pump(mut subscriber: Subscriber, tx: mpsc::Sender<Event>, _slot: Slot) {
     loop {
         let batch = tokio::select! {
             batch = subscriber.next(WAIT_SLICE) => batch,
@@ -114,15 +120,18 @@ async fn sse_pump(mut subscriber: Subscriber, tx: mpsc::Sender<Event>) {
 pub async fn websocket(
     upgrade: WebSocketUpgrade,
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Response, ApiError> {
     let (group, topic, prefetch) = push_params(&query)?;
+    authorize(&caller, Action::Consume(&group), "group")?;
+    let slot = state.limits.acquire(&caller, Budget::Streams)?;
     let subscriber = state.dispatcher.attach(&group, &topic, prefetch, "websocket").map_err(delivery_error)?;
-    let dispatcher = state.dispatcher.clone();
-    Ok(upgrade.on_upgrade(move |socket| ws_session(socket, subscriber, dispatcher)))
+    Ok(upgrade.on_upgrade(move |socket| ws_session(socket, subscriber, state, caller, slot)))
 }
 
-async fn ws_session(socket: WebSocket, mut subscriber: Subscriber, dispatcher: Arc<Dispatcher>) {
+/// Runs for as long as the socket is open; `_slot` is the token's stream slot, given back when it ends.
+async fn ws_session(socket: WebSocket, mut subscriber: Subscriber, state: AppState, caller: Caller, _slot: Slot) {
     let (mut sink, mut incoming) = socket.split();
     let mut ping = tokio::time::interval(KEEP_ALIVE);
     ping.tick().await;
@@ -142,7 +151,7 @@ async fn ws_session(socket: WebSocket, mut subscriber: Subscriber, dispatcher: A
             }
             message = incoming.next() => match message {
                 Some(Ok(Message::Text(text))) => {
-                    let reply = settle_in_band(&dispatcher, text.as_str()).await;
+                    let reply = settle_in_band(&state, &caller, text.as_str()).await;
                     if sink.send(Message::Text(reply.to_string().into())).await.is_err() {
                         return;
                     }
@@ -171,7 +180,8 @@ async fn ws_session(socket: WebSocket, mut subscriber: Subscriber, dispatcher: A
 }
 
 /// One in-band command: `{"ack":id}`, `{"nack":id,"delayMs":n}` or `{"term":id,"reason":"..."}`.
-async fn settle_in_band(dispatcher: &Dispatcher, text: &str) -> Value {
+async fn settle_in_band(state: &AppState, caller: &Caller, text: &str) -> Value {
+    let dispatcher = &state.dispatcher;
     let command: Value = match serde_json::from_str(text) {
         Ok(Value::Object(map)) => Value::Object(map),
         _ => {
@@ -179,6 +189,11 @@ async fn settle_in_band(dispatcher: &Dispatcher, text: &str) -> Value {
         }
     };
     let id_of = |op: &str| command.get(op).and_then(Value::as_str).map(str::to_owned);
+    if let Some((op, id)) = ["ack", "nack", "term"].into_iter().find_map(|op| id_of(op).map(|id| (op, id))) {
+        if authorize_delivery(state, caller, &id).is_err() {
+            return json!({"type": "result", "op": op, "deliveryId": id, "status": "forbidden"});
+        }
+    }
     let (op, id, result) = if let Some(id) = id_of("ack") {
         let result = dispatcher.ack(&id).await.map(|()| "acked".to_owned());
         ("ack", id, result)

@@ -282,15 +282,22 @@ impl BrokerClient {
         self.routes.lock().remove(topic);
     }
 
+    /// The route the name server has for exactly `topic` (no auto-create fallback, no cache), or `None`.
+    ///
+    /// # Errors
+    /// The failure when no name server answered.
+    pub async fn existing_route(&self, topic: &str) -> Result<Option<TopicRoute>, BrokerError> {
+        let data = self
+            .pooled()
+            .topic_route(topic, self.config.request_timeout_ms)
+            .await
+            .map_err(|e| BrokerError::from_client(e, self.config.request_timeout()))?;
+        Ok(data.as_ref().map(brokers_with_master))
+    }
+
     async fn fetch_route(&self, topic: &str) -> Result<TopicRoute, BrokerError> {
         for lookup in [topic, AUTO_CREATE_TOPIC_KEY] {
-            let data = self
-                .pooled()
-                .topic_route(lookup, self.config.request_timeout_ms)
-                .await
-                .map_err(|e| BrokerError::from_client(e, self.config.request_timeout()))?;
-            if let Some(data) = data {
-                let mut route = brokers_with_master(&data);
+            if let Some(mut route) = self.existing_route(lookup).await? {
                 if lookup == AUTO_CREATE_TOPIC_KEY {
                     // The broker creates the topic with `defaultTopicQueueNums` queues, not TBW102's count:
                     // a queue id beyond that would be refused (the Java producer caps it the same way).
@@ -364,7 +371,12 @@ impl BrokerClient {
 
     /// A `SEND_MESSAGE` request for `message`, and the client message id (`UNIQ_KEY`) it carries.
     fn send_request(&self, message: &OutgoingMessage, queue_id: i32) -> (RemotingCommand, String) {
-        let message_id = MessageClientIDSetter::create_uniq_id();
+        // A message that must keep an id it already has (a DLQ replay) carries it; all others get a new one.
+        let message_id = message
+            .properties
+            .get(super::message::PROPERTY_UNIQ_KEY)
+            .cloned()
+            .unwrap_or_else(MessageClientIDSetter::create_uniq_id);
         let mut properties: HashMap<CheetahString, CheetahString> = message
             .properties
             .iter()

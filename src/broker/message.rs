@@ -10,6 +10,9 @@ pub const PROPERTY_SHARDING_KEY: &str = "__SHARDINGKEY";
 /// Absolute delivery time in epoch ms for the broker's timer wheel (`PROPERTY_TIMER_DELIVER_MS`).
 pub const PROPERTY_TIMER_DELIVER_MS: &str = "TIMER_DELIVER_MS";
 
+/// The client message id (`MessageConst.PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX`).
+pub const PROPERTY_UNIQ_KEY: &str = "UNIQ_KEY";
+
 /// RocketMQ's longest topic or consumer-group name.
 pub const MAX_NAME_LEN: usize = 127;
 

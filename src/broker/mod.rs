@@ -4,6 +4,7 @@
 //! - [`client`]: the connection (routes, sends) over rocketmq-client-rust; no policy.
 //! - [`fault`]: the latency fault-avoidance table (MQFaultStrategy) and the broker choice for one attempt.
 //! - [`consumer`]: POP, ACK and ChangeInvisibleTime, and the receipt handle they use.
+//! - [`pull`]: reading a queue by offset without consuming it (DLQ browsing).
 //! - [`message`]: popgate's message type, free of client-crate types.
 
 pub mod admin;
@@ -11,6 +12,7 @@ pub mod client;
 pub mod consumer;
 pub mod fault;
 pub mod message;
+pub mod pull;
 
 pub use client::{BrokerClient, BrokerError, BrokerRoute, SendReceipt, StoreStatus, TopicRoute};
 pub use message::OutgoingMessage;

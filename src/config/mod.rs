@@ -53,6 +53,61 @@ pub struct Config {
     /// The reliability profile: what "stored" means, how popgate persists its own state, what it expects of
     /// the brokers.
     pub reliability: ReliabilityConfig,
+    /// Who may do what: bearer tokens and their allowed actions.
+    pub auth: AuthConfig,
+    /// The admin plane (DLQ replay pacing).
+    pub admin: AdminConfig,
+}
+
+/// Bearer-token authentication. On by default: with no token configured popgate refuses to start, unless
+/// `enabled = false` says explicitly that every caller may do everything.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthConfig {
+    /// `false` switches authentication off: every request is allowed everything. Only for local development.
+    pub enabled: bool,
+    /// The accepted tokens.
+    pub tokens: Vec<TokenConfig>,
+}
+
+impl Default for AuthConfig {
+    fn default() -> Self {
+        AuthConfig { enabled: true, tokens: Vec::new() }
+    }
+}
+
+/// One bearer token and what it may do. Patterns are topic or group names where `*` matches any run of
+/// characters (`orders-*`, `*`).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct TokenConfig {
+    /// A name for logs and metrics (the token itself is never logged).
+    pub name: String,
+    /// The secret as clients send it (`Authorization: Bearer <token>`), at least 16 characters. Give this
+    /// or `sha256`, not both.
+    pub token: Option<String>,
+    /// The hex SHA-256 of the secret, so the config file need not hold the secret itself.
+    pub sha256: Option<String>,
+    /// Topics this token may publish to.
+    pub publish: Vec<String>,
+    /// Consumer groups this token may subscribe, poll, stream and ACK/NACK/TERM as.
+    pub consume: Vec<String>,
+    /// Whether this token may use `/admin/*`.
+    pub admin: bool,
+}
+
+/// The admin plane.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdminConfig {
+    /// Default pace of a DLQ replay (messages per second), so a replay cannot flood subscribers.
+    pub replay_rate_per_sec: u32,
+}
+
+impl Default for AdminConfig {
+    fn default() -> Self {
+        AdminConfig { replay_rate_per_sec: 100 }
+    }
 }
 
 /// Seed 004's four flush/replication combinations, by name.
@@ -129,11 +184,35 @@ pub struct ServerConfig {
     pub listen: SocketAddr,
     /// How long in-flight HTTP requests may take to finish after SIGTERM/SIGINT.
     pub shutdown_grace_secs: u64,
+    /// PEM certificate chain: with `tls_key_path`, the listener speaks HTTPS only (rustls).
+    pub tls_cert_path: Option<PathBuf>,
+    /// PEM private key of `tls_cert_path`.
+    pub tls_key_path: Option<PathBuf>,
+    /// Longest request URI (path and query); longer ones get 414.
+    pub max_uri_bytes: usize,
+    /// Most bytes of request headers (names and values); more get 431.
+    pub max_header_bytes: usize,
+    /// Most long-poll requests one token may have waiting at once; more get 429.
+    pub max_waiters_per_token: usize,
+    /// Most open SSE and WebSocket streams per token; more get 429.
+    pub max_streams_per_token: usize,
+    /// Most delivery ids in one batch ACK.
+    pub max_ack_batch: usize,
 }
 
 impl Default for ServerConfig {
     fn default() -> Self {
-        ServerConfig { listen: SocketAddr::from(([127, 0, 0, 1], 8080)), shutdown_grace_secs: 10 }
+        ServerConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            shutdown_grace_secs: 10,
+            tls_cert_path: None,
+            tls_key_path: None,
+            max_uri_bytes: 8 * 1024,
+            max_header_bytes: 16 * 1024,
+            max_waiters_per_token: 256,
+            max_streams_per_token: 64,
+            max_ack_batch: 1_000,
+        }
     }
 }
 

@@ -1,9 +1,16 @@
 use super::*;
 
+/// Authentication off, explicitly: the other tests look at other sections.
+const AUTH_OFF: &str = "[auth]\nenabled = false\n";
+
+fn parse(text: &str) -> Result<Config, ConfigError> {
+    Config::from_toml_str(&format!("{AUTH_OFF}{text}"))
+}
+
 #[test]
 fn empty_file_gives_the_documented_defaults() {
-    let config = Config::from_toml_str("").expect("defaults are valid");
-    assert_eq!(config, Config::default());
+    let config = parse("").expect("defaults are valid");
+    assert_eq!(config, Config { auth: AuthConfig { enabled: false, tokens: Vec::new() }, ..Config::default() });
     assert_eq!(config.publish.retry_times_when_send_failed, 2);
     assert_eq!(config.publish.send_timeout(), Duration::from_secs(3));
     assert!(config.fault_avoidance.enabled);
@@ -25,21 +32,21 @@ fn the_annotated_example_file_is_valid() {
 
 #[test]
 fn an_unknown_key_is_named() {
-    let err = Config::from_toml_str("[publish]\nsend_timout_ms = 10\n").unwrap_err().to_string();
+    let err = parse("[publish]\nsend_timout_ms = 10\n").unwrap_err().to_string();
     assert!(err.contains("send_timout_ms"), "{err}");
     assert!(err.contains("publish"), "{err}");
 }
 
 #[test]
 fn a_wrong_type_is_named_with_its_key() {
-    let err = Config::from_toml_str("[publish]\nsend_timeout_ms = \"soon\"\n").unwrap_err().to_string();
+    let err = parse("[publish]\nsend_timeout_ms = \"soon\"\n").unwrap_err().to_string();
     assert!(err.contains("publish.send_timeout_ms"), "{err}");
 }
 
 #[test]
 fn every_out_of_range_value_is_reported_at_once() {
     let text = "[publish]\nretry_times_when_send_failed = 4\n[delivery]\npop_batch = 64\njitter_ratio = 1.5\n";
-    let err = Config::from_toml_str(text).unwrap_err().to_string();
+    let err = parse(text).unwrap_err().to_string();
     for key in ["publish.retry_times_when_send_failed", "delivery.pop_batch", "delivery.jitter_ratio"] {
         assert!(err.contains(key), "{key} missing in {err}");
     }
@@ -48,13 +55,13 @@ fn every_out_of_range_value_is_reported_at_once() {
 #[test]
 fn fault_tables_must_pair_up() {
     let text = "[fault_avoidance]\nlatency_max_ms = [10, 20]\nnot_available_ms = [0]\n";
-    let err = Config::from_toml_str(text).unwrap_err().to_string();
+    let err = parse(text).unwrap_err().to_string();
     assert!(err.contains("fault_avoidance.not_available_ms"), "{err}");
 }
 
 #[test]
 fn a_bad_name_server_address_is_refused() {
-    let err = Config::from_toml_str("[broker]\nnamesrv_addr = \"localhost\"\n").unwrap_err().to_string();
+    let err = parse("[broker]\nnamesrv_addr = \"localhost\"\n").unwrap_err().to_string();
     assert!(err.contains("broker.namesrv_addr"), "{err}");
 }
 
@@ -63,7 +70,7 @@ fn a_bad_name_server_address_is_refused() {
 #[allow(clippy::result_large_err)]
 fn environment_overrides_the_file_with_double_underscore_nesting() {
     figment::Jail::expect_with(|jail| {
-        jail.create_file("popgate.toml", "[publish]\nsend_timeout_ms = 1000\n")?;
+        jail.create_file("popgate.toml", "[auth]\nenabled = false\n[publish]\nsend_timeout_ms = 1000\n")?;
         jail.set_env("POPGATE_PUBLISH__SEND_TIMEOUT_MS", "2500");
         jail.set_env("POPGATE_BROKER__NAMESRV_ADDR", "127.0.0.1:9999");
         let config = Config::load(Some(Path::new("popgate.toml"))).expect("valid");
@@ -99,8 +106,48 @@ fn each_profile_maps_to_the_seed_combination() {
 
 #[test]
 fn a_profile_is_chosen_by_name_and_an_unknown_name_is_refused() {
-    let config = Config::from_toml_str("[reliability]\nprofile = \"financial\"\n").expect("valid");
+    let config = parse("[reliability]\nprofile = \"financial\"\n").expect("valid");
     assert_eq!(config.reliability.profile, Profile::Financial);
-    let err = Config::from_toml_str("[reliability]\nprofile = \"paranoid\"\n").unwrap_err().to_string();
+    let err = parse("[reliability]\nprofile = \"paranoid\"\n").unwrap_err().to_string();
     assert!(err.contains("reliability.profile"), "{err}");
+}
+
+#[test]
+fn authentication_is_on_unless_switched_off_explicitly() {
+    assert!(Config::default().auth.enabled);
+    let err = Config::from_toml_str("").unwrap_err().to_string();
+    assert!(err.contains("auth.tokens") && err.contains("auth.enabled = false"), "{err}");
+}
+
+#[test]
+fn tokens_are_checked_one_by_one() {
+    let text = r#"
+[[auth.tokens]]
+name = "short"
+token = "abc"
+[[auth.tokens]]
+name = "both"
+token = "0123456789abcdef"
+sha256 = "00"
+[[auth.tokens]]
+name = "short"
+sha256 = "zz"
+publish = ["orders.*"]
+"#;
+    let err = Config::from_toml_str(text).unwrap_err().to_string();
+    for expected in [
+        "auth.tokens[0].token`: must be at least 16",
+        "auth.tokens[1].token`: give exactly one",
+        "auth.tokens[2].name`: `short` is used twice",
+        "auth.tokens[2].sha256`: must be 64 hex",
+        "pattern `orders.*`",
+    ] {
+        assert!(err.contains(expected), "{expected} missing in {err}");
+    }
+}
+
+#[test]
+fn tls_needs_both_files() {
+    let err = parse("[server]\ntls_cert_path = \"/nonexistent/cert.pem\"\n").unwrap_err().to_string();
+    assert!(err.contains("server.tls_key_path") && err.contains("server.tls_cert_path"), "{err}");
 }

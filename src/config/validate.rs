@@ -90,5 +90,68 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
         "must be in 1..=10000 (it bounds how much acknowledged state a power loss can take)",
     );
     check(reliability.broker_check_interval_secs > 0, "reliability.broker_check_interval_secs", "must be > 0");
+
+    let server = &config.server;
+    check(
+        server.tls_cert_path.is_some() == server.tls_key_path.is_some(),
+        "server.tls_key_path",
+        "give both server.tls_cert_path and server.tls_key_path, or neither",
+    );
+    for (key, path) in [("server.tls_cert_path", &server.tls_cert_path), ("server.tls_key_path", &server.tls_key_path)]
+    {
+        if let Some(path) = path {
+            check(path.is_file(), key, &format!("{} is not a readable file", path.display()));
+        }
+    }
+    check(server.max_uri_bytes >= 256, "server.max_uri_bytes", "must be >= 256");
+    check(server.max_header_bytes >= 1024, "server.max_header_bytes", "must be >= 1024");
+    check(server.max_waiters_per_token >= 1, "server.max_waiters_per_token", "must be >= 1");
+    check(server.max_streams_per_token >= 1, "server.max_streams_per_token", "must be >= 1");
+    check(server.max_ack_batch >= 1, "server.max_ack_batch", "must be >= 1");
+    check(
+        (1..=10_000).contains(&config.admin.replay_rate_per_sec),
+        "admin.replay_rate_per_sec",
+        "must be in 1..=10000",
+    );
+    out.extend(auth_problems(&config.auth));
+    out
+}
+
+/// Shortest accepted secret: 16 characters is 96 bits of base64 entropy at least.
+const MIN_TOKEN_LEN: usize = 16;
+
+fn auth_problems(auth: &super::AuthConfig) -> Vec<String> {
+    let mut out = Vec::new();
+    if auth.enabled && auth.tokens.is_empty() {
+        out.push(
+            "config key `auth.tokens`: authentication is on and no token is configured; add [[auth.tokens]] or set \
+             auth.enabled = false explicitly (every caller may then do everything)"
+                .to_owned(),
+        );
+    }
+    let mut names = std::collections::HashSet::new();
+    for (i, token) in auth.tokens.iter().enumerate() {
+        let key = format!("auth.tokens[{i}]");
+        if token.name.is_empty() {
+            out.push(format!("config key `{key}.name`: must not be empty"));
+        } else if !names.insert(token.name.as_str()) {
+            out.push(format!("config key `{key}.name`: `{}` is used twice", token.name));
+        }
+        match (&token.token, &token.sha256) {
+            (Some(secret), None) if secret.len() < MIN_TOKEN_LEN => {
+                out.push(format!("config key `{key}.token`: must be at least {MIN_TOKEN_LEN} characters"));
+            }
+            (None, Some(hash)) if hash.len() != 64 || hex::decode(hash).is_err() => {
+                out.push(format!("config key `{key}.sha256`: must be 64 hex digits"));
+            }
+            (Some(_), None) | (None, Some(_)) => {}
+            _ => out.push(format!("config key `{key}.token`: give exactly one of `token` and `sha256`")),
+        }
+        for pattern in token.publish.iter().chain(&token.consume) {
+            if !crate::auth::is_valid_pattern(pattern) {
+                out.push(format!("config key `{key}`: pattern `{pattern}` is not a topic/group name with `*`"));
+            }
+        }
+    }
     out
 }

@@ -120,7 +120,7 @@ pub(super) struct State {
 /// Everything the dispatcher's tasks share.
 pub(super) struct Shared {
     pub state: Mutex<State>,
-    pub store: StateStore,
+    pub store: Arc<StateStore>,
     pub broker: Arc<BrokerClient>,
     pub publisher: Arc<Publisher>,
     pub config: DeliveryConfig,

@@ -3,7 +3,8 @@
 //!
 //! Kept: body, tags, keys, user properties. Added: `DLQ_ORIGIN_TOPIC`, `DLQ_ORIGIN_MESSAGE_ID`,
 //! `RETRY_TOPIC` (when the event had come back from `%RETRY%`), and `POPGATE_ATTEMPTS`,
-//! `POPGATE_LAST_FAILURE`, `POPGATE_DEAD_LETTERED_AT` (epoch ms), `POPGATE_DELIVERY_ID`.
+//! `POPGATE_LAST_FAILURE`, `POPGATE_DEAD_LETTERED_AT` (epoch ms), `POPGATE_DELIVERY_ID`, and
+//! `POPGATE_MESSAGE_GROUP` for an event of a FIFO message group.
 //! The write goes through the publish path, so its retries and fault avoidance apply.
 
 use bytes::Bytes;
@@ -27,6 +28,9 @@ pub const POPGATE_LAST_FAILURE: &str = "POPGATE_LAST_FAILURE";
 pub const POPGATE_DEAD_LETTERED_AT: &str = "POPGATE_DEAD_LETTERED_AT";
 /// Property: the delivery id that was dead-lettered.
 pub const POPGATE_DELIVERY_ID: &str = "POPGATE_DELIVERY_ID";
+
+/// Property: the event's FIFO message group, so a replay keeps it (the DLQ message itself is not pinned).
+pub const POPGATE_MESSAGE_GROUP: &str = "POPGATE_MESSAGE_GROUP";
 
 /// The dead-letter topic of a consumer group (RocketMQ's naming).
 pub fn dlq_topic(group: &str) -> String {
@@ -54,6 +58,9 @@ pub fn dead_letter_message(record: &DeliveryRecord) -> OutgoingMessage {
     ];
     for (name, value) in extra {
         message.properties.insert(name.to_owned(), value);
+    }
+    if let Some(message_group) = &event.message_group {
+        message.properties.insert(POPGATE_MESSAGE_GROUP.to_owned(), message_group.clone());
     }
     if let Some(retry_topic) = &event.retry_topic {
         message.properties.insert(RETRY_TOPIC.to_owned(), retry_topic.clone());

@@ -80,6 +80,32 @@ pub struct SubscriptionRequest {
     pub push: Option<webhook::WebhookPush>,
 }
 
+/// One in-flight delivery as the admin plane shows it.
+#[derive(Debug, Clone, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct InFlight {
+    /// The delivery id.
+    pub delivery_id: String,
+    /// Consumer group.
+    pub group: String,
+    /// Topic.
+    pub topic: String,
+    /// The event's message id.
+    pub event_id: String,
+    /// Current (or next) attempt, 1-based.
+    pub attempt: u32,
+    /// `ready`, `awaiting_ack`, `ack_pending` or `dead_letter_pending`.
+    pub phase: &'static str,
+    /// The ACK deadline (awaiting ACK) or when the next attempt is due (ready), epoch ms.
+    pub due_ms: Option<i64>,
+    /// The push subscriber holding it, if one does (long-poll hand-outs have none).
+    pub subscriber: Option<String>,
+    /// Why the last attempt failed.
+    pub last_failure: Option<String>,
+    /// Until when the broker keeps it invisible (epoch ms).
+    pub lease_deadline_ms: i64,
+}
+
 /// The consume path's entry point, shared by every transport.
 pub struct Dispatcher {
     shared: Arc<Shared>,
@@ -99,7 +125,7 @@ impl Dispatcher {
     ///
     /// `group_commit` is the WAL sync interval when the store does not sync each write (async-flush profiles).
     pub fn start(
-        store: StateStore,
+        store: Arc<StateStore>,
         broker: Arc<BrokerClient>,
         publisher: Arc<Publisher>,
         config: DeliveryConfig,
@@ -277,6 +303,44 @@ impl Dispatcher {
             return Ok(sub.sub.clone());
         }
         self.subscribe(SubscriptionRequest { group: group.to_owned(), topic: topic.to_owned(), ..Default::default() })
+    }
+
+    /// The consumer group of an in-flight delivery (to authorize its ACK, NACK or TERM).
+    pub fn group_of(&self, id: &str) -> Option<String> {
+        self.shared.state.lock().records.get(id).map(|live| live.record.group.clone())
+    }
+
+    /// Up to `max` in-flight deliveries (of `group`, when given), oldest admission first: the admin view.
+    pub fn in_flight(&self, group: Option<&str>, max: usize) -> Vec<InFlight> {
+        let state = self.shared.state.lock();
+        let mut found: Vec<&dispatcher::Live> =
+            state.records.values().filter(|live| group.is_none_or(|g| live.record.group == g)).collect();
+        found.sort_by_key(|live| live.record.seq);
+        found
+            .into_iter()
+            .take(max)
+            .map(|live| {
+                let record = &live.record;
+                let (phase, due_ms) = match &record.phase {
+                    record::Phase::Ready { due_ms } => ("ready", Some(*due_ms)),
+                    record::Phase::AwaitingAck { deadline_ms, .. } => ("awaiting_ack", Some(*deadline_ms)),
+                    record::Phase::Acked => ("ack_pending", None),
+                    record::Phase::DeadLetter { .. } => ("dead_letter_pending", None),
+                };
+                InFlight {
+                    delivery_id: record.id.clone(),
+                    group: record.group.clone(),
+                    topic: record.topic.clone(),
+                    event_id: record.event.id.clone(),
+                    attempt: record.attempt,
+                    phase,
+                    due_ms,
+                    subscriber: live.holder.map(|h| format!("push-{h}")),
+                    last_failure: record.last_failure.clone(),
+                    lease_deadline_ms: record.handle.lease_deadline_ms(),
+                }
+            })
+            .collect()
     }
 
     /// Every subscription.

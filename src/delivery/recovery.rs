@@ -204,7 +204,8 @@ mod tests {
             config.reliability.profile,
         ));
         let (dispatcher, report) =
-            Dispatcher::start(store, broker, publisher, config.delivery.clone(), None).expect("start");
+            Dispatcher::start(std::sync::Arc::new(store), broker, publisher, config.delivery.clone(), None)
+                .expect("start");
         assert_eq!(
             report,
             RecoveryReport {

@@ -31,15 +31,18 @@ pub enum Family {
     Deliveries,
     /// Subscriptions, keyed by group and topic.
     Subscriptions,
+    /// DLQ replay progress, keyed by DLQ topic and message id.
+    DlqReplays,
 }
 
 impl Family {
-    const ALL: [Family; 2] = [Family::Deliveries, Family::Subscriptions];
+    const ALL: [Family; 3] = [Family::Deliveries, Family::Subscriptions, Family::DlqReplays];
 
     fn name(self) -> &'static str {
         match self {
             Family::Deliveries => "deliveries",
             Family::Subscriptions => "subscriptions",
+            Family::DlqReplays => "dlq_replays",
         }
     }
 }
@@ -215,6 +218,17 @@ impl StateStore {
             self.failed.store(true, Ordering::Relaxed);
             StoreError::Write(error)
         })
+    }
+
+    /// One record, if present and decodable as `T`.
+    ///
+    /// # Errors
+    /// [`StoreError::Read`] when the read fails.
+    pub fn get<T: DeserializeOwned>(&self, family: Family, key: &str) -> Result<Option<T>, StoreError> {
+        let guard = self.db()?;
+        let db = guard.as_ref().ok_or(StoreError::Closed)?;
+        let value = db.get_cf(family_handle(db, family), key.as_bytes()).map_err(StoreError::Read)?;
+        Ok(value.and_then(|bytes| serde_json::from_slice(&bytes).ok()))
     }
 
     /// Every record of `family`, decoded as `T`.

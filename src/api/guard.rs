@@ -1,0 +1,267 @@
+//! What every request passes before a handler sees it: a request id, size limits, authentication; and the
+//! per-token limits on waiting and streaming requests that handlers take a slot of.
+//!
+//! Every rejection answers with the one error schema and counts in
+//! `popgate_requests_rejected_total{reason}`.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Request, State};
+use axum::http::{HeaderValue, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use metrics::counter;
+use parking_lot::Mutex;
+use rand::RngCore;
+use tracing::Instrument;
+
+use super::ApiError;
+use crate::auth::{Action, Caller, TokenTable};
+use crate::metrics as m;
+
+/// The header a request id is taken from and answered in.
+pub const REQUEST_ID_HEADER: &str = "x-request-id";
+/// Longest request id accepted from a client; a longer or odd one is replaced.
+const MAX_REQUEST_ID_LEN: usize = 128;
+
+/// Counts a rejection and returns the error, so call sites read `return Err(rejected(...))`.
+pub fn rejected(reason: &'static str, error: ApiError) -> ApiError {
+    counter!(m::REQUESTS_REJECTED, "reason" => reason).increment(1);
+    error
+}
+
+/// The request id of this request (from `X-Request-Id`, or made up), available to handlers.
+#[derive(Debug, Clone)]
+pub struct RequestId(pub String);
+
+/// Gives every request an id, runs it inside a span that carries the id, and answers with the id.
+pub async fn request_id(mut request: Request, next: Next) -> Response {
+    let id = request
+        .headers()
+        .get(REQUEST_ID_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= MAX_REQUEST_ID_LEN && v.bytes().all(|b| b.is_ascii_graphic()))
+        .map_or_else(new_request_id, str::to_owned);
+    request.extensions_mut().insert(RequestId(id.clone()));
+    let span = tracing::info_span!(
+        "request",
+        request_id = %id,
+        method = %request.method(),
+        path = %request.uri().path(),
+        caller = tracing::field::Empty,
+    );
+    let mut response = next.run(request).instrument(span).await;
+    if let Ok(value) = HeaderValue::from_str(&id) {
+        response.headers_mut().insert(REQUEST_ID_HEADER, value);
+    }
+    response
+}
+
+fn new_request_id() -> String {
+    let mut bytes = [0u8; 12];
+    rand::rng().fill_bytes(&mut bytes);
+    hex::encode(bytes)
+}
+
+/// The URI and header size limits.
+#[derive(Debug, Clone, Copy)]
+pub struct SizeLimits {
+    /// Longest URI (path and query).
+    pub max_uri_bytes: usize,
+    /// Most header bytes (names and values).
+    pub max_header_bytes: usize,
+    /// Largest body.
+    pub max_body_bytes: usize,
+}
+
+/// Refuses requests whose URI, headers or declared body are too large, before anything reads them.
+pub async fn size_limits(State(limits): State<SizeLimits>, request: Request, next: Next) -> Response {
+    let uri_len = request.uri().path_and_query().map_or(0, |pq| pq.as_str().len());
+    if uri_len > limits.max_uri_bytes {
+        return rejected(
+            "uri_too_long",
+            ApiError::limit(
+                StatusCode::URI_TOO_LONG,
+                "uri_too_long",
+                "uri",
+                format!("the URI exceeds {} bytes", limits.max_uri_bytes),
+            ),
+        )
+        .into_response();
+    }
+    let header_bytes: usize = request.headers().iter().map(|(name, value)| name.as_str().len() + value.len()).sum();
+    if header_bytes > limits.max_header_bytes {
+        return rejected(
+            "headers_too_large",
+            ApiError::limit(
+                StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                "headers_too_large",
+                "headers",
+                format!("the request headers exceed {} bytes", limits.max_header_bytes),
+            ),
+        )
+        .into_response();
+    }
+    let declared = request
+        .headers()
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|length| length > limits.max_body_bytes) {
+        return rejected("body_too_large", ApiError::too_large(limits.max_body_bytes)).into_response();
+    }
+    next.run(request).await
+}
+
+/// Authenticates the bearer token (or lets everyone in when authentication is off) and hands the
+/// [`Caller`] to the handlers. No or an unknown token: 401.
+pub async fn authenticate(State(tokens): State<Arc<TokenTable>>, mut request: Request, next: Next) -> Response {
+    let caller = if tokens.enabled() {
+        let presented = request
+            .headers()
+            .get(axum::http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+            .map(str::trim);
+        match presented.and_then(|token| tokens.authenticate(token)) {
+            Some(caller) => caller,
+            None => {
+                let message = if presented.is_some() { "unknown bearer token" } else { "a bearer token is required" };
+                let mut response = rejected("unauthenticated", ApiError::unauthenticated(message)).into_response();
+                response.headers_mut().insert(axum::http::header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+                return response;
+            }
+        }
+    } else {
+        Caller::unrestricted()
+    };
+    tracing::Span::current().record("caller", caller.name.as_str());
+    request.extensions_mut().insert(caller);
+    next.run(request).await
+}
+
+/// Lets only callers with the admin right through (`/admin/*`).
+pub async fn require_admin(request: Request, next: Next) -> Response {
+    let allowed = request.extensions().get::<Caller>().is_some_and(|caller| caller.may(Action::Admin));
+    if !allowed {
+        return rejected("forbidden", ApiError::forbidden("token", "this token may not use the admin API"))
+            .into_response();
+    }
+    next.run(request).await
+}
+
+/// 403 unless `caller` may do `action`; `field` names the request field that chose the topic or group.
+///
+/// # Errors
+/// [`ApiError`] 403 `forbidden`.
+pub fn authorize(caller: &Caller, action: Action<'_>, field: &str) -> Result<(), ApiError> {
+    if caller.may(action) {
+        return Ok(());
+    }
+    let what = match action {
+        Action::Publish(topic) => format!("this token may not publish to `{topic}`"),
+        Action::Consume(group) => format!("this token may not consume as group `{group}`"),
+        Action::Admin => "this token may not use the admin API".to_owned(),
+    };
+    Err(rejected("forbidden", ApiError::forbidden(field, what)))
+}
+
+/// The request body, or the JSON error for one that is too large or cannot be read.
+///
+/// # Errors
+/// 413 `too_large` (counted) or 400 `malformed_body`.
+pub fn read_body(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|rejection| {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            rejected(
+                "body_too_large",
+                ApiError::limit(StatusCode::PAYLOAD_TOO_LARGE, "too_large", "body", rejection.body_text()),
+            )
+        } else {
+            ApiError::malformed_body(rejection.body_text())
+        }
+    })
+}
+
+/// Which per-token budget a request draws from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Budget {
+    /// Long-poll requests waiting for deliveries.
+    Waiters,
+    /// Open SSE and WebSocket streams.
+    Streams,
+}
+
+/// Per-token counts of waiting long-polls and open streams.
+#[derive(Debug)]
+pub struct ConnectionLimits {
+    max_waiters: usize,
+    max_streams: usize,
+    in_use: Mutex<HashMap<(String, Budget), usize>>,
+}
+
+/// One taken slot; it is given back when dropped.
+#[derive(Debug)]
+pub struct Slot {
+    limits: Arc<ConnectionLimits>,
+    key: (String, Budget),
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut in_use = self.limits.in_use.lock();
+        if let Some(count) = in_use.get_mut(&self.key) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                in_use.remove(&self.key);
+            }
+        }
+    }
+}
+
+impl ConnectionLimits {
+    /// Limits of `max_waiters` long-polls and `max_streams` streams per token.
+    pub fn new(max_waiters: usize, max_streams: usize) -> Arc<ConnectionLimits> {
+        Arc::new(ConnectionLimits { max_waiters, max_streams, in_use: Mutex::new(HashMap::new()) })
+    }
+
+    /// Takes a slot of `budget` for `caller`, or answers 429 when the token has used them all.
+    ///
+    /// # Errors
+    /// [`ApiError`] 429 `too_many_requests`.
+    pub fn acquire(self: &Arc<Self>, caller: &Caller, budget: Budget) -> Result<Slot, ApiError> {
+        let (max, reason, what) = match budget {
+            Budget::Waiters => (self.max_waiters, "too_many_waiters", "waiting long-polls"),
+            Budget::Streams => (self.max_streams, "too_many_streams", "open streams"),
+        };
+        let key = (caller.name.clone(), budget);
+        let mut in_use = self.in_use.lock();
+        let count = in_use.entry(key.clone()).or_insert(0);
+        if *count >= max {
+            return Err(rejected(reason, ApiError::too_many(format!("this token already has {max} {what}"))));
+        }
+        *count += 1;
+        Ok(Slot { limits: Arc::clone(self), key })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_are_counted_per_token_and_given_back_on_drop() {
+        let limits = ConnectionLimits::new(2, 1);
+        let caller = Caller::unrestricted();
+        let first = limits.acquire(&caller, Budget::Waiters).expect("first");
+        let _second = limits.acquire(&caller, Budget::Waiters).expect("second");
+        let refused = limits.acquire(&caller, Budget::Waiters).expect_err("third is one too many");
+        assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
+        let _stream = limits.acquire(&caller, Budget::Streams).expect("streams are a separate budget");
+        drop(first);
+        limits.acquire(&caller, Budget::Waiters).expect("a slot came back");
+    }
+}

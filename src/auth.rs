@@ -1,0 +1,217 @@
+//! Who may do what: bearer tokens from the config, each with the topics it may publish to, the consumer
+//! groups it may consume as, and whether it may use the admin plane.
+//!
+//! Tokens are kept only as SHA-256 digests. A presented token is hashed and compared with every configured
+//! digest in constant time (no early exit), so neither the comparison nor the table's order leaks which
+//! bytes matched. The token itself is never logged; only its configured `name` is.
+
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
+
+use crate::config::AuthConfig;
+
+/// What a request wants to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action<'a> {
+    /// Publish to this topic.
+    Publish(&'a str),
+    /// Subscribe, poll, stream, ACK/NACK/TERM as this consumer group.
+    Consume(&'a str),
+    /// Use `/admin/*`.
+    Admin,
+}
+
+/// The authenticated caller of one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller {
+    /// The token's configured name (`anonymous` when authentication is off).
+    pub name: String,
+    publish: Vec<Pattern>,
+    consume: Vec<Pattern>,
+    admin: bool,
+    unrestricted: bool,
+}
+
+impl Caller {
+    /// The caller when authentication is switched off: allowed everything.
+    pub fn unrestricted() -> Caller {
+        Caller { name: "anonymous".to_owned(), publish: vec![], consume: vec![], admin: true, unrestricted: true }
+    }
+
+    /// Whether this caller may do `action`.
+    pub fn may(&self, action: Action<'_>) -> bool {
+        if self.unrestricted {
+            return true;
+        }
+        match action {
+            Action::Publish(topic) => self.publish.iter().any(|p| p.matches(topic)),
+            Action::Consume(group) => self.consume.iter().any(|p| p.matches(group)),
+            Action::Admin => self.admin,
+        }
+    }
+}
+
+/// The configured tokens, ready to check requests against.
+#[derive(Debug, Clone)]
+pub struct TokenTable {
+    enabled: bool,
+    entries: Vec<([u8; 32], Caller)>,
+}
+
+impl TokenTable {
+    /// Builds the table from a validated config.
+    pub fn new(config: &AuthConfig) -> TokenTable {
+        let entries = config
+            .tokens
+            .iter()
+            .filter_map(|token| {
+                let digest = match (&token.token, &token.sha256) {
+                    (Some(secret), _) => digest(secret.as_bytes()),
+                    (None, Some(hex_digest)) => hex::decode(hex_digest).ok()?.try_into().ok()?,
+                    (None, None) => return None,
+                };
+                let caller = Caller {
+                    name: token.name.clone(),
+                    publish: token.publish.iter().map(|p| Pattern::new(p)).collect(),
+                    consume: token.consume.iter().map(|p| Pattern::new(p)).collect(),
+                    admin: token.admin,
+                    unrestricted: false,
+                };
+                Some((digest, caller))
+            })
+            .collect();
+        TokenTable { enabled: config.enabled, entries }
+    }
+
+    /// Whether requests must carry a token.
+    pub fn enabled(&self) -> bool {
+        self.enabled
+    }
+
+    /// The caller a presented token stands for, if any. Every entry is compared, whatever matches first.
+    pub fn authenticate(&self, presented: &str) -> Option<Caller> {
+        let presented = digest(presented.as_bytes());
+        let mut found = None;
+        for (expected, caller) in &self.entries {
+            if bool::from(expected.ct_eq(&presented)) && found.is_none() {
+                found = Some(caller.clone());
+            }
+        }
+        found
+    }
+}
+
+fn digest(bytes: &[u8]) -> [u8; 32] {
+    Sha256::digest(bytes).into()
+}
+
+/// A topic or group name where `*` matches any run of characters (none included).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Pattern {
+    /// The text split at its stars: one part means no star (an exact name).
+    parts: Vec<String>,
+}
+
+impl Pattern {
+    fn new(text: &str) -> Pattern {
+        Pattern { parts: text.split('*').map(str::to_owned).collect() }
+    }
+
+    fn matches(&self, name: &str) -> bool {
+        let (first, last) = match self.parts.as_slice() {
+            [exact] => return name == exact,
+            [first, .., last] => (first.as_str(), last.as_str()),
+            [] => return false,
+        };
+        if name.len() < first.len() + last.len() || !name.starts_with(first) || !name.ends_with(last) {
+            return false;
+        }
+        // The parts between the stars must appear in order, without overlapping the ends.
+        let mut middle = &name[first.len()..name.len() - last.len()];
+        for part in &self.parts[1..self.parts.len() - 1] {
+            match middle.find(part.as_str()) {
+                Some(at) => middle = &middle[at + part.len()..],
+                None => return false,
+            }
+        }
+        true
+    }
+}
+
+/// Whether `pattern` is a valid topic/group name in which `*` may stand for any run of characters.
+pub fn is_valid_pattern(pattern: &str) -> bool {
+    !pattern.is_empty()
+        && pattern.len() <= crate::broker::message::MAX_NAME_LEN
+        && pattern.split('*').all(|piece| piece.is_empty() || crate::broker::message::is_valid_name(piece))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::TokenConfig;
+
+    #[test]
+    fn patterns_match_names_with_stars_anywhere() {
+        let cases = [
+            ("orders", "orders", true),
+            ("orders", "orders2", false),
+            ("orders", "xorders", false),
+            ("orders-*", "orders-eu", true),
+            ("orders-*", "orders-", true),
+            ("orders-*", "order", false),
+            ("*-dlq", "x-dlq", true),
+            ("*-dlq", "x-dlqy", false),
+            ("a*b*c", "abc", true),
+            ("a*b*c", "axxbyyc", true),
+            ("a*b*c", "axxbyy", false),
+            ("*", "anything", true),
+            ("*mid*", "a-mid-b", true),
+            ("*mid*", "a-mad-b", false),
+            ("ab*ab", "ab", false),
+        ];
+        for (pattern, name, expected) in cases {
+            assert_eq!(Pattern::new(pattern).matches(name), expected, "{pattern} vs {name}");
+        }
+    }
+
+    #[test]
+    fn a_token_grants_exactly_its_actions() {
+        let config = AuthConfig {
+            enabled: true,
+            tokens: vec![
+                TokenConfig {
+                    name: "app".into(),
+                    token: Some("app-secret-0123456789".into()),
+                    publish: vec!["orders".into()],
+                    consume: vec!["billing-*".into()],
+                    ..TokenConfig::default()
+                },
+                TokenConfig {
+                    name: "ops".into(),
+                    sha256: Some(hex::encode(digest(b"ops-secret-0123456789"))),
+                    admin: true,
+                    ..TokenConfig::default()
+                },
+            ],
+        };
+        let table = TokenTable::new(&config);
+        let app = table.authenticate("app-secret-0123456789").expect("known token");
+        assert_eq!(app.name, "app");
+        assert!(app.may(Action::Publish("orders")));
+        assert!(!app.may(Action::Publish("payments")));
+        assert!(app.may(Action::Consume("billing-eu")));
+        assert!(!app.may(Action::Consume("orders")));
+        assert!(!app.may(Action::Admin));
+        let ops = table.authenticate("ops-secret-0123456789").expect("hashed token");
+        assert!(ops.may(Action::Admin) && !ops.may(Action::Publish("orders")));
+        assert!(table.authenticate("app-secret-012345678").is_none());
+        assert!(table.authenticate("").is_none());
+        assert!(Caller::unrestricted().may(Action::Consume("anything")));
+    }
+
+    #[test]
+    fn pattern_syntax() {
+        assert!(is_valid_pattern("orders-*") && is_valid_pattern("*") && is_valid_pattern("%DLQ%g"));
+        assert!(!is_valid_pattern("") && !is_valid_pattern("orders.*") && !is_valid_pattern("a b"));
+    }
+}
