@@ -3,10 +3,13 @@
 
 mod dashboards;
 mod delivery;
+mod dlq;
+mod fuzz;
 mod harness;
 mod metrics;
 mod ordered;
 mod publish;
 mod push;
 mod reliability;
+mod security;
 mod webhook;

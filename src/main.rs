@@ -209,7 +209,8 @@ fn serve(path: Option<PathBuf>) -> ExitCode {
             }
         };
         if let Ok(addr) = listener.local_addr() {
-            tracing::info!(%addr, "popgate listening on http://{addr}");
+            let scheme = if config.server.tls_cert_path.is_some() { "https" } else { "http" };
+            tracing::info!(%addr, "popgate listening on {scheme}://{addr}");
         }
         match popgate::serve(config, listener, shutdown_signal()).await {
             Ok(()) => ExitCode::SUCCESS,

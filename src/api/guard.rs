@@ -66,6 +66,39 @@ fn new_request_id() -> String {
     hex::encode(bytes)
 }
 
+/// Largest framework error text taken over into a JSON error.
+const MAX_REJECTION_TEXT: usize = 4 * 1024;
+
+/// Turns the few error answers that do not come from popgate's handlers (axum's extractor rejections: a bad
+/// query string, a WebSocket request without its upgrade headers) into the one JSON error schema.
+pub async fn json_errors(request: Request, next: Next) -> Response {
+    let response = next.run(request).await;
+    let status = response.status();
+    let is_json = response
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || is_json {
+        return response;
+    }
+    let text = match axum::body::to_bytes(response.into_body(), MAX_REJECTION_TEXT).await {
+        Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+        Err(_) => String::new(),
+    };
+    let code = match status {
+        StatusCode::NOT_FOUND => "not_found",
+        StatusCode::METHOD_NOT_ALLOWED => "method_not_allowed",
+        StatusCode::PAYLOAD_TOO_LARGE => "too_large",
+        StatusCode::UNSUPPORTED_MEDIA_TYPE => "unsupported_media_type",
+        StatusCode::UPGRADE_REQUIRED => "upgrade_required",
+        status if status.is_server_error() => "internal",
+        _ => "bad_request",
+    };
+    let message = if text.is_empty() { status.canonical_reason().unwrap_or("error").to_owned() } else { text };
+    let body = serde_json::json!({"error": {"code": code, "message": message}});
+    (status, axum::Json(body)).into_response()
+}
+
 /// The URI and header size limits.
 #[derive(Debug, Clone, Copy)]
 pub struct SizeLimits {

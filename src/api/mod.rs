@@ -153,6 +153,7 @@ pub fn router(state: AppState) -> Router {
         .method_not_allowed_fallback(|| async { ApiError::method_not_allowed().into_response() })
         .layer(DefaultBodyLimit::max(limits.max_body_bytes))
         .layer(axum::middleware::from_fn_with_state(limits, guard::size_limits))
+        .layer(axum::middleware::from_fn(guard::json_errors))
         .layer(axum::middleware::from_fn(guard::request_id))
         .with_state(state)
 }
