@@ -8,6 +8,8 @@ dpkg -s libclang-dev >/dev/null 2>&1 || need_apt+=(libclang-dev clang)   # bindg
 command -v java >/dev/null 2>&1 || need_apt+=(openjdk-17-jre-headless)
 command -v mvn >/dev/null 2>&1 || need_apt+=(maven)
 command -v promtool >/dev/null 2>&1 || need_apt+=(prometheus)                # promtool checks /metrics in it/
+command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)                      # the TLS test's certificates
+python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need_apt+=(python3-venv) # schemathesis, below
 if ((${#need_apt[@]})); then
   echo "setup: installing ${need_apt[*]}" >&2
   apt-get update -qq >&2
@@ -18,3 +20,13 @@ repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/popgate/target}"
 ROCKETMQ_JARS_DIR="$("$repo_root/docker/rocketmq/rocketmq.sh" jars)"
 export ROCKETMQ_JARS_DIR
+
+# Schemathesis (PyPI) fuzzes the running API from its /openapi.json in it/; pinned, in a venv under $HOME.
+SCHEMATHESIS_VERSION=4.32.5
+SCHEMATHESIS="$HOME/.cache/popgate/venv/bin/schemathesis"
+if ! "$SCHEMATHESIS" --version 2>/dev/null | grep -q "$SCHEMATHESIS_VERSION"; then
+  echo "setup: installing schemathesis $SCHEMATHESIS_VERSION" >&2
+  python3 -m venv "$HOME/.cache/popgate/venv" >&2
+  "$HOME/.cache/popgate/venv/bin/pip" install -q "schemathesis==$SCHEMATHESIS_VERSION" >&2
+fi
+export SCHEMATHESIS

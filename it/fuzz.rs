@@ -181,3 +181,33 @@ async fn random_requests_to_every_route_never_crash_popgate_or_get_a_5xx() {
     assert_eq!(status, 200, "popgate is still up after {cases} random requests");
     assert!(!popgate.output().contains("panicked"), "popgate logged a panic");
 }
+
+/// Schemathesis (installed by docker/setup.sh; `SCHEMATHESIS` names it) generates requests from the served
+/// `/openapi.json` and checks every answer: no server error, every status and content type documented, every
+/// body matching its documented schema.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn schemathesis_finds_every_answer_documented_and_no_server_error() {
+    let cluster = shared_cluster();
+    let config = format!(
+        "[[auth.tokens]]\nname = \"fuzz\"\ntoken = \"{EVERYTHING}\"\npublish = [\"*\"]\nconsume = [\"*\"]\nadmin = true\n"
+    );
+    let popgate = Popgate::start(&cluster.namesrv_addr, &config).await;
+    let tool = std::env::var("SCHEMATHESIS").expect("SCHEMATHESIS names the schemathesis binary (docker/setup.sh)");
+    let schema = format!("{}/openapi.json", popgate.base);
+    // It keeps a cache in its working directory: not in the repo.
+    let workdir = tempfile::tempdir().expect("tempdir");
+    let run = std::process::Command::new(tool)
+        .current_dir(workdir.path())
+        .args(["run", &schema, "--max-examples", "20", "--request-timeout", "3", "--seed", "1"])
+        .args([
+            "--checks",
+            "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance",
+        ])
+        .args(["--header", &format!("Authorization: Bearer {EVERYTHING}")])
+        .env("NO_COLOR", "1")
+        .output();
+    let output = tokio::task::spawn_blocking(move || run).await.expect("join").expect("run schemathesis");
+    let printed = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "schemathesis failed:\n{printed}\n{}", String::from_utf8_lossy(&output.stderr));
+    assert!(printed.contains(" passed"), "schemathesis ran no test case:\n{printed}");
+}
