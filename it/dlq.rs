@@ -142,6 +142,28 @@ async fn exhausted_events_are_browsed_without_consuming_and_replayed_to_their_to
     assert_eq!(left, first[5..].to_vec());
     assert_eq!(popgate.metric("popgate_dlq_replays_total{result=\"replayed\"}").await, 5.0);
 
+    // The in-flight view shows a delivery handed out and not ACKed; the subscription can be deleted by id.
+    popgate.publish_bodies(&topic, &["held"]).await;
+    let held = popgate.poll_until(&group, &topic, 1, Duration::from_secs(30)).await;
+    let (status, view) = popgate.get_json(&format!("/admin/deliveries?group={group}")).await;
+    assert_eq!(status, 200, "{view}");
+    let listed = view["deliveries"].as_array().cloned().unwrap_or_default();
+    let entry = listed.iter().find(|d| d["deliveryId"] == held[0]["deliveryId"]).expect("the held delivery is listed");
+    assert_eq!((entry["attempt"].as_i64(), entry["phase"].as_str()), (Some(1), Some("awaiting_ack")), "{entry}");
+    assert!(entry["dueMs"].as_i64().is_some() && entry["topic"] == topic.as_str(), "{entry}");
+    let (status, subs) = popgate.get_json("/admin/subscriptions").await;
+    assert_eq!(status, 200);
+    let id = format!("{group}:{topic}");
+    assert!(subs["subscriptions"].as_array().is_some_and(|s| s.iter().any(|s| s["id"] == id.as_str())), "{subs}");
+    let deleted = reqwest::Client::new()
+        .delete(format!("{}/admin/subscriptions/{id}", popgate.base))
+        .send()
+        .await
+        .expect("delete");
+    assert_eq!(deleted.status(), 200);
+    let (_, subs) = popgate.get_json("/admin/subscriptions").await;
+    assert!(subs["subscriptions"].as_array().is_some_and(|s| s.iter().all(|s| s["id"] != id.as_str())), "{subs}");
+
     // The operator CLI over the same API.
     let cli = std::process::Command::new(env!("CARGO_BIN_EXE_popgate"))
         .args(["dlq", "browse", "--group", &group, "--url", &popgate.base])

@@ -175,7 +175,22 @@ async fn request_ids_and_limits_answer_clearly_and_are_counted() {
     let (status, _) = call(&popgate, Method::GET, &poll.replace("3000", "10"), Some(CONSUMER), None).await;
     assert_eq!(status, 200);
 
-    for reason in ["uri_too_long", "headers_too_large", "body_too_large", "batch_too_large", "too_many_waiters"] {
+    // One open stream per token: a second SSE stream is refused while the first is open.
+    let stream = format!("{base}/events/stream?group={group}&topic={}", unique_topic("sec_stream"));
+    let open = client.get(&stream).bearer_auth(CONSUMER).send().await.expect("first stream");
+    assert_eq!(open.status(), StatusCode::OK);
+    let refused = client.get(&stream).bearer_auth(CONSUMER).send().await.expect("second stream");
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    drop(open);
+
+    for reason in [
+        "uri_too_long",
+        "headers_too_large",
+        "body_too_large",
+        "batch_too_large",
+        "too_many_waiters",
+        "too_many_streams",
+    ] {
         let count = popgate.metric(&format!("popgate_requests_rejected_total{{reason=\"{reason}\"}}")).await;
         assert!(count >= 1.0, "{reason} not counted");
     }
