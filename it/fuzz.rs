@@ -158,13 +158,17 @@ async fn send(client: &Client, base: &str, input: &Input) -> Result<(), TestCase
     Ok(())
 }
 
+/// popgate with authentication on and one token allowed everything (publishing only to `publish`).
+async fn start_with_everything_token(publish: &str) -> Popgate {
+    let config = format!(
+        "[[auth.tokens]]\nname = \"fuzz\"\ntoken = \"{EVERYTHING}\"\npublish = [\"{publish}\"]\nconsume = [\"*\"]\nadmin = true\n"
+    );
+    Popgate::start(&shared_cluster().namesrv_addr, &config).await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_requests_to_every_route_never_crash_popgate_or_get_a_5xx() {
-    let cluster = shared_cluster();
-    let config = format!(
-        "[[auth.tokens]]\nname = \"fuzz\"\ntoken = \"{EVERYTHING}\"\npublish = [\"fuzz_*\"]\nconsume = [\"*\"]\nadmin = true\n"
-    );
-    let popgate = Popgate::start(&cluster.namesrv_addr, &config).await;
+    let popgate = start_with_everything_token("fuzz_*").await;
     let client = Client::builder().timeout(Duration::from_secs(2)).build().expect("client");
     let routes = popgate::api::routes().len();
     let cases = std::env::var("FUZZ_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(400);
@@ -187,11 +191,7 @@ async fn random_requests_to_every_route_never_crash_popgate_or_get_a_5xx() {
 /// body matching its documented schema.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn schemathesis_finds_every_answer_documented_and_no_server_error() {
-    let cluster = shared_cluster();
-    let config = format!(
-        "[[auth.tokens]]\nname = \"fuzz\"\ntoken = \"{EVERYTHING}\"\npublish = [\"*\"]\nconsume = [\"*\"]\nadmin = true\n"
-    );
-    let popgate = Popgate::start(&cluster.namesrv_addr, &config).await;
+    let popgate = start_with_everything_token("*").await;
     let tool = std::env::var("SCHEMATHESIS").expect("SCHEMATHESIS names the schemathesis binary (docker/setup.sh)");
     let schema = format!("{}/openapi.json", popgate.base);
     // It keeps a cache in its working directory: not in the repo.

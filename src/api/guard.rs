@@ -114,29 +114,16 @@ pub struct SizeLimits {
 pub async fn size_limits(State(limits): State<SizeLimits>, request: Request, next: Next) -> Response {
     let uri_len = request.uri().path_and_query().map_or(0, |pq| pq.as_str().len());
     if uri_len > limits.max_uri_bytes {
-        return rejected(
-            "uri_too_long",
-            ApiError::limit(
-                StatusCode::URI_TOO_LONG,
-                "uri_too_long",
-                "uri",
-                format!("the URI exceeds {} bytes", limits.max_uri_bytes),
-            ),
-        )
-        .into_response();
+        return too_big(StatusCode::URI_TOO_LONG, "uri_too_long", "uri", limits.max_uri_bytes);
     }
     let header_bytes: usize = request.headers().iter().map(|(name, value)| name.as_str().len() + value.len()).sum();
     if header_bytes > limits.max_header_bytes {
-        return rejected(
+        return too_big(
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             "headers_too_large",
-            ApiError::limit(
-                StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-                "headers_too_large",
-                "headers",
-                format!("the request headers exceed {} bytes", limits.max_header_bytes),
-            ),
-        )
-        .into_response();
+            "headers",
+            limits.max_header_bytes,
+        );
     }
     let declared = request
         .headers()
@@ -147,6 +134,12 @@ pub async fn size_limits(State(limits): State<SizeLimits>, request: Request, nex
         return rejected("body_too_large", ApiError::too_large(limits.max_body_bytes)).into_response();
     }
     next.run(request).await
+}
+
+/// A counted rejection of a request part (`field`) larger than `limit` bytes; `reason` is also the error code.
+fn too_big(status: StatusCode, reason: &'static str, field: &str, limit: usize) -> Response {
+    let message = format!("the request {field} exceeds {limit} bytes");
+    rejected(reason, ApiError::limit(status, reason, field, message)).into_response()
 }
 
 /// Authenticates the bearer token (or lets everyone in when authentication is off) and hands the
