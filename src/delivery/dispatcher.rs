@@ -275,8 +275,15 @@ impl Shared {
     }
 
     /// Records the popped messages of one subscription before anything else sees them, and queues them.
-    /// On a store failure nothing is kept: the broker redelivers them when their lease lapses.
-    pub fn admit(&self, sub: &Subscription, policy: &RetryPolicy, popped: Vec<Popped>) -> Result<(), StoreError> {
+    /// On a store failure nothing is recorded or handed out, and the messages are given back to the caller,
+    /// which holds them (under their broker lease) and admits them again before it pops anything newer, so a
+    /// full disk does not reorder a FIFO message group.
+    pub fn admit(
+        &self,
+        sub: &Subscription,
+        policy: &RetryPolicy,
+        popped: Vec<Popped>,
+    ) -> Result<(), (StoreError, Vec<Popped>)> {
         let now = now_millis();
         let records: Vec<DeliveryRecord> = popped
             .into_iter()
@@ -301,10 +308,21 @@ impl Shared {
                 }
             })
             .collect();
-        let encoded = records.iter().map(serde_json::to_vec).collect::<Result<Vec<_>, _>>()?;
-        let changes: Vec<Change<'_>> =
-            records.iter().zip(encoded).map(|(r, v)| Change::Put(Family::Deliveries, &r.id, v)).collect();
-        self.write(&changes)?;
+        let give_back = |records: Vec<DeliveryRecord>| -> Vec<Popped> {
+            records.into_iter().map(|r| Popped { event: r.event, handle: r.handle }).collect()
+        };
+        let encoded = match records.iter().map(serde_json::to_vec).collect::<Result<Vec<_>, _>>() {
+            Ok(encoded) => encoded,
+            Err(error) => return Err((error.into(), give_back(records))),
+        };
+        let written = {
+            let changes: Vec<Change<'_>> =
+                records.iter().zip(encoded).map(|(r, v)| Change::Put(Family::Deliveries, &r.id, v)).collect();
+            self.write(&changes)
+        };
+        if let Err(error) = written {
+            return Err((error, give_back(records)));
+        }
         let mut state = self.state.lock();
         for record in records {
             let id = record.id.clone();
@@ -443,7 +461,8 @@ impl Shared {
         // A settled delivery frees a push subscriber's prefetch slot.
         self.changed.notify_waiters();
         let label = match &result {
-            Ok(()) => "acked",
+            // Counted where the ACK intent is stored, before the broker ACK it allows.
+            Ok(()) => return result,
             Err(DeliveryError::Stale) => "stale",
             Err(DeliveryError::Store(_)) => "store_error",
             Err(_) => "unknown",
@@ -471,6 +490,7 @@ impl Shared {
             self.release(id, None);
             return Err(error.into());
         }
+        counter!(m::ACKS, "result" => "acked").increment(1);
         let handle = record.handle.clone();
         let group = record.group.clone();
         if let Some(live) = self.state.lock().records.get_mut(id) {
@@ -485,6 +505,7 @@ impl Shared {
     pub async fn ack_at_broker(&self, id: &str, group: &str, handle: &ReceiptHandle) -> Result<(), BrokerError> {
         match self.broker.ack(group, handle).await {
             Ok(()) => {
+                counter!(m::BROKER_ACKS).increment(1);
                 self.retire(id);
                 Ok(())
             }
