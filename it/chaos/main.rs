@@ -549,8 +549,9 @@ async fn inject(rig: &mut Rig, world: &World, fault: &Fault) -> FaultRecord {
             tokio::task::block_in_place(|| rig.cluster.restart_broker("broker-a"));
         }
         FaultKind::DiskFull => {
-            rig.disk.fill();
+            let full = rig.disk.keep_full();
             tokio::time::sleep(hold).await;
+            drop(full);
             rig.disk.free();
         }
         FaultKind::SubscriberDeath => {
