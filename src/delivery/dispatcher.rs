@@ -115,6 +115,42 @@ pub(super) struct State {
     pub records: HashMap<String, Live>,
     /// Ids given up to the broker, with the time until which they are remembered.
     pub stale: HashMap<String, i64>,
+    /// How many of `records` each subscription key holds, kept with every insert and removal so the POP
+    /// loop's backpressure check does not count them one by one.
+    pub held: HashMap<String, usize>,
+}
+
+impl State {
+    /// Adds a live delivery (replacing one of the same id).
+    pub fn insert_record(&mut self, live: Live) {
+        let key = Subscription::key_of(&live.record.group, &live.record.topic);
+        if let Some(old) = self.records.insert(live.record.id.clone(), live) {
+            self.uncount(&old);
+        }
+        *self.held.entry(key).or_default() += 1;
+    }
+
+    /// Removes a live delivery.
+    pub fn remove_record(&mut self, id: &str) -> Option<Live> {
+        let live = self.records.remove(id)?;
+        self.uncount(&live);
+        Some(live)
+    }
+
+    fn uncount(&mut self, live: &Live) {
+        let key = Subscription::key_of(&live.record.group, &live.record.topic);
+        if let Some(count) = self.held.get_mut(&key) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                self.held.remove(&key);
+            }
+        }
+    }
+
+    /// Deliveries held for the subscription `key`.
+    pub fn held_by(&self, key: &str) -> usize {
+        self.held.get(key).copied().unwrap_or(0)
+    }
 }
 
 /// Everything the dispatcher's tasks share.
@@ -172,7 +208,7 @@ impl Shared {
         // its ACK intent is replayed): harmless.
         let _ = self.write(&[Change::Delete(Family::Deliveries, id)]);
         let mut state = self.state.lock();
-        state.records.remove(id);
+        state.remove_record(id);
         gauge!(m::PENDING_DELIVERIES).set(state.records.len() as f64);
     }
 
@@ -327,7 +363,7 @@ impl Shared {
         for record in records {
             let id = record.id.clone();
             let ready = matches!(record.phase, Phase::Ready { .. });
-            state.records.insert(id.clone(), Live { record, busy: false, queued: ready, next_try_ms: 0, holder: None });
+            state.insert_record(Live { record, busy: false, queued: ready, next_try_ms: 0, holder: None });
             if ready {
                 if let Some(sub_state) = state.subs.get_mut(&sub.key()) {
                     sub_state.ready.push_back(id);

@@ -62,11 +62,7 @@ pub(super) async fn run(shared: Arc<Shared>, key: String, stop: Arc<AtomicBool>)
             let wanted = sub_state.demand.saturating_sub(queued);
             // Backpressure: at the instance's (or this subscription's) in-flight bound nothing more is popped
             // until deliveries retire.
-            let held = state
-                .records
-                .values()
-                .filter(|l| l.record.group == sub_state.sub.group && l.record.topic == sub_state.sub.topic)
-                .count();
+            let held = state.held_by(&key);
             let room = shared
                 .config
                 .max_in_flight
