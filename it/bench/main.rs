@@ -327,6 +327,17 @@ async fn popgate_run(
     assert_eq!(status, 200, "{answer}");
     let sample = Arc::new(Sample::default());
     let (cpu_before, pid) = (cpu_time(popgate.pid()), popgate.pid());
+    // `BENCH_PERF=<dir>`: a CPU profile of popgate during the run (`perf record`), for `perf report -i`.
+    let profiler = std::env::var("BENCH_PERF").ok().and_then(|dir| {
+        let name = if transport == Transport::LongPoll { "long_poll" } else { "sse" };
+        std::process::Command::new("perf")
+            .args(["record", "-F", "499", "-g", "-p", &pid.to_string(), "-o"])
+            .arg(std::path::Path::new(&dir).join(format!("popgate-{name}-{}.perf", std::process::id())))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .ok()
+    });
     let started = micros();
     let mut consumers = Vec::new();
     for _ in 0..params.subscribers {
@@ -353,6 +364,10 @@ async fn popgate_run(
         let _ = c.await;
     }
     let cpu = cpu_time(pid).saturating_sub(cpu_before);
+    if let Some(mut perf) = profiler {
+        let _ = std::process::Command::new("kill").arg("-INT").arg(perf.id().to_string()).status();
+        let _ = perf.wait();
+    }
     let name = if transport == Transport::LongPoll { "popgate_long_poll" } else { "popgate_sse" };
     summarize(name, &sample, started, secs, Some((cpu, proc_status_kib(pid, "VmHWM:"))))
 }

@@ -5,7 +5,8 @@
 //! broker call in progress) is marked `busy`, so no two tasks act on it at once; the lock itself is never
 //! held across an `.await` or a store write.
 
-use std::collections::{HashMap, VecDeque};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -118,12 +119,23 @@ pub(super) struct State {
     /// How many of `records` each subscription key holds, kept with every insert and removal so the POP
     /// loop's backpressure check does not count them one by one.
     pub held: HashMap<String, usize>,
+    /// When the sweeper must look at a delivery next (epoch ms, id), earliest first. Entries may be stale (the
+    /// delivery changed or is gone): the sweeper looks, then files the delivery again at its next due time.
+    /// Anything that changes a delivery files it for the next tick ([`State::wake`]), so the sweeper only
+    /// visits deliveries with something due instead of scanning all of them every tick.
+    pub timers: BinaryHeap<Reverse<(i64, String)>>,
 }
 
 impl State {
+    /// Files `id` for the sweeper at `at_ms` (0: the next tick).
+    pub fn wake(&mut self, id: &str, at_ms: i64) {
+        self.timers.push(Reverse((at_ms, id.to_owned())));
+    }
+
     /// Adds a live delivery (replacing one of the same id).
     pub fn insert_record(&mut self, live: Live) {
         let key = Subscription::key_of(&live.record.group, &live.record.topic);
+        self.wake(&live.record.id, 0);
         if let Some(old) = self.records.insert(live.record.id.clone(), live) {
             self.uncount(&old);
         }
@@ -222,11 +234,13 @@ impl Shared {
 
     /// Clears `busy` (and sets the next retry time) after a task is done with a record.
     pub fn release(&self, id: &str, retry_at_ms: Option<i64>) {
-        if let Some(live) = self.state.lock().records.get_mut(id) {
+        let mut state = self.state.lock();
+        if let Some(live) = state.records.get_mut(id) {
             live.busy = false;
             if let Some(at) = retry_at_ms {
                 live.next_try_ms = at;
             }
+            state.wake(id, 0);
         }
     }
 
@@ -278,6 +292,7 @@ impl Shared {
             if let Some(at) = retry_at_ms {
                 live.next_try_ms = at;
             }
+            state.wake(&id, 0);
         }
         Ok(())
     }
@@ -419,7 +434,7 @@ impl Shared {
         let mut taken: Vec<DeliveryRecord> = Vec::new();
         {
             let mut state = self.state.lock();
-            let State { subs, records, .. } = &mut *state;
+            let State { subs, records, timers, .. } = &mut *state;
             let Some(sub_state) = subs.get_mut(key) else { return Ok(Vec::new()) };
             let ack_timeout = sub_state.sub.ack_timeout_ms as i64;
             let heads = if sub_state.sub.ordered { Some(group_heads(records, &sub_state.sub)) } else { None };
@@ -429,6 +444,8 @@ impl Shared {
                 let Some(live) = records.get_mut(&id) else { continue };
                 live.queued = false;
                 if live.busy || !matches!(live.record.phase, Phase::Ready { due_ms } if due_ms <= now) {
+                    // Out of the queue: the sweeper queues it again when it is due.
+                    timers.push(Reverse((0, id)));
                     continue;
                 }
                 if let (Some(heads), Some(group)) = (&heads, &live.record.event.message_group) {
@@ -484,6 +501,8 @@ impl Shared {
                 live.record = record;
                 live.busy = false;
                 live.holder = holder;
+                let id = live.record.id.clone();
+                state.wake(&id, 0);
             }
         }
         counter!(m::DELIVERIES_DISPATCHED, "transport" => transport).increment(out.len() as u64);

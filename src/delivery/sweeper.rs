@@ -1,10 +1,11 @@
-//! The timer side of the dispatcher, every 100 ms:
+//! The timer side of the dispatcher, every 100 ms, for the deliveries filed as due (see `State::timers`):
 //! - a retry whose backoff is over becomes ready to hand out;
 //! - a delivery not ACKed by its deadline spends its attempt (next attempt, or the DLQ);
 //! - an owed broker ACK or DLQ write is (re)tried;
 //! - a lease with less than half its time left is renewed (ChangeInvisibleTime), and one that lapsed is given
 //!   up: the broker will redeliver that message, so popgate stops claiming it.
 
+use std::cmp::Reverse;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,7 +18,7 @@ use super::record::{DeliveryRecord, Phase, Subscription};
 use crate::broker::client::now_millis;
 use crate::metrics as m;
 
-/// How often the sweeper looks at every record.
+/// How often the sweeper looks at the deliveries that are due.
 const TICK: Duration = Duration::from_millis(100);
 
 /// Work the sweeper hands to a task of its own (it involves the broker).
@@ -45,29 +46,45 @@ fn sweep(shared: &Arc<Shared>) {
     let mut timed_out: Vec<DeliveryRecord> = Vec::new();
     let mut tasks: Vec<Task> = Vec::new();
     {
-        let mut state = shared.state.lock();
+        let mut guard = shared.state.lock();
+        let state = &mut *guard;
         state.stale.retain(|_, until| *until > now);
-        for (id, live) in state.records.iter_mut() {
+        // Only deliveries filed as due by now; each is filed again at its next due time after the look.
+        let mut due: Vec<String> = Vec::new();
+        while state.timers.peek().is_some_and(|Reverse((at, _))| *at <= now) {
+            if let Some(Reverse((_, id))) = state.timers.pop() {
+                due.push(id);
+            }
+        }
+        due.sort_unstable();
+        due.dedup();
+        for id in due {
+            let Some(live) = state.records.get_mut(&id) else { continue };
             if live.busy {
+                // The task working on it files it again when done (release, commit or retire).
                 continue;
             }
             let lease_deadline = live.record.handle.lease_deadline_ms();
             if lease_deadline <= now {
                 live.busy = true;
-                tasks.push(Task::GiveUp(id.clone()));
+                tasks.push(Task::GiveUp(id));
                 continue;
             }
             let retry_due = live.next_try_ms <= now;
+            // The next time something about this delivery is due, if nothing is due now.
+            let mut next = lease_deadline.min((lease_deadline - half_lease).max(live.next_try_ms));
             match &live.record.phase {
                 Phase::Ready { due_ms } if *due_ms <= now && !live.queued => {
                     live.queued = true;
                     newly_ready.push((Subscription::key_of(&live.record.group, &live.record.topic), id.clone()));
                 }
+                Phase::Ready { due_ms } if !live.queued => next = next.min(*due_ms),
                 Phase::AwaitingAck { deadline_ms, .. } if *deadline_ms <= now => {
                     live.busy = true;
                     timed_out.push(live.record.clone());
                     continue;
                 }
+                Phase::AwaitingAck { deadline_ms, .. } => next = next.min(*deadline_ms),
                 Phase::Acked if retry_due => {
                     live.busy = true;
                     tasks.push(Task::BrokerAck(live.record.clone()));
@@ -78,12 +95,15 @@ fn sweep(shared: &Arc<Shared>) {
                     tasks.push(Task::DeadLetter(live.record.clone()));
                     continue;
                 }
+                Phase::Acked | Phase::DeadLetter { .. } => next = next.min(live.next_try_ms),
                 _ => {}
             }
             if lease_deadline - now < half_lease && retry_due {
                 live.busy = true;
                 tasks.push(Task::Renew(live.record.clone()));
+                continue;
             }
+            state.timers.push(Reverse((next.max(now + 1), id)));
         }
         for (key, id) in &newly_ready {
             if let Some(sub) = state.subs.get_mut(key) {
