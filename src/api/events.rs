@@ -211,8 +211,9 @@ pub async fn ack(State(state): State<AppState>, body: Bytes) -> Result<Response,
         }
         (None, Some(ids)) => {
             let mut results = Vec::with_capacity(ids.len());
-            for id in ids {
-                let status = match state.dispatcher.ack(&id).await {
+            let outcomes = state.dispatcher.ack_many(&ids).await;
+            for (id, outcome) in ids.into_iter().zip(outcomes) {
+                let status = match outcome {
                     Ok(()) => "acked",
                     Err(DeliveryError::Unknown) => "unknown",
                     Err(DeliveryError::Stale) => "stale",
