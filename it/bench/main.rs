@@ -684,6 +684,14 @@ async fn bench(params: Params) -> Value {
         admin.create_topic(topic, &addrs).await;
     }
     let direct = DirectPath::connect(&namesrv).await;
+    // `BENCH_ONLY=state` skips the throughput runs (for iterating on memory and recovery).
+    if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "state") {
+        let in_flight = in_flight_rss(&params, &namesrv, &direct, &topics[6]).await;
+        println!("in flight: {in_flight}");
+        let recovered = recovery(&params, &namesrv).await;
+        println!("recovery: {recovered}");
+        return json!({"parameters": {"full": params.full}, "runs": [], "inFlight": in_flight, "recovery": recovered});
+    }
     // Warm-up: routes, connections, the broker's JIT.
     let warm = Params { secs: if params.full { 3.0 } else { 0.5 }, ..params.clone() };
     direct.run(&warm, &topics[0], None, warm.secs).await;
