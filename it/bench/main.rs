@@ -397,29 +397,46 @@ async fn long_poll_subscriber(http: &reqwest::Client, base: &str, query: &str, s
     }
 }
 
+/// An SSE subscriber: one task reads the stream, another ACKs what was read in batches, so reading never
+/// waits for an ACK round trip (prefetch bounds what is unACKed).
 async fn sse_subscriber(http: &reqwest::Client, base: &str, query: &str, sample: &Sample) {
-    let Ok(resp) = http.get(format!("{base}/events/stream?{query}&prefetch=64")).send().await else { return };
-    let mut stream = resp.bytes_stream();
-    let mut buffer = String::new();
-    while !consumers_done(sample) {
-        let chunk = match tokio::time::timeout(Duration::from_millis(500), stream.next()).await {
-            Err(_) => continue,
-            Ok(Some(Ok(chunk))) => chunk,
-            Ok(_) => break,
-        };
-        buffer.push_str(&String::from_utf8_lossy(&chunk));
-        let mut ids = Vec::new();
-        while let Some(end) = buffer.find("\n\n") {
-            let block: String = buffer.drain(..end + 2).collect();
-            let Some(data) = block.lines().find_map(|l| l.strip_prefix("data: ")) else { continue };
-            let Ok(d) = serde_json::from_str::<Value>(data) else { continue };
-            if d["deliveryId"].is_string() {
-                sample.received(d["event"]["data"].as_str().unwrap_or_default().as_bytes());
-                ids.push(d["deliveryId"].as_str().unwrap_or_default().to_owned());
+    let Ok(resp) = http.get(format!("{base}/events/stream?{query}&prefetch=128")).send().await else { return };
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+    let acker = async {
+        while let Some(first) = rx.recv().await {
+            let mut ids = vec![first];
+            while ids.len() < 128 {
+                match rx.try_recv() {
+                    Ok(id) => ids.push(id),
+                    Err(_) => break,
+                }
+            }
+            batch_ack(http, base, ids, sample).await;
+        }
+    };
+    let reader = async move {
+        let mut stream = resp.bytes_stream();
+        let mut buffer = String::new();
+        while !consumers_done(sample) {
+            let chunk = match tokio::time::timeout(Duration::from_millis(500), stream.next()).await {
+                Err(_) => continue,
+                Ok(Some(Ok(chunk))) => chunk,
+                Ok(_) => break,
+            };
+            buffer.push_str(&String::from_utf8_lossy(&chunk));
+            while let Some(end) = buffer.find("\n\n") {
+                let block: String = buffer.drain(..end + 2).collect();
+                let Some(data) = block.lines().find_map(|l| l.strip_prefix("data: ")) else { continue };
+                let Ok(d) = serde_json::from_str::<Value>(data) else { continue };
+                if let Some(id) = d["deliveryId"].as_str() {
+                    sample.received(d["event"]["data"].as_str().unwrap_or_default().as_bytes());
+                    let _ = tx.send(id.to_owned());
+                }
             }
         }
-        batch_ack(http, base, ids, sample).await;
-    }
+        // Dropping the sender ends the acker once it has ACKed the rest.
+    };
+    tokio::join!(reader, acker);
 }
 
 // === state: RSS with N in flight, recovery of M records ===
