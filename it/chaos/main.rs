@@ -138,7 +138,7 @@ impl Settings {
             let hold_ms = match kind {
                 FaultKind::BrokerPause => rng.random_range(2_000..5_000),
                 FaultKind::BrokerKill9 => rng.random_range(500..3_000),
-                FaultKind::DiskFull => rng.random_range(2_000..6_000),
+                FaultKind::DiskFull => rng.random_range(5_000..9_000),
                 FaultKind::PopgateKill9 | FaultKind::SubscriberDeath => 0,
             };
             let cost = gap_ms + hold_ms + if kind == FaultKind::BrokerKill9 { 15_000 } else { 1_000 };
@@ -193,6 +193,9 @@ struct World {
     stop_consume: AtomicBool,
     /// Subscribers that are to die with their next deliveries in hand.
     deaths_pending: AtomicU32,
+    /// Producers send large events (while the disk is full, so the store's writes outrun the space RocksDB
+    /// preallocated for its WAL and actually fail).
+    heavy: AtomicBool,
     ledger: Mutex<Ledger>,
 }
 
@@ -267,13 +270,14 @@ impl World {
 async fn producer(world: Arc<World>, group: usize, rate: f64) {
     let pause = Duration::from_secs_f64(1.0 / rate);
     let padding = "x".repeat(96);
+    let heavy_padding = "x".repeat(16 * 1024);
     let mut index = 0u64;
     let mut next = tokio::time::Instant::now();
     while !world.stop_publish.load(Ordering::Relaxed) {
         let key = key_of(group, index);
         let sent = world.now_ms();
-        let body =
-            json!({"topic": world.topic, "data": format!("{key}|{padding}"), "messageGroup": format!("g{group}")});
+        let pad = if world.heavy.load(Ordering::Relaxed) { &heavy_padding } else { &padding };
+        let body = json!({"topic": world.topic, "data": format!("{key}|{pad}"), "messageGroup": format!("g{group}")});
         let resp = world
             .http
             .post(format!("{}/events/publish", world.base()))
@@ -522,6 +526,8 @@ struct FaultRecord {
     at_ms: f64,
     lifted_ms: f64,
     recovery_ms: Option<f64>,
+    /// For a full disk: the state-store writes that failed meanwhile (0 would mean the fault did not bite).
+    store_write_failures: Option<f64>,
 }
 
 struct Rig {
@@ -549,16 +555,27 @@ async fn inject(rig: &mut Rig, world: &World, fault: &Fault) -> FaultRecord {
             tokio::task::block_in_place(|| rig.cluster.restart_broker("broker-a"));
         }
         FaultKind::DiskFull => {
+            let before = rig.popgate.metric("popgate_offset_write_failures_total").await;
+            world.heavy.store(true, Ordering::Relaxed);
             let full = rig.disk.keep_full();
             tokio::time::sleep(hold).await;
+            let failures = rig.popgate.metric("popgate_offset_write_failures_total").await - before;
             drop(full);
             rig.disk.free();
+            world.heavy.store(false, Ordering::Relaxed);
+            return FaultRecord {
+                kind: fault.kind,
+                at_ms,
+                lifted_ms: world.now_ms(),
+                recovery_ms: None,
+                store_write_failures: Some(failures),
+            };
         }
         FaultKind::SubscriberDeath => {
             world.deaths_pending.store(2, Ordering::Relaxed);
         }
     }
-    FaultRecord { kind: fault.kind, at_ms, lifted_ms: world.now_ms(), recovery_ms: None }
+    FaultRecord { kind: fault.kind, at_ms, lifted_ms: world.now_ms(), recovery_ms: None, store_write_failures: None }
 }
 
 /// After a fault is lifted: until a publish and an ACK both succeeded again. After subscriber deaths: until
@@ -654,6 +671,7 @@ async fn run(settings: Settings) -> Vec<String> {
         stop_publish: AtomicBool::new(false),
         stop_consume: AtomicBool::new(false),
         deaths_pending: AtomicU32::new(0),
+        heavy: AtomicBool::new(false),
         ledger: Mutex::new(Ledger {
             started: vec![HashSet::new(); settings.groups],
             prefix: vec![0; settings.groups],
@@ -751,7 +769,7 @@ async fn run(settings: Settings) -> Vec<String> {
         .iter()
         .map(|r| {
             json!({"fault": r.kind.name(), "atMs": r.at_ms.round(), "heldMs": (r.lifted_ms - r.at_ms).round(),
-                "recoveryMs": r.recovery_ms.map(f64::round)})
+                "recoveryMs": r.recovery_ms.map(f64::round), "storeWriteFailures": r.store_write_failures})
         })
         .collect();
     let report = json!({
@@ -854,11 +872,12 @@ fn print_report(report: &Value) {
     println!("  faults (recovery = lifted until publish and ACK work again; deaths: until their events came back):");
     for f in report["faults"].as_array().into_iter().flatten() {
         println!(
-            "    {:>8} ms  {:<28} held {:>6} ms  recovery {} ms",
+            "    {:>8} ms  {:<28} held {:>6} ms  recovery {} ms{}",
             f["atMs"],
             f["fault"].as_str().unwrap_or_default(),
             f["heldMs"],
-            f["recoveryMs"]
+            f["recoveryMs"],
+            f["storeWriteFailures"].as_f64().map(|n| format!("  (state-store writes failed: {n})")).unwrap_or_default()
         );
     }
     println!("  end-to-end latency (publish sent -> first delivery): {}", report["endToEndLatencyBuckets"]);
