@@ -484,6 +484,17 @@ async fn in_flight_rss(params: &Params, namesrv: &str, direct: &DirectPath, topi
     let cpu_before = cpu_time(popgate.pid());
     tokio::time::sleep(Duration::from_secs(5)).await;
     let idle_cpu_pct = (cpu_time(popgate.pid()).saturating_sub(cpu_before)).as_secs_f64() / 5.0 * 100.0;
+    // Leases are renewed one by one at half the lease (30 s of the default 60 s): the CPU over 10 s
+    // around that point, after the hand-out finished (full runs only).
+    let renewal_cpu_pct = if params.full {
+        tokio::time::sleep(Duration::from_secs(20)).await;
+        let before = cpu_time(popgate.pid());
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        let pct = (cpu_time(popgate.pid()).saturating_sub(before)).as_secs_f64() / 10.0 * 100.0;
+        Some(pct.round())
+    } else {
+        None
+    };
     let per_delivery = if held > 0 { (rss_kib.saturating_sub(baseline_kib)) as f64 / held as f64 } else { 0.0 };
     json!({
         "inFlight": held,
@@ -494,6 +505,8 @@ async fn in_flight_rss(params: &Params, namesrv: &str, direct: &DirectPath, topi
         "kibPerDelivery": (per_delivery * 100.0).round() / 100.0,
         "handOutSecs": (fill_secs * 10.0).round() / 10.0,
         "idleCpuPercentHoldingThem": idle_cpu_pct.round(),
+        "cpuPercentWhileRenewingLeases": renewal_cpu_pct,
+        "rssKibAfterRenewals": popgate.rss_kib(),
     })
 }
 
