@@ -318,7 +318,7 @@ async fn a_full_state_disk_dispatches_and_acks_nothing_then_delivery_resumes() {
     let first = popgate.poll_until(&group, &topic, 1, Duration::from_secs(30)).await;
     assert_eq!(popgate.ack(&id(&first[0])).await.0, 200);
 
-    disk.fill();
+    let full = disk.keep_full();
     // Each record is larger than any slack left in the WAL's last page, so none of them fits.
     let during: Vec<String> = (0..5).map(|i| format!("during-{i}-{}", "x".repeat(4096))).collect();
     publish_all(&popgate, &topic, &during.iter().map(String::as_str).collect::<Vec<_>>()).await;
@@ -331,6 +331,7 @@ async fn a_full_state_disk_dispatches_and_acks_nothing_then_delivery_resumes() {
     assert_eq!(status, 503, "{ready}");
     assert!(ready["store"].as_str().is_some_and(|s| s.starts_with("unhealthy")), "{ready}");
 
+    drop(full);
     disk.free();
     // Nothing was ACKed for them: the broker redelivers each once its lease lapses, and popgate records it now.
     let mut resumed = BTreeSet::new();

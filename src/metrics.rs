@@ -44,6 +44,8 @@ pub const REDELIVERIES: &str = "popgate_redeliveries_total";
 pub const DLQ_MESSAGES: &str = "popgate_dlq_messages_total";
 /// Failed attempts to write an event to the DLQ (retried; the delivery stays in flight).
 pub const DLQ_RECORD_FAILURES: &str = "popgate_dlq_record_failures_total";
+/// Successful broker ACKs; each follows a stored subscriber ACK or a DLQ write (the chaos checker compares).
+pub const BROKER_ACKS: &str = "popgate_broker_acks_total";
 /// Failed broker ACKs (retried from the stored ACK intent).
 pub const BROKER_ACK_FAILURES: &str = "popgate_broker_ack_failures_total";
 /// State-store writes that failed (disk full, I/O error): the seed's offsetWriteFailures.
@@ -169,6 +171,7 @@ fn describe_all() {
     describe_counter!(REDELIVERIES, Unit::Count, "Redeliveries scheduled, by reason.");
     describe_counter!(DLQ_MESSAGES, Unit::Count, "Events dead-lettered to %DLQ%<group>, by group.");
     describe_counter!(DLQ_RECORD_FAILURES, Unit::Count, "Failed DLQ writes (retried).");
+    describe_counter!(BROKER_ACKS, Unit::Count, "Successful broker ACKs (after a subscriber ACK or a DLQ write).");
     describe_counter!(BROKER_ACK_FAILURES, Unit::Count, "Failed broker ACKs (retried from the ACK intent).");
     describe_counter!(OFFSET_WRITE_FAILURES, Unit::Count, "Failed state-store writes (disk full, I/O error).");
     describe_counter!(RECOVERED_DELIVERIES, Unit::Count, "Records replayed at boot, by outcome.");

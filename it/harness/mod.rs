@@ -67,16 +67,51 @@ impl Tmpfs {
 
     /// Fills the file system to the last byte with a filler file.
     pub fn fill(&self) {
-        let _ = std::process::Command::new("dd")
-            .args(["if=/dev/zero", "bs=4k"])
-            .arg(format!("of={}", self.path.join("filler").display()))
-            .stderr(std::process::Stdio::null())
-            .status();
+        fill(&self.path);
+    }
+
+    /// Keeps the file system full until the guard is dropped: fills it again every 100 ms, since RocksDB frees
+    /// space of its own (an old WAL) when it reopens after a failed write.
+    pub fn keep_full(&self) -> KeepFull {
+        self.fill();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (path, flag) = (self.path.clone(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_millis(100));
+                fill(&path);
+            }
+        });
+        KeepFull { stop, thread: Some(thread) }
     }
 
     /// Frees what [`Tmpfs::fill`] took.
     pub fn free(&self) {
         std::fs::remove_file(self.path.join("filler")).expect("remove filler");
+    }
+}
+
+/// Fills the file system at `dir` with `dir/filler` (appended to, so what it already holds stays).
+fn fill(dir: &std::path::Path) {
+    let _ = std::process::Command::new("dd")
+        .args(["if=/dev/zero", "bs=4k", "oflag=append", "conv=notrunc"])
+        .arg(format!("of={}", dir.join("filler").display()))
+        .stderr(std::process::Stdio::null())
+        .status();
+}
+
+/// See [`Tmpfs::keep_full`]; dropping it stops the refilling (the filler stays until [`Tmpfs::free`]).
+pub struct KeepFull {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for KeepFull {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
     }
 }
 

@@ -104,9 +104,14 @@ impl Popgate {
         self.wait_healthy(logged).await;
     }
 
+    /// The OS process id (for `/proc/<pid>` readings).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// The process's resident memory in KiB (`VmRSS`).
     pub fn rss_kib(&self) -> u64 {
-        let status = fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap_or_default();
+        let status = fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap_or_default();
         status
             .lines()
             .find_map(|l| l.strip_prefix("VmRSS:"))

@@ -263,13 +263,13 @@ pub async fn ack(
                     ),
                 ));
             }
-            let mut results = Vec::with_capacity(ids.len());
-            for id in ids {
-                if authorize_delivery(&state, &caller, &id).is_err() {
-                    results.push(json!({"deliveryId": id, "status": "forbidden"}));
-                    continue;
-                }
-                let status = match state.dispatcher.ack(&id).await {
+            // Ids this caller may not settle are answered `forbidden` and left alone; the rest are ACKed together.
+            let (allowed, forbidden): (Vec<String>, Vec<String>) =
+                ids.into_iter().partition(|id| authorize_delivery(&state, &caller, id).is_ok());
+            let outcomes = state.dispatcher.ack_many(&allowed).await;
+            let mut results = Vec::with_capacity(allowed.len() + forbidden.len());
+            for (id, outcome) in allowed.into_iter().zip(outcomes) {
+                let status = match outcome {
                     Ok(()) => "acked",
                     Err(DeliveryError::Unknown) => "unknown",
                     Err(DeliveryError::Stale) => "stale",
@@ -277,6 +277,7 @@ pub async fn ack(
                 };
                 results.push(json!({"deliveryId": id, "status": status}));
             }
+            results.extend(forbidden.into_iter().map(|id| json!({"deliveryId": id, "status": "forbidden"})));
             Ok(Json(json!({ "results": results })).into_response())
         }
         _ => Err(ApiError::invalid_field("deliveryId", "give `deliveryId` or `deliveryIds`, not both or neither")),

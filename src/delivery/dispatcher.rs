@@ -5,7 +5,8 @@
 //! broker call in progress) is marked `busy`, so no two tasks act on it at once; the lock itself is never
 //! held across an `.await` or a store write.
 
-use std::collections::{HashMap, VecDeque};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -115,6 +116,53 @@ pub(super) struct State {
     pub records: HashMap<String, Live>,
     /// Ids given up to the broker, with the time until which they are remembered.
     pub stale: HashMap<String, i64>,
+    /// How many of `records` each subscription key holds, kept with every insert and removal so the POP
+    /// loop's backpressure check does not count them one by one.
+    pub held: HashMap<String, usize>,
+    /// When the sweeper must look at a delivery next (epoch ms, id), earliest first. Entries may be stale (the
+    /// delivery changed or is gone): the sweeper looks, then files the delivery again at its next due time.
+    /// Anything that changes a delivery files it for the next tick ([`State::wake`]), so the sweeper only
+    /// visits deliveries with something due instead of scanning all of them every tick.
+    pub timers: BinaryHeap<Reverse<(i64, String)>>,
+}
+
+impl State {
+    /// Files `id` for the sweeper at `at_ms` (0: the next tick).
+    pub fn wake(&mut self, id: &str, at_ms: i64) {
+        self.timers.push(Reverse((at_ms, id.to_owned())));
+    }
+
+    /// Adds a live delivery (replacing one of the same id).
+    pub fn insert_record(&mut self, live: Live) {
+        let key = Subscription::key_of(&live.record.group, &live.record.topic);
+        self.wake(&live.record.id, 0);
+        if let Some(old) = self.records.insert(live.record.id.clone(), live) {
+            self.uncount(&old);
+        }
+        *self.held.entry(key).or_default() += 1;
+    }
+
+    /// Removes a live delivery.
+    pub fn remove_record(&mut self, id: &str) -> Option<Live> {
+        let live = self.records.remove(id)?;
+        self.uncount(&live);
+        Some(live)
+    }
+
+    fn uncount(&mut self, live: &Live) {
+        let key = Subscription::key_of(&live.record.group, &live.record.topic);
+        if let Some(count) = self.held.get_mut(&key) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                self.held.remove(&key);
+            }
+        }
+    }
+
+    /// Deliveries held for the subscription `key`.
+    pub fn held_by(&self, key: &str) -> usize {
+        self.held.get(key).copied().unwrap_or(0)
+    }
 }
 
 /// Everything the dispatcher's tasks share.
@@ -172,7 +220,7 @@ impl Shared {
         // its ACK intent is replayed): harmless.
         let _ = self.write(&[Change::Delete(Family::Deliveries, id)]);
         let mut state = self.state.lock();
-        state.records.remove(id);
+        state.remove_record(id);
         gauge!(m::PENDING_DELIVERIES).set(state.records.len() as f64);
     }
 
@@ -186,11 +234,13 @@ impl Shared {
 
     /// Clears `busy` (and sets the next retry time) after a task is done with a record.
     pub fn release(&self, id: &str, retry_at_ms: Option<i64>) {
-        if let Some(live) = self.state.lock().records.get_mut(id) {
+        let mut state = self.state.lock();
+        if let Some(live) = state.records.get_mut(id) {
             live.busy = false;
             if let Some(at) = retry_at_ms {
                 live.next_try_ms = at;
             }
+            state.wake(id, 0);
         }
     }
 
@@ -242,6 +292,7 @@ impl Shared {
             if let Some(at) = retry_at_ms {
                 live.next_try_ms = at;
             }
+            state.wake(&id, 0);
         }
         Ok(())
     }
@@ -275,8 +326,15 @@ impl Shared {
     }
 
     /// Records the popped messages of one subscription before anything else sees them, and queues them.
-    /// On a store failure nothing is kept: the broker redelivers them when their lease lapses.
-    pub fn admit(&self, sub: &Subscription, policy: &RetryPolicy, popped: Vec<Popped>) -> Result<(), StoreError> {
+    /// On a store failure nothing is recorded or handed out, and the messages are given back to the caller,
+    /// which holds them (under their broker lease) and admits them again before it pops anything newer, so a
+    /// full disk does not reorder a FIFO message group.
+    pub fn admit(
+        &self,
+        sub: &Subscription,
+        policy: &RetryPolicy,
+        popped: Vec<Popped>,
+    ) -> Result<(), (StoreError, Vec<Popped>)> {
         let now = now_millis();
         let records: Vec<DeliveryRecord> = popped
             .into_iter()
@@ -301,15 +359,26 @@ impl Shared {
                 }
             })
             .collect();
-        let encoded = records.iter().map(serde_json::to_vec).collect::<Result<Vec<_>, _>>()?;
-        let changes: Vec<Change<'_>> =
-            records.iter().zip(encoded).map(|(r, v)| Change::Put(Family::Deliveries, &r.id, v)).collect();
-        self.write(&changes)?;
+        let give_back = |records: Vec<DeliveryRecord>| -> Vec<Popped> {
+            records.into_iter().map(|r| Popped { event: r.event, handle: r.handle }).collect()
+        };
+        let encoded = match records.iter().map(serde_json::to_vec).collect::<Result<Vec<_>, _>>() {
+            Ok(encoded) => encoded,
+            Err(error) => return Err((error.into(), give_back(records))),
+        };
+        let written = {
+            let changes: Vec<Change<'_>> =
+                records.iter().zip(encoded).map(|(r, v)| Change::Put(Family::Deliveries, &r.id, v)).collect();
+            self.write(&changes)
+        };
+        if let Err(error) = written {
+            return Err((error, give_back(records)));
+        }
         let mut state = self.state.lock();
         for record in records {
             let id = record.id.clone();
             let ready = matches!(record.phase, Phase::Ready { .. });
-            state.records.insert(id.clone(), Live { record, busy: false, queued: ready, next_try_ms: 0, holder: None });
+            state.insert_record(Live { record, busy: false, queued: ready, next_try_ms: 0, holder: None });
             if ready {
                 if let Some(sub_state) = state.subs.get_mut(&sub.key()) {
                     sub_state.ready.push_back(id);
@@ -365,7 +434,7 @@ impl Shared {
         let mut taken: Vec<DeliveryRecord> = Vec::new();
         {
             let mut state = self.state.lock();
-            let State { subs, records, .. } = &mut *state;
+            let State { subs, records, timers, .. } = &mut *state;
             let Some(sub_state) = subs.get_mut(key) else { return Ok(Vec::new()) };
             let ack_timeout = sub_state.sub.ack_timeout_ms as i64;
             let heads = if sub_state.sub.ordered { Some(group_heads(records, &sub_state.sub)) } else { None };
@@ -375,6 +444,8 @@ impl Shared {
                 let Some(live) = records.get_mut(&id) else { continue };
                 live.queued = false;
                 if live.busy || !matches!(live.record.phase, Phase::Ready { due_ms } if due_ms <= now) {
+                    // Out of the queue: the sweeper queues it again when it is due.
+                    timers.push(Reverse((0, id)));
                     continue;
                 }
                 if let (Some(heads), Some(group)) = (&heads, &live.record.event.message_group) {
@@ -430,6 +501,8 @@ impl Shared {
                 live.record = record;
                 live.busy = false;
                 live.holder = holder;
+                let id = live.record.id.clone();
+                state.wake(&id, 0);
             }
         }
         counter!(m::DELIVERIES_DISPATCHED, "transport" => transport).increment(out.len() as u64);
@@ -443,7 +516,8 @@ impl Shared {
         // A settled delivery frees a push subscriber's prefetch slot.
         self.changed.notify_waiters();
         let label = match &result {
-            Ok(()) => "acked",
+            // Counted where the ACK intent is stored, before the broker ACK it allows.
+            Ok(()) => return result,
             Err(DeliveryError::Stale) => "stale",
             Err(DeliveryError::Store(_)) => "store_error",
             Err(_) => "unknown",
@@ -471,6 +545,7 @@ impl Shared {
             self.release(id, None);
             return Err(error.into());
         }
+        counter!(m::ACKS, "result" => "acked").increment(1);
         let handle = record.handle.clone();
         let group = record.group.clone();
         if let Some(live) = self.state.lock().records.get_mut(id) {
@@ -485,6 +560,7 @@ impl Shared {
     pub async fn ack_at_broker(&self, id: &str, group: &str, handle: &ReceiptHandle) -> Result<(), BrokerError> {
         match self.broker.ack(group, handle).await {
             Ok(()) => {
+                counter!(m::BROKER_ACKS).increment(1);
                 self.retire(id);
                 Ok(())
             }

@@ -406,6 +406,12 @@ impl Dispatcher {
         self.shared.ack(id).await
     }
 
+    /// ACKs a batch: every id at once (each as [`Dispatcher::ack`], so their broker ACKs overlap instead of
+    /// waiting for one another); the results in the order of `ids`.
+    pub async fn ack_many(&self, ids: &[String]) -> Vec<Result<(), DeliveryError>> {
+        futures::future::join_all(ids.iter().map(|id| self.shared.ack(id))).await
+    }
+
     /// NACK: the attempt is spent; the next is scheduled after `delay` (or the backoff), or the DLQ.
     ///
     /// # Errors

@@ -13,7 +13,8 @@ use metrics::counter;
 use rocketmq_client_rust::ClientInstanceHandle;
 
 use super::dispatcher::Shared;
-use crate::broker::consumer::PopRequest;
+use crate::broker::client::now_millis;
+use crate::broker::consumer::{PopRequest, Popped};
 use crate::broker::BrokerError;
 use crate::metrics as m;
 
@@ -28,7 +29,25 @@ const IDLE_WAIT: Duration = Duration::from_secs(1);
 /// Runs until `stop` is set, the subscription disappears or popgate shuts down.
 pub(super) async fn run(shared: Arc<Shared>, key: String, stop: Arc<AtomicBool>) {
     let mut handles: HashMap<String, ClientInstanceHandle> = HashMap::new();
+    // Messages popped but not yet recorded (the store refused the write): admitted again before anything newer
+    // is popped, while their lease lasts. Dropping them would let newer messages of their FIFO group overtake
+    // them (the broker redelivers a dropped message only when its lease lapses, through the retry topic).
+    let mut unadmitted: Vec<Popped> = Vec::new();
     while !stop.load(Ordering::Relaxed) && !shared.shutting_down.load(Ordering::Relaxed) {
+        if !unadmitted.is_empty() {
+            // Keep only what the broker still leases to us, with a margin for the write itself.
+            let now = now_millis();
+            unadmitted.retain(|p| p.handle.lease_deadline_ms() > now + 1_000);
+            let Some(sub_state) = shared.state.lock().subs.get(&key).map(|s| (s.sub.clone(), s.policy)) else { break };
+            let (sub, policy) = sub_state;
+            if !unadmitted.is_empty() {
+                if let Err((_, back)) = shared.admit(&sub, &policy, std::mem::take(&mut unadmitted)) {
+                    unadmitted = back;
+                    tokio::time::sleep(ERROR_PAUSE).await;
+                    continue;
+                }
+            }
+        }
         let notified = shared.changed.notified();
         let (sub, policy, wanted) = {
             let state = shared.state.lock();
@@ -43,11 +62,7 @@ pub(super) async fn run(shared: Arc<Shared>, key: String, stop: Arc<AtomicBool>)
             let wanted = sub_state.demand.saturating_sub(queued);
             // Backpressure: at the instance's (or this subscription's) in-flight bound nothing more is popped
             // until deliveries retire.
-            let held = state
-                .records
-                .values()
-                .filter(|l| l.record.group == sub_state.sub.group && l.record.topic == sub_state.sub.topic)
-                .count();
+            let held = state.held_by(&key);
             let room = shared
                 .config
                 .max_in_flight
@@ -107,8 +122,11 @@ pub(super) async fn run(shared: Arc<Shared>, key: String, stop: Arc<AtomicBool>)
                 }
             }
         }
-        if !popped.is_empty() && shared.admit(&sub, &policy, popped).is_err() {
-            failed = true;
+        if !popped.is_empty() {
+            if let Err((_, back)) = shared.admit(&sub, &policy, popped) {
+                unadmitted = back;
+                failed = true;
+            }
         }
         if failed {
             tokio::time::sleep(ERROR_PAUSE).await;

@@ -100,9 +100,7 @@ pub(super) fn recover(shared: &Shared) -> Result<RecoveryReport, StoreError> {
         };
         counter!(m::RECOVERED_DELIVERIES, "outcome" => outcome).increment(1);
         shared.next_seq.fetch_max(record.seq + 1, std::sync::atomic::Ordering::Relaxed);
-        state
-            .records
-            .insert(record.id.clone(), Live { record, busy: false, queued: false, next_try_ms: 0, holder: None });
+        state.insert_record(Live { record, busy: false, queued: false, next_try_ms: 0, holder: None });
     }
     Ok(report)
 }

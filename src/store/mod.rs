@@ -111,7 +111,14 @@ fn open_db(dir: &Path) -> Result<DB, StoreError> {
     // Deliveries are small and short-lived: keep the memory and file footprint modest.
     options.set_max_total_wal_size(64 * 1024 * 1024);
     options.set_keep_log_file_num(3);
-    let families = Family::ALL.iter().map(|f| ColumnFamilyDescriptor::new(f.name(), Options::default()));
+    let families = Family::ALL.iter().map(|f| {
+        let mut family = Options::default();
+        // Memtables count in popgate's RSS (two of them per family at most): 16 MiB instead of RocksDB's
+        // 64 MiB keeps the memory per in-flight delivery down; a delivery's records (admitted, handed out,
+        // deleted) mostly meet and cancel within one memtable at either size.
+        family.set_write_buffer_size(16 * 1024 * 1024);
+        ColumnFamilyDescriptor::new(f.name(), family)
+    });
     DB::open_cf_descriptors(&options, dir, families)
         .map_err(|source| StoreError::Open { path: dir.display().to_string(), source })
 }
