@@ -281,3 +281,16 @@ async fn every_broker_down_is_503_with_the_attempts_and_counted() {
         + popgate.metric("popgate_send_failures_total{reason=\"timeout\"}").await;
     assert!(failures >= 3.0, "every failed attempt is counted");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_waits_for_a_broker_registered_with_the_name_server() {
+    // A name server that answers but has no broker yet (one still starting) cannot store a publish.
+    let lonely = Cluster::start(&ClusterSpec::brokers(&[]));
+    let popgate = Popgate::start(&lonely.namesrv_addr, "").await;
+    let (status, ready) = popgate.get_json("/readyz").await;
+    assert_eq!(status, 503, "{ready}");
+    assert_eq!(ready["broker"], "no broker has registered with the name server yet", "{ready}");
+
+    let (status, ready) = Popgate::start(&shared_cluster().namesrv_addr, "").await.get_json("/readyz").await;
+    assert_eq!((status, ready["broker"].as_str()), (200, Some("ok")), "{ready}");
+}

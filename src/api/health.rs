@@ -13,11 +13,17 @@ pub async fn healthz() -> impl IntoResponse {
     Json(json!({"status": "ok"}))
 }
 
-/// `GET /readyz`: 200 when a name server answers and the state store's last write succeeded (and, with
+/// `GET /readyz`: 200 when a name server answers and knows a master broker, and the state store's last write
+/// succeeded (and, with
 /// `reliability.fail_on_mismatch`, no broker is weaker than the profile); else 503 naming what is wrong. The
 /// profile check is always reported.
 pub async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
-    let broker = state.broker.ping().await;
+    // A name server that answers but knows no broker yet (one still starting) cannot take a publish.
+    let broker = match state.broker.cluster_masters().await {
+        Ok(masters) if masters.is_empty() => Err("no broker has registered with the name server yet".to_owned()),
+        Ok(_) => Ok(()),
+        Err(error) => Err(error.to_string()),
+    };
     let store_ok = state.dispatcher.store_healthy();
     let mismatch = state.profile.any_mismatch();
     let mismatch_blocks = mismatch && state.config.reliability.fail_on_mismatch;
@@ -31,7 +37,7 @@ pub async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
         .collect();
     let body = json!({
         "status": if ready { "ready" } else { "not_ready" },
-        "broker": broker.as_ref().map(|()| "ok".to_owned()).unwrap_or_else(|e| e.to_string()),
+        "broker": broker.as_ref().map_or_else(Clone::clone, |()| "ok".to_owned()),
         "store": if store_ok { "ok" } else { "unhealthy: the last state write failed" },
         "profile": {"name": state.profile.profile().name(), "mismatch": mismatch, "weakerBrokers": weaker},
     });

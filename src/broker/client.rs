@@ -248,19 +248,6 @@ impl BrokerClient {
             .map_err(|e| BrokerError::Client(e.to_string()))
     }
 
-    /// Asks the name server for any route: succeeds when a name server answers at all.
-    ///
-    /// # Errors
-    /// The failure when no name server answered.
-    pub async fn ping(&self) -> Result<(), BrokerError> {
-        let timeout = self.config.request_timeout();
-        self.pooled()
-            .topic_route(AUTO_CREATE_TOPIC_KEY, self.config.request_timeout_ms)
-            .await
-            .map(|_| ())
-            .map_err(|e| BrokerError::from_client(e, timeout))
-    }
-
     /// The writable brokers of `topic`, from the cache when fresh.
     ///
     /// # Errors
