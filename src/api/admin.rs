@@ -22,7 +22,7 @@ use axum::http::StatusCode;
 use axum::Json;
 use serde_json::{json, Value};
 
-use super::events::{delivery_error, subscription_json};
+use super::events::{delivery_error, number_param, subscription_json};
 use super::{ApiError, AppState};
 use crate::dlq::{dlq_topic_of, BrowseRequest, DlqError, ReplayRequest};
 
@@ -45,13 +45,6 @@ fn dlq_error(error: DlqError) -> ApiError {
     }
 }
 
-fn number(query: &HashMap<String, String>, name: &'static str, default: usize) -> Result<usize, ApiError> {
-    match query.get(name) {
-        None => Ok(default),
-        Some(text) => text.parse().map_err(|_| ApiError::invalid_field(name, "must be a non-negative integer")),
-    }
-}
-
 fn ids(query: &HashMap<String, String>) -> Option<HashSet<String>> {
     query.get("ids").map(|ids| ids.split(',').map(str::trim).filter(|id| !id.is_empty()).map(str::to_owned).collect())
 }
@@ -67,7 +60,7 @@ pub async fn dlq_browse(
 ) -> Result<Json<Value>, ApiError> {
     let request = BrowseRequest {
         dlq_topic: dlq_topic(&query)?,
-        max: number(&query, "max", DEFAULT_BROWSE_MAX)?,
+        max: number_param(&query, "max", DEFAULT_BROWSE_MAX)?,
         cursor: query.get("cursor").cloned(),
         origin_topic: query.get("originTopic").cloned(),
         ids: ids(&query),
@@ -82,11 +75,11 @@ pub async fn dlq_replay(
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<Value>, ApiError> {
     let topic = dlq_topic(&query)?;
-    let rate = number(&query, "rate", state.config.admin.replay_rate_per_sec as usize)?;
+    let rate = number_param(&query, "rate", state.config.admin.replay_rate_per_sec)?;
     let request = ReplayRequest {
         dlq_topic: topic.clone(),
-        max: number(&query, "max", DEFAULT_BROWSE_MAX)?,
-        rate_per_sec: u32::try_from(rate).unwrap_or(u32::MAX),
+        max: number_param(&query, "max", DEFAULT_BROWSE_MAX)?,
+        rate_per_sec: rate,
         ids: ids(&query),
         origin_topic: query.get("originTopic").cloned(),
     };
@@ -99,7 +92,7 @@ pub async fn deliveries(
     State(state): State<AppState>,
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<Value>, ApiError> {
-    let max = number(&query, "max", 100)?;
+    let max = number_param(&query, "max", 100)?;
     if !(1..=MAX_DELIVERIES).contains(&max) {
         return Err(ApiError::invalid_field("max", format!("must be in 1..={MAX_DELIVERIES}")));
     }

@@ -111,6 +111,18 @@ pub fn required_param(query: &HashMap<String, String>, name: &str) -> Result<Str
     query.get(name).filter(|v| !v.is_empty()).cloned().ok_or_else(|| ApiError::invalid_field(name, "required"))
 }
 
+/// An optional non-negative integer query parameter, `default` when absent (shared by every route).
+pub fn number_param<T: std::str::FromStr>(
+    query: &HashMap<String, String>,
+    name: &str,
+    default: T,
+) -> Result<T, ApiError> {
+    match query.get(name) {
+        None => Ok(default),
+        Some(text) => text.parse().map_err(|_| ApiError::invalid_field(name, "must be a non-negative integer")),
+    }
+}
+
 /// The HTTP answer for a delivery failure (shared by every transport).
 pub fn delivery_error(error: DeliveryError) -> ApiError {
     match error {
@@ -196,17 +208,13 @@ pub async fn poll(
     let group = required_param(&query, "group")?;
     let topic = required_param(&query, "topic")?;
     authorize(&caller, Action::Consume(&group), "group")?;
-    let number = |name: &str, default: u64| match query.get(name) {
-        None => Ok(default),
-        Some(text) => text.parse::<u64>().map_err(|_| ApiError::invalid_field(name, "must be a non-negative integer")),
-    };
-    let max = number("max", DEFAULT_MAX as u64)?;
-    if max == 0 || max > crate::delivery::MAX_POLL_BATCH as u64 {
+    let max = number_param(&query, "max", DEFAULT_MAX)?;
+    if max == 0 || max > crate::delivery::MAX_POLL_BATCH {
         return Err(ApiError::invalid_field("max", format!("must be in 1..={}", crate::delivery::MAX_POLL_BATCH)));
     }
-    let wait = Duration::from_millis(number("waitMs", DEFAULT_WAIT_MS)?);
+    let wait = Duration::from_millis(number_param(&query, "waitMs", DEFAULT_WAIT_MS)?);
     let _waiting = state.limits.acquire(&caller, Budget::Waiters)?;
-    let deliveries = state.dispatcher.poll(&group, &topic, max as usize, wait).await.map_err(delivery_error)?;
+    let deliveries = state.dispatcher.poll(&group, &topic, max, wait).await.map_err(delivery_error)?;
     let deliveries: Vec<Value> = deliveries.iter().map(delivery_json).collect();
     Ok(Json(json!({ "deliveries": deliveries })).into_response())
 }

@@ -38,8 +38,9 @@ pub(super) async fn run(shared: Arc<Shared>, key: String, stop: Arc<AtomicBool>)
             // Keep only what the broker still leases to us, with a margin for the write itself.
             let now = now_millis();
             unadmitted.retain(|p| p.handle.lease_deadline_ms() > now + 1_000);
-            let Some(sub_state) = shared.state.lock().subs.get(&key).map(|s| (s.sub.clone(), s.policy)) else { break };
-            let (sub, policy) = sub_state;
+            let Some((sub, policy)) = shared.state.lock().subs.get(&key).map(|s| (s.sub.clone(), s.policy)) else {
+                break;
+            };
             if !unadmitted.is_empty() {
                 if let Err((_, back)) = shared.admit(&sub, &policy, std::mem::take(&mut unadmitted)) {
                     unadmitted = back;

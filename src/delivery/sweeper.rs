@@ -21,10 +21,9 @@ use crate::metrics as m;
 /// How often the sweeper looks at the deliveries that are due.
 const TICK: Duration = Duration::from_millis(100);
 
-/// Work the sweeper hands to a task of its own (it involves the broker).
+/// Work the sweeper hands to a task of its own (it involves the broker). Lease renewals are not among them:
+/// they go, by id, to the renewal workers (see [`RENEWAL_WORKERS`]).
 enum Task {
-    /// By id only, queued for the renewal workers (see [`RENEWAL_WORKERS`]).
-    Renew(String),
     BrokerAck(DeliveryRecord),
     DeadLetter(DeliveryRecord),
     GiveUp(String),
@@ -59,6 +58,7 @@ fn sweep(shared: &Arc<Shared>, renewals: &tokio::sync::mpsc::UnboundedSender<Str
     let mut newly_ready: Vec<(String, String)> = Vec::new();
     let mut timed_out: Vec<DeliveryRecord> = Vec::new();
     let mut tasks: Vec<Task> = Vec::new();
+    let mut renewals_due: Vec<String> = Vec::new();
     {
         let mut guard = shared.state.lock();
         let state = &mut *guard;
@@ -114,7 +114,7 @@ fn sweep(shared: &Arc<Shared>, renewals: &tokio::sync::mpsc::UnboundedSender<Str
             }
             if lease_deadline - now < half_lease && retry_due {
                 // Not marked busy here: it stays ACKable while it waits for a renewal permit.
-                tasks.push(Task::Renew(id));
+                renewals_due.push(id);
                 continue;
             }
             state.timers.push(Reverse((next.max(now + 1), id)));
@@ -137,17 +137,13 @@ fn sweep(shared: &Arc<Shared>, renewals: &tokio::sync::mpsc::UnboundedSender<Str
         // A delivery that went to the DLQ unblocks its FIFO message group.
         shared.changed.notify_waiters();
     }
+    // Renewals are queued, not spawned: with many deliveries held they fall due together, and a task each
+    // (sized for the largest task) cost more memory than the deliveries themselves.
+    for id in renewals_due {
+        let _ = renewals.send(id);
+    }
     for task in tasks {
-        match task {
-            // Queued, not spawned: with many deliveries held their renewals fall due together, and a task each
-            // (sized for the largest task) cost more memory than the deliveries themselves.
-            Task::Renew(id) => {
-                let _ = renewals.send(id);
-            }
-            task => {
-                tokio::spawn(run_task(shared.clone(), task));
-            }
-        }
+        tokio::spawn(run_task(shared.clone(), task));
     }
 }
 
@@ -169,7 +165,6 @@ async fn run_task(shared: Arc<Shared>, task: Task) {
         }
         Task::BrokerAck(record) => shared.ack_at_broker_or_retry(&record.id, &record.group, &record.handle).await,
         Task::DeadLetter(record) => dead_letter(&shared, record).await,
-        Task::Renew(id) => renew(&shared, id).await,
     }
 }
 
