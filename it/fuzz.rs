@@ -9,6 +9,7 @@ use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use reqwest::{Client, Method};
 use serde_json::Value;
 
+use crate::harness::env_or;
 use crate::harness::popgate::Popgate;
 use crate::publish::shared_cluster;
 
@@ -171,7 +172,7 @@ async fn random_requests_to_every_route_never_crash_popgate_or_get_a_5xx() {
     let popgate = start_with_everything_token("fuzz_*").await;
     let client = Client::builder().timeout(Duration::from_secs(2)).build().expect("client");
     let routes = popgate::api::routes().len();
-    let cases = std::env::var("FUZZ_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(400);
+    let cases = env_or("FUZZ_CASES", 400);
     let mut runner = TestRunner::new(Config { cases, failure_persistence: None, ..Config::default() });
     let handle = tokio::runtime::Handle::current();
     let base = popgate.base.clone();

@@ -30,7 +30,8 @@ use parking_lot::Mutex;
 use serde_json::{json, Value};
 
 use harness::direct::Direct;
-use harness::popgate::Popgate;
+use harness::env_or;
+use harness::popgate::{proc_status_kib, Popgate};
 use harness::rocketmq::{Cluster, ClusterSpec};
 use harness::unique_topic;
 
@@ -47,10 +48,6 @@ struct Params {
     secs: f64,
     in_flight: usize,
     recovery_records: usize,
-}
-
-fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
 impl Params {
@@ -162,15 +159,6 @@ fn summarize(
 }
 
 // === /proc readings ===
-
-fn proc_status_kib(pid: u32, field: &str) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix(field))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
-}
 
 /// User + system CPU time of `pid` (`/proc/<pid>/stat` fields 14 and 15, in 10 ms clock ticks).
 fn cpu_time(pid: u32) -> Duration {

@@ -36,6 +36,7 @@ use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 
 use harness::direct::{Direct, DirectConsumer};
+use harness::env_or;
 use harness::popgate::{metric_value, Popgate};
 use harness::rocketmq::{Cluster, ClusterSpec};
 use harness::{unique_topic, Tmpfs};
@@ -91,10 +92,6 @@ struct Settings {
     json_path: std::path::PathBuf,
     /// Fault kinds to use (`CHAOS_FAULTS`, comma-separated names; default all).
     kinds: Vec<FaultKind>,
-}
-
-fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
 impl Settings {

@@ -33,6 +33,11 @@ where
     panic!("timed out after {timeout:?} waiting for {what}");
 }
 
+/// A setting from the environment (a bench, chaos or fuzz knob), or `default` when unset or unparsable.
+pub fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
 /// A topic name no other test uses.
 pub fn unique_topic(prefix: &str) -> String {
     format!("{prefix}_{}", rand_suffix())

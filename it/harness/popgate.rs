@@ -111,12 +111,7 @@ impl Popgate {
 
     /// The process's resident memory in KiB (`VmRSS`).
     pub fn rss_kib(&self) -> u64 {
-        let status = fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap_or_default();
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-            .unwrap_or(0)
+        proc_status_kib(self.pid(), "VmRSS:")
     }
 
     /// `kill -STOP` / `kill -CONT` the process (a hung instance).
@@ -294,8 +289,6 @@ pub fn metric_value(text: &str, series: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
-/// Later `[section]` blocks of the same name are merged into the first, so a test's extra TOML may repeat
-/// `[delivery]` or `[broker]` from the minimal config.
 /// Tests that are not about authentication run with it switched off, explicitly (as popgate demands); a test
 /// that configures `[auth]` or `[[auth.tokens]]` gets exactly what it wrote.
 fn with_auth_default(config: &str) -> String {
@@ -306,6 +299,8 @@ fn with_auth_default(config: &str) -> String {
     }
 }
 
+/// Later `[section]` blocks of the same name are merged into the first, so a test's extra TOML may repeat
+/// `[delivery]` or `[broker]` from the minimal config.
 fn merge_sections(text: &str) -> String {
     let mut order: Vec<String> = Vec::new();
     let mut sections: std::collections::HashMap<String, Vec<String>> = std::collections::HashMap::new();
@@ -336,4 +331,14 @@ fn merge_sections(text: &str) -> String {
         })
         .collect::<Vec<_>>()
         .join("\n")
+}
+
+/// A `kB` field of `/proc/<pid>/status` (`VmRSS:`, `VmHWM:`), 0 when unreadable.
+pub fn proc_status_kib(pid: u32, field: &str) -> u64 {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
 }
