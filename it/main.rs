@@ -1,8 +1,12 @@
 //! Integration tests: popgate (the real binary) in front of a real Apache RocketMQ 5.x name server and
 //! brokers, started by [`harness`] on 127.0.0.1, spoken to with a real HTTP client.
 
+// The async state machines of the longer tests nest deeply enough to pass the default limit of 128.
+#![recursion_limit = "256"]
+
 mod dashboards;
 mod delivery;
+mod delivery_core;
 mod dlq;
 mod fuzz;
 mod harness;

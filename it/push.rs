@@ -229,6 +229,11 @@ async fn ten_thousand_queued_events_stay_within_the_in_flight_bound() {
     let config = format!("{CONFIG}max_in_flight = {bound}\nmax_in_flight_per_subscription = {bound}\n");
     let popgate = Popgate::start(&cluster.namesrv_addr, &config).await;
     let (topic, group) = (unique_topic("bounded"), unique_topic("g_bounded"));
+    // Nothing handed out may time out during the test, however slow the machine: a timed-out delivery leaves
+    // its holder's prefetch and would be handed out again as a new attempt.
+    let (status, _) =
+        popgate.post_json("/events/subscribe", &json!({"group": group, "topic": topic, "ackTimeoutMs": 3600000})).await;
+    assert_eq!(status, 200);
     let mut slow = SseClient::connect(&popgate.base, &format!("group={group}&topic={topic}&prefetch=4")).await;
     let rss_before = popgate.rss_kib();
 
@@ -244,24 +249,33 @@ async fn ten_thousand_queued_events_stay_within_the_in_flight_bound() {
             }
         })
     });
+    let publishing = futures::future::join_all(publishers);
+    // A greedy long-poller that never ACKs asks for far more than the bound: in flight must reach the bound,
+    // and stop there.
+    let mut greedy: BTreeSet<String> = BTreeSet::new();
     let mut peak = 0.0f64;
-    let sampler = async {
-        for _ in 0..40 {
-            peak = peak.max(popgate.metric("popgate_pending_deliveries").await);
-            tokio::time::sleep(Duration::from_millis(250)).await;
+    tokio::pin!(publishing);
+    let mut published = None;
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while (published.is_none() || peak < f64::from(bound)) && Instant::now() < deadline {
+        tokio::select! {
+            results = &mut publishing, if published.is_none() => published = Some(results),
+            batch = popgate.poll(&group, &topic, 256, 500) => greedy.extend(batch.iter().map(id)),
         }
-    };
-    let (results, ()) = tokio::join!(futures::future::join_all(publishers), sampler);
-    assert!(results.iter().all(Result::is_ok), "every publish succeeded");
-
-    let mut held = 0;
-    while slow.next(Duration::from_secs(2)).await.is_some() {
-        held += 1;
+        peak = peak.max(popgate.metric("popgate_pending_deliveries").await);
     }
-    assert_eq!(held, 4, "the slow subscriber holds its prefetch and no more");
+    let results = published.expect("publishing finished");
+    assert!(results.iter().all(Result::is_ok), "every publish succeeded");
     // POP may overshoot the bound by one batch per broker (2 × 16) before it sees the count.
+    assert!(peak >= f64::from(bound), "in flight reached its bound of {bound} (peak {peak})");
     assert!(peak <= f64::from(bound + 32), "in flight peaked at {peak} with a bound of {bound}");
-    assert!(peak >= 4.0, "deliveries were in flight ({peak})");
+    assert!(greedy.len() <= bound as usize + 32, "the greedy poller holds {} deliveries", greedy.len());
+
+    let mut held: BTreeSet<String> = BTreeSet::new();
+    while let Some(d) = slow.next(Duration::from_secs(2)).await {
+        held.insert(id(&d));
+    }
+    assert_eq!(held.len(), 4, "the slow subscriber holds its prefetch and no more");
     let grown_mib = popgate.rss_kib().saturating_sub(rss_before) / 1024;
     assert!(grown_mib < 64, "memory stays bounded with {total} events queued at the broker: grew {grown_mib} MiB");
 }

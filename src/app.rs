@@ -88,7 +88,6 @@ pub async fn serve(
         limits: ConnectionLimits::new(config.server.max_waiters_per_token, config.server.max_streams_per_token),
         profile: monitor.clone(),
         config: Arc::new(config),
-        broker: broker.clone(),
         publisher: publisher.clone(),
         dispatcher: dispatcher.clone(),
         metrics,

@@ -138,12 +138,7 @@ impl Pattern {
     }
 }
 
-/// Whether `pattern` is a valid topic/group name in which `*` may stand for any run of characters.
-pub fn is_valid_pattern(pattern: &str) -> bool {
-    !pattern.is_empty()
-        && pattern.len() <= crate::broker::message::MAX_NAME_LEN
-        && pattern.split('*').all(|piece| piece.is_empty() || crate::broker::message::is_valid_name(piece))
-}
+pub use crate::config::names::is_valid_pattern;
 
 #[cfg(test)]
 mod tests {

@@ -14,6 +14,13 @@
 //! - [`metrics`]: every metric's name, help text and buckets.
 //! - [`cli`]: the operator CLI's client of the admin API.
 //! - [`app`]: wiring and the serve loop; `main.rs` only parses the CLI and waits for a signal.
+//!
+//! # Layers
+//!
+//! Arrows run down only: `app` → `api` (and `cli`) → `dlq`, `delivery`, `publish`, `auth`, `reliability` →
+//! `broker`, `store` → `config`; `metrics` is a leaf anyone may use. In particular `publish` knows nothing of
+//! HTTP, `api` reaches the broker only through `publish` and `delivery`, and `config` imports no other
+//! module. A unit test below reads the sources and fails on an arrow that runs back up.
 
 #![forbid(unsafe_code)]
 #![deny(rust_2018_idioms)]
@@ -33,3 +40,49 @@ pub mod store;
 
 pub use app::{serve, AppError};
 pub use config::Config;
+
+#[cfg(test)]
+mod layering {
+    /// For each module (a folder or a file under `src/`), the modules its code must not name.
+    const FORBIDDEN: &[(&str, &[&str])] = &[
+        ("config", &["api", "app", "auth", "broker", "cli", "delivery", "dlq", "publish", "reliability", "store"]),
+        ("store", &["api", "app", "auth", "broker", "cli", "delivery", "dlq", "publish", "reliability"]),
+        ("broker", &["api", "app", "auth", "cli", "delivery", "dlq", "publish", "reliability", "store"]),
+        ("publish", &["api", "app", "auth", "cli", "delivery", "dlq", "reliability", "store"]),
+        ("delivery", &["api", "app", "auth", "cli", "dlq", "reliability"]),
+        ("auth", &["api", "app", "cli", "delivery", "dlq", "publish", "store"]),
+        ("dlq", &["api", "app", "auth", "cli"]),
+        ("api", &["app", "broker", "cli"]),
+    ];
+
+    fn sources(path: &std::path::Path, out: &mut Vec<(String, String)>) {
+        if path.is_dir() {
+            for entry in std::fs::read_dir(path).into_iter().flatten().flatten() {
+                sources(&entry.path(), out);
+            }
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            let text = std::fs::read_to_string(path).unwrap_or_default();
+            out.push((path.display().to_string(), text));
+        }
+    }
+
+    #[test]
+    fn no_arrow_runs_back_up() {
+        let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut breaks = Vec::new();
+        for (module, forbidden) in FORBIDDEN {
+            let mut files = Vec::new();
+            sources(&src.join(module), &mut files);
+            sources(&src.join(format!("{module}.rs")), &mut files);
+            assert!(!files.is_empty(), "module {module} has sources");
+            for (path, text) in files {
+                for target in *forbidden {
+                    if text.contains(&format!("crate::{target}::")) || text.contains(&format!("crate::{target}}}")) {
+                        breaks.push(format!("{path} names crate::{target}"));
+                    }
+                }
+            }
+        }
+        assert!(breaks.is_empty(), "arrows that run back up: {breaks:#?}");
+    }
+}

@@ -54,8 +54,14 @@ pub const OFFSET_WRITE_FAILURES: &str = "popgate_offset_write_failures_total";
 pub const RECOVERED_DELIVERIES: &str = "popgate_recovered_deliveries_total";
 /// Deliveries whose broker lease lapsed or could not be renewed: popgate gave them up to the broker.
 pub const LEASES_LOST: &str = "popgate_leases_lost_total";
-/// Failed broker requests of the consume path, by `op` (pop, renew).
+/// Failed broker requests of the consume path, by `op` (pop, renew, give_back).
 pub const CONSUME_REQUEST_FAILURES: &str = "popgate_consume_request_failures_total";
+/// Counter: popped messages without a readable receipt handle (`POP_CK`); the broker redelivers them.
+pub const POPPED_UNUSABLE: &str = "popgate_popped_unusable_total";
+/// Counter (`reason`): messages handed back to the broker unACKed (`unsubscribed`, `not_admitted`).
+pub const DELIVERIES_GIVEN_BACK: &str = "popgate_deliveries_given_back_total";
+/// Counter (`family`): stored records that no longer decode, found outside boot recovery.
+pub const STORE_UNDECODABLE: &str = "popgate_store_undecodable_records_total";
 /// 1 while the broker is weaker than the reliability profile (flush or replication), else 0.
 pub const PROFILE_MISMATCH: &str = "popgate_profile_mismatch";
 /// Requests refused before or by their handler for a limit or for authentication, by `reason`
@@ -110,10 +116,12 @@ const ZERO_SERIES: &[(&str, &str, &[&str])] = &[
     (SEND_DEGRADED, "status", &["FLUSH_DISK_TIMEOUT", "FLUSH_SLAVE_TIMEOUT", "SLAVE_NOT_AVAILABLE"]),
     (DELIVERIES_DISPATCHED, "transport", &["poll", "sse", "websocket", "webhook"]),
     (PUSH_WRITE_FAILURES, "transport", &["sse", "websocket", "webhook"]),
-    (ACKS, "result", &["acked", "unknown", "stale", "store_error"]),
+    (ACKS, "result", &["acked", "unknown", "stale", "not_in_flight", "busy", "store_error"]),
     (REDELIVERIES, "reason", &["timeout", "nack", "push_failure", "recovery"]),
     (RECOVERED_DELIVERIES, "outcome", &["redispatched", "ack_pending", "dead_letter_pending", "corrupt"]),
-    (CONSUME_REQUEST_FAILURES, "op", &["pop", "renew"]),
+    (CONSUME_REQUEST_FAILURES, "op", &["pop", "renew", "give_back"]),
+    (DELIVERIES_GIVEN_BACK, "reason", &["unsubscribed", "not_admitted"]),
+    (STORE_UNDECODABLE, "family", &["dlq_replays"]),
     (
         REQUESTS_REJECTED,
         "reason",
@@ -139,6 +147,7 @@ const ZERO_COUNTERS: &[&str] = &[
     OFFSET_WRITE_FAILURES,
     LEASES_LOST,
     TLS_HANDSHAKE_FAILURES,
+    POPPED_UNUSABLE,
 ];
 
 fn register_zeroes() {
@@ -176,7 +185,18 @@ fn describe_all() {
     describe_counter!(OFFSET_WRITE_FAILURES, Unit::Count, "Failed state-store writes (disk full, I/O error).");
     describe_counter!(RECOVERED_DELIVERIES, Unit::Count, "Records replayed at boot, by outcome.");
     describe_counter!(LEASES_LOST, Unit::Count, "Deliveries given back to the broker because their lease lapsed.");
-    describe_counter!(CONSUME_REQUEST_FAILURES, Unit::Count, "Failed POP and lease-renewal requests, by op.");
+    describe_counter!(
+        CONSUME_REQUEST_FAILURES,
+        Unit::Count,
+        "Failed POP, lease-renewal and give-back requests, by op."
+    );
+    describe_counter!(
+        POPPED_UNUSABLE,
+        Unit::Count,
+        "Popped messages without a readable receipt handle (redelivered by the broker)."
+    );
+    describe_counter!(DELIVERIES_GIVEN_BACK, Unit::Count, "Messages handed back to the broker unACKed, by reason.");
+    describe_counter!(STORE_UNDECODABLE, Unit::Count, "Stored records that no longer decode, by family.");
     describe_counter!(REQUESTS_REJECTED, Unit::Count, "Requests refused for a limit or authentication, by reason.");
     describe_counter!(TLS_HANDSHAKE_FAILURES, Unit::Count, "TLS handshakes that failed or timed out.");
     describe_counter!(DLQ_REPLAYS, Unit::Count, "DLQ events replayed to their origin topic, by result.");

@@ -263,6 +263,7 @@ impl DirectPath {
                             max: 32,
                             invisible_ms: 60_000,
                             poll_ms: 1_000,
+                            orderly: false,
                         };
                         let popped = client.pop(&handle, broker, &request).await.unwrap_or_default();
                         for p in &popped {

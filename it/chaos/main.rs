@@ -1,19 +1,25 @@
 //! popgate-chaos: producers and consumers run through popgate for a while, faults are injected on a seeded
 //! random schedule, and then the history is checked (openmessaging/openchaos style):
 //!
-//! - **lost = 0**: every publish that got 200 was ACKed by a consumer or sits in `%DLQ%<group>`;
+//! The checker trusts only the broker and the subscribers' own record, never popgate's answers:
+//! - **lost = 0**: every publish the broker stored (`SEND_OK`) reached a subscriber or sits in
+//!   `%DLQ%<group>`, read back from the broker;
 //! - **order**: within a message group no event is handed out while an earlier one is unsettled;
-//! - **ACK precedence**: popgate's broker ACKs never outnumber the subscriber ACKs, recovered ACK intents and
-//!   DLQ writes that allow them (sampled from `/metrics` all along), and once everything is settled the
-//!   broker's consumer progress holds nothing a subscriber did not settle;
+//! - **ACK precedence, per message**: the group's committed offset of each queue is read from the broker all
+//!   along; every message below it must have had its ACK (or TERM) sent by a subscriber before that read;
+//! - **nothing left at the broker**: after the run popgate is killed, the lease is waited out, and the group
+//!   is drained directly at the broker: an event a subscriber had ACKed (200) that comes back is a broker ACK
+//!   that never happened, one nobody received is lost, and an event still unsettled is pending at the end;
+//! - **every fault bites**: a full disk that failed no state write fails the run;
 //! - duplicates, redeliveries and dead letters are counted and reported, with the recovery time after each
-//!   fault and end-to-end latency buckets.
+//!   fault (p50/max per kind), end-to-end latency buckets, and popgate's RSS and open files every 10 s.
 //!
 //! Faults: `kill -9` of popgate and restart, SIGSTOP/SIGCONT of the broker, `kill -9` of the broker and
 //! restart, the state store's disk filling up and freeing, subscribers dying with deliveries in hand.
 //!
-//! Run by `cargo test` as a short version (about 2 minutes, every fault kind at least once). Longer runs:
-//! `CHAOS_SECS=600 CHAOS_SEED=42 cargo test --release --test chaos`. Settings (environment):
+//! Run by `cargo test` as a short version (about 3 minutes, every fault kind at least once). Longer runs:
+//! `CHAOS_SECS=600 CHAOS_SEED=42 cargo test --release --test chaos`; the one-hour soak is `CHAOS_SOAK=1`
+//! (3600 s of faults, one every 30 s on average). Settings (environment):
 //! `CHAOS_SEED` (default: from the clock, printed), `CHAOS_SECS` (fault phase, default 60),
 //! `CHAOS_INTERVAL_SECS` (mean gap between faults, default 4), `CHAOS_GROUPS` (message groups = producers,
 //! default 8), `CHAOS_RATE` (events/s per group, default 10), `CHAOS_JSON` (report path, default
@@ -37,7 +43,7 @@ use serde_json::{json, Value};
 
 use harness::direct::{Direct, DirectConsumer};
 use harness::env_or;
-use harness::popgate::{metric_value, Popgate};
+use harness::popgate::Popgate;
 use harness::rocketmq::{Cluster, ClusterSpec};
 use harness::{unique_topic, Tmpfs};
 
@@ -96,12 +102,13 @@ struct Settings {
 
 impl Settings {
     fn from_env() -> Settings {
+        let soak = std::env::var("CHAOS_SOAK").is_ok_and(|v| v == "1");
         let clock_seed =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(1);
         Settings {
             seed: env_or("CHAOS_SEED", clock_seed),
-            secs: env_or("CHAOS_SECS", 60),
-            interval_secs: env_or("CHAOS_INTERVAL_SECS", 4.0),
+            secs: env_or("CHAOS_SECS", if soak { 3600 } else { 60 }),
+            interval_secs: env_or("CHAOS_INTERVAL_SECS", if soak { 30.0 } else { 4.0 }),
             groups: env_or("CHAOS_GROUPS", 8),
             rate: env_or("CHAOS_RATE", 10.0),
             json_path: std::env::var("CHAOS_JSON")
@@ -154,6 +161,14 @@ impl Settings {
 struct Ledger {
     /// 200-published events: ms (since start) when their publish was sent.
     published: HashMap<String, f64>,
+    /// Where the broker stored each published event: (broker, queue id, queue offset), from its answer.
+    placement: HashMap<String, (String, i32, i64)>,
+    /// When a subscriber first sent an ACK or TERM for each event (ms since start).
+    settle_sent_at: HashMap<String, f64>,
+    /// Messages below the broker's committed offset whose ACK no subscriber had sent yet (checked against the
+    /// DLQ at the end: exhausted attempts are dead-lettered without a subscriber's word).
+    early_broker_acks: HashSet<String>,
+    offset_samples: u64,
     publish_attempts_failed: u64,
     publish_latency_ms: Vec<f64>,
     /// Receipt times of each event (any subscriber, any attempt).
@@ -161,9 +176,11 @@ struct Ledger {
     /// Per group: which indexes a consumer started to settle (ACK or TERM sent), and the first index not.
     started: Vec<HashSet<u64>>,
     prefix: Vec<u64>,
-    /// Events whose ACK popgate confirmed (or confirmed as already known after an ambiguous first try).
+    /// Events whose ACK popgate confirmed with 200.
     acked: HashSet<String>,
-    acked_ambiguous: u64,
+    /// Events whose first ACK answer was lost and whose retry was answered "unknown": settled as far as the
+    /// subscriber can tell, but not a confirmed ACK (the broker drain at the end tells).
+    acked_ambiguous: HashSet<String>,
     /// Events whose TERM popgate confirmed.
     termed: HashSet<String>,
     /// Receipts of an event after its ACK/TERM was confirmed.
@@ -175,9 +192,16 @@ struct Ledger {
     ack_ok_at: Vec<f64>,
     /// Subscriber deaths: when, and the events they dropped.
     deaths: Vec<(f64, Vec<String>)>,
-    /// Broker ACKs that outnumbered what allows them in one `/metrics` sample.
-    precedence_violations: u64,
-    metric_samples: u64,
+    /// popgate's RSS (KiB) and open file descriptors, sampled every 10 s: (ms since start, rss, fds).
+    resources: Vec<(f64, u64, u64)>,
+}
+
+impl Ledger {
+    /// A subscriber settled `key` as far as it can tell (ACK answered, TERM answered, or an ACK whose answer
+    /// was lost and whose retry found nothing left to ACK).
+    fn settled(&self, key: &str) -> bool {
+        self.acked.contains(key) || self.termed.contains(key) || self.acked_ambiguous.contains(key)
+    }
 }
 
 struct World {
@@ -194,6 +218,8 @@ struct World {
     /// preallocated for its WAL and actually fail).
     heavy: AtomicBool,
     ledger: Mutex<Ledger>,
+    /// The running popgate's process id (it changes at each restart), for the resource sampler.
+    popgate_pid: AtomicU32,
 }
 
 fn key_of(group: usize, index: u64) -> String {
@@ -222,7 +248,7 @@ impl World {
         let now = self.now_ms();
         let mut ledger = self.ledger.lock();
         ledger.receipts.entry(key.clone()).or_default().push(now);
-        if ledger.acked.contains(&key) || ledger.termed.contains(&key) {
+        if ledger.acked.contains(&key) || ledger.termed.contains(&key) || ledger.acked_ambiguous.contains(&key) {
             ledger.duplicated += 1;
             return Some(key);
         }
@@ -240,8 +266,10 @@ impl World {
     /// of the group is not mistaken for a reordering).
     fn start_settle(&self, key: &str) {
         let Some((group, index)) = parse_key(key) else { return };
+        let now = self.now_ms();
         let mut guard = self.ledger.lock();
         let ledger = &mut *guard;
+        ledger.settle_sent_at.entry(key.to_owned()).or_insert(now);
         ledger.started[group].insert(index);
         while ledger.started[group].contains(&ledger.prefix[group]) {
             ledger.prefix[group] += 1;
@@ -252,7 +280,7 @@ impl World {
     fn undo_settle(&self, key: &str) {
         let Some((group, index)) = parse_key(key) else { return };
         let mut ledger = self.ledger.lock();
-        if ledger.acked.contains(key) || ledger.termed.contains(key) {
+        if ledger.acked.contains(key) || ledger.termed.contains(key) || ledger.acked_ambiguous.contains(key) {
             return;
         }
         ledger.started[group].remove(&index);
@@ -282,11 +310,21 @@ async fn producer(world: Arc<World>, group: usize, rate: f64) {
             .timeout(Duration::from_secs(10))
             .send()
             .await;
-        let ok = resp.is_ok_and(|r| r.status().as_u16() == 200);
+        let answer = match resp {
+            Ok(r) if r.status().as_u16() == 200 => r.json::<Value>().await.ok(),
+            _ => None,
+        };
+        let ok = answer.is_some();
         let done = world.now_ms();
         {
             let mut ledger = world.ledger.lock();
-            if ok {
+            if let Some(answer) = &answer {
+                let placement = (
+                    answer["broker"].as_str().unwrap_or_default().to_owned(),
+                    answer["queueId"].as_i64().unwrap_or(-1) as i32,
+                    answer["queueOffset"].as_i64().unwrap_or(-1),
+                );
+                ledger.placement.entry(key.clone()).or_insert(placement);
                 ledger.published.entry(key).or_insert(sent);
                 ledger.publish_latency_ms.push(done - sent);
                 ledger.publish_ok_at.push(done);
@@ -394,11 +432,11 @@ async fn settle(world: &World, items: Vec<(String, String, bool)>) {
 fn confirm(world: &World, key: &str, term: bool, ambiguous: bool) {
     let now = world.now_ms();
     let mut ledger = world.ledger.lock();
-    if ambiguous {
-        ledger.acked_ambiguous += 1;
-    }
     if term {
         ledger.termed.insert(key.to_owned());
+    } else if ambiguous {
+        // "unknown" after a lost answer is not an ACK: only the broker drain at the end can tell.
+        ledger.acked_ambiguous.insert(key.to_owned());
     } else {
         ledger.acked.insert(key.to_owned());
     }
@@ -491,28 +529,42 @@ async fn sse_subscriber(world: Arc<World>) {
     }
 }
 
-// === the ACK-precedence monitor ===
+// === the ACK-precedence monitor and the resource sampler ===
 
-/// Samples `/metrics`: broker ACKs ≤ subscriber ACKs + DLQ writes + ACK intents recovered at boot, per process.
-async fn monitor(world: Arc<World>) {
-    let series = |text: &str, name: &str| metric_value(text, name);
+/// Reads the group's committed offset of each queue from the broker (orderly POP commits on ACK) and checks
+/// every message below it against the subscribers' record: its ACK or TERM must have been sent before.
+async fn monitor(world: Arc<World>, namesrv_addr: String) {
+    let direct = Direct::connect(&namesrv_addr).await;
     while !world.stop_consume.load(Ordering::Relaxed) {
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        let Ok(resp) = world.http.get(format!("{}/metrics", world.base())).timeout(Duration::from_secs(5)).send().await
-        else {
-            continue;
-        };
-        let Ok(text) = resp.text().await else { continue };
-        let broker_acks = series(&text, "popgate_broker_acks_total");
-        let allowed = series(&text, "popgate_acks_total{result=\"acked\"}")
-            + series(&text, &format!("popgate_dlq_messages_total{{group=\"{}\"}}", world.group))
-            + series(&text, "popgate_recovered_deliveries_total{outcome=\"ack_pending\"}");
-        let mut ledger = world.ledger.lock();
-        ledger.metric_samples += 1;
-        if broker_acks > allowed {
-            ledger.precedence_violations += 1;
-            eprintln!("chaos: broker ACKs {broker_acks} > subscriber ACKs + DLQ writes + recovered intents {allowed}");
+        tokio::time::sleep(Duration::from_millis(1_000)).await;
+        let asked_at = world.now_ms();
+        let Some(offsets) = direct.consumer_offsets(&world.group, &world.topic).await else { continue };
+        let mut guard = world.ledger.lock();
+        let ledger = &mut *guard;
+        ledger.offset_samples += 1;
+        for (key, (broker, queue, offset)) in &ledger.placement {
+            let committed = offsets.get(&(broker.clone(), *queue)).copied().unwrap_or(0);
+            let sent_before = ledger.settle_sent_at.get(key).is_some_and(|at| *at <= asked_at);
+            if *offset < committed && !sent_before && ledger.early_broker_acks.insert(key.clone()) {
+                eprintln!(
+                    "chaos: {key} ({broker} q{queue} @{offset}) is below the committed offset {committed} \
+                           but no subscriber had sent its ACK"
+                );
+            }
         }
+    }
+}
+
+/// Samples popgate's RSS and open file descriptors every 10 s.
+async fn sample_resources(world: Arc<World>) {
+    while !world.stop_consume.load(Ordering::Relaxed) {
+        let pid = world.popgate_pid.load(Ordering::Relaxed);
+        let rss = harness::popgate::proc_status_kib(pid, "VmRSS:");
+        let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).map(|d| d.count() as u64).unwrap_or(0);
+        if rss > 0 {
+            world.ledger.lock().resources.push((world.now_ms(), rss, fds));
+        }
+        tokio::time::sleep(Duration::from_secs(10)).await;
     }
 }
 
@@ -540,6 +592,7 @@ async fn inject(rig: &mut Rig, world: &World, fault: &Fault) -> FaultRecord {
         FaultKind::PopgateKill9 => {
             rig.popgate.restart().await;
             *world.base.write() = rig.popgate.base.clone();
+            world.popgate_pid.store(rig.popgate.pid(), Ordering::Relaxed);
         }
         FaultKind::BrokerPause => {
             rig.cluster.pause_broker("broker-a");
@@ -674,6 +727,7 @@ async fn run(settings: Settings) -> Vec<String> {
             prefix: vec![0; settings.groups],
             ..Ledger::default()
         }),
+        popgate_pid: AtomicU32::new(popgate.pid()),
     });
     let mut tasks = Vec::new();
     for g in 0..settings.groups {
@@ -684,7 +738,8 @@ async fn run(settings: Settings) -> Vec<String> {
         tokio::spawn(poller(world.clone())),
         tokio::spawn(sse_subscriber(world.clone())),
     ];
-    consumers.push(tokio::spawn(monitor(world.clone())));
+    consumers.push(tokio::spawn(monitor(world.clone(), cluster.namesrv_addr.clone())));
+    consumers.push(tokio::spawn(sample_resources(world.clone())));
 
     let mut rig = Rig { cluster, popgate, disk };
     let mut records = Vec::new();
@@ -717,7 +772,7 @@ async fn run(settings: Settings) -> Vec<String> {
     loop {
         let open = {
             let ledger = world.ledger.lock();
-            ledger.published.keys().filter(|k| !ledger.acked.contains(*k) && !ledger.termed.contains(*k)).count()
+            ledger.published.keys().filter(|k| !ledger.settled(k)).count()
         };
         if open == 0 || Instant::now() > drain_deadline {
             break;
@@ -729,7 +784,7 @@ async fn run(settings: Settings) -> Vec<String> {
     while rig.popgate.metric("popgate_pending_deliveries").await > 0.0 && Instant::now() < pending_deadline {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    let pending_left = rig.popgate.metric("popgate_pending_deliveries").await;
+    let popgate_pending_left = rig.popgate.metric("popgate_pending_deliveries").await;
     world.stop_consume.store(true, Ordering::Relaxed);
     for task in consumers {
         let _ = task.await;
@@ -743,21 +798,26 @@ async fn run(settings: Settings) -> Vec<String> {
         .iter()
         .filter_map(|m| String::from_utf8_lossy(&m.body).split('|').next().map(str::to_owned))
         .collect();
+    // popgate is stopped; past its lease (and the broker's revive slack) the broker hands a direct consumer
+    // of the group whatever it still considers unconsumed.
     rig.popgate.kill9();
-    let leftover =
-        DirectConsumer::connect(&rig.cluster.namesrv_addr).await.drain(&group, &topic, Duration::from_secs(8)).await;
+    let leftover = DirectConsumer::connect(&rig.cluster.namesrv_addr)
+        .await
+        .drain_as(&group, &topic, Duration::from_millis(LEASE_MS + 15_000), true)
+        .await;
 
     let ledger = world.ledger.lock();
     for record in &mut records {
         record.recovery_ms = recovery_ms(&ledger, record);
     }
+    // Lost: stored by the broker, never received by a subscriber, not in the DLQ.
     let lost: Vec<&String> =
-        ledger.published.keys().filter(|k| !ledger.acked.contains(*k) && !dlq.contains(*k)).collect();
-    let leftover_unsettled = leftover
-        .iter()
-        .filter_map(|b| b.split('|').next())
-        .filter(|k| ledger.published.contains_key(*k) && !ledger.acked.contains(*k) && !ledger.termed.contains(*k))
-        .count();
+        ledger.published.keys().filter(|k| !ledger.receipts.contains_key(*k) && !dlq.contains(*k)).collect();
+    let leftover_keys: Vec<&str> = leftover.iter().filter_map(|b| b.split('|').next()).collect();
+    let broker_ack_missing = leftover_keys.iter().filter(|k| ledger.acked.contains(**k)).count();
+    let leftover_unsettled = leftover_keys.iter().filter(|k| !ledger.acked.contains(**k)).count();
+    let pending_at_end: Vec<&String> = ledger.published.keys().filter(|k| !ledger.settled(k)).collect();
+    let early_broker_acks: Vec<&String> = ledger.early_broker_acks.iter().filter(|k| !dlq.contains(*k)).collect();
     let received: usize = ledger.receipts.values().map(Vec::len).sum();
     let mut e2e: Vec<f64> =
         ledger.receipts.iter().filter_map(|(k, times)| Some(times.first()? - ledger.published.get(k)?)).collect();
@@ -777,7 +837,7 @@ async fn run(settings: Settings) -> Vec<String> {
         "sent": ledger.published.len(),
         "publishAttemptsFailed": ledger.publish_attempts_failed,
         "acked": ledger.acked.len(),
-        "ackedAfterAmbiguousAnswer": ledger.acked_ambiguous,
+        "ackedAfterAmbiguousAnswer": ledger.acked_ambiguous.len(),
         "terminated": ledger.termed.len(),
         "deadLettered": dlq.len(),
         "lost": lost.len(),
@@ -787,13 +847,18 @@ async fn run(settings: Settings) -> Vec<String> {
         "duplicated": ledger.duplicated,
         "reordered": ledger.reordered,
         "reorderExamples": ledger.reorder_examples,
-        "precedenceViolations": ledger.precedence_violations,
-        "metricSamples": ledger.metric_samples,
+        "precedenceViolations": early_broker_acks.len(),
+        "precedenceExamples": early_broker_acks.iter().take(10).collect::<Vec<_>>(),
+        "offsetSamples": ledger.offset_samples,
         "brokerLeftoverAfterDrain": leftover.len(),
+        "brokerAckMissing": broker_ack_missing,
         "brokerLeftoverUnsettled": leftover_unsettled,
-        "pendingAtEnd": pending_left,
+        "pendingAtEnd": pending_at_end.len(),
+        "popgatePendingAtEnd": popgate_pending_left,
         "drainMs": (drained_ms - stopped_ms).round(),
         "faults": faults_json,
+        "recoveryByKind": recovery_by_kind(&records),
+        "resources": resources_json(&ledger.resources),
         "endToEndLatencyBuckets": buckets(&e2e),
         "endToEndLatencyMs": {"p50": percentile(&mut e2e, 0.5), "p99": percentile(&mut e2e, 0.99), "max": percentile(&mut e2e, 1.0)},
         "publishLatencyBuckets": buckets(&publish_latency),
@@ -816,8 +881,28 @@ async fn run(settings: Settings) -> Vec<String> {
     if ledger.reordered > 0 {
         failures.push(format!("{} reordered: {:?}", ledger.reordered, ledger.reorder_examples));
     }
-    if ledger.precedence_violations > 0 {
-        failures.push(format!("{} broker-ACK precedence violations", ledger.precedence_violations));
+    if !early_broker_acks.is_empty() {
+        failures
+            .push(format!("{} broker ACKs before a subscriber ACK: {early_broker_acks:?}", early_broker_acks.len()));
+    }
+    if ledger.offset_samples == 0 {
+        failures.push("the broker's consumer offsets were never read".to_owned());
+    }
+    if broker_ack_missing > 0 {
+        failures.push(format!("{broker_ack_missing} events ACKed by a subscriber came back from the broker"));
+    }
+    if leftover_unsettled > 0 || !pending_at_end.is_empty() {
+        failures.push(format!(
+            "{leftover_unsettled} unsettled events left at the broker, {} published events unsettled at the end: {:?}",
+            pending_at_end.len(),
+            pending_at_end.iter().take(10).collect::<Vec<_>>()
+        ));
+    }
+    if popgate_pending_left > 0.0 {
+        failures.push(format!("popgate still held {popgate_pending_left} deliveries at the end"));
+    }
+    for record in records.iter().filter(|r| r.store_write_failures == Some(0.0)) {
+        failures.push(format!("{} at {:.0} ms did not bite: no state write failed", record.kind.name(), record.at_ms));
     }
     let injected: HashSet<FaultKind> = records.iter().map(|r| r.kind).collect();
     if injected.len() < settings.kinds.len() {
@@ -837,10 +922,42 @@ async fn run(settings: Settings) -> Vec<String> {
     failures
 }
 
+/// popgate's broker lease in a chaos run: longer than a broker restart (it is renewed at half), so popgate
+/// keeps its deliveries through one; the end of the run waits it out before draining the broker.
+const LEASE_MS: u64 = 30_000;
+
 /// The popgate config of a chaos run (one place, so a setting every instance needs is added once).
 fn popgate_config(state_dir: &std::path::Path) -> String {
-    // A lease longer than a broker restart (renewed at half), so popgate keeps its deliveries through one.
-    format!("[delivery]\nstate_dir = \"{}\"\nlease_ms = 60000\npop_poll_ms = 1000\n", state_dir.display())
+    format!("[delivery]\nstate_dir = \"{}\"\nlease_ms = {LEASE_MS}\npop_poll_ms = 1000\n", state_dir.display())
+}
+
+/// Recovery time after each fault kind: how many, p50 and max (ms).
+fn recovery_by_kind(records: &[FaultRecord]) -> Value {
+    let mut by_kind: BTreeMap<&'static str, Vec<f64>> = BTreeMap::new();
+    for record in records {
+        by_kind.entry(record.kind.name()).or_default().extend(record.recovery_ms);
+    }
+    let entries: serde_json::Map<String, Value> = by_kind
+        .into_iter()
+        .map(|(kind, mut times)| {
+            let count = times.len();
+            let p50 = percentile(&mut times, 0.5).round();
+            let max = percentile(&mut times, 1.0).round();
+            (kind.to_owned(), json!({"count": count, "p50Ms": p50, "maxMs": max}))
+        })
+        .collect();
+    Value::Object(entries)
+}
+
+/// popgate's RSS (MiB) and open files at the start, the end and their maximum.
+fn resources_json(samples: &[(f64, u64, u64)]) -> Value {
+    let mib = |kib: u64| (kib as f64 / 1024.0 * 10.0).round() / 10.0;
+    let (Some(first), Some(last)) = (samples.first(), samples.last()) else { return Value::Null };
+    json!({
+        "samples": samples.len(),
+        "rssMiB": {"start": mib(first.1), "end": mib(last.1), "max": mib(samples.iter().map(|s| s.1).max().unwrap_or(0))},
+        "openFiles": {"start": first.2, "end": last.2, "max": samples.iter().map(|s| s.2).max().unwrap_or(0)},
+    })
 }
 
 fn print_report(report: &Value) {
@@ -858,10 +975,12 @@ fn print_report(report: &Value) {
         "duplicated",
         "reordered",
         "precedenceViolations",
-        "metricSamples",
+        "offsetSamples",
         "brokerLeftoverAfterDrain",
+        "brokerAckMissing",
         "brokerLeftoverUnsettled",
         "pendingAtEnd",
+        "popgatePendingAtEnd",
         "drainMs",
     ] {
         println!("  {field:<28} {}", report[field]);
@@ -877,6 +996,8 @@ fn print_report(report: &Value) {
             f["storeWriteFailures"].as_f64().map(|n| format!("  (state-store writes failed: {n})")).unwrap_or_default()
         );
     }
+    println!("  recovery by fault kind: {}", report["recoveryByKind"]);
+    println!("  popgate resources: {}", report["resources"]);
     println!("  end-to-end latency (publish sent -> first delivery): {}", report["endToEndLatencyBuckets"]);
     println!("    {}", report["endToEndLatencyMs"]);
     println!("  publish latency: {}  {}", report["publishLatencyBuckets"], report["publishLatencyMs"]);

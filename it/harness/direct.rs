@@ -9,6 +9,11 @@ use rocketmq_model::common::message::message_ext::MessageExt;
 use rocketmq_model::common::message::message_queue::MessageQueue;
 use rocketmq_runtime::RuntimeOwner;
 
+/// RocketMQ's `PermName.PERM_READ`: a topic that can be read but not written.
+pub const PERM_READ: u32 = 4;
+/// `PERM_READ | PERM_WRITE`, a topic's default.
+pub const PERM_READ_WRITE: u32 = 6;
+
 /// One message as read back from the broker.
 #[derive(Debug, Clone)]
 pub struct StoredMessage {
@@ -54,12 +59,46 @@ impl Direct {
     /// Creates `topic` with 4 queues on each broker address given (the way an operator pre-creates topics
     /// when auto-creation is off), so its route names all of them from the start.
     pub async fn create_topic(&self, topic: &str, broker_addrs: &[String]) {
+        self.create_topic_with_perm(topic, broker_addrs, PERM_READ_WRITE).await;
+    }
+
+    /// Creates (or updates) `topic` with 4 queues and the permission `perm` ([`PERM_READ`] makes every send to
+    /// it fail while the broker stays up; [`PERM_READ_WRITE`] is the default).
+    pub async fn create_topic_with_perm(&self, topic: &str, broker_addrs: &[String], perm: u32) {
         for addr in broker_addrs {
-            let config = rocketmq_model::common::config::TopicConfig::with_queues(topic, 4, 4);
+            let mut config = rocketmq_model::common::config::TopicConfig::with_queues(topic, 4, 4);
+            config.perm = perm;
             TopicAdmin::create_and_update_topic_config(&self.admin, CheetahString::from(addr.as_str()), config)
                 .await
                 .expect("create topic");
         }
+    }
+
+    /// The group's committed consumer offset of each queue of `topic`, by (broker name, queue id): with the
+    /// broker's orderly POP, everything below it was ACKed at the broker. (The chaos checker's; the `it`
+    /// binary compiles the harness too.)
+    #[allow(dead_code)]
+    pub async fn consumer_offsets(&self, group: &str, topic: &str) -> Option<HashMap<(String, i32), i64>> {
+        use rocketmq_client_rust::ConsumerAdmin;
+        let stats = ConsumerAdmin::examine_consume_stats(
+            &self.admin,
+            CheetahString::from(group),
+            Some(CheetahString::from(topic)),
+            None,
+            None,
+            Some(5_000),
+        )
+        .await
+        .ok()?;
+        Some(
+            stats
+                .get_offset_table()
+                .iter()
+                .map(|(queue, offsets)| {
+                    ((queue.broker_name().to_string(), queue.queue_id()), offsets.get_consumer_offset())
+                })
+                .collect(),
+        )
     }
 
     /// Every message currently stored in `topic`, on every broker and queue.
@@ -116,6 +155,11 @@ impl DirectConsumer {
 
     /// POPs (and ACKs) whatever `group` can get from `topic` within `window`, returning the event bodies.
     pub async fn drain(&self, group: &str, topic: &str, window: std::time::Duration) -> Vec<String> {
+        self.drain_as(group, topic, window, false).await
+    }
+
+    /// [`DirectConsumer::drain`] with the broker's orderly POP (for a group popgate consumed orderly).
+    pub async fn drain_as(&self, group: &str, topic: &str, window: std::time::Duration, orderly: bool) -> Vec<String> {
         let deadline = std::time::Instant::now() + window;
         let handle = self.client.dedicated_handle().expect("handle");
         let mut bodies = Vec::new();
@@ -129,6 +173,7 @@ impl DirectConsumer {
                     max: 32,
                     invisible_ms: 60_000,
                     poll_ms: 1_000,
+                    orderly,
                 };
                 for popped in self.client.pop(&handle, broker, &request).await.unwrap_or_default() {
                     self.client.ack(group, &popped.handle).await.expect("direct ack");

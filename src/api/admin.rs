@@ -22,7 +22,7 @@ use axum::http::StatusCode;
 use axum::Json;
 use serde_json::{json, Value};
 
-use super::events::{delivery_error, number_param, subscription_json};
+use super::events::{number_param, subscription_json};
 use super::{ApiError, AppState};
 use crate::dlq::{dlq_topic_of, BrowseRequest, DlqError, ReplayRequest};
 
@@ -115,7 +115,7 @@ pub async fn delete_subscription(
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     let (group, topic) =
         id.split_once(':').ok_or_else(|| ApiError::invalid_field("id", "a subscription id is <group>:<topic>"))?;
-    state.dispatcher.unsubscribe(group, topic).map_err(delivery_error)?;
+    state.dispatcher.unsubscribe(group, topic).map_err(ApiError::from)?;
     Ok((StatusCode::OK, Json(json!({"status": "unsubscribed", "id": id}))))
 }
 

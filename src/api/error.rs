@@ -2,6 +2,9 @@
 //! `{"error":{"code","message","field"}}`, where `code` comes from a fixed set.
 
 use axum::http::StatusCode;
+
+use crate::delivery::DeliveryError;
+use crate::publish::request::RequestError;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Serialize;
@@ -138,5 +141,35 @@ impl IntoResponse for ApiError {
             },
         };
         (self.status, Json(body)).into_response()
+    }
+}
+
+/// The one mapping of a delivery failure to an HTTP answer, for every transport and route.
+impl From<DeliveryError> for ApiError {
+    fn from(error: DeliveryError) -> ApiError {
+        let word = error.code();
+        match error {
+            DeliveryError::Unknown => ApiError::delivery_status(StatusCode::NOT_FOUND, word, error.to_string()),
+            DeliveryError::Stale | DeliveryError::NotInFlight => {
+                ApiError::delivery_status(StatusCode::CONFLICT, word, error.to_string())
+            }
+            DeliveryError::Busy => ApiError::delivery_status(StatusCode::SERVICE_UNAVAILABLE, word, error.to_string()),
+            DeliveryError::Invalid(field, message) => ApiError::invalid_field(field, message),
+            DeliveryError::Store(store) => {
+                tracing::warn!(error = %store, "Delivery request refused: state store unavailable.");
+                ApiError::unavailable(format!("state store unavailable: {store}"), serde_json::json!({}))
+            }
+        }
+    }
+}
+
+/// A refused publish request: 400 naming the field, or 413.
+impl From<RequestError> for ApiError {
+    fn from(error: RequestError) -> ApiError {
+        match error {
+            RequestError::InvalidField { field, message } => ApiError::invalid_field(&field, message),
+            RequestError::MalformedBody(message) => ApiError::malformed_body(message),
+            RequestError::TooLarge { limit } => ApiError::too_large(limit),
+        }
     }
 }

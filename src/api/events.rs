@@ -32,7 +32,7 @@ use serde_json::{json, Value};
 use super::guard::{authorize, read_body, rejected, Budget};
 use super::{ApiError, AppState};
 use crate::auth::{Action, Caller};
-use crate::delivery::{DeliveryError, Dispatched, NackOutcome, Subscription, SubscriptionRequest};
+use crate::delivery::{Dispatched, NackOutcome, Subscription, SubscriptionRequest};
 
 /// Default long-poll wait when `waitMs` is absent.
 const DEFAULT_WAIT_MS: u64 = 1_000;
@@ -123,22 +123,6 @@ pub fn number_param<T: std::str::FromStr>(
     }
 }
 
-/// The HTTP answer for a delivery failure (shared by every transport).
-pub fn delivery_error(error: DeliveryError) -> ApiError {
-    match error {
-        DeliveryError::Unknown => ApiError::delivery_status(StatusCode::NOT_FOUND, "unknown", error.to_string()),
-        DeliveryError::Stale => ApiError::delivery_status(StatusCode::CONFLICT, "stale", error.to_string()),
-        DeliveryError::NotInFlight => {
-            ApiError::delivery_status(StatusCode::CONFLICT, "not_in_flight", error.to_string())
-        }
-        DeliveryError::Invalid(field, message) => ApiError::invalid_field(field, message),
-        DeliveryError::Store(store) => {
-            tracing::warn!(error = %store, "Delivery request refused: state store unavailable.");
-            ApiError::unavailable(format!("state store unavailable: {store}"), json!({}))
-        }
-    }
-}
-
 /// 403 unless `caller` may consume as the group of delivery `id`. An id popgate does not hold is let through:
 /// the dispatcher answers it (unknown or stale), and ids are unguessable.
 ///
@@ -183,7 +167,7 @@ pub async fn subscribe(
             ordered: body.ordered,
             push: body.push,
         })
-        .map_err(delivery_error)?;
+        .map_err(ApiError::from)?;
     Ok(Json(json!({ "subscription": subscription_json(&sub) })).into_response())
 }
 
@@ -195,7 +179,7 @@ pub async fn unsubscribe(
 ) -> Result<Response, ApiError> {
     let body: GroupTopic = parse_body(&read_body(body)?)?;
     authorize(&caller, Action::Consume(&body.group), "group")?;
-    state.dispatcher.unsubscribe(&body.group, &body.topic).map_err(delivery_error)?;
+    state.dispatcher.unsubscribe(&body.group, &body.topic).map_err(ApiError::from)?;
     Ok(Json(json!({"status": "unsubscribed"})).into_response())
 }
 
@@ -214,7 +198,7 @@ pub async fn poll(
     }
     let wait = Duration::from_millis(number_param(&query, "waitMs", DEFAULT_WAIT_MS)?);
     let _waiting = state.limits.acquire(&caller, Budget::Waiters)?;
-    let deliveries = state.dispatcher.poll(&group, &topic, max, wait).await.map_err(delivery_error)?;
+    let deliveries = state.dispatcher.poll(&group, &topic, max, wait).await.map_err(ApiError::from)?;
     let deliveries: Vec<Value> = deliveries.iter().map(delivery_json).collect();
     Ok(Json(json!({ "deliveries": deliveries })).into_response())
 }
@@ -254,7 +238,7 @@ pub async fn ack(
     match (body.delivery_id, body.delivery_ids) {
         (Some(id), None) => {
             authorize_delivery(&state, &caller, &id)?;
-            state.dispatcher.ack(&id).await.map_err(delivery_error)?;
+            state.dispatcher.ack(&id).await.map_err(ApiError::from)?;
             tracing::debug!(delivery_id = %id, "Delivery acked.");
             Ok(Json(json!({"status": "acked"})).into_response())
         }
@@ -279,9 +263,7 @@ pub async fn ack(
             for (id, outcome) in allowed.into_iter().zip(outcomes) {
                 let status = match outcome {
                     Ok(()) => "acked",
-                    Err(DeliveryError::Unknown) => "unknown",
-                    Err(DeliveryError::Stale) => "stale",
-                    Err(_) => "error",
+                    Err(error) => error.code(),
                 };
                 results.push(json!({"deliveryId": id, "status": status}));
             }
@@ -301,7 +283,7 @@ pub async fn nack(
     let body: NackBody = parse_body(&read_body(body)?)?;
     authorize_delivery(&state, &caller, &body.delivery_id)?;
     let delay = body.delay_ms.map(Duration::from_millis);
-    let outcome = state.dispatcher.nack(&body.delivery_id, delay).await.map_err(delivery_error)?;
+    let outcome = state.dispatcher.nack(&body.delivery_id, delay).await.map_err(ApiError::from)?;
     Ok(Json(match outcome {
         NackOutcome::Retry { attempt, due_ms } => json!({"status": "retry", "attempt": attempt, "dueAt": due_ms}),
         NackOutcome::DeadLetter => json!({"status": "dead_letter"}),
@@ -318,6 +300,6 @@ pub async fn term(
     let body: TermBody = parse_body(&read_body(body)?)?;
     authorize_delivery(&state, &caller, &body.delivery_id)?;
     let reason = body.reason.unwrap_or_else(|| "terminated".to_owned());
-    state.dispatcher.term(&body.delivery_id, &reason).await.map_err(delivery_error)?;
+    state.dispatcher.term(&body.delivery_id, &reason).await.map_err(ApiError::from)?;
     Ok(Json(json!({"status": "terminated"})).into_response())
 }

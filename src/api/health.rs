@@ -18,12 +18,7 @@ pub async fn healthz() -> impl IntoResponse {
 /// `reliability.fail_on_mismatch`, no broker is weaker than the profile); else 503 naming what is wrong. The
 /// profile check is always reported.
 pub async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
-    // A name server that answers but knows no broker yet (one still starting) cannot take a publish.
-    let broker = match state.broker.cluster_masters().await {
-        Ok(masters) if masters.is_empty() => Err("no broker has registered with the name server yet".to_owned()),
-        Ok(_) => Ok(()),
-        Err(error) => Err(error.to_string()),
-    };
+    let broker = state.publisher.readiness().await;
     let store_ok = state.dispatcher.store_healthy();
     let mismatch = state.profile.any_mismatch();
     let mismatch_blocks = mismatch && state.config.reliability.fail_on_mismatch;

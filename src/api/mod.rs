@@ -37,7 +37,6 @@ use metrics_exporter_prometheus::PrometheusHandle;
 pub use error::ApiError;
 
 use crate::auth::TokenTable;
-use crate::broker::BrokerClient;
 use crate::config::Config;
 use crate::delivery::Dispatcher;
 use crate::dlq::DlqAdmin;
@@ -50,8 +49,6 @@ use guard::{ConnectionLimits, SizeLimits};
 pub struct AppState {
     /// The effective configuration.
     pub config: Arc<Config>,
-    /// The cluster connection (readiness).
-    pub broker: Arc<BrokerClient>,
     /// The publish path.
     pub publisher: Arc<Publisher>,
     /// The consume path.

@@ -29,7 +29,7 @@ use futures::{SinkExt, StreamExt};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use super::events::{authorize_delivery, delivery_error, delivery_json, required_param};
+use super::events::{authorize_delivery, delivery_json, required_param};
 use super::guard::{authorize, Budget, Slot};
 use super::{ApiError, AppState};
 use crate::auth::{Action, Caller};
@@ -67,7 +67,7 @@ pub async fn stream(
     let (group, topic, prefetch) = push_params(&query)?;
     authorize(&caller, Action::Consume(&group), "group")?;
     let slot = state.limits.acquire(&caller, Budget::Streams)?;
-    let subscriber = state.dispatcher.attach(&group, &topic, prefetch, "sse").map_err(delivery_error)?;
+    let subscriber = state.dispatcher.attach(&group, &topic, prefetch, "sse").map_err(ApiError::from)?;
     // A reconnecting client names the last delivery it saw. What it still holds unACKed stays in flight to it
     // (it is not sent again on this stream): it ACKs those by POST, or they come back after their ACK timeout.
     if let Some(last) = headers.get("last-event-id").and_then(|v| v.to_str().ok()) {
@@ -126,7 +126,7 @@ pub async fn websocket(
     let (group, topic, prefetch) = push_params(&query)?;
     authorize(&caller, Action::Consume(&group), "group")?;
     let slot = state.limits.acquire(&caller, Budget::Streams)?;
-    let subscriber = state.dispatcher.attach(&group, &topic, prefetch, "websocket").map_err(delivery_error)?;
+    let subscriber = state.dispatcher.attach(&group, &topic, prefetch, "websocket").map_err(ApiError::from)?;
     Ok(upgrade.on_upgrade(move |socket| ws_session(socket, subscriber, state, caller, slot)))
 }
 
@@ -214,12 +214,11 @@ async fn settle_in_band(state: &AppState, caller: &Caller, text: &str) -> Value 
     };
     let status = match result {
         Ok(status) => status,
-        Err(DeliveryError::Unknown) => "unknown".to_owned(),
-        Err(DeliveryError::Stale) => "stale".to_owned(),
-        Err(DeliveryError::NotInFlight) => "not_in_flight".to_owned(),
         Err(error) => {
-            tracing::warn!(%error, "In-band settlement failed.");
-            "error".to_owned()
+            if matches!(error, DeliveryError::Store(_) | DeliveryError::Busy) {
+                tracing::warn!(%error, "In-band settlement failed.");
+            }
+            error.code().to_owned()
         }
     };
     json!({"type": "result", "op": op, "deliveryId": id, "status": status})

@@ -6,7 +6,11 @@
 //! - A popped message stays invisible for `invisible_time` from `pop_time`; after that the broker's revive
 //!   service re-puts it to `%RETRY%` with `reconsumeTimes + 1`.
 //! - ChangeInvisibleTime acks the old checkpoint and writes a new one: the answer's `popTime` makes a new
-//!   handle, and the old one is dead.
+//!   handle, and the old one is dead. For a message popped orderly it only moves that message's
+//!   next-visible time: `popTime` stays, and the answered invisible time counts from it.
+//! - Orderly POP (`order=true`) locks each queue for the group until every message popped from it is ACKed or
+//!   past its invisible time; then the same messages (same offsets) come again, never through `%RETRY%`, with
+//!   the broker's count of attempts (`orderCountInfo`, read by the client crate into `reconsumeTimes`).
 //! - ACK with a lapsed handle still answers SUCCESS, so ownership is judged from the handle's own deadline.
 //! - A message that came back from the retry topic must be ACKed on that topic (the handle's retry marker).
 
@@ -110,6 +114,9 @@ pub struct PopRequest<'a> {
     pub invisible_ms: u64,
     /// How long the broker may hold the request waiting for a message.
     pub poll_ms: u64,
+    /// The broker's orderly POP: a queue's next messages are handed out only once the ones handed out
+    /// before are ACKed (or their invisible time is over, and then those come again first).
+    pub orderly: bool,
 }
 
 impl BrokerClient {
@@ -144,7 +151,7 @@ impl BrokerClient {
             init_mode: INIT_MODE_MIN,
             exp_type: Some("TAG".into()),
             exp: Some(request.filter.into()),
-            order: Some(false),
+            order: Some(request.orderly),
             attempt_id: None,
             topic_request_header: None,
         };
@@ -157,7 +164,15 @@ impl BrokerClient {
             return Ok(Vec::new());
         }
         let messages = result.msg_found_list.unwrap_or_default();
-        Ok(messages.iter().filter_map(|m| popped(m, request, broker)).collect())
+        let usable: Vec<Popped> = messages.iter().filter_map(|m| popped(m, request, broker)).collect();
+        let unusable = messages.len() - usable.len();
+        if unusable > 0 {
+            // It cannot be ACKed or renewed without its receipt handle; the broker delivers it again once its
+            // invisible time is over. Counted, never dropped in silence.
+            metrics::counter!(crate::metrics::POPPED_UNUSABLE).increment(unusable as u64);
+            tracing::warn!(unusable, broker = %broker.name, topic = request.topic, "Popped messages without a readable receipt handle (POP_CK); the broker will redeliver them.");
+        }
+        Ok(usable)
     }
 
     /// ACKs the message at the broker. A message the broker no longer has (`NotExist`) counts as done.
@@ -222,13 +237,14 @@ impl BrokerClient {
         if result.status() != AckStatus::Ok {
             return Err(BrokerError::Response { code: -1, detail: "change invisible time refused".to_owned() });
         }
-        Ok(ReceiptHandle {
-            // The crate appends " <offset>" to the rebuilt extra info, as the POP_CK property has it.
-            extra_info: result.extra_info().to_string(),
-            pop_time_ms: result.pop_time(),
-            invisible_ms: i64::try_from(invisible_ms).unwrap_or(i64::MAX),
-            ..handle.clone()
-        })
+        // The crate appends " <offset>" to the rebuilt extra info, as the POP_CK property has it. Its
+        // invisible time is the broker's answer, which is what the lease is: for a normal message the new
+        // checkpoint's (`popTime` is now), for an orderly one the time since the unchanged `popTime` (the
+        // broker only moves that message's next-visible time).
+        let extra_info = result.extra_info().to_string();
+        let requested = i64::try_from(invisible_ms).unwrap_or(i64::MAX);
+        let answered = ExtraInfoUtil::parse_ack_extra_info(&extra_info).map(|p| p.invisible_time).unwrap_or(requested);
+        Ok(ReceiptHandle { extra_info, pop_time_ms: result.pop_time(), invisible_ms: answered, ..handle.clone() })
     }
 }
 

@@ -13,16 +13,8 @@ pub const PROPERTY_TIMER_DELIVER_MS: &str = "TIMER_DELIVER_MS";
 /// The client message id (`MessageConst.PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX`).
 pub const PROPERTY_UNIQ_KEY: &str = "UNIQ_KEY";
 
-/// RocketMQ's longest topic or consumer-group name.
-pub const MAX_NAME_LEN: usize = 127;
-
-/// Whether `name` is a valid RocketMQ topic or consumer-group name: 1..=127 of letters, digits, `_`, `-`,
-/// `%`, `|` (the broker's `TopicValidator` character set).
-pub fn is_valid_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= MAX_NAME_LEN
-        && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '%' | '|'))
-}
+// The naming rules are the config's (it validates names before anything else exists).
+pub use crate::config::names::{is_valid_name, MAX_NAME_LEN};
 
 /// Property names the broker gives meaning to; a user property may not take one of them.
 pub fn is_reserved_property(name: &str) -> bool {

@@ -8,6 +8,8 @@
 //! Field names carry their unit (`_ms`, `_secs`, `_bytes`); the accessors that return [`Duration`] convert at
 //! the edge.
 
+pub mod bounds;
+pub mod names;
 mod validate;
 
 use std::net::SocketAddr;

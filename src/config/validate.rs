@@ -59,14 +59,15 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
 
     let delivery = &config.delivery;
     check(!delivery.state_dir.as_os_str().is_empty(), "delivery.state_dir", "must be a directory path");
-    check(delivery.ack_timeout_ms > 0, "delivery.ack_timeout_ms", "must be > 0");
-    check(delivery.max_attempts >= 1, "delivery.max_attempts", "must be >= 1");
-    check(delivery.initial_backoff_ms > 0, "delivery.initial_backoff_ms", "must be > 0");
-    check(
-        delivery.max_backoff_ms >= delivery.initial_backoff_ms,
-        "delivery.max_backoff_ms",
-        "must be >= delivery.initial_backoff_ms",
-    );
+    // The defaults of every subscription: the bounds each subscription is checked against, too.
+    for (setting, reason) in super::bounds::check(
+        delivery.ack_timeout_ms,
+        delivery.max_attempts,
+        delivery.initial_backoff_ms,
+        delivery.max_backoff_ms,
+    ) {
+        check(false, setting.config_key(), &reason);
+    }
     check((0.0..1.0).contains(&delivery.jitter_ratio), "delivery.jitter_ratio", "must be in [0, 1)");
     check(delivery.lease_ms >= 1_000, "delivery.lease_ms", "must be >= 1000");
     check(
@@ -75,7 +76,11 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
         &format!("must be in 1..={MAX_POP_BATCH} (the broker's POP limit)"),
     );
     check(delivery.pop_poll_ms > 0, "delivery.pop_poll_ms", "must be > 0");
-    check((1..=1024).contains(&delivery.prefetch), "delivery.prefetch", "must be in 1..=1024");
+    check(
+        super::bounds::PREFETCH.contains(&delivery.prefetch),
+        "delivery.prefetch",
+        &format!("must be in {}..={}", super::bounds::PREFETCH.start(), super::bounds::PREFETCH.end()),
+    );
     check(delivery.max_in_flight >= 1, "delivery.max_in_flight", "must be >= 1");
     check(
         (1..=delivery.max_in_flight).contains(&delivery.max_in_flight_per_subscription),
@@ -148,7 +153,7 @@ fn auth_problems(auth: &super::AuthConfig) -> Vec<String> {
             _ => out.push(format!("config key `{key}.token`: give exactly one of `token` and `sha256`")),
         }
         for pattern in token.publish.iter().chain(&token.consume) {
-            if !crate::auth::is_valid_pattern(pattern) {
+            if !super::names::is_valid_pattern(pattern) {
                 out.push(format!("config key `{key}`: pattern `{pattern}` is not a topic/group name with `*`"));
             }
         }

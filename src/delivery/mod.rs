@@ -15,19 +15,22 @@
 //! (ChangeInvisibleTime) ahead of expiry; if popgate dies, the lease running out is the backstop and the
 //! broker redelivers. Nothing but a subscriber ACK, or a successful DLQ write, ever ACKs the broker.
 //!
-//! - [`dispatcher`]: the state machine and the client operations (poll, ack, nack, term).
+//! - `state`: **the one owner of the state machine** (`Deliveries`): every transition above is one of its
+//!   methods, and its fields are private to it. Everything below calls those methods and nothing else.
+//! - [`Dispatcher`] (this file): the entry point every transport shares (subscribe, poll, attach, ack, nack,
+//!   term, the admin view); it starts the loops.
 //! - [`popper`]: one demand-paced POP loop per subscription.
-//! - [`sweeper`]: timeouts, retries, lease renewal, owed broker ACKs and DLQ writes.
+//! - [`sweeper`]: the timer tick: timeouts, retries, lease renewal, owed broker ACKs and DLQ writes.
 //! - [`subscriber`]: a push subscriber's session (prefetch, write failures, disconnects).
 //! - [`webhook`]: pushing a subscription's deliveries to an HTTP endpoint (CloudEvents, HMAC-signed).
 //! - [`recovery`]: boot replay of the stored state. [`dlq`]: the dead-letter message. [`retry`]: the backoff.
 
-pub mod dispatcher;
 pub mod dlq;
 mod popper;
 pub mod record;
 pub mod recovery;
 pub mod retry;
+mod state;
 pub mod subscriber;
 mod sweeper;
 pub mod webhook;
@@ -36,26 +39,91 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
-pub use dispatcher::{DeliveryError, Dispatched, NackOutcome};
-pub use record::Subscription;
+pub use record::{Event, Subscription};
+pub use state::new_delivery_id;
 pub use subscriber::Subscriber;
 
-use dispatcher::{Shared, State, SubState};
 use recovery::RecoveryReport;
 use retry::RetryPolicy;
+use state::Deliveries;
 
 use crate::broker::BrokerClient;
-use crate::config::DeliveryConfig;
+use crate::config::{bounds, DeliveryConfig};
 use crate::publish::Publisher;
-use crate::store::{Family, StateStore};
+use crate::store::{StateStore, StoreError};
 
 /// Longest long-poll wait a client may ask for.
 pub const MAX_POLL_WAIT: Duration = Duration::from_secs(30);
 /// Most deliveries one poll may return.
 pub const MAX_POLL_BATCH: usize = 256;
+
+/// Why a delivery request could not be served.
+#[derive(Debug, thiserror::Error)]
+pub enum DeliveryError {
+    /// No such delivery, or it was already ACKed.
+    #[error("unknown or already acknowledged delivery")]
+    Unknown,
+    /// popgate no longer owns the message (its lease lapsed or a renewal failed): the broker may have handed it
+    /// to someone else, and will redeliver it.
+    #[error("the delivery's broker lease was lost; the broker will redeliver the event")]
+    Stale,
+    /// The delivery is not handed out: it waits for its next attempt, or for the DLQ.
+    #[error("the delivery is not awaiting an ACK (it waits for a retry or for the DLQ)")]
+    NotInFlight,
+    /// Another request or task is acting on the delivery and did not finish in time; try again.
+    #[error("the delivery is busy; try again")]
+    Busy,
+    /// The state store could not record the change; nothing was changed.
+    #[error("state store unavailable: {0}")]
+    Store(#[from] StoreError),
+    /// A request value is out of range.
+    #[error("{1}")]
+    Invalid(&'static str, String),
+}
+
+impl DeliveryError {
+    /// The short, fixed word every transport reports for this error (`status` of an ACK result, the `code`
+    /// of an error body, the `result` label of `popgate_acks_total`).
+    pub fn code(&self) -> &'static str {
+        match self {
+            DeliveryError::Unknown => "unknown",
+            DeliveryError::Stale => "stale",
+            DeliveryError::NotInFlight => "not_in_flight",
+            DeliveryError::Busy => "busy",
+            DeliveryError::Store(_) => "store_error",
+            DeliveryError::Invalid(..) => "invalid_field",
+        }
+    }
+}
+
+/// One delivery handed to a subscriber.
+#[derive(Debug, Clone)]
+pub struct Dispatched {
+    /// The delivery id to ACK.
+    pub id: String,
+    /// Attempt number (1-based).
+    pub attempt: u32,
+    /// ACK by this time (epoch ms).
+    pub ack_deadline_ms: i64,
+    /// The event.
+    pub event: Event,
+}
+
+/// The outcome of a NACK.
+#[derive(Debug, Clone, PartialEq)]
+pub enum NackOutcome {
+    /// Attempt `attempt` is due at `due_ms`.
+    Retry {
+        /// The next attempt's number.
+        attempt: u32,
+        /// When (epoch ms).
+        due_ms: i64,
+    },
+    /// It was the last attempt: the event goes to the DLQ.
+    DeadLetter,
+}
 
 /// What a subscriber may set on its subscription; unset fields take the configured defaults.
 #[derive(Debug, Clone, Default)]
@@ -108,7 +176,7 @@ pub struct InFlight {
 
 /// The consume path's entry point, shared by every transport.
 pub struct Dispatcher {
-    shared: Arc<Shared>,
+    deliveries: Arc<Deliveries>,
     tasks: parking_lot::Mutex<Vec<JoinHandle<()>>>,
     /// This dispatcher, for the webhook pushers it starts (they hold it as subscribers do).
     me: std::sync::Weak<Dispatcher>,
@@ -131,31 +199,20 @@ impl Dispatcher {
         config: DeliveryConfig,
         group_commit: Option<Duration>,
     ) -> Result<(Arc<Dispatcher>, RecoveryReport), DeliveryError> {
-        let shared = Arc::new(Shared {
-            state: parking_lot::Mutex::new(State::default()),
-            store,
-            broker,
-            publisher,
-            config,
-            changed: Notify::new(),
-            next_seq: std::sync::atomic::AtomicU64::new(1),
-            store_healthy: AtomicBool::new(true),
-            shutting_down: AtomicBool::new(false),
-        });
-        let report = recovery::recover(&shared)?;
+        let deliveries = Arc::new(Deliveries::new(store, broker, publisher, config));
+        let (report, poppers) = recovery::recover(&deliveries)?;
         let dispatcher = Arc::new_cyclic(|me| Dispatcher {
-            shared: shared.clone(),
+            deliveries: deliveries.clone(),
             tasks: parking_lot::Mutex::new(Vec::new()),
             me: me.clone(),
             webhooks: parking_lot::Mutex::new(std::collections::HashMap::new()),
         });
-        dispatcher.tasks.lock().push(tokio::spawn(sweeper::run(shared.clone())));
+        dispatcher.spawn(sweeper::run(deliveries.clone()));
         if let Some(interval) = group_commit {
-            dispatcher.tasks.lock().push(tokio::spawn(group_commit_loop(shared.clone(), interval)));
+            dispatcher.spawn(group_commit_loop(deliveries.clone(), interval));
         }
-        let keys: Vec<String> = shared.state.lock().subs.keys().cloned().collect();
-        for key in keys {
-            dispatcher.start_popper(&key);
+        for (key, stop) in poppers {
+            dispatcher.spawn(popper::run(deliveries.clone(), key, stop));
         }
         for sub in dispatcher.subscriptions() {
             dispatcher.restart_webhook(&sub);
@@ -163,12 +220,20 @@ impl Dispatcher {
         Ok((dispatcher, report))
     }
 
-    /// Runs recovery again (it is idempotent: live records are skipped). For operators and tests.
+    fn spawn(&self, task: impl std::future::Future<Output = ()> + Send + 'static) {
+        self.tasks.lock().push(tokio::spawn(task));
+    }
+
+    /// Runs recovery again (it is idempotent: tracked records are skipped). For operators and tests.
     ///
     /// # Errors
     /// [`DeliveryError::Store`] when the store cannot be read.
     pub fn recover_again(&self) -> Result<RecoveryReport, DeliveryError> {
-        Ok(recovery::recover(&self.shared)?)
+        let (report, poppers) = recovery::recover(&self.deliveries)?;
+        for (key, stop) in poppers {
+            self.spawn(popper::run(self.deliveries.clone(), key, stop));
+        }
+        Ok(report)
     }
 
     /// Stops the subscription's webhook pusher, if any, and starts one for its current `push` config.
@@ -180,17 +245,7 @@ impl Dispatcher {
         let (Some(push), Some(me)) = (sub.push.clone(), self.me.upgrade()) else { return };
         let stop = Arc::new(AtomicBool::new(false));
         self.webhooks.lock().insert(key, stop.clone());
-        let task = tokio::spawn(webhook::run(me, sub.group.clone(), sub.topic.clone(), push, stop));
-        self.tasks.lock().push(task);
-    }
-
-    fn start_popper(&self, key: &str) {
-        let stop = match self.shared.state.lock().subs.get(key) {
-            Some(sub) => sub.stop.clone(),
-            None => return,
-        };
-        let task = tokio::spawn(popper::run(self.shared.clone(), key.to_owned(), stop));
-        self.tasks.lock().push(task);
+        self.spawn(webhook::run(me, sub.group.clone(), sub.topic.clone(), push, stop));
     }
 
     /// Creates or updates a subscription (persisted) and starts its POP loop.
@@ -198,7 +253,7 @@ impl Dispatcher {
     /// # Errors
     /// [`DeliveryError::Invalid`] naming a bad field; [`DeliveryError::Store`] when it cannot be stored.
     pub fn subscribe(&self, request: SubscriptionRequest) -> Result<Subscription, DeliveryError> {
-        let config = &self.shared.config;
+        let config = self.deliveries.config();
         validate_name("group", &request.group)?;
         validate_name("topic", &request.topic)?;
         let sub = Subscription {
@@ -218,11 +273,12 @@ impl Dispatcher {
         if sub.filter.trim().is_empty() {
             return Err(DeliveryError::Invalid("filter", "must be a tag expression such as `*` or `a || b`".into()));
         }
-        if !(100..=3_600_000).contains(&sub.ack_timeout_ms) {
-            return Err(DeliveryError::Invalid("ackTimeoutMs", "must be in 100..=3600000".into()));
-        }
-        if !(1..=100).contains(&sub.max_attempts) {
-            return Err(DeliveryError::Invalid("maxAttempts", "must be in 1..=100".into()));
+        if let Some((setting, reason)) =
+            bounds::check(sub.ack_timeout_ms, sub.max_attempts, sub.initial_backoff_ms, sub.max_backoff_ms)
+                .into_iter()
+                .next()
+        {
+            return Err(DeliveryError::Invalid(setting.api_field(), reason));
         }
         let policy = RetryPolicy::try_new(
             Duration::from_millis(sub.initial_backoff_ms),
@@ -231,66 +287,23 @@ impl Dispatcher {
             sub.max_attempts,
         )
         .map_err(|e| DeliveryError::Invalid("initialBackoffMs", e.to_string()))?;
-        let key = sub.key();
-        self.shared.write(&[crate::store::Change::Put(
-            Family::Subscriptions,
-            &key,
-            serde_json::to_vec(&sub).map_err(crate::store::StoreError::from)?,
-        )])?;
-        let is_new = {
-            let mut state = self.shared.state.lock();
-            match state.subs.get_mut(&key) {
-                Some(existing) => {
-                    existing.sub = sub.clone();
-                    existing.policy = policy;
-                    false
-                }
-                None => {
-                    state.subs.insert(key.clone(), SubState::new(sub.clone(), policy));
-                    true
-                }
-            }
-        };
-        if is_new {
-            self.start_popper(&key);
+        if let Some(stop) = self.deliveries.put_subscription(sub.clone(), policy)? {
+            self.spawn(popper::run(self.deliveries.clone(), sub.key(), stop));
         }
         self.restart_webhook(&sub);
         Ok(sub)
     }
 
-    /// Removes a subscription: its POP loop stops, and its undelivered events are given back to the broker
-    /// (not ACKed), which redelivers them to whoever subscribes next.
+    /// Removes a subscription: its POP loop and webhook stop, and its unsettled events are given back to the
+    /// broker (not ACKed), which redelivers them to whoever subscribes next.
     ///
     /// # Errors
     /// [`DeliveryError::Unknown`] when there is no such subscription; [`DeliveryError::Store`].
     pub fn unsubscribe(&self, group: &str, topic: &str) -> Result<(), DeliveryError> {
-        let key = Subscription::key_of(group, topic);
-        if !self.shared.state.lock().subs.contains_key(&key) {
-            return Err(DeliveryError::Unknown);
+        self.deliveries.remove_subscription(group, topic)?;
+        if let Some(stop) = self.webhooks.lock().remove(&Subscription::key_of(group, topic)) {
+            stop.store(true, Ordering::Relaxed);
         }
-        self.shared.write(&[crate::store::Change::Delete(Family::Subscriptions, &key)])?;
-        let released: Vec<String> = {
-            let mut state = self.shared.state.lock();
-            if let Some(sub) = state.subs.remove(&key) {
-                sub.stop.store(true, Ordering::Relaxed);
-            }
-            if let Some(stop) = self.webhooks.lock().remove(&key) {
-                stop.store(true, Ordering::Relaxed);
-            }
-            state
-                .records
-                .iter()
-                .filter(|(_, live)| live.record.group == group && live.record.topic == topic && !live.busy)
-                .filter(|(_, live)| {
-                    !matches!(live.record.phase, record::Phase::Acked | record::Phase::DeadLetter { .. })
-                })
-                .map(|(id, _)| id.clone())
-                .collect()
-        };
-        for id in released {
-            self.shared.retire(&id);
-        }
-        self.shared.changed.notify_waiters();
         Ok(())
     }
 
@@ -299,53 +312,25 @@ impl Dispatcher {
     /// # Errors
     /// As [`Dispatcher::subscribe`].
     pub fn ensure_subscription(&self, group: &str, topic: &str) -> Result<Subscription, DeliveryError> {
-        if let Some(sub) = self.shared.state.lock().subs.get(&Subscription::key_of(group, topic)) {
-            return Ok(sub.sub.clone());
+        if let Some(sub) = self.deliveries.subscription(group, topic) {
+            return Ok(sub);
         }
         self.subscribe(SubscriptionRequest { group: group.to_owned(), topic: topic.to_owned(), ..Default::default() })
     }
 
     /// The consumer group of an in-flight delivery (to authorize its ACK, NACK or TERM).
     pub fn group_of(&self, id: &str) -> Option<String> {
-        self.shared.state.lock().records.get(id).map(|live| live.record.group.clone())
+        self.deliveries.group_of(id)
     }
 
     /// Up to `max` in-flight deliveries (of `group`, when given), oldest admission first: the admin view.
     pub fn in_flight(&self, group: Option<&str>, max: usize) -> Vec<InFlight> {
-        let state = self.shared.state.lock();
-        let mut found: Vec<&dispatcher::Live> =
-            state.records.values().filter(|live| group.is_none_or(|g| live.record.group == g)).collect();
-        found.sort_by_key(|live| live.record.seq);
-        found
-            .into_iter()
-            .take(max)
-            .map(|live| {
-                let record = &live.record;
-                let (phase, due_ms) = match &record.phase {
-                    record::Phase::Ready { due_ms } => ("ready", Some(*due_ms)),
-                    record::Phase::AwaitingAck { deadline_ms, .. } => ("awaiting_ack", Some(*deadline_ms)),
-                    record::Phase::Acked => ("ack_pending", None),
-                    record::Phase::DeadLetter { .. } => ("dead_letter_pending", None),
-                };
-                InFlight {
-                    delivery_id: record.id.clone(),
-                    group: record.group.clone(),
-                    topic: record.topic.clone(),
-                    event_id: record.event.id.clone(),
-                    attempt: record.attempt,
-                    phase,
-                    due_ms,
-                    subscriber: live.holder.map(|h| format!("push-{h}")),
-                    last_failure: record.last_failure.clone(),
-                    lease_deadline_ms: record.handle.lease_deadline_ms(),
-                }
-            })
-            .collect()
+        self.deliveries.in_flight(group, max)
     }
 
     /// Every subscription.
     pub fn subscriptions(&self) -> Vec<Subscription> {
-        self.shared.state.lock().subs.values().map(|s| s.sub.clone()).collect()
+        self.deliveries.subscriptions()
     }
 
     /// Long-polls up to `max` deliveries for `group`/`topic`, waiting at most `wait` when none is ready.
@@ -361,13 +346,13 @@ impl Dispatcher {
     ) -> Result<Vec<Dispatched>, DeliveryError> {
         let key = self.ensure_subscription(group, topic)?.key();
         let max = max.clamp(1, MAX_POLL_BATCH);
-        let _demand = Demand::register(&self.shared, &key, max);
+        let _demand = Demand::register(&self.deliveries, &key, max);
         let deadline = tokio::time::Instant::now() + wait.min(MAX_POLL_WAIT);
         loop {
-            let notified = self.shared.changed.notified();
+            let notified = self.deliveries.changed();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let taken = self.shared.take_ready(&key, max, "poll", None)?;
+            let taken = self.deliveries.hand_out(&key, max, "poll", None)?;
             if !taken.is_empty() || tokio::time::Instant::now() >= deadline {
                 return Ok(taken);
             }
@@ -382,7 +367,7 @@ impl Dispatcher {
     /// defaults if there is none. `prefetch` (default `delivery.prefetch`) bounds its unACKed deliveries.
     ///
     /// # Errors
-    /// As [`Dispatcher::subscribe`]; [`DeliveryError::Invalid`] for a prefetch outside 1..=1024.
+    /// As [`Dispatcher::subscribe`]; [`DeliveryError::Invalid`] for a prefetch out of bounds.
     pub fn attach(
         &self,
         group: &str,
@@ -390,34 +375,37 @@ impl Dispatcher {
         prefetch: Option<usize>,
         transport: &'static str,
     ) -> Result<Subscriber, DeliveryError> {
-        let prefetch = prefetch.unwrap_or(self.shared.config.prefetch);
-        if !(1..=1024).contains(&prefetch) {
-            return Err(DeliveryError::Invalid("prefetch", "must be in 1..=1024".into()));
+        let prefetch = prefetch.unwrap_or(self.deliveries.config().prefetch);
+        if !bounds::PREFETCH.contains(&prefetch) {
+            let (low, high) = (bounds::PREFETCH.start(), bounds::PREFETCH.end());
+            return Err(DeliveryError::Invalid("prefetch", format!("must be in {low}..={high}")));
         }
         let key = self.ensure_subscription(group, topic)?.key();
-        Ok(Subscriber::new(self.shared.clone(), key, prefetch, transport))
+        Ok(Subscriber::new(self.deliveries.clone(), key, prefetch, transport))
     }
 
-    /// See [`Shared::ack`].
+    /// The subscriber's ACK: the ACK intent is stored, then the broker ACK follows. Accepted only for a
+    /// delivery that is handed out (awaiting its ACK).
     ///
     /// # Errors
-    /// [`DeliveryError::Unknown`] (404), [`DeliveryError::Stale`] (409), [`DeliveryError::Store`] (503).
+    /// [`DeliveryError::Unknown`] (404), [`DeliveryError::Stale`] and [`DeliveryError::NotInFlight`] (409),
+    /// [`DeliveryError::Busy`] and [`DeliveryError::Store`] (503).
     pub async fn ack(&self, id: &str) -> Result<(), DeliveryError> {
-        self.shared.ack(id).await
+        self.deliveries.ack(id).await
     }
 
     /// ACKs a batch: every id at once (each as [`Dispatcher::ack`], so their broker ACKs overlap instead of
     /// waiting for one another); the results in the order of `ids`.
     pub async fn ack_many(&self, ids: &[String]) -> Vec<Result<(), DeliveryError>> {
-        futures::future::join_all(ids.iter().map(|id| self.shared.ack(id))).await
+        futures::future::join_all(ids.iter().map(|id| self.deliveries.ack(id))).await
     }
 
     /// NACK: the attempt is spent; the next is scheduled after `delay` (or the backoff), or the DLQ.
     ///
     /// # Errors
-    /// As [`Dispatcher::ack`], and [`DeliveryError::NotInFlight`] for a delivery not handed out.
+    /// As [`Dispatcher::ack`].
     pub async fn nack(&self, id: &str, delay: Option<Duration>) -> Result<NackOutcome, DeliveryError> {
-        self.shared.nack(id, delay).await
+        self.deliveries.nack(id, delay).await
     }
 
     /// TERM: straight to the DLQ with `reason`.
@@ -425,21 +413,20 @@ impl Dispatcher {
     /// # Errors
     /// As [`Dispatcher::ack`].
     pub async fn term(&self, id: &str, reason: &str) -> Result<(), DeliveryError> {
-        self.shared.term(id, reason).await
+        self.deliveries.term(id, reason).await
     }
 
     /// False after a failed state-store write, until a write succeeds again.
     pub fn store_healthy(&self) -> bool {
-        self.shared.store_healthy.load(Ordering::Relaxed)
+        self.deliveries.store().is_healthy()
     }
 
     /// Stops every background task (POP loops, sweeper). In-flight state stays in the store.
     pub async fn shutdown(&self) {
-        self.shared.shutting_down.store(true, Ordering::Relaxed);
+        self.deliveries.shut_down();
         for stop in self.webhooks.lock().values() {
             stop.store(true, Ordering::Relaxed);
         }
-        self.shared.changed.notify_waiters();
         let tasks: Vec<JoinHandle<()>> = self.tasks.lock().drain(..).collect();
         for task in tasks {
             let _ = tokio::time::timeout(Duration::from_secs(10), task).await;
@@ -449,37 +436,32 @@ impl Dispatcher {
 
 /// Syncs the WAL every `interval` until shutdown: bounded loss for async-flush profiles, whose writes are not
 /// synced one by one. One last sync runs on the way out.
-async fn group_commit_loop(shared: Arc<Shared>, interval: Duration) {
+async fn group_commit_loop(deliveries: Arc<Deliveries>, interval: Duration) {
     let mut tick = tokio::time::interval(interval);
-    while !shared.shutting_down.load(Ordering::Relaxed) {
+    while !deliveries.is_shutting_down() {
         tick.tick().await;
-        shared.sync_wal();
+        deliveries.sync_wal();
     }
-    shared.sync_wal();
+    deliveries.sync_wal();
 }
 
-/// A waiting poller's demand on its subscription, withdrawn when the poll ends (or its client goes away).
+/// A waiting subscriber's demand on its subscription, withdrawn when the wait ends (or its client goes away).
 struct Demand {
-    shared: Arc<Shared>,
+    deliveries: Arc<Deliveries>,
     key: String,
     count: usize,
 }
 
 impl Demand {
-    fn register(shared: &Arc<Shared>, key: &str, count: usize) -> Demand {
-        if let Some(sub) = shared.state.lock().subs.get_mut(key) {
-            sub.demand += count;
-        }
-        shared.changed.notify_waiters();
-        Demand { shared: shared.clone(), key: key.to_owned(), count }
+    fn register(deliveries: &Arc<Deliveries>, key: &str, count: usize) -> Demand {
+        deliveries.add_demand(key, count);
+        Demand { deliveries: deliveries.clone(), key: key.to_owned(), count }
     }
 }
 
 impl Drop for Demand {
     fn drop(&mut self) {
-        if let Some(sub) = self.shared.state.lock().subs.get_mut(&self.key) {
-            sub.demand = sub.demand.saturating_sub(self.count);
-        }
+        self.deliveries.withdraw_demand(&self.key, self.count);
     }
 }
 

@@ -1,9 +1,12 @@
-//! Boot recovery: rebuild the dispatcher's state from the store after a restart or a `kill -9`.
+//! Boot recovery: rebuild the delivery state from the store after a restart or a `kill -9`. It reads the
+//! store and hands each record to the state's owner ([`Deliveries::restore`]); it changes nothing itself.
 //!
 //! What is trusted, and what happens to each stored record:
 //! - **Subscriptions** are restored as stored; their POP loops start again.
-//! - **Awaiting ACK / ready**: the event is dispatched again with its attempt counter kept (the client sees
-//!   it again: at-least-once). Nothing is ACKed for it, and its deliveryId stays valid for a late ACK.
+//! - **Awaiting ACK** (handed out when popgate died): dispatched again at once with its attempt counter kept
+//!   (the client sees it again: at-least-once), and until then its deliveryId still settles it: the
+//!   subscriber that held it may ACK it late. Nothing is ACKed for it.
+//! - **Ready** (waiting for an attempt): dispatched at its due time, attempt kept.
 //! - **ACKed (the ACK intent)**: the client did ACK; only the broker ACK is owed, and it is finished now
 //!   instead of redelivering the event.
 //! - **Dead-letter pending**: the DLQ write (then the broker ACK) is retried.
@@ -13,16 +16,19 @@
 //!   broker redelivers that message as a new delivery.
 //!
 //! The one thing recovery never does is pretend an absent client ACKed. Recovery is idempotent: records
-//! already live are skipped, so running it twice changes nothing.
+//! already tracked are skipped, so running it twice changes nothing.
+
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 
 use metrics::counter;
 
-use super::dispatcher::{Live, Shared, SubState};
-use super::record::{DeliveryRecord, Phase, Subscription};
+use super::record::{DeliveryRecord, Subscription};
 use super::retry::RetryPolicy;
-use crate::broker::client::now_millis;
+use super::state::{Deliveries, Restored};
+use crate::config::DeliveryConfig;
 use crate::metrics as m;
-use crate::store::{Change, Family, StoreError};
+use crate::store::{Family, StoreError};
 
 /// What one recovery pass found.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -37,83 +43,73 @@ pub struct RecoveryReport {
     pub dead_letter_pending: usize,
     /// Undecodable records retired without a broker ACK.
     pub corrupt: usize,
-    /// Records already live, left alone.
+    /// Records already tracked, left alone.
     pub skipped: usize,
 }
 
-/// Loads subscriptions and deliveries into `shared`.
+/// A subscription key and the stop flag of its POP loop, for the caller to start the loop.
+pub(super) type PopLoop = (String, Arc<AtomicBool>);
+
+/// Loads subscriptions and deliveries into `deliveries`; returns the report and, for each subscription that
+/// was not served yet, its POP loop to start.
 ///
 /// # Errors
 /// [`StoreError`] when the store cannot be read.
-pub(super) fn recover(shared: &Shared) -> Result<RecoveryReport, StoreError> {
+pub(super) fn recover(deliveries: &Deliveries) -> Result<(RecoveryReport, Vec<PopLoop>), StoreError> {
     let mut report = RecoveryReport::default();
-    let subscriptions = shared.store.list::<Subscription>(Family::Subscriptions)?;
-    {
-        let mut state = shared.state.lock();
-        for (_, sub) in subscriptions.records {
-            let key = sub.key();
-            if state.subs.contains_key(&key) {
-                continue;
-            }
-            let policy = policy_of(&sub, shared);
-            state.subs.insert(key, SubState::new(sub, policy));
+    let mut poppers = Vec::new();
+    for (_, sub) in deliveries.store().list::<Subscription>(Family::Subscriptions)?.records {
+        let key = sub.key();
+        let policy = policy_of(&sub, deliveries.config());
+        if let Some(stop) = deliveries.restore_subscription(sub, policy) {
+            poppers.push((key, stop));
             report.subscriptions += 1;
         }
     }
 
-    let deliveries = shared.store.list::<DeliveryRecord>(Family::Deliveries)?;
-    for key in &deliveries.undecodable {
+    let listing = deliveries.store().list::<DeliveryRecord>(Family::Deliveries)?;
+    for key in &listing.undecodable {
         tracing::warn!(record = %key, "Undecodable delivery record retired without a broker ACK.");
-        let _ = shared.write(&[Change::Delete(Family::Deliveries, key)]);
+        deliveries.discard_undecodable(key);
         counter!(m::RECOVERED_DELIVERIES, "outcome" => "corrupt").increment(1);
         report.corrupt += 1;
     }
-    let now = now_millis();
-    let mut state = shared.state.lock();
-    for (_, mut record) in deliveries.records {
-        if state.records.contains_key(&record.id) {
-            report.skipped += 1;
-            continue;
-        }
-        let outcome = match record.phase {
-            Phase::AwaitingAck { .. } | Phase::Ready { .. } => {
-                if matches!(record.phase, Phase::AwaitingAck { .. }) {
+    for (_, record) in listing.records {
+        let outcome = match deliveries.restore(record) {
+            Restored::Skipped => {
+                report.skipped += 1;
+                continue;
+            }
+            Restored::Redispatched { was_handed_out } => {
+                if was_handed_out {
                     counter!(m::REDELIVERIES, "reason" => "recovery").increment(1);
                 }
-                // Dispatched again at once (a retry keeps its backoff); the attempt counter is kept as stored.
-                let due_ms = match record.phase {
-                    Phase::Ready { due_ms } => due_ms,
-                    _ => now,
-                };
-                record.phase = Phase::Ready { due_ms };
                 report.redispatched += 1;
                 "redispatched"
             }
-            Phase::Acked => {
+            Restored::AckPending => {
                 report.ack_pending += 1;
                 "ack_pending"
             }
-            Phase::DeadLetter { .. } => {
+            Restored::DeadLetterPending => {
                 report.dead_letter_pending += 1;
                 "dead_letter_pending"
             }
         };
         counter!(m::RECOVERED_DELIVERIES, "outcome" => outcome).increment(1);
-        shared.next_seq.fetch_max(record.seq + 1, std::sync::atomic::Ordering::Relaxed);
-        state.insert_record(Live { record, busy: false, queued: false, next_try_ms: 0, holder: None });
     }
-    Ok(report)
+    Ok((report, poppers))
 }
 
 /// The subscription's policy, falling back to the configured defaults if the stored values are unusable.
-pub(super) fn policy_of(sub: &Subscription, shared: &Shared) -> RetryPolicy {
+fn policy_of(sub: &Subscription, config: &DeliveryConfig) -> RetryPolicy {
     RetryPolicy::try_new(
         std::time::Duration::from_millis(sub.initial_backoff_ms),
         std::time::Duration::from_millis(sub.max_backoff_ms),
-        shared.config.jitter_ratio,
+        config.jitter_ratio,
         sub.max_attempts,
     )
-    .or_else(|_| RetryPolicy::from_config(&shared.config))
+    .or_else(|_| RetryPolicy::from_config(config))
     .unwrap_or(RetryPolicy::SEED_DEFAULT)
 }
 
@@ -122,9 +118,11 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
+    use crate::broker::client::now_millis;
     use crate::broker::consumer::{PoppedEvent, ReceiptHandle};
     use crate::broker::BrokerClient;
     use crate::config::{BrokerConfig, Config};
+    use crate::delivery::record::Phase;
     use crate::delivery::Dispatcher;
     use crate::publish::Publisher;
     use crate::store::StateStore;

@@ -18,60 +18,83 @@ use std::time::Duration;
 
 use metrics::gauge;
 
-use super::dispatcher::{DeliveryError, Dispatched, Shared};
-use super::Demand;
+use super::state::Deliveries;
+use super::{DeliveryError, Demand, Dispatched};
 use crate::metrics as m;
+
+/// How long a subscriber waits after the state store refused a hand-out before it asks again: the store
+/// reopens at most once a second, and a transport must not spin on it meanwhile.
+const STORE_PAUSE: Duration = Duration::from_secs(1);
 
 /// Session ids, unique within the process.
 static NEXT_SUBSCRIBER: AtomicU64 = AtomicU64::new(1);
 
 /// One connected push subscriber of a group/topic.
 pub struct Subscriber {
-    shared: Arc<Shared>,
+    deliveries: Arc<Deliveries>,
     key: String,
     id: u64,
     prefetch: usize,
     transport: &'static str,
     /// Deliveries handed to this subscriber and not yet known to be settled.
     held: HashSet<String>,
+    /// After a refused hand-out: no new one before this instant.
+    paused_until: Option<tokio::time::Instant>,
 }
 
 impl Subscriber {
-    pub(super) fn new(shared: Arc<Shared>, key: String, prefetch: usize, transport: &'static str) -> Subscriber {
+    pub(super) fn new(
+        deliveries: Arc<Deliveries>,
+        key: String,
+        prefetch: usize,
+        transport: &'static str,
+    ) -> Subscriber {
         gauge!(m::PUSH_SUBSCRIBERS, "transport" => transport).increment(1.0);
         Subscriber {
-            shared,
+            deliveries,
             key,
             id: NEXT_SUBSCRIBER.fetch_add(1, Ordering::Relaxed),
             prefetch,
             transport,
             held: HashSet::new(),
+            paused_until: None,
         }
     }
 
     /// Waits up to `wait` for deliveries, handing out no more than the prefetch allows; empty on timeout.
-    /// Cancel-safe: deliveries are taken only in the instant before it returns.
+    /// Cancel-safe: deliveries are taken only in the instant before it returns. After the store refused a
+    /// hand-out, the next call first waits out a pause (every transport backs off the same way).
     ///
     /// # Errors
-    /// [`DeliveryError::Store`] when the hand-out cannot be recorded.
+    /// [`DeliveryError::Store`] when the hand-out cannot be recorded (counted by the store, shown by
+    /// `/readyz`).
     pub async fn next(&mut self, wait: Duration) -> Result<Vec<Dispatched>, DeliveryError> {
         let deadline = tokio::time::Instant::now() + wait;
+        if let Some(until) = self.paused_until.take() {
+            tokio::time::sleep_until(until.min(deadline)).await;
+        }
         // The demand this wait asks the POP loop for; registered again only when the free room changes, since
         // registering wakes every waiter (this one included).
         let mut demand: Option<(usize, Demand)> = None;
         loop {
-            let notified = self.shared.changed.notified();
+            let notified = self.deliveries.changed();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let room = self.prefetch.saturating_sub(self.shared.prune_held(self.id, &mut self.held));
+            let room = self.prefetch.saturating_sub(self.deliveries.retain_held(self.id, &mut self.held));
             if room == 0 {
                 demand = None;
             } else {
                 if demand.as_ref().is_none_or(|(registered, _)| *registered != room) {
                     drop(demand.take());
-                    demand = Some((room, Demand::register(&self.shared, &self.key, room)));
+                    demand = Some((room, Demand::register(&self.deliveries, &self.key, room)));
                 }
-                let taken = self.shared.take_ready(&self.key, room, self.transport, Some(self.id))?;
+                let taken = match self.deliveries.hand_out(&self.key, room, self.transport, Some(self.id)) {
+                    Ok(taken) => taken,
+                    Err(error) => {
+                        self.paused_until = Some(tokio::time::Instant::now() + STORE_PAUSE);
+                        return Err(error);
+                    }
+                };
                 if !taken.is_empty() {
                     self.held.extend(taken.iter().map(|d| d.id.clone()));
                     return Ok(taken);
@@ -92,7 +115,7 @@ impl Subscriber {
         for id in ids {
             self.held.remove(id);
         }
-        self.shared.push_failed(ids, self.transport, "push_failure").await;
+        self.deliveries.push_failed(ids, self.transport, "push_failure").await;
     }
 }
 
@@ -100,15 +123,15 @@ impl Drop for Subscriber {
     fn drop(&mut self) {
         gauge!(m::PUSH_SUBSCRIBERS, "transport" => self.transport).decrement(1.0);
         let held: Vec<String> = self.held.drain().collect();
-        let shared = self.shared.clone();
+        let deliveries = self.deliveries.clone();
         let id = self.id;
-        if shared.config.redeliver_on_disconnect && !held.is_empty() {
+        if deliveries.config().redeliver_on_disconnect && !held.is_empty() {
             if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                 let transport = self.transport;
-                runtime.spawn(async move { shared.push_failed(&held, transport, "disconnect").await });
+                runtime.spawn(async move { deliveries.push_failed(&held, transport, "disconnect").await });
                 return;
             }
         }
-        shared.forget_holder(id);
+        deliveries.forget_holder(id);
     }
 }

@@ -26,8 +26,8 @@ use metrics::counter;
 use serde::{Deserialize, Serialize};
 use sha2::Sha256;
 
-use super::dispatcher::{DeliveryError, Dispatched};
 use super::Dispatcher;
+use super::{DeliveryError, Dispatched};
 use crate::metrics as m;
 
 /// Where and how a subscription's deliveries are pushed.

@@ -14,7 +14,7 @@ use crate::delivery::dlq::{
     DLQ_ORIGIN_MESSAGE_ID, DLQ_ORIGIN_TOPIC, POPGATE_ATTEMPTS, POPGATE_DEAD_LETTERED_AT, POPGATE_DELIVERY_ID,
     POPGATE_LAST_FAILURE, POPGATE_MESSAGE_GROUP, RETRY_TOPIC,
 };
-use crate::store::Family;
+use crate::store::{Family, StoreError};
 
 /// Messages read from a queue per PULL (the broker's own browse batch).
 const PULL_BATCH: i32 = 32;
@@ -271,8 +271,22 @@ impl DlqAdmin {
                 return Ok(None);
             }
         }
-        let ledger: Option<ReplayRecord> =
-            self.store.get(Family::DlqReplays, &ledger_key(&request.dlq_topic, stored.id()))?;
+        let key = ledger_key(&request.dlq_topic, stored.id());
+        let ledger: Option<ReplayRecord> = match self.store.get(Family::DlqReplays, &key) {
+            Err(StoreError::Decode { source, .. }) => {
+                // Counted and shown as an interrupted replay: the message stays in view, and a replay sends it
+                // again under its own id, so a subscriber can de-duplicate whatever the lost entry said.
+                metrics::counter!(crate::metrics::STORE_UNDECODABLE, "family" => "dlq_replays").increment(1);
+                tracing::warn!(%source, key = %key, "DLQ replay ledger entry does not decode; shown as interrupted.");
+                Some(ReplayRecord {
+                    state: ReplayState::Replaying,
+                    origin_topic: stored.properties.get(DLQ_ORIGIN_TOPIC).cloned().unwrap_or_default(),
+                    started_ms: 0,
+                    replayed_ms: None,
+                })
+            }
+            other => other?,
+        };
         match ledger {
             Some(record) if record.state == ReplayState::Replayed => Ok(None),
             interrupted => Ok(Some(BrowsedMessage::new(stored, &queue.broker, interrupted))),

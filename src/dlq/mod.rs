@@ -66,7 +66,7 @@ impl DlqAdmin {
 }
 
 /// The ledger key of a DLQ message.
-fn ledger_key(dlq_topic: &str, message_id: &str) -> String {
+pub fn ledger_key(dlq_topic: &str, message_id: &str) -> String {
     format!("{dlq_topic}\n{message_id}")
 }
 

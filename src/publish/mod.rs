@@ -142,6 +142,16 @@ impl Publisher {
         }
     }
 
+    /// Whether a publish could be taken now: a name server answers and knows a master broker (one that is
+    /// still starting has not registered yet). `Err` says what is missing.
+    pub async fn readiness(&self) -> Result<(), String> {
+        match self.broker.cluster_masters().await {
+            Ok(masters) if masters.is_empty() => Err("no broker has registered with the name server yet".to_owned()),
+            Ok(_) => Ok(()),
+            Err(error) => Err(error.to_string()),
+        }
+    }
+
     /// The reliability profile sends are judged by.
     pub fn profile(&self) -> Profile {
         self.profile

@@ -14,6 +14,10 @@
 //! The store then reopens the database before its next operation (at most once a second): opening replays
 //! the WAL, so everything that was acknowledged is still there, and writing works again as soon as the
 //! disk has room.
+//!
+//! The store keeps its own health: every failed write or WAL sync, whoever asked for it (deliveries,
+//! subscriptions, the DLQ replay ledger), is counted in `popgate_offset_write_failures_total` and makes
+//! [`StateStore::is_healthy`] false until a write succeeds again (`/readyz` reads it).
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -68,6 +72,15 @@ pub enum StoreError {
     /// A record could not be encoded (a bug, not an I/O problem).
     #[error("cannot encode a record: {0}")]
     Encode(#[from] serde_json::Error),
+    /// A stored record does not decode (corrupt, or from an incompatible version): never read as "absent".
+    #[error("the stored record `{key}` does not decode: {source}")]
+    Decode {
+        /// The record's key.
+        key: String,
+        /// Why it does not decode.
+        #[source]
+        source: serde_json::Error,
+    },
     /// The database is closed after a failure and could not be reopened yet.
     #[error("state store unavailable until it can be reopened")]
     Closed,
@@ -93,6 +106,8 @@ pub struct StateStore {
     db: RwLock<Option<DB>>,
     /// A write failed: reopen before the next operation.
     failed: AtomicBool,
+    /// False from a failed write (or WAL sync) until the next one that succeeds.
+    healthy: AtomicBool,
     last_reopen: Mutex<Option<Instant>>,
 }
 
@@ -135,6 +150,7 @@ impl StateStore {
             sync_writes,
             db: RwLock::new(Some(db)),
             failed: AtomicBool::new(false),
+            healthy: AtomicBool::new(true),
             last_reopen: Mutex::new(None),
         })
     }
@@ -178,24 +194,44 @@ impl StateStore {
         }
     }
 
+    /// False after a failed write or WAL sync, until a write succeeds again.
+    pub fn is_healthy(&self) -> bool {
+        self.healthy.load(Ordering::Relaxed)
+    }
+
+    /// Keeps the health flag and the failure counter true to a write's outcome.
+    fn account<T>(&self, what: &'static str, result: Result<T, StoreError>) -> Result<T, StoreError> {
+        match &result {
+            Ok(_) => self.healthy.store(true, Ordering::Relaxed),
+            Err(error) => {
+                self.healthy.store(false, Ordering::Relaxed);
+                metrics::counter!(crate::metrics::OFFSET_WRITE_FAILURES).increment(1);
+                tracing::warn!(%error, what, "State store write failed.");
+            }
+        }
+        result
+    }
+
     /// Applies every change or none.
     ///
     /// # Errors
     /// [`StoreError::Write`] when the batch could not be made durable; nothing of it is visible then.
     pub fn apply(&self, changes: &[Change<'_>]) -> Result<(), StoreError> {
-        let guard = self.db()?;
-        let db = guard.as_ref().ok_or(StoreError::Closed)?;
-        let mut batch = WriteBatch::default();
-        for change in changes {
-            match change {
-                Change::Put(family, key, value) => batch.put_cf(family_handle(db, *family), key.as_bytes(), value),
-                Change::Delete(family, key) => batch.delete_cf(family_handle(db, *family), key.as_bytes()),
+        let result = self.db().and_then(|guard| {
+            let db = guard.as_ref().ok_or(StoreError::Closed)?;
+            let mut batch = WriteBatch::default();
+            for change in changes {
+                match change {
+                    Change::Put(family, key, value) => batch.put_cf(family_handle(db, *family), key.as_bytes(), value),
+                    Change::Delete(family, key) => batch.delete_cf(family_handle(db, *family), key.as_bytes()),
+                }
             }
-        }
-        db.write_opt(batch, &self.write_options()).map_err(|error| {
-            self.failed.store(true, Ordering::Relaxed);
-            StoreError::Write(error)
-        })
+            db.write_opt(batch, &self.write_options()).map_err(|error| {
+                self.failed.store(true, Ordering::Relaxed);
+                StoreError::Write(error)
+            })
+        });
+        self.account("batch", result)
     }
 
     /// Stores one record.
@@ -219,23 +255,28 @@ impl StateStore {
     /// # Errors
     /// [`StoreError::Write`] when the sync fails (the store is reopened before its next use).
     pub fn sync_wal(&self) -> Result<(), StoreError> {
-        let guard = self.db()?;
-        let db = guard.as_ref().ok_or(StoreError::Closed)?;
-        db.flush_wal(true).map_err(|error| {
-            self.failed.store(true, Ordering::Relaxed);
-            StoreError::Write(error)
-        })
+        let result = self.db().and_then(|guard| {
+            let db = guard.as_ref().ok_or(StoreError::Closed)?;
+            db.flush_wal(true).map_err(|error| {
+                self.failed.store(true, Ordering::Relaxed);
+                StoreError::Write(error)
+            })
+        });
+        self.account("wal sync", result)
     }
 
-    /// One record, if present and decodable as `T`.
+    /// One record, if present.
     ///
     /// # Errors
-    /// [`StoreError::Read`] when the read fails.
+    /// [`StoreError::Read`] when the read fails; [`StoreError::Decode`] when the record is there but does not
+    /// decode as `T` (it is never mistaken for an absent one).
     pub fn get<T: DeserializeOwned>(&self, family: Family, key: &str) -> Result<Option<T>, StoreError> {
         let guard = self.db()?;
         let db = guard.as_ref().ok_or(StoreError::Closed)?;
-        let value = db.get_cf(family_handle(db, family), key.as_bytes()).map_err(StoreError::Read)?;
-        Ok(value.and_then(|bytes| serde_json::from_slice(&bytes).ok()))
+        let Some(bytes) = db.get_cf(family_handle(db, family), key.as_bytes()).map_err(StoreError::Read)? else {
+            return Ok(None);
+        };
+        serde_json::from_slice(&bytes).map(Some).map_err(|source| StoreError::Decode { key: key.to_owned(), source })
     }
 
     /// Every record of `family`, decoded as `T`.
@@ -297,6 +338,16 @@ mod tests {
         assert_eq!(listing.records, vec![("a".to_owned(), Rec { n: 1 })]);
         assert_eq!(listing.undecodable, vec!["c".to_owned()]);
         assert_eq!(store.list::<Rec>(Family::Subscriptions).expect("list").records.len(), 1);
+    }
+
+    #[test]
+    fn an_undecodable_record_is_an_error_not_an_absent_one() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = StateStore::open(dir.path(), false).expect("open");
+        store.put_raw(Family::DlqReplays, "k", b"{not json").expect("put raw");
+        assert!(matches!(store.get::<Rec>(Family::DlqReplays, "k"), Err(StoreError::Decode { .. })));
+        assert!(store.get::<Rec>(Family::DlqReplays, "absent").expect("read").is_none());
+        assert!(store.is_healthy());
     }
 
     #[test]

@@ -23,12 +23,57 @@ use base64::Engine;
 use bytes::Bytes;
 use serde_json::{Map, Value};
 
-use crate::api::ApiError;
 use crate::broker::client::now_millis;
 use crate::broker::message::{
     is_reserved_property, is_valid_name, OutgoingMessage, MAX_NAME_LEN, PROPERTY_SHARDING_KEY,
     PROPERTY_TIMER_DELIVER_MS,
 };
+
+/// Why a publish request was refused before anything reached the broker. The HTTP layer turns it into its
+/// 400 or 413 answer; this module knows nothing of HTTP statuses.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum RequestError {
+    /// A field is missing, malformed or has the wrong type.
+    #[error("{message}")]
+    InvalidField {
+        /// The field at fault.
+        field: String,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// The body as a whole cannot be read (not JSON, wrong content type).
+    #[error("{0}")]
+    MalformedBody(String),
+    /// The event's data is larger than the limit.
+    #[error("message body exceeds {limit} bytes")]
+    TooLarge {
+        /// The limit, in bytes.
+        limit: usize,
+    },
+}
+
+impl RequestError {
+    fn invalid_field(field: &str, message: impl Into<String>) -> RequestError {
+        RequestError::InvalidField { field: field.to_owned(), message: message.into() }
+    }
+
+    fn malformed_body(message: impl Into<String>) -> RequestError {
+        RequestError::MalformedBody(message.into())
+    }
+
+    fn too_large(limit: usize) -> RequestError {
+        RequestError::TooLarge { limit }
+    }
+
+    /// The field at fault, when there is one (`data` for an oversized event).
+    pub fn field(&self) -> Option<&str> {
+        match self {
+            RequestError::InvalidField { field, .. } => Some(field),
+            RequestError::MalformedBody(_) => None,
+            RequestError::TooLarge { .. } => Some("data"),
+        }
+    }
+}
 
 /// The broker's longest timer delay by default (`timerMaxDelaySec`, 3 days).
 pub const MAX_DELAY: Duration = Duration::from_secs(3 * 24 * 3600);
@@ -40,14 +85,14 @@ const CE_REQUIRED: [&str; 4] = ["specversion", "id", "source", "type"];
 /// Parses one publish request into a message ready to send.
 ///
 /// # Errors
-/// [`ApiError`] 400 naming the field for malformed, missing or wrong-typed input, 413 when the data is larger
+/// [`RequestError`] 400 naming the field for malformed, missing or wrong-typed input, 413 when the data is larger
 /// than `max_message_bytes`.
 pub fn parse(
     headers: &HeaderMap,
     topic_param: Option<&str>,
     body: &Bytes,
     max_message_bytes: usize,
-) -> Result<OutgoingMessage, ApiError> {
+) -> Result<OutgoingMessage, RequestError> {
     let content_type = header_str(headers, "content-type").unwrap_or_default().to_ascii_lowercase();
     let message = if headers.contains_key("ce-specversion") {
         parse_cloudevent_binary(headers, topic_param, body)?
@@ -56,7 +101,7 @@ pub fn parse(
     } else if content_type.is_empty() || content_type.starts_with("application/json") {
         parse_popgate_json(topic_param, &parse_json_object(body)?)?
     } else {
-        return Err(ApiError::invalid_field(
+        return Err(RequestError::invalid_field(
             "content-type",
             format!(
                 "unsupported content type `{content_type}`: use application/json, {CLOUDEVENTS_JSON} or ce-* headers"
@@ -64,23 +109,23 @@ pub fn parse(
         ));
     };
     if message.body.len() > max_message_bytes {
-        return Err(ApiError::too_large(max_message_bytes));
+        return Err(RequestError::too_large(max_message_bytes));
     }
     Ok(message)
 }
 
-fn parse_json_object(body: &Bytes) -> Result<Map<String, Value>, ApiError> {
+fn parse_json_object(body: &Bytes) -> Result<Map<String, Value>, RequestError> {
     match serde_json::from_slice::<Value>(body) {
         Ok(Value::Object(map)) => Ok(map),
-        Ok(_) => Err(ApiError::malformed_body("the body must be a JSON object")),
-        Err(e) => Err(ApiError::malformed_body(format!("the body is not valid JSON: {e}"))),
+        Ok(_) => Err(RequestError::malformed_body("the body must be a JSON object")),
+        Err(e) => Err(RequestError::malformed_body(format!("the body is not valid JSON: {e}"))),
     }
 }
 
-fn parse_popgate_json(topic_param: Option<&str>, map: &Map<String, Value>) -> Result<OutgoingMessage, ApiError> {
+fn parse_popgate_json(topic_param: Option<&str>, map: &Map<String, Value>) -> Result<OutgoingMessage, RequestError> {
     const KNOWN: [&str; 8] = ["topic", "data", "dataBase64", "tags", "keys", "properties", "messageGroup", "delayMs"];
     if let Some(unknown) = map.keys().find(|k| !KNOWN.contains(&k.as_str())) {
-        return Err(ApiError::invalid_field(unknown, format!("unknown field `{unknown}`")));
+        return Err(RequestError::invalid_field(unknown, format!("unknown field `{unknown}`")));
     }
     let topic = topic(topic_param, optional_str(map, "topic")?)?;
     let body = data(map, "data", "dataBase64")?;
@@ -92,14 +137,14 @@ fn parse_popgate_json(topic_param: Option<&str>, map: &Map<String, Value>) -> Re
     }
     if let Some(group) = optional_str(map, "messageGroup")? {
         if group.is_empty() {
-            return Err(ApiError::invalid_field("messageGroup", "must not be empty"));
+            return Err(RequestError::invalid_field("messageGroup", "must not be empty"));
         }
         message.properties.insert(PROPERTY_SHARDING_KEY.to_owned(), group.to_owned());
     }
     if let Some(delay) = map.get("delayMs") {
         let delay = delay
             .as_u64()
-            .ok_or_else(|| ApiError::invalid_field("delayMs", "must be a non-negative integer (milliseconds)"))?;
+            .ok_or_else(|| RequestError::invalid_field("delayMs", "must be a non-negative integer (milliseconds)"))?;
         set_delay(&mut message, Duration::from_millis(delay))?;
     }
     Ok(message)
@@ -108,7 +153,7 @@ fn parse_popgate_json(topic_param: Option<&str>, map: &Map<String, Value>) -> Re
 fn parse_cloudevent_structured(
     topic_param: Option<&str>,
     map: &Map<String, Value>,
-) -> Result<OutgoingMessage, ApiError> {
+) -> Result<OutgoingMessage, RequestError> {
     let topic = topic(topic_param, None)?;
     let body = data(map, "data", "data_base64")?;
     let mut message = OutgoingMessage::new(topic, body);
@@ -121,7 +166,7 @@ fn parse_cloudevent_structured(
             Value::Number(_) | Value::Bool(_) => value.to_string(),
             Value::Null => continue,
             _ => {
-                return Err(ApiError::invalid_field(
+                return Err(RequestError::invalid_field(
                     name,
                     "a CloudEvents attribute must be a string, number or boolean",
                 ))
@@ -136,13 +181,14 @@ fn parse_cloudevent_binary(
     headers: &HeaderMap,
     topic_param: Option<&str>,
     body: &Bytes,
-) -> Result<OutgoingMessage, ApiError> {
+) -> Result<OutgoingMessage, RequestError> {
     let topic = topic(topic_param, None)?;
     let mut message = OutgoingMessage::new(topic, body.clone());
     for (name, value) in headers {
         let Some(attribute) = name.as_str().strip_prefix("ce-") else { continue };
-        let text =
-            value.to_str().map_err(|_| ApiError::invalid_field(name.as_str(), "header value must be visible ASCII"))?;
+        let text = value
+            .to_str()
+            .map_err(|_| RequestError::invalid_field(name.as_str(), "header value must be visible ASCII"))?;
         add_cloudevent_attribute(&mut message, attribute, text.to_owned())?;
     }
     if let Some(content_type) = header_str(headers, "content-type") {
@@ -152,15 +198,18 @@ fn parse_cloudevent_binary(
 }
 
 /// Checks the required attributes and makes the event id the message key.
-fn finish_cloudevent(mut message: OutgoingMessage) -> Result<OutgoingMessage, ApiError> {
+fn finish_cloudevent(mut message: OutgoingMessage) -> Result<OutgoingMessage, RequestError> {
     for attribute in CE_REQUIRED {
         let present = message.properties.get(&format!("ce_{attribute}")).is_some_and(|v| !v.is_empty());
         if !present {
-            return Err(ApiError::invalid_field(attribute, format!("CloudEvents attribute `{attribute}` is required")));
+            return Err(RequestError::invalid_field(
+                attribute,
+                format!("CloudEvents attribute `{attribute}` is required"),
+            ));
         }
     }
     if message.properties.get("ce_specversion").map(String::as_str) != Some("1.0") {
-        return Err(ApiError::invalid_field("specversion", "only CloudEvents 1.0 is supported"));
+        return Err(RequestError::invalid_field("specversion", "only CloudEvents 1.0 is supported"));
     }
     if let Some(id) = message.properties.get("ce_id").cloned() {
         message.keys.push(id);
@@ -168,21 +217,21 @@ fn finish_cloudevent(mut message: OutgoingMessage) -> Result<OutgoingMessage, Ap
     Ok(message)
 }
 
-fn add_cloudevent_attribute(message: &mut OutgoingMessage, name: &str, value: String) -> Result<(), ApiError> {
+fn add_cloudevent_attribute(message: &mut OutgoingMessage, name: &str, value: String) -> Result<(), RequestError> {
     let valid_name = !name.is_empty() && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit());
     if !valid_name {
-        return Err(ApiError::invalid_field(name, "CloudEvents attribute names are lower-case letters and digits"));
+        return Err(RequestError::invalid_field(name, "CloudEvents attribute names are lower-case letters and digits"));
     }
     add_user_property(message, format!("ce_{name}"), value)
 }
 
-fn add_user_property(message: &mut OutgoingMessage, name: String, value: String) -> Result<(), ApiError> {
+fn add_user_property(message: &mut OutgoingMessage, name: String, value: String) -> Result<(), RequestError> {
     let field = format!("properties.{name}");
     if name.is_empty() || is_reserved_property(&name) {
-        return Err(ApiError::invalid_field(&field, "empty or reserved by RocketMQ"));
+        return Err(RequestError::invalid_field(&field, "empty or reserved by RocketMQ"));
     }
     if has_separator(&name) || has_separator(&value) {
-        return Err(ApiError::invalid_field(&field, "must not contain the control characters \\u0001 or \\u0002"));
+        return Err(RequestError::invalid_field(&field, "must not contain the control characters \\u0001 or \\u0002"));
     }
     message.properties.insert(name, value);
     Ok(())
@@ -193,9 +242,9 @@ fn has_separator(text: &str) -> bool {
     text.contains(['\u{1}', '\u{2}'])
 }
 
-fn set_delay(message: &mut OutgoingMessage, delay: Duration) -> Result<(), ApiError> {
+fn set_delay(message: &mut OutgoingMessage, delay: Duration) -> Result<(), RequestError> {
     if delay > MAX_DELAY {
-        return Err(ApiError::invalid_field("delayMs", format!("must be at most {} ms", MAX_DELAY.as_millis())));
+        return Err(RequestError::invalid_field("delayMs", format!("must be at most {} ms", MAX_DELAY.as_millis())));
     }
     if delay.is_zero() {
         return Ok(());
@@ -205,10 +254,11 @@ fn set_delay(message: &mut OutgoingMessage, delay: Duration) -> Result<(), ApiEr
     Ok(())
 }
 
-fn topic(param: Option<&str>, field: Option<&str>) -> Result<String, ApiError> {
-    let topic = param.or(field).ok_or_else(|| ApiError::invalid_field("topic", "required (body field or ?topic=)"))?;
+fn topic(param: Option<&str>, field: Option<&str>) -> Result<String, RequestError> {
+    let topic =
+        param.or(field).ok_or_else(|| RequestError::invalid_field("topic", "required (body field or ?topic=)"))?;
     if !is_valid_name(topic) {
-        return Err(ApiError::invalid_field(
+        return Err(RequestError::invalid_field(
             "topic",
             format!("must be 1..={MAX_NAME_LEN} characters of letters, digits, `_`, `-`, `%`, `|`"),
         ));
@@ -218,41 +268,41 @@ fn topic(param: Option<&str>, field: Option<&str>) -> Result<String, ApiError> {
 
 /// The message body: `data` (a string is sent as its UTF-8 bytes, any other JSON value as JSON text) or
 /// `dataBase64` (binary). Exactly one of them.
-fn data(map: &Map<String, Value>, text_field: &str, base64_field: &str) -> Result<Bytes, ApiError> {
+fn data(map: &Map<String, Value>, text_field: &str, base64_field: &str) -> Result<Bytes, RequestError> {
     match (map.get(text_field), map.get(base64_field)) {
         (Some(_), Some(_)) => {
-            Err(ApiError::invalid_field(base64_field, format!("give `{text_field}` or `{base64_field}`, not both")))
+            Err(RequestError::invalid_field(base64_field, format!("give `{text_field}` or `{base64_field}`, not both")))
         }
         (Some(Value::String(s)), None) => Ok(Bytes::from(s.clone().into_bytes())),
         (Some(Value::Null), None) | (None, None) => {
-            Err(ApiError::invalid_field(text_field, format!("`{text_field}` or `{base64_field}` is required")))
+            Err(RequestError::invalid_field(text_field, format!("`{text_field}` or `{base64_field}` is required")))
         }
         (Some(other), None) => Ok(Bytes::from(other.to_string().into_bytes())),
         (None, Some(Value::String(encoded))) => base64::engine::general_purpose::STANDARD
             .decode(encoded)
             .map(Bytes::from)
-            .map_err(|e| ApiError::invalid_field(base64_field, format!("not valid base64: {e}"))),
-        (None, Some(_)) => Err(ApiError::invalid_field(base64_field, "must be a base64 string")),
+            .map_err(|e| RequestError::invalid_field(base64_field, format!("not valid base64: {e}"))),
+        (None, Some(_)) => Err(RequestError::invalid_field(base64_field, "must be a base64 string")),
     }
 }
 
-fn optional_str<'a>(map: &'a Map<String, Value>, field: &str) -> Result<Option<&'a str>, ApiError> {
+fn optional_str<'a>(map: &'a Map<String, Value>, field: &str) -> Result<Option<&'a str>, RequestError> {
     match map.get(field) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) => Ok(Some(s)),
-        Some(_) => Err(ApiError::invalid_field(field, "must be a string")),
+        Some(_) => Err(RequestError::invalid_field(field, "must be a string")),
     }
 }
 
-fn validated_tags(tags: String) -> Result<String, ApiError> {
+fn validated_tags(tags: String) -> Result<String, RequestError> {
     if tags.is_empty() || tags.contains("||") || has_separator(&tags) {
-        return Err(ApiError::invalid_field("tags", "must be a non-empty tag without `||`"));
+        return Err(RequestError::invalid_field("tags", "must be a non-empty tag without `||`"));
     }
     Ok(tags)
 }
 
 /// `keys` is one string or an array of strings; RocketMQ joins keys with a space, so a key holds none.
-fn keys(value: Option<&Value>) -> Result<Vec<String>, ApiError> {
+fn keys(value: Option<&Value>) -> Result<Vec<String>, RequestError> {
     let list = match value {
         None | Some(Value::Null) => return Ok(Vec::new()),
         Some(Value::String(s)) => vec![s.clone()],
@@ -260,26 +310,26 @@ fn keys(value: Option<&Value>) -> Result<Vec<String>, ApiError> {
             .iter()
             .map(|item| item.as_str().map(str::to_owned))
             .collect::<Option<Vec<_>>>()
-            .ok_or_else(|| ApiError::invalid_field("keys", "must be a string or an array of strings"))?,
-        Some(_) => return Err(ApiError::invalid_field("keys", "must be a string or an array of strings")),
+            .ok_or_else(|| RequestError::invalid_field("keys", "must be a string or an array of strings"))?,
+        Some(_) => return Err(RequestError::invalid_field("keys", "must be a string or an array of strings")),
     };
     if list.iter().any(|k| k.is_empty() || k.contains(' ') || has_separator(k)) {
-        return Err(ApiError::invalid_field("keys", "a key must be non-empty and contain no spaces"));
+        return Err(RequestError::invalid_field("keys", "a key must be non-empty and contain no spaces"));
     }
     Ok(list)
 }
 
-fn string_map(value: Option<&Value>, field: &str) -> Result<BTreeMap<String, String>, ApiError> {
+fn string_map(value: Option<&Value>, field: &str) -> Result<BTreeMap<String, String>, RequestError> {
     match value {
         None | Some(Value::Null) => Ok(BTreeMap::new()),
         Some(Value::Object(map)) => map
             .iter()
             .map(|(k, v)| match v {
                 Value::String(s) => Ok((k.clone(), s.clone())),
-                _ => Err(ApiError::invalid_field(&format!("{field}.{k}"), "property values must be strings")),
+                _ => Err(RequestError::invalid_field(&format!("{field}.{k}"), "property values must be strings")),
             })
             .collect(),
-        Some(_) => Err(ApiError::invalid_field(field, "must be an object of string values")),
+        Some(_) => Err(RequestError::invalid_field(field, "must be an object of string values")),
     }
 }
 

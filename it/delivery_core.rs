@@ -1,0 +1,276 @@
+//! The delivery core's promises, each against a real broker and each named for what it proves: nothing is
+//! stranded by an unsubscribe, only a handed-out delivery can be ACKed, a stored ACK intent is replayed at
+//! boot, owed work keeps its lease, and failures are counted and backed off rather than lost or spun on.
+
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::harness::direct::{Direct, DirectConsumer, PERM_READ, PERM_READ_WRITE};
+use crate::harness::popgate::{data, id, Popgate};
+use crate::harness::rocketmq::{Cluster, ClusterSpec};
+use crate::harness::{eventually, unique_topic, Tmpfs};
+use crate::publish::shared_cluster;
+
+async fn subscribe(popgate: &Popgate, body: Value) {
+    let (status, answer) = popgate.post_json("/events/subscribe", &body).await;
+    assert_eq!(status, 200, "{answer}");
+}
+
+fn broker_addrs(cluster: &Cluster) -> Vec<String> {
+    cluster.brokers.iter().map(|b| format!("127.0.0.1:{}", b.port)).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unsubscribe_racing_a_pop_strands_nothing_and_a_resubscribe_gets_the_event() {
+    let cluster = shared_cluster();
+    // A lease far longer than the test: only a give-back, not the lease running out, can bring the event back.
+    let popgate = Popgate::start(&cluster.namesrv_addr, "[delivery]\nlease_ms = 300000\npop_poll_ms = 8000\n").await;
+    let (topic, group) = (unique_topic("unsub_race"), unique_topic("g_unsub_race"));
+    Direct::connect(&cluster.namesrv_addr).await.create_topic(&topic, &broker_addrs(cluster)).await;
+    subscribe(&popgate, json!({"group": group, "topic": topic})).await;
+
+    // A waiting poll makes the POP loop long-poll the brokers (8 s); the subscription is removed meanwhile,
+    // and then the event arrives: the POP that was already waiting returns it.
+    let waiting = {
+        let (base, group, topic) = (popgate.base.clone(), group.clone(), topic.clone());
+        tokio::spawn(async move {
+            let url = format!("{base}/events/poll?group={group}&topic={topic}&max=4&waitMs=1500");
+            reqwest::get(url).await.map(|r| r.status().as_u16())
+        })
+    };
+    // The poll ends after 1.5 s with nothing; the POP it caused waits at the broker for 8 s.
+    assert_eq!(waiting.await.expect("join").expect("poll"), 200);
+    let (status, answer) = popgate.post_json("/events/unsubscribe", &json!({"group": group, "topic": topic})).await;
+    assert_eq!(status, 200, "{answer}");
+    popgate.publish_bodies(&topic, &["orphan"]).await;
+    // Whatever the racing POP brought is given back to the broker, not held for a subscription that is gone.
+    eventually(Duration::from_secs(30), "nothing of the removed subscription is held", || async {
+        let (_, view) = popgate.get_json(&format!("/admin/deliveries?group={group}")).await;
+        view["deliveries"].as_array().is_some_and(Vec::is_empty)
+    })
+    .await;
+
+    assert!(
+        popgate.metric("popgate_deliveries_given_back_total{reason=\"unsubscribed\"}").await >= 1.0,
+        "the racing POP's event was given back to the broker"
+    );
+    subscribe(&popgate, json!({"group": group, "topic": topic})).await;
+    let got = popgate.poll_until(&group, &topic, 1, Duration::from_secs(60)).await;
+    assert_eq!(got.iter().map(data).collect::<Vec<_>>(), vec!["orphan".to_owned()], "the event is delivered again");
+    assert_eq!(popgate.ack(&id(&got[0])).await.0, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_a_handed_out_delivery_can_be_acked_and_a_terminated_one_still_reaches_the_dlq() {
+    let cluster = Cluster::start(&ClusterSpec::brokers(&["broker-a"]));
+    let popgate = Popgate::start(&cluster.namesrv_addr, "[delivery]\nlease_ms = 120000\npop_poll_ms = 1000\n").await;
+    let (topic, group) = (unique_topic("ack_rules"), unique_topic("g_ack_rules"));
+    subscribe(&popgate, json!({"group": group, "topic": topic, "ackTimeoutMs": 60000})).await;
+    popgate.publish_bodies(&topic, &["waiting", "doomed"]).await;
+    let first = popgate.poll_until(&group, &topic, 2, Duration::from_secs(30)).await;
+    assert_eq!(first.len(), 2);
+    let waiting = first.iter().find(|d| data(d) == "waiting").map(id).expect("delivered");
+    let doomed = first.iter().find(|d| data(d) == "doomed").map(id).expect("delivered");
+
+    // NACKed with a long delay, the delivery waits for its next attempt: it is listed, not handed out.
+    let (status, _) = popgate.post_json("/events/nack", &json!({"deliveryId": waiting, "delayMs": 60000})).await;
+    assert_eq!(status, 200);
+    let (_, view) = popgate.get_json(&format!("/admin/deliveries?group={group}")).await;
+    assert!(view.to_string().contains("\"phase\":\"ready\""), "{view}");
+    let broker_acks = popgate.metric("popgate_broker_acks_total").await;
+    let (status, answer) = popgate.ack(&waiting).await;
+    assert_eq!((status, answer["status"].as_str()), (409, Some("not_in_flight")), "{answer}");
+    assert_eq!(popgate.metric("popgate_broker_acks_total").await, broker_acks, "no broker ACK for a ready delivery");
+
+    // TERMed while the broker hangs: the DLQ write stays owed, and an ACK cannot skip it.
+    cluster.pause_broker("broker-a");
+    let (status, answer) =
+        popgate.post_json("/events/term", &json!({"deliveryId": doomed, "reason": "bad payload"})).await;
+    assert_eq!(status, 200, "{answer}");
+    let (status, answer) = popgate.ack(&doomed).await;
+    assert_eq!((status, answer["status"].as_str()), (409, Some("not_in_flight")), "{answer}");
+    cluster.resume_broker("broker-a");
+    let direct = Direct::connect(&cluster.namesrv_addr).await;
+    let dlq = format!("%DLQ%{group}");
+    eventually(Duration::from_secs(60), "the terminated event is in the DLQ", || async {
+        popgate.metric(&format!("popgate_dlq_messages_total{{group=\"{group}\"}}")).await == 1.0
+    })
+    .await;
+    let dead: Vec<Vec<u8>> = direct.read_all(&dlq).await.into_iter().map(|m| m.body).collect();
+    assert_eq!(dead, vec![b"doomed".to_vec()]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stored_ack_intent_is_replayed_at_boot_and_the_broker_never_redelivers_the_event() {
+    let cluster = Cluster::start(&ClusterSpec::brokers(&["broker-a"]));
+    let lease_ms = 10_000u64;
+    let mut popgate =
+        Popgate::start(&cluster.namesrv_addr, &format!("[delivery]\nlease_ms = {lease_ms}\npop_poll_ms = 1000\n"))
+            .await;
+    let (topic, group) = (unique_topic("intent"), unique_topic("g_intent"));
+    subscribe(&popgate, json!({"group": group, "topic": topic, "ackTimeoutMs": 60000})).await;
+    popgate.publish_bodies(&topic, &["intent"]).await;
+    let got = popgate.poll_until(&group, &topic, 1, Duration::from_secs(30)).await;
+    assert_eq!(got.len(), 1);
+
+    // The broker hangs while the ACK is in flight: the intent is stored and answered, the broker ACK is not.
+    cluster.pause_broker("broker-a");
+    let (status, answer) = popgate.ack(&id(&got[0])).await;
+    assert_eq!((status, answer["status"].as_str()), (200, Some("acked")), "{answer}");
+    assert_eq!(popgate.metric("popgate_broker_acks_total").await, 0.0, "the broker ACK did not happen yet");
+    popgate.kill9();
+    cluster.resume_broker("broker-a");
+    popgate.restart().await;
+    assert_eq!(popgate.metric("popgate_recovered_deliveries_total{outcome=\"ack_pending\"}").await, 1.0);
+    eventually(Duration::from_secs(30), "the replayed intent ACKs the broker", || async {
+        popgate.metric("popgate_broker_acks_total").await == 1.0
+    })
+    .await;
+    popgate.kill9();
+    // Past the lease and the broker's revive slack, a direct consumer of the group gets nothing back.
+    let direct = DirectConsumer::connect(&cluster.namesrv_addr).await;
+    let back = direct.drain(&group, &topic, Duration::from_millis(lease_ms + 15_000)).await;
+    assert!(back.is_empty(), "the broker redelivered an ACKed event: {back:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn owed_dlq_writes_keep_their_lease_until_the_dlq_takes_the_event() {
+    let cluster = shared_cluster();
+    // A short lease: the DLQ write stays refused for several leases.
+    let popgate = Popgate::start(&cluster.namesrv_addr, "[delivery]\nlease_ms = 3000\npop_poll_ms = 500\n").await;
+    let (topic, group) = (unique_topic("owed"), unique_topic("g_owed"));
+    let direct = Direct::connect(&cluster.namesrv_addr).await;
+    let dlq = format!("%DLQ%{group}");
+    // The DLQ topic exists read-only: every write to it fails while the broker is up and renews leases.
+    direct.create_topic_with_perm(&dlq, &broker_addrs(cluster), PERM_READ).await;
+    subscribe(&popgate, json!({"group": group, "topic": topic, "ackTimeoutMs": 60000})).await;
+    popgate.publish_bodies(&topic, &["owed"]).await;
+    let got = popgate.poll_until(&group, &topic, 1, Duration::from_secs(30)).await;
+    let (status, _) = popgate.post_json("/events/term", &json!({"deliveryId": id(&got[0]), "reason": "x"})).await;
+    assert_eq!(status, 200);
+    eventually(Duration::from_secs(30), "the DLQ write failed repeatedly", || async {
+        popgate.metric("popgate_dlq_record_failures_total").await >= 3.0
+    })
+    .await;
+    // Three leases long, the write stays owed and the lease stays popgate's.
+    tokio::time::sleep(Duration::from_millis(9_000)).await;
+    assert_eq!(popgate.metric("popgate_leases_lost_total").await, 0.0, "the owed delivery kept its lease");
+    assert!(popgate.metric("popgate_consume_request_failures_total{op=\"renew\"}").await == 0.0);
+    assert!(popgate.poll(&group, &topic, 4, 1_000).await.is_empty(), "nothing was redelivered");
+
+    direct.create_topic_with_perm(&dlq, &broker_addrs(cluster), PERM_READ_WRITE).await;
+    eventually(Duration::from_secs(60), "the DLQ takes the event and the delivery retires", || async {
+        popgate.metric("popgate_pending_deliveries").await == 0.0
+    })
+    .await;
+    let dead: Vec<Vec<u8>> = direct.read_all(&dlq).await.into_iter().map(|m| m.body).collect();
+    assert_eq!(dead, vec![b"owed".to_vec()]);
+    assert_eq!(popgate.metric("popgate_leases_lost_total").await, 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_store_makes_every_transport_back_off_and_is_counted_for_every_writer() {
+    let cluster = shared_cluster();
+    let disk = Tmpfs::mount(16 * 1024);
+    let state_dir = disk.path.join("state");
+    let config = format!("[delivery]\nstate_dir = \"{}\"\nlease_ms = 60000\npop_poll_ms = 500\n", state_dir.display());
+    let popgate = Popgate::start(&cluster.namesrv_addr, &config).await;
+    let (topic, group) = (unique_topic("backoff_store"), unique_topic("g_backoff_store"));
+    subscribe(&popgate, json!({"group": group, "topic": topic, "ackTimeoutMs": 60000})).await;
+    // One dead-lettered event, for the replay below.
+    popgate.publish_bodies(&topic, &["dead", "later"]).await;
+    let got = popgate.poll_until(&group, &topic, 2, Duration::from_secs(30)).await;
+    assert_eq!(got.len(), 2);
+    let dead = got.iter().find(|d| data(d) == "dead").map(id).expect("delivered");
+    let later = got.iter().find(|d| data(d) == "later").map(id).expect("delivered");
+    assert_eq!(popgate.post_json("/events/term", &json!({"deliveryId": dead, "reason": "x"})).await.0, 200);
+    eventually(Duration::from_secs(30), "the event is dead-lettered", || async {
+        popgate.metric(&format!("popgate_dlq_messages_total{{group=\"{group}\"}}")).await == 1.0
+    })
+    .await;
+    // "later" is due again in 2 s: a WebSocket subscriber will try to hand it out while the disk is full.
+    assert_eq!(popgate.post_json("/events/nack", &json!({"deliveryId": later, "delayMs": 2000})).await.0, 200);
+
+    let full = disk.keep_full();
+    let before = popgate.metric("popgate_offset_write_failures_total").await;
+    let ws = crate::harness::push::WsClient::connect(&popgate.base, &format!("group={group}&topic={topic}")).await;
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let failures = popgate.metric("popgate_offset_write_failures_total").await - before;
+    // A subscriber that retried at once would fail thousands of writes in those seconds; backing off a
+    // second each time gives a handful.
+    assert!(failures >= 1.0, "the hand-out was refused by the full disk");
+    assert!(failures <= 30.0, "the WebSocket subscriber backs off instead of spinning: {failures} failed writes");
+    drop(ws);
+
+    // The DLQ replay ledger's writes are the store's like any other: counted, and /readyz says so.
+    let before = popgate.metric("popgate_offset_write_failures_total").await;
+    let (status, answer) = popgate.post_json(&format!("/admin/dlq/replay?group={group}&max=1"), &json!({})).await;
+    assert!(status >= 500 || answer.to_string().contains("failed"), "the replay could not be recorded: {answer}");
+    assert!(popgate.metric("popgate_offset_write_failures_total").await > before, "the ledger write was counted");
+    let (status, ready) = popgate.get_json("/readyz").await;
+    assert_eq!(status, 503, "{ready}");
+    drop(full);
+    disk.free();
+    eventually(Duration::from_secs(30), "the store is healthy again", || async {
+        popgate.get_json("/readyz").await.0 == 200
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_undecodable_replay_ledger_entry_is_counted_and_shown_as_interrupted() {
+    let cluster = shared_cluster();
+    let mut popgate = Popgate::start(&cluster.namesrv_addr, "[delivery]\nlease_ms = 60000\npop_poll_ms = 500\n").await;
+    let (topic, group) = (unique_topic("ledger_rot"), unique_topic("g_ledger_rot"));
+    subscribe(&popgate, json!({"group": group, "topic": topic, "ackTimeoutMs": 60000})).await;
+    popgate.publish_bodies(&topic, &["rot"]).await;
+    let got = popgate.poll_until(&group, &topic, 1, Duration::from_secs(30)).await;
+    assert_eq!(popgate.post_json("/events/term", &json!({"deliveryId": id(&got[0]), "reason": "x"})).await.0, 200);
+    let dlq = format!("%DLQ%{group}");
+    let mut browsed = Value::Null;
+    for _ in 0..60 {
+        browsed = popgate.get_json(&format!("/admin/dlq/browse?group={group}")).await.1;
+        if browsed["messages"].as_array().is_some_and(|m| m.len() == 1) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let message_id = browsed["messages"][0]["messageId"].as_str().expect("a browsed message").to_owned();
+    popgate.kill9();
+    {
+        let store = popgate::store::StateStore::open(&popgate.state_dir, true).expect("open the stopped store");
+        store
+            .put_raw(popgate::store::Family::DlqReplays, &popgate::dlq::ledger_key(&dlq, &message_id), b"{rot")
+            .expect("plant");
+    }
+    popgate.restart().await;
+    let (status, browsed) = popgate.get_json(&format!("/admin/dlq/browse?group={group}")).await;
+    assert_eq!(status, 200, "one bad ledger entry does not break browsing: {browsed}");
+    assert_eq!(browsed["messages"].as_array().map(Vec::len), Some(1), "{browsed}");
+    assert!(!browsed["messages"][0]["interruptedReplay"].is_null(), "shown as interrupted: {browsed}");
+    assert_eq!(popgate.metric("popgate_store_undecodable_records_total{family=\"dlq_replays\"}").await, 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_config_and_the_subscribe_route_share_one_definition_of_the_bounds() {
+    let cluster = shared_cluster();
+    // 50 ms is below the 100 ms every subscription must allow: the config is refused, naming the key.
+    let (code, output) = Popgate::expect_exit(&cluster.namesrv_addr, "ack_timeout_ms = 50\n").await;
+    assert_eq!(code, Some(64), "{output}");
+    assert!(output.contains("delivery.ack_timeout_ms"), "{output}");
+    let (code, output) = Popgate::expect_exit(&cluster.namesrv_addr, "max_attempts = 101\n").await;
+    assert_eq!(code, Some(64), "{output}");
+    assert!(output.contains("delivery.max_attempts"), "{output}");
+
+    let popgate = Popgate::start(&cluster.namesrv_addr, "ack_timeout_ms = 100\nmax_attempts = 100\n").await;
+    let (topic, group) = (unique_topic("bounds"), unique_topic("g_bounds"));
+    // The config's extreme defaults are exactly what a subscription may ask for.
+    subscribe(&popgate, json!({"group": group, "topic": topic})).await;
+    let (status, answer) =
+        popgate.post_json("/events/subscribe", &json!({"group": group, "topic": topic, "ackTimeoutMs": 99})).await;
+    assert_eq!((status, answer["error"]["field"].as_str()), (400, Some("ackTimeoutMs")), "{answer}");
+    let (status, answer) =
+        popgate.post_json("/events/subscribe", &json!({"group": group, "topic": topic, "maxAttempts": 101})).await;
+    assert_eq!((status, answer["error"]["field"].as_str()), (400, Some("maxAttempts")), "{answer}");
+}

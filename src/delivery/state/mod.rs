@@ -1,0 +1,1007 @@
+//! The one owner of the delivery state machine. [`Deliveries`] is the only way to admit, hand out, ACK,
+//! NACK, TERM, time out, renew, dead-letter, give back and retire a delivery; its fields (and the
+//! in-memory [`table`]) are private to this module. The POP loop, the sweeper, boot recovery and every
+//! transport call its methods and touch nothing else.
+//!
+//! Invariants, each kept by one method here:
+//! - **Write, then act.** Every transition is persisted to the state store before it shows in memory, is
+//!   answered to a client, or reaches the broker. A failed write changes nothing (the caller may retry).
+//! - **Only a subscriber ACK or a DLQ write ACKs the broker.** [`Deliveries::ack`] accepts a delivery only
+//!   in its awaiting-ACK phase (handed out, or recovered while handed out); a delivery that is ready,
+//!   dead-lettering or already ACKed is refused.
+//! - **One actor per delivery.** A task acting on a delivery claims it; others wait (client requests) or
+//!   skip it until the claim ends (loops). The lock is never held across an `.await` or a store write.
+//! - **Nothing is stranded.** A delivery whose subscription is gone is given back to the broker by the
+//!   sweeper, whichever path left it behind; one that comes back to a re-created subscription is queued
+//!   there. Owed work (broker ACK, DLQ write) keeps its lease renewed until it is done.
+//! - **FIFO groups.** In an ordered subscription only the head of a message group is handed out.
+
+mod table;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use metrics::{counter, gauge, histogram};
+use parking_lot::Mutex;
+use rand::RngCore;
+use tokio::sync::futures::Notified;
+use tokio::sync::Notify;
+
+use self::table::{ActiveSubscription, Table, Tracked};
+use super::record::{DeliveryRecord, Phase, Subscription};
+use super::retry::{NextStep, RetryPolicy};
+use super::{dlq, DeliveryError, Dispatched, InFlight, NackOutcome};
+use crate::broker::client::now_millis;
+use crate::broker::consumer::Popped;
+use crate::broker::BrokerClient;
+use crate::config::DeliveryConfig;
+use crate::metrics as m;
+use crate::publish::Publisher;
+use crate::store::{Change, Family, StateStore, StoreError};
+
+/// How long an id whose lease was lost is remembered, to answer its late ACK with 409 rather than 404.
+const STALE_MEMORY_MS: i64 = 10 * 60 * 1000;
+/// Pause before retrying a broker ACK, a DLQ write or a lease renewal that failed.
+const RETRY_PAUSE_MS: i64 = 1_000;
+/// How long a client request waits for a delivery another task is acting on.
+const CLAIM_WAIT: Duration = Duration::from_secs(10);
+/// How long a given-back message stays invisible at the broker: long enough for the change to land, short
+/// enough that the next consumer gets it at once instead of after the whole lease.
+const GIVE_BACK_INVISIBLE_MS: u64 = 1_000;
+/// How many ready events an ordered subscription may hold beyond its demand, so events blocked behind their
+/// message group's head do not stop other groups.
+const ORDERED_LOOKAHEAD: usize = 256;
+
+/// Broker work the sweeper found due; it runs each through [`Deliveries::perform`].
+#[derive(Debug)]
+pub(super) enum Owed {
+    /// The subscriber ACKed (the intent is stored): ACK the broker, then retire.
+    BrokerAck(String),
+    /// Write the event to `%DLQ%<group>`, then ACK the broker, then retire.
+    DeadLetter(String),
+    /// Extend the lease (ChangeInvisibleTime) and store the new handle.
+    Renew(String),
+    /// The subscription is gone: hand the message back to the broker unACKed, then forget it.
+    GiveBack(String),
+}
+
+/// What became of a batch of popped messages.
+pub(super) enum Admission {
+    /// Recorded and queued.
+    Admitted,
+    /// The store refused the write (it counted the failure): nothing was recorded; the caller holds the
+    /// messages (under their lease) and admits them again before it pops anything newer.
+    Refused(Vec<Popped>),
+    /// The subscription is gone: the caller gives the messages back ([`Deliveries::give_back_popped`]).
+    NoSubscription(Vec<Popped>),
+}
+
+/// What the POP loop should ask the broker for next.
+pub(super) struct PopPlan {
+    pub(super) sub: Subscription,
+    /// How many messages subscribers are waiting for that the ready queue cannot give, within the bounds.
+    pub(super) wanted: usize,
+}
+
+/// What boot recovery did with one stored record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Restored {
+    /// Already tracked (recovery ran before): left alone.
+    Skipped,
+    /// Dispatched again, attempt kept; `was_handed_out` when a subscriber held it at the crash.
+    Redispatched {
+        /// It was awaiting an ACK (a redelivery), not waiting for its attempt.
+        was_handed_out: bool,
+    },
+    /// The subscriber's ACK was stored: only the broker ACK is owed.
+    AckPending,
+    /// Owed to the DLQ.
+    DeadLetterPending,
+}
+
+/// The owner of every in-flight delivery and every active subscription.
+pub(super) struct Deliveries {
+    table: Mutex<Table>,
+    store: Arc<StateStore>,
+    broker: Arc<BrokerClient>,
+    publisher: Arc<Publisher>,
+    config: DeliveryConfig,
+    /// Woken when deliveries become ready, are settled, or demand changes.
+    changed: Notify,
+    /// The next admission sequence number (see [`DeliveryRecord::seq`]).
+    next_seq: AtomicU64,
+    shutting_down: AtomicBool,
+}
+
+// === construction, configuration, persistence ===
+
+impl Deliveries {
+    pub(super) fn new(
+        store: Arc<StateStore>,
+        broker: Arc<BrokerClient>,
+        publisher: Arc<Publisher>,
+        config: DeliveryConfig,
+    ) -> Deliveries {
+        Deliveries {
+            table: Mutex::new(Table::default()),
+            store,
+            broker,
+            publisher,
+            config,
+            changed: Notify::new(),
+            next_seq: AtomicU64::new(1),
+            shutting_down: AtomicBool::new(false),
+        }
+    }
+
+    pub(super) fn config(&self) -> &DeliveryConfig {
+        &self.config
+    }
+
+    pub(super) fn broker(&self) -> &BrokerClient {
+        &self.broker
+    }
+
+    pub(super) fn store(&self) -> &StateStore {
+        &self.store
+    }
+
+    /// A future that resolves at the next change (ready deliveries, settlements, demand). Enable it before
+    /// looking at the state, so a change in between is not missed.
+    pub(super) fn changed(&self) -> Notified<'_> {
+        self.changed.notified()
+    }
+
+    fn notify(&self) {
+        self.changed.notify_waiters();
+    }
+
+    pub(super) fn is_shutting_down(&self) -> bool {
+        self.shutting_down.load(Ordering::Relaxed)
+    }
+
+    pub(super) fn shut_down(&self) {
+        self.shutting_down.store(true, Ordering::Relaxed);
+        self.notify();
+    }
+
+    /// The one way delivery state reaches the store: every change of the batch, or none.
+    fn persist(&self, records: &[&DeliveryRecord]) -> Result<(), StoreError> {
+        let encoded = records.iter().map(serde_json::to_vec).collect::<Result<Vec<_>, _>>()?;
+        let changes: Vec<Change<'_>> =
+            records.iter().zip(encoded).map(|(r, value)| Change::Put(Family::Deliveries, &r.id, value)).collect();
+        self.store.apply(&changes)
+    }
+
+    /// Syncs the store's WAL (group commit of async-flush profiles); a failure is counted by the store.
+    pub(super) fn sync_wal(&self) {
+        let _ = self.store.sync_wal();
+    }
+
+    fn set_pending_gauge(table: &Table) {
+        gauge!(m::PENDING_DELIVERIES).set(table.deliveries.len() as f64);
+    }
+}
+
+// === subscriptions ===
+
+impl Deliveries {
+    /// Stores `sub` and serves it. Returns the new POP loop's stop flag when the subscription is new (the
+    /// caller starts the loop), `None` when an existing one was updated.
+    pub(super) fn put_subscription(
+        &self,
+        sub: Subscription,
+        policy: RetryPolicy,
+    ) -> Result<Option<Arc<AtomicBool>>, DeliveryError> {
+        let key = sub.key();
+        let value = serde_json::to_vec(&sub).map_err(StoreError::from)?;
+        self.store.apply(&[Change::Put(Family::Subscriptions, &key, value)])?;
+        Ok(self.serve_subscription(sub, policy))
+    }
+
+    /// Serves a subscription already in the store (boot recovery). As [`Deliveries::put_subscription`].
+    pub(super) fn restore_subscription(&self, sub: Subscription, policy: RetryPolicy) -> Option<Arc<AtomicBool>> {
+        if self.table.lock().subs.contains_key(&sub.key()) {
+            return None;
+        }
+        self.serve_subscription(sub, policy)
+    }
+
+    fn serve_subscription(&self, sub: Subscription, policy: RetryPolicy) -> Option<Arc<AtomicBool>> {
+        let key = sub.key();
+        let mut table = self.table.lock();
+        if let Some(active) = table.subs.get_mut(&key) {
+            active.sub = sub;
+            active.policy = policy;
+            return None;
+        }
+        let active = ActiveSubscription::new(sub, policy);
+        let stop = active.stop.clone();
+        table.subs.insert(key.clone(), active);
+        // Deliveries left from an earlier subscription of the same key are queued here again.
+        table.refile_subscription(&key);
+        Some(stop)
+    }
+
+    /// Stops serving `group`/`topic`. Its unsettled deliveries are given back to the broker (unACKed) by the
+    /// sweeper; owed broker ACKs and DLQ writes are finished.
+    pub(super) fn remove_subscription(&self, group: &str, topic: &str) -> Result<(), DeliveryError> {
+        let key = Subscription::key_of(group, topic);
+        if !self.table.lock().subs.contains_key(&key) {
+            return Err(DeliveryError::Unknown);
+        }
+        self.store.apply(&[Change::Delete(Family::Subscriptions, &key)])?;
+        let mut table = self.table.lock();
+        if let Some(active) = table.subs.remove(&key) {
+            active.stop.store(true, Ordering::Relaxed);
+        }
+        table.refile_subscription(&key);
+        drop(table);
+        self.notify();
+        Ok(())
+    }
+
+    pub(super) fn subscription(&self, group: &str, topic: &str) -> Option<Subscription> {
+        self.table.lock().subs.get(&Subscription::key_of(group, topic)).map(|a| a.sub.clone())
+    }
+
+    pub(super) fn subscriptions(&self) -> Vec<Subscription> {
+        self.table.lock().subs.values().map(|a| a.sub.clone()).collect()
+    }
+
+    /// Waiting subscribers of `key` want `count` more deliveries.
+    pub(super) fn add_demand(&self, key: &str, count: usize) {
+        if let Some(active) = self.table.lock().subs.get_mut(key) {
+            active.demand += count;
+        }
+        self.notify();
+    }
+
+    /// A wait ended: its demand is withdrawn.
+    pub(super) fn withdraw_demand(&self, key: &str, count: usize) {
+        if let Some(active) = self.table.lock().subs.get_mut(key) {
+            active.demand = active.demand.saturating_sub(count);
+        }
+    }
+}
+
+// === the POP loop's side: plan, admit, give back ===
+
+impl Deliveries {
+    /// What to POP for `key` now; `None` once the subscription is gone.
+    pub(super) fn pop_plan(&self, key: &str) -> Option<PopPlan> {
+        let table = self.table.lock();
+        let active = table.subs.get(key)?;
+        // An ordered subscription's ready queue may hold events waiting for their group's head: pop past
+        // them (within a bound) so other groups keep flowing.
+        let queued =
+            if active.sub.ordered { active.ready.len().saturating_sub(ORDERED_LOOKAHEAD) } else { active.ready.len() };
+        let wanted = active.demand.saturating_sub(queued);
+        // Backpressure: at the instance's (or this subscription's) in-flight bound nothing more is popped.
+        let room = self
+            .config
+            .max_in_flight
+            .saturating_sub(table.deliveries.len())
+            .min(self.config.max_in_flight_per_subscription.saturating_sub(table.held_by(key)));
+        Some(PopPlan { sub: active.sub.clone(), wanted: wanted.min(room) })
+    }
+
+    /// Records popped messages before anyone sees them, then queues them. The attempt counter starts at
+    /// the broker's own `reconsumeTimes + 1`, so a crash loop cannot reset the budget.
+    pub(super) fn admit(&self, key: &str, popped: Vec<Popped>) -> Admission {
+        let Some((sub, policy)) = self.table.lock().subs.get(key).map(|a| (a.sub.clone(), a.policy)) else {
+            return Admission::NoSubscription(popped);
+        };
+        let now = now_millis();
+        let records: Vec<DeliveryRecord> = popped
+            .into_iter()
+            .map(|p| {
+                let attempt = p.event.reconsume_times.saturating_add(1).max(1);
+                let phase = if attempt > policy.max_attempts {
+                    Phase::DeadLetter { reason: format!("the broker redelivered it {} times", p.event.reconsume_times) }
+                } else {
+                    Phase::Ready { due_ms: now }
+                };
+                DeliveryRecord {
+                    id: new_delivery_id(),
+                    group: sub.group.clone(),
+                    topic: sub.topic.clone(),
+                    event: p.event,
+                    handle: p.handle,
+                    attempt,
+                    phase,
+                    last_failure: None,
+                    seq: self.next_seq.fetch_add(1, Ordering::Relaxed),
+                }
+            })
+            .collect();
+        if self.persist(&records.iter().collect::<Vec<_>>()).is_err() {
+            let back = records.into_iter().map(|r| Popped { event: r.event, handle: r.handle }).collect();
+            return Admission::Refused(back);
+        }
+        let ids: Vec<String> = records.iter().map(|r| r.id.clone()).collect();
+        let mut table = self.table.lock();
+        // Each is also filed for the sweeper, which gives it back if the subscription went away meanwhile: an
+        // unsubscribe racing this POP strands nothing.
+        for record in records {
+            table.insert(Tracked::new(record));
+        }
+        Self::set_pending_gauge(&table);
+        drop(table);
+        self.queue_now(&ids);
+        Admission::Admitted
+    }
+
+    /// Hands messages that were popped but never recorded back to the broker, unACKed.
+    pub(super) async fn give_back_popped(&self, group: &str, popped: Vec<Popped>, reason: &'static str) {
+        for p in popped {
+            self.give_back_at_broker(group, &p.handle, reason).await;
+        }
+    }
+
+    /// Best effort: makes the message visible again at once (ChangeInvisibleTime to a second). If the
+    /// broker cannot be asked, the lease running out gives it back all the same.
+    async fn give_back_at_broker(
+        &self,
+        group: &str,
+        handle: &crate::broker::consumer::ReceiptHandle,
+        reason: &'static str,
+    ) {
+        counter!(m::DELIVERIES_GIVEN_BACK, "reason" => reason).increment(1);
+        if let Err(error) = self.broker.renew(group, handle, GIVE_BACK_INVISIBLE_MS).await {
+            counter!(m::CONSUME_REQUEST_FAILURES, "op" => "give_back").increment(1);
+            tracing::debug!(%error, "Giving a message back failed; its lease running out gives it back.");
+        }
+    }
+}
+
+// === hand-out ===
+
+impl Deliveries {
+    /// Hands out up to `max` ready deliveries of `key` to `holder` (a push subscriber, or none for a
+    /// long-poll), marking them awaiting ACK in the store first. Nothing is handed out when that write fails.
+    pub(super) fn hand_out(
+        &self,
+        key: &str,
+        max: usize,
+        transport: &'static str,
+        holder: Option<u64>,
+    ) -> Result<Vec<Dispatched>, DeliveryError> {
+        let now = now_millis();
+        let mut taken: Vec<DeliveryRecord> = Vec::new();
+        {
+            let mut guard = self.table.lock();
+            let table = &mut *guard;
+            let Some(active) = table.subs.get(key) else { return Ok(Vec::new()) };
+            let ack_timeout = active.sub.ack_timeout_ms as i64;
+            let heads = active.sub.ordered.then(|| table.group_heads(&active.sub));
+            let Table { subs, deliveries, timers, .. } = table;
+            let Some(active) = subs.get_mut(key) else { return Ok(Vec::new()) };
+            let mut blocked = Vec::new();
+            while taken.len() < max {
+                let Some(id) = active.ready.pop_front() else { break };
+                let Some(tracked) = deliveries.get_mut(&id) else { continue };
+                tracked.queued = false;
+                if tracked.claimed || !tracked.dispatchable(now) {
+                    // Out of the queue: the sweeper queues it again when it is due.
+                    timers.push(std::cmp::Reverse((0, id)));
+                    continue;
+                }
+                if let (Some(heads), Some(group)) = (&heads, &tracked.record.event.message_group) {
+                    if heads.get(group).is_some_and(|head| *head != tracked.record.seq) {
+                        // An earlier event of its message group is still unsettled: it waits its turn.
+                        tracked.queued = true;
+                        blocked.push(id);
+                        continue;
+                    }
+                }
+                tracked.claimed = true;
+                let mut record = tracked.record.clone();
+                record.phase = Phase::AwaitingAck { deadline_ms: now + ack_timeout, dispatched_ms: now };
+                taken.push(record);
+            }
+            // Blocked ids go back in their order, ahead of what was not looked at.
+            for id in blocked.into_iter().rev() {
+                active.ready.push_front(id);
+            }
+        }
+        if taken.is_empty() {
+            return Ok(Vec::new());
+        }
+        if let Err(error) = self.persist(&taken.iter().collect::<Vec<_>>()) {
+            // Not handed out: back at the head of the queue, unchanged.
+            let mut table = self.table.lock();
+            for record in taken.iter().rev() {
+                if let Some(tracked) = table.deliveries.get_mut(&record.id) {
+                    tracked.claimed = false;
+                    tracked.queued = true;
+                }
+                if let Some(active) = table.subs.get_mut(key) {
+                    active.ready.push_front(record.id.clone());
+                }
+            }
+            return Err(error.into());
+        }
+        let mut table = self.table.lock();
+        let mut out = Vec::with_capacity(taken.len());
+        for record in taken {
+            let Phase::AwaitingAck { deadline_ms, .. } = record.phase else { continue };
+            out.push(Dispatched {
+                id: record.id.clone(),
+                attempt: record.attempt,
+                ack_deadline_ms: deadline_ms,
+                event: record.event.clone(),
+            });
+            let id = record.id.clone();
+            if let Some(tracked) = table.deliveries.get_mut(&id) {
+                tracked.record = record;
+                tracked.claimed = false;
+                tracked.redispatch = false;
+                tracked.holder = holder;
+            }
+            table.wake(&id, 0);
+        }
+        counter!(m::DELIVERIES_DISPATCHED, "transport" => transport).increment(out.len() as u64);
+        Ok(out)
+    }
+
+    /// How many of `ids` are still handed to `holder` and unsettled; the others are dropped from the set.
+    pub(super) fn retain_held(&self, holder: u64, ids: &mut std::collections::HashSet<String>) -> usize {
+        let table = self.table.lock();
+        ids.retain(|id| {
+            table.deliveries.get(id).is_some_and(|t| {
+                t.holder == Some(holder) && matches!(t.record.phase, Phase::AwaitingAck { .. }) && !t.redispatch
+            })
+        });
+        ids.len()
+    }
+
+    /// A push subscriber left: its deliveries stay in flight (their ACK timeout brings them back) but no
+    /// longer count against it.
+    pub(super) fn forget_holder(&self, holder: u64) {
+        for tracked in self.table.lock().deliveries.values_mut() {
+            if tracked.holder == Some(holder) {
+                tracked.holder = None;
+            }
+        }
+    }
+}
+
+// === settlement by subscribers ===
+
+impl Deliveries {
+    /// Marks `id` claimed for the caller and returns a copy of its record, waiting while another task has it.
+    async fn claim(&self, id: &str) -> Result<DeliveryRecord, DeliveryError> {
+        let started = tokio::time::Instant::now();
+        loop {
+            {
+                let mut table = self.table.lock();
+                match table.deliveries.get_mut(id) {
+                    None => {
+                        return Err(if table.stale.contains_key(id) {
+                            DeliveryError::Stale
+                        } else {
+                            DeliveryError::Unknown
+                        });
+                    }
+                    Some(tracked) if !tracked.claimed => {
+                        tracked.claimed = true;
+                        return Ok(tracked.record.clone());
+                    }
+                    Some(_) => {}
+                }
+            }
+            if started.elapsed() > CLAIM_WAIT {
+                return Err(DeliveryError::Busy);
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// Ends a claim without a change; `owed_retry_at` sets when failed owed work may be tried again.
+    fn release(&self, id: &str, owed_retry_at: Option<i64>) {
+        let mut table = self.table.lock();
+        if let Some(tracked) = table.deliveries.get_mut(id) {
+            tracked.claimed = false;
+            if let Some(at) = owed_retry_at {
+                tracked.owed_retry_ms = at;
+            }
+            table.wake(id, 0);
+        }
+    }
+
+    /// Persists `record` and makes it the tracked one, ending the claim; on a store failure nothing changes
+    /// (the claim ends all the same, so the next tick or request can try again).
+    fn commit(&self, record: DeliveryRecord, owed_retry_at: Option<i64>) -> Result<(), DeliveryError> {
+        let id = record.id.clone();
+        if let Err(error) = self.persist(&[&record]) {
+            self.release(&id, owed_retry_at);
+            return Err(error.into());
+        }
+        let mut table = self.table.lock();
+        if let Some(tracked) = table.deliveries.get_mut(&id) {
+            tracked.record = record;
+            tracked.claimed = false;
+            if let Some(at) = owed_retry_at {
+                tracked.owed_retry_ms = at;
+            }
+        }
+        table.wake(&id, 0);
+        Ok(())
+    }
+
+    /// Only a delivery that is handed out (or was, before a crash) may be settled by a subscriber.
+    fn check_settleable(&self, record: &DeliveryRecord) -> Result<(), DeliveryError> {
+        match record.phase {
+            Phase::AwaitingAck { .. } => {}
+            Phase::Acked => return Err(DeliveryError::Unknown),
+            Phase::Ready { .. } | Phase::DeadLetter { .. } => return Err(DeliveryError::NotInFlight),
+        }
+        if record.handle.lease_deadline_ms() <= now_millis() {
+            // The broker answers SUCCESS even to a lapsed handle, so the check is ours.
+            return Err(DeliveryError::Stale);
+        }
+        Ok(())
+    }
+
+    /// The subscriber's ACK: the ACK intent is stored, then the broker is ACKed; a failed broker ACK is
+    /// retried from the intent, so the client's answer does not depend on it.
+    pub(super) async fn ack(&self, id: &str) -> Result<(), DeliveryError> {
+        let result = self.ack_inner(id).await;
+        // A settled delivery frees a push subscriber's prefetch slot and may unblock its message group.
+        self.notify();
+        if let Err(error) = &result {
+            counter!(m::ACKS, "result" => error.code()).increment(1);
+        }
+        result
+    }
+
+    async fn ack_inner(&self, id: &str) -> Result<(), DeliveryError> {
+        let mut record = self.claim(id).await?;
+        if let Err(refused) = self.check_settleable(&record) {
+            self.release(id, None);
+            return Err(refused);
+        }
+        if let Phase::AwaitingAck { dispatched_ms, .. } = record.phase {
+            histogram!(m::ACK_LATENCY).record((now_millis() - dispatched_ms).max(0) as f64 / 1000.0);
+        }
+        record.phase = Phase::Acked;
+        if let Err(error) = self.persist(&[&record]) {
+            self.release(id, None);
+            return Err(error.into());
+        }
+        // Counted where the intent is stored, before the broker ACK it allows.
+        counter!(m::ACKS, "result" => "acked").increment(1);
+        if let Some(tracked) = self.table.lock().deliveries.get_mut(id) {
+            tracked.record = record.clone();
+            tracked.redispatch = false;
+        }
+        self.broker_ack(&record).await;
+        Ok(())
+    }
+
+    /// ACKs the broker for a claimed delivery whose ACK intent (or DLQ write) is done, and retires it; on
+    /// failure the claim ends and the sweeper retries after a pause.
+    async fn broker_ack(&self, record: &DeliveryRecord) {
+        match self.broker.ack(&record.group, &record.handle).await {
+            Ok(()) => {
+                counter!(m::BROKER_ACKS).increment(1);
+                self.retire(&record.id);
+            }
+            Err(error) => {
+                counter!(m::BROKER_ACK_FAILURES).increment(1);
+                tracing::warn!(%error, delivery = %record.id, "Broker ACK failed; retrying from the ACK intent.");
+                self.release(&record.id, Some(now_millis() + RETRY_PAUSE_MS));
+            }
+        }
+    }
+
+    /// The subscriber's NACK: the attempt is spent; the next is scheduled after `delay` (or the backoff).
+    pub(super) async fn nack(&self, id: &str, delay: Option<Duration>) -> Result<NackOutcome, DeliveryError> {
+        let mut record = self.claim(id).await?;
+        if let Err(refused) = self.check_settleable(&record) {
+            self.release(id, None);
+            return Err(refused);
+        }
+        let outcome = self.spend_attempt(&mut record, "nack", delay);
+        self.commit(record, None)?;
+        self.after_spent(id, &outcome, "nack");
+        Ok(outcome)
+    }
+
+    /// The subscriber's TERM: straight to the DLQ with its reason.
+    pub(super) async fn term(&self, id: &str, reason: &str) -> Result<(), DeliveryError> {
+        let mut record = self.claim(id).await?;
+        if let Err(refused) = self.check_settleable(&record) {
+            self.release(id, None);
+            return Err(refused);
+        }
+        record.last_failure = Some(format!("terminated: {reason}"));
+        record.phase = Phase::DeadLetter { reason: format!("terminated by the subscriber: {reason}") };
+        self.commit(record, None)?;
+        self.after_spent(id, &NackOutcome::DeadLetter, "term");
+        Ok(())
+    }
+
+    /// Applies a failed attempt to `record`: the next attempt after the backoff (or `delay`), or the DLQ.
+    fn spend_attempt(&self, record: &mut DeliveryRecord, reason: &str, delay: Option<Duration>) -> NackOutcome {
+        record.last_failure = Some(reason.to_owned());
+        let policy = self
+            .table
+            .lock()
+            .subs
+            .get(&Subscription::key_of(&record.group, &record.topic))
+            .map(|a| a.policy)
+            .unwrap_or_else(|| RetryPolicy::from_config(&self.config).unwrap_or(RetryPolicy::SEED_DEFAULT));
+        match policy.next(record.attempt, &mut rand::rng()) {
+            NextStep::RetryAfter(backoff, next) => {
+                let due_ms = now_millis() + delay.unwrap_or(backoff).as_millis() as i64;
+                record.attempt = next;
+                record.phase = Phase::Ready { due_ms };
+                NackOutcome::Retry { attempt: next, due_ms }
+            }
+            NextStep::DeadLetter => {
+                record.phase = Phase::DeadLetter { reason: reason.to_owned() };
+                NackOutcome::DeadLetter
+            }
+        }
+    }
+
+    /// After an attempt was spent (stored): the delivery leaves its holder, and its group may move on.
+    fn after_spent(&self, id: &str, outcome: &NackOutcome, reason: &'static str) {
+        if let Some(tracked) = self.table.lock().deliveries.get_mut(id) {
+            tracked.holder = None;
+            tracked.redispatch = false;
+        }
+        if matches!(outcome, NackOutcome::Retry { .. }) {
+            counter!(m::REDELIVERIES, "reason" => reason).increment(1);
+        }
+        self.notify();
+    }
+
+    /// A push transport could not hand these deliveries to its subscriber (the write failed, the connection
+    /// is gone): they are dispatched again at once, to any subscriber. The subscriber never saw them, so no
+    /// attempt is spent.
+    pub(super) async fn push_failed(&self, ids: &[String], transport: &'static str, reason: &'static str) {
+        for id in ids {
+            let Ok(mut record) = self.claim(id).await else { continue };
+            if !matches!(record.phase, Phase::AwaitingAck { .. }) {
+                self.release(id, None);
+                continue;
+            }
+            record.phase = Phase::Ready { due_ms: now_millis() };
+            if self.commit(record, None).is_err() {
+                continue;
+            }
+            if reason == "push_failure" {
+                counter!(m::PUSH_WRITE_FAILURES, "transport" => transport).increment(1);
+            }
+            counter!(m::REDELIVERIES, "reason" => "push_failure").increment(1);
+            if let Some(tracked) = self.table.lock().deliveries.get_mut(id) {
+                tracked.holder = None;
+            }
+        }
+        self.queue_now(ids);
+    }
+}
+
+// === the sweeper's side: timers, owed broker work, leases ===
+
+impl Deliveries {
+    /// Queues `ids` for hand-out now if they are dispatchable and subscribed (newly admitted, handed back),
+    /// without waiting for the next sweep, and wakes waiting subscribers. The others are the sweeper's.
+    fn queue_now(&self, ids: &[String]) {
+        let now = now_millis();
+        let mut guard = self.table.lock();
+        let Table { subs, deliveries, .. } = &mut *guard;
+        for id in ids {
+            let Some(tracked) = deliveries.get_mut(id) else { continue };
+            if tracked.queued || tracked.claimed || !tracked.dispatchable(now) {
+                continue;
+            }
+            if let Some(active) = subs.get_mut(&tracked.key()) {
+                tracked.queued = true;
+                active.ready.push_back(id.clone());
+            }
+        }
+        drop(guard);
+        self.notify();
+    }
+
+    /// One sweeper tick over the deliveries filed as due: queues what is ready, spends the attempt of what
+    /// missed its ACK deadline, gives up what lost its lease, and returns the broker work that is owed.
+    pub(super) fn sweep(&self, now: i64) -> Vec<Owed> {
+        let half_lease = (self.config.lease_ms / 2) as i64;
+        let mut owed = Vec::new();
+        let mut expired = Vec::new();
+        let mut lapsed = Vec::new();
+        let mut newly_ready = false;
+        {
+            let mut guard = self.table.lock();
+            let table = &mut *guard;
+            table.stale.retain(|_, until| *until > now);
+            let mut due: Vec<String> = Vec::new();
+            while table.timers.peek().is_some_and(|std::cmp::Reverse((at, _))| *at <= now) {
+                if let Some(std::cmp::Reverse((_, id))) = table.timers.pop() {
+                    due.push(id);
+                }
+            }
+            due.sort_unstable();
+            due.dedup();
+            for id in due {
+                let Some(tracked) = table.deliveries.get_mut(&id) else { continue };
+                if tracked.claimed {
+                    // The task acting on it files it again when its claim ends.
+                    continue;
+                }
+                let key = tracked.key();
+                let subscribed = table.subs.contains_key(&key);
+                let lease_deadline = tracked.record.handle.lease_deadline_ms();
+                if tracked.unsettled() && !subscribed {
+                    tracked.claimed = true;
+                    owed.push(Owed::GiveBack(id));
+                    continue;
+                }
+                if tracked.unsettled() && lease_deadline <= now {
+                    tracked.claimed = true;
+                    lapsed.push(id);
+                    continue;
+                }
+                let owed_due = tracked.owed_retry_ms <= now;
+                let mut next = lease_deadline.min((lease_deadline - half_lease).max(tracked.renew_retry_ms));
+                match &tracked.record.phase {
+                    Phase::AwaitingAck { deadline_ms, .. } if *deadline_ms <= now && !tracked.redispatch => {
+                        tracked.claimed = true;
+                        expired.push(tracked.record.clone());
+                        continue;
+                    }
+                    Phase::AwaitingAck { deadline_ms, .. } if !tracked.redispatch => next = next.min(*deadline_ms),
+                    Phase::Acked if owed_due => {
+                        tracked.claimed = true;
+                        owed.push(Owed::BrokerAck(id));
+                        continue;
+                    }
+                    Phase::DeadLetter { .. } if owed_due => {
+                        tracked.claimed = true;
+                        owed.push(Owed::DeadLetter(id));
+                        continue;
+                    }
+                    Phase::Acked | Phase::DeadLetter { .. } => next = next.min(tracked.owed_retry_ms),
+                    Phase::Ready { due_ms } if *due_ms > now => next = next.min(*due_ms),
+                    _ => {}
+                }
+                if tracked.dispatchable(now) && !tracked.queued {
+                    if let Some(active) = table.subs.get_mut(&key) {
+                        tracked.queued = true;
+                        active.ready.push_back(id.clone());
+                        newly_ready = true;
+                    }
+                }
+                // Every owned delivery is renewed, owed work included: a broker outage longer than the lease
+                // must not turn a recorded ACK or a pending DLQ write into a redelivery.
+                if lease_deadline - now < half_lease && tracked.renew_retry_ms <= now {
+                    owed.push(Owed::Renew(id));
+                    continue;
+                }
+                table.timers.push(std::cmp::Reverse((next.max(now + 1), id)));
+            }
+            Self::set_pending_gauge(table);
+        }
+        for id in lapsed {
+            self.give_up_lease(&id);
+        }
+        let spent = !expired.is_empty();
+        for record in expired {
+            self.expire(record);
+        }
+        if newly_ready || spent {
+            self.notify();
+        }
+        owed
+    }
+
+    /// An unACKed delivery past its deadline: the attempt is spent. A failed write leaves it as it was
+    /// (still awaiting ACK, past its deadline), so the next tick tries again.
+    fn expire(&self, mut record: DeliveryRecord) {
+        let id = record.id.clone();
+        let outcome = self.spend_attempt(&mut record, "ack timeout", None);
+        if self.commit(record, None).is_ok() {
+            self.after_spent(&id, &outcome, "timeout");
+        }
+    }
+
+    /// The lease lapsed (popgate was down, hung, or could not renew): the broker may already have handed
+    /// the message to someone else and will redeliver it, so popgate stops claiming it.
+    fn give_up_lease(&self, id: &str) {
+        tracing::warn!(delivery = %id, "Broker lease lapsed; the broker will redeliver the event.");
+        counter!(m::LEASES_LOST).increment(1);
+        self.retire(id);
+        self.table.lock().stale.insert(id.to_owned(), now_millis() + STALE_MEMORY_MS);
+    }
+
+    /// Forgets a delivery everywhere: ACKed at the broker, dead-lettered, given back, or given up.
+    fn retire(&self, id: &str) {
+        // A failed delete leaves a record that boot recovery settles again (its lease will have lapsed, or
+        // its ACK intent is replayed): harmless, and the store counts the failure.
+        let _ = self.store.apply(&[Change::Delete(Family::Deliveries, id)]);
+        let mut table = self.table.lock();
+        table.remove(id);
+        Self::set_pending_gauge(&table);
+    }
+
+    /// Runs one piece of owed broker work found by [`Deliveries::sweep`].
+    pub(super) async fn perform(&self, owed: Owed) {
+        match owed {
+            Owed::BrokerAck(id) => {
+                if let Some(record) = self.claimed_record(&id) {
+                    self.broker_ack(&record).await;
+                }
+            }
+            Owed::DeadLetter(id) => {
+                if let Some(record) = self.claimed_record(&id) {
+                    self.dead_letter(record).await;
+                }
+            }
+            Owed::Renew(id) => self.renew(&id).await,
+            Owed::GiveBack(id) => {
+                if let Some(record) = self.claimed_record(&id) {
+                    self.give_back_at_broker(&record.group, &record.handle, "unsubscribed").await;
+                    self.retire(&id);
+                    self.notify();
+                }
+            }
+        }
+    }
+
+    /// The record of a delivery this task already claimed.
+    fn claimed_record(&self, id: &str) -> Option<DeliveryRecord> {
+        self.table.lock().deliveries.get(id).map(|t| t.record.clone())
+    }
+
+    /// Writes the event to `%DLQ%<group>`; only then ACKs the original at the broker and retires it.
+    async fn dead_letter(&self, mut record: DeliveryRecord) {
+        if let Err(error) = dlq::send(&self.publisher, &record).await {
+            counter!(m::DLQ_RECORD_FAILURES).increment(1);
+            tracing::warn!(%error, delivery = %record.id, "DLQ write failed; the delivery stays in flight and will retry.");
+            self.release(&record.id, Some(now_millis() + RETRY_PAUSE_MS));
+            return;
+        }
+        counter!(m::DLQ_MESSAGES, "group" => record.group.clone()).increment(1);
+        match self.broker.ack(&record.group, &record.handle).await {
+            Ok(()) => {
+                counter!(m::BROKER_ACKS).increment(1);
+                self.retire(&record.id);
+                self.notify();
+            }
+            Err(error) => {
+                counter!(m::BROKER_ACK_FAILURES).increment(1);
+                tracing::warn!(%error, delivery = %record.id, "Broker ACK after the DLQ write failed; will retry.");
+                // The DLQ has the event: from here only the broker ACK is owed, never a second DLQ write. If
+                // this write fails too, the next try writes the DLQ again: a duplicate there, never a loss.
+                record.phase = Phase::Acked;
+                let _ = self.commit(record, Some(now_millis() + RETRY_PAUSE_MS));
+            }
+        }
+    }
+
+    /// Extends the lease. The new handle is stored before it is relied on; the old one is dead either way.
+    async fn renew(&self, id: &str) {
+        let half_lease = (self.config.lease_ms / 2) as i64;
+        let record = {
+            let mut table = self.table.lock();
+            let now = now_millis();
+            let Some(tracked) = table.deliveries.get_mut(id) else { return };
+            if tracked.claimed {
+                // Another task has it; the sweeper gets it back when that claim ends.
+                return;
+            }
+            let lease_deadline = tracked.record.handle.lease_deadline_ms();
+            if lease_deadline <= now || lease_deadline - now >= half_lease || tracked.renew_retry_ms > now {
+                // Lapsed meanwhile (the sweeper gives it up) or no longer due.
+                table.wake(id, 0);
+                return;
+            }
+            tracked.claimed = true;
+            tracked.record.clone()
+        };
+        match self.broker.renew(&record.group, &record.handle, self.config.lease_ms).await {
+            Ok(handle) => {
+                let mut renewed = record;
+                renewed.handle = handle.clone();
+                if self.commit(renewed, None).is_err() {
+                    // The old handle is dead whatever the store says: memory must hold the new one. After a
+                    // crash the stored (dead) handle only means the broker redelivers: a duplicate, no loss.
+                    if let Some(tracked) = self.table.lock().deliveries.get_mut(id) {
+                        tracked.record.handle = handle;
+                    }
+                }
+            }
+            Err(error) => {
+                counter!(m::CONSUME_REQUEST_FAILURES, "op" => "renew").increment(1);
+                tracing::warn!(%error, delivery = %id, "Lease renewal failed; will retry until the lease lapses.");
+                let mut table = self.table.lock();
+                if let Some(tracked) = table.deliveries.get_mut(id) {
+                    tracked.claimed = false;
+                    tracked.renew_retry_ms = now_millis() + RETRY_PAUSE_MS;
+                }
+                table.wake(id, 0);
+            }
+        }
+    }
+}
+
+// === boot recovery and the admin view ===
+
+impl Deliveries {
+    /// Tracks a stored record again after a restart (see `recovery`). A delivery that was handed out stays
+    /// ACKable by its holder and is dispatched again at once, attempt kept.
+    pub(super) fn restore(&self, record: DeliveryRecord) -> Restored {
+        let mut table = self.table.lock();
+        if table.deliveries.contains_key(&record.id) {
+            return Restored::Skipped;
+        }
+        self.next_seq.fetch_max(record.seq + 1, Ordering::Relaxed);
+        let outcome = match record.phase {
+            Phase::AwaitingAck { .. } => Restored::Redispatched { was_handed_out: true },
+            Phase::Ready { .. } => Restored::Redispatched { was_handed_out: false },
+            Phase::Acked => Restored::AckPending,
+            Phase::DeadLetter { .. } => Restored::DeadLetterPending,
+        };
+        let mut tracked = Tracked::new(record);
+        tracked.redispatch = matches!(tracked.record.phase, Phase::AwaitingAck { .. });
+        table.insert(tracked);
+        Self::set_pending_gauge(&table);
+        outcome
+    }
+
+    /// Removes a stored record that no longer decodes, without any broker ACK.
+    pub(super) fn discard_undecodable(&self, key: &str) {
+        let _ = self.store.apply(&[Change::Delete(Family::Deliveries, key)]);
+    }
+
+    /// The consumer group of a tracked delivery (to authorize its ACK, NACK or TERM).
+    pub(super) fn group_of(&self, id: &str) -> Option<String> {
+        self.table.lock().deliveries.get(id).map(|t| t.record.group.clone())
+    }
+
+    /// Up to `max` tracked deliveries (of `group`, when given), oldest admission first.
+    pub(super) fn in_flight(&self, group: Option<&str>, max: usize) -> Vec<InFlight> {
+        let table = self.table.lock();
+        let mut found: Vec<&Tracked> =
+            table.deliveries.values().filter(|t| group.is_none_or(|g| t.record.group == g)).collect();
+        found.sort_by_key(|t| t.record.seq);
+        found
+            .into_iter()
+            .take(max)
+            .map(|tracked| {
+                let record = &tracked.record;
+                let (phase, due_ms) = match &record.phase {
+                    Phase::Ready { due_ms } => ("ready", Some(*due_ms)),
+                    Phase::AwaitingAck { deadline_ms, .. } => ("awaiting_ack", Some(*deadline_ms)),
+                    Phase::Acked => ("ack_pending", None),
+                    Phase::DeadLetter { .. } => ("dead_letter_pending", None),
+                };
+                InFlight {
+                    delivery_id: record.id.clone(),
+                    group: record.group.clone(),
+                    topic: record.topic.clone(),
+                    event_id: record.event.id.clone(),
+                    attempt: record.attempt,
+                    phase,
+                    due_ms,
+                    subscriber: tracked.holder.map(|h| format!("push-{h}")),
+                    last_failure: record.last_failure.clone(),
+                    lease_deadline_ms: record.handle.lease_deadline_ms(),
+                }
+            })
+            .collect()
+    }
+}
+
+/// A fresh 128-bit random delivery id (32 hex chars): unguessable and never reused across restarts.
+pub fn new_delivery_id() -> String {
+    let mut bytes = [0u8; 16];
+    rand::rng().fill_bytes(&mut bytes);
+    hex::encode(bytes)
+}

@@ -1,0 +1,170 @@
+//! The in-memory side of the delivery state: every tracked delivery, every active subscription with its
+//! ready queue, and the timer heap the sweeper works from. Only [`super::Deliveries`] touches it; its
+//! fields are visible to that module alone.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use crate::delivery::record::{DeliveryRecord, Phase, Subscription};
+use crate::delivery::retry::RetryPolicy;
+
+/// One delivery popgate holds: its stored record and what only memory needs to know about it.
+pub(super) struct Tracked {
+    /// The record exactly as stored (memory never runs ahead of the store).
+    pub(super) record: DeliveryRecord,
+    /// A task is acting on this delivery (a store write or a broker call in progress): others wait or skip.
+    pub(super) claimed: bool,
+    /// It sits in its subscription's ready queue.
+    pub(super) queued: bool,
+    /// Recovered after a crash while handed out: dispatched again at once with its attempt kept, and until
+    /// then still ACKable by the subscriber that held it before the crash.
+    pub(super) redispatch: bool,
+    /// Earliest retry of an owed broker ACK or DLQ write that failed (epoch ms).
+    pub(super) owed_retry_ms: i64,
+    /// Earliest retry of a lease renewal that failed (epoch ms); kept apart from owed work so a failing
+    /// broker ACK never holds a renewal back.
+    pub(super) renew_retry_ms: i64,
+    /// The push subscriber it is handed to (memory only: a restart hands everything out anew).
+    pub(super) holder: Option<u64>,
+}
+
+impl Tracked {
+    pub(super) fn new(record: DeliveryRecord) -> Tracked {
+        Tracked {
+            record,
+            claimed: false,
+            queued: false,
+            redispatch: false,
+            owed_retry_ms: 0,
+            renew_retry_ms: 0,
+            holder: None,
+        }
+    }
+
+    pub(super) fn key(&self) -> String {
+        Subscription::key_of(&self.record.group, &self.record.topic)
+    }
+
+    /// Can be handed to a subscriber now.
+    pub(super) fn dispatchable(&self, now_ms: i64) -> bool {
+        match self.record.phase {
+            Phase::Ready { due_ms } => due_ms <= now_ms,
+            Phase::AwaitingAck { .. } => self.redispatch,
+            Phase::Acked | Phase::DeadLetter { .. } => false,
+        }
+    }
+
+    /// Not yet settled by a subscriber: it blocks its FIFO message group, and it is what a removed
+    /// subscription gives back to the broker.
+    pub(super) fn unsettled(&self) -> bool {
+        matches!(self.record.phase, Phase::Ready { .. } | Phase::AwaitingAck { .. })
+    }
+}
+
+/// A subscription popgate serves, with its hand-out queue and the demand of its waiting subscribers.
+pub(super) struct ActiveSubscription {
+    pub(super) sub: Subscription,
+    pub(super) policy: RetryPolicy,
+    /// Ids ready to hand out, oldest first.
+    pub(super) ready: VecDeque<String>,
+    /// Deliveries asked for by waiting subscribers: the POP loop pops only what is asked for.
+    pub(super) demand: usize,
+    /// Tells this subscription's POP loop to stop.
+    pub(super) stop: Arc<AtomicBool>,
+}
+
+impl ActiveSubscription {
+    pub(super) fn new(sub: Subscription, policy: RetryPolicy) -> ActiveSubscription {
+        ActiveSubscription { sub, policy, ready: VecDeque::new(), demand: 0, stop: Arc::new(AtomicBool::new(false)) }
+    }
+}
+
+#[derive(Default)]
+pub(super) struct Table {
+    pub(super) subs: HashMap<String, ActiveSubscription>,
+    pub(super) deliveries: HashMap<String, Tracked>,
+    /// Ids given up to the broker, with the time until which a late ACK is answered 409 rather than 404.
+    pub(super) stale: HashMap<String, i64>,
+    /// How many deliveries each subscription key holds, kept with every insert and removal.
+    held: HashMap<String, usize>,
+    /// When the sweeper must look at a delivery next (epoch ms, id), earliest first. Entries may be stale
+    /// (the delivery changed or is gone): the sweeper looks, then files the delivery at its next due time.
+    pub(super) timers: BinaryHeap<Reverse<(i64, String)>>,
+}
+
+impl Table {
+    /// Files `id` for the sweeper at `at_ms` (0: the next tick).
+    pub(super) fn wake(&mut self, id: &str, at_ms: i64) {
+        self.timers.push(Reverse((at_ms, id.to_owned())));
+    }
+
+    /// Adds a delivery (replacing one of the same id) and files it for the next tick.
+    pub(super) fn insert(&mut self, tracked: Tracked) {
+        let key = tracked.key();
+        self.wake(&tracked.record.id, 0);
+        if let Some(old) = self.deliveries.insert(tracked.record.id.clone(), tracked) {
+            self.uncount(&old.key());
+        }
+        *self.held.entry(key).or_default() += 1;
+    }
+
+    /// Removes a delivery.
+    pub(super) fn remove(&mut self, id: &str) -> Option<Tracked> {
+        let tracked = self.deliveries.remove(id)?;
+        self.uncount(&tracked.key());
+        Some(tracked)
+    }
+
+    fn uncount(&mut self, key: &str) {
+        if let Some(count) = self.held.get_mut(key) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                self.held.remove(key);
+            }
+        }
+    }
+
+    /// Deliveries held for the subscription `key`.
+    pub(super) fn held_by(&self, key: &str) -> usize {
+        self.held.get(key).copied().unwrap_or(0)
+    }
+
+    /// Takes every delivery of `key` out of any ready queue and files it for the next tick: after a
+    /// subscription is created, replaced or removed, the sweeper decides again where each one belongs.
+    pub(super) fn refile_subscription(&mut self, key: &str) {
+        let ids: Vec<String> = self
+            .deliveries
+            .iter_mut()
+            .filter(|(_, t)| t.key() == key)
+            .map(|(id, t)| {
+                t.queued = false;
+                id.clone()
+            })
+            .collect();
+        if let Some(active) = self.subs.get_mut(key) {
+            active.ready.clear();
+        }
+        for id in ids {
+            self.wake(&id, 0);
+        }
+    }
+
+    /// For an ordered subscription: each message group's head, the lowest `seq` among its unsettled
+    /// deliveries. Only the head may be handed out; settled ones (ACKed, dead-lettering) no longer block.
+    pub(super) fn group_heads(&self, sub: &Subscription) -> HashMap<String, u64> {
+        let mut heads: HashMap<String, u64> = HashMap::new();
+        for tracked in self.deliveries.values() {
+            let record = &tracked.record;
+            if record.group != sub.group || record.topic != sub.topic || !tracked.unsettled() {
+                continue;
+            }
+            if let Some(group) = &record.event.message_group {
+                let head = heads.entry(group.clone()).or_insert(record.seq);
+                *head = (*head).min(record.seq);
+            }
+        }
+        heads
+    }
+}
