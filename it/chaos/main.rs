@@ -609,6 +609,14 @@ async fn inject(rig: &mut Rig, world: &World, fault: &Fault) -> FaultRecord {
             world.heavy.store(true, Ordering::Relaxed);
             let full = rig.disk.keep_full();
             tokio::time::sleep(hold).await;
+            // The fault must bite: when no write reached the store meanwhile (publishing stalled behind another
+            // fault), the disk stays full until one fails, for at most a minute more.
+            let bite_deadline = Instant::now() + Duration::from_secs(60);
+            while rig.popgate.metric("popgate_offset_write_failures_total").await <= before
+                && Instant::now() < bite_deadline
+            {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
             let failures = rig.popgate.metric("popgate_offset_write_failures_total").await - before;
             drop(full);
             rig.disk.free();

@@ -9,11 +9,6 @@ use rocketmq_model::common::message::message_ext::MessageExt;
 use rocketmq_model::common::message::message_queue::MessageQueue;
 use rocketmq_runtime::RuntimeOwner;
 
-/// RocketMQ's `PermName.PERM_READ`: a topic that can be read but not written.
-pub const PERM_READ: u32 = 4;
-/// `PERM_READ | PERM_WRITE`, a topic's default.
-pub const PERM_READ_WRITE: u32 = 6;
-
 /// One message as read back from the broker.
 #[derive(Debug, Clone)]
 pub struct StoredMessage {
@@ -59,15 +54,8 @@ impl Direct {
     /// Creates `topic` with 4 queues on each broker address given (the way an operator pre-creates topics
     /// when auto-creation is off), so its route names all of them from the start.
     pub async fn create_topic(&self, topic: &str, broker_addrs: &[String]) {
-        self.create_topic_with_perm(topic, broker_addrs, PERM_READ_WRITE).await;
-    }
-
-    /// Creates (or updates) `topic` with 4 queues and the permission `perm` ([`PERM_READ`] makes every send to
-    /// it fail while the broker stays up; [`PERM_READ_WRITE`] is the default).
-    pub async fn create_topic_with_perm(&self, topic: &str, broker_addrs: &[String], perm: u32) {
         for addr in broker_addrs {
-            let mut config = rocketmq_model::common::config::TopicConfig::with_queues(topic, 4, 4);
-            config.perm = perm;
+            let config = rocketmq_model::common::config::TopicConfig::with_queues(topic, 4, 4);
             TopicAdmin::create_and_update_topic_config(&self.admin, CheetahString::from(addr.as_str()), config)
                 .await
                 .expect("create topic");
