@@ -220,3 +220,53 @@ async fn the_config_and_the_subscribe_route_share_one_definition_of_the_bounds()
         popgate.post_json("/events/subscribe", &json!({"group": group, "topic": topic, "maxAttempts": 101})).await;
     assert_eq!((status, answer["error"]["field"].as_str()), (400, Some("maxAttempts")), "{answer}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owed_dlq_write_keeps_its_lease_through_an_outage_longer_than_the_lease() {
+    // The event's topic lives on broker-a, its group's DLQ on broker-b: pausing broker-b makes the DLQ write
+    // fail while broker-a, which holds the event's lease, stays up and answers renewals.
+    let cluster = Cluster::start(&ClusterSpec::brokers(&["broker-a", "broker-b"]));
+    let lease_ms = 8_000u64;
+    let mut popgate =
+        Popgate::start(&cluster.namesrv_addr, &format!("[delivery]\nlease_ms = {lease_ms}\npop_poll_ms = 1000\n"))
+            .await;
+    let (topic, group) = (unique_topic("owed_lease"), unique_topic("g_owed_lease"));
+    let direct = Direct::connect(&cluster.namesrv_addr).await;
+    let addr = |name: &str| format!("127.0.0.1:{}", cluster.broker(name).port);
+    direct.create_topic(&topic, &[addr("broker-a")]).await;
+    direct.create_topic(&format!("%DLQ%{group}"), &[addr("broker-b")]).await;
+    subscribe(&popgate, json!({"group": group, "topic": topic, "ackTimeoutMs": 600000})).await;
+    popgate.publish_bodies(&topic, &["owed"]).await;
+    let got = popgate.poll_until(&group, &topic, 1, Duration::from_secs(30)).await;
+    assert_eq!(got.len(), 1);
+
+    cluster.pause_broker("broker-b");
+    let (status, answer) = popgate.post_json("/events/term", &json!({"deliveryId": id(&got[0]), "reason": "x"})).await;
+    assert_eq!(status, 200, "{answer}");
+    // Three leases long, the DLQ write stays owed. Were the delivery not renewed, broker-a would revive the
+    // event after one lease and the subscription would get it again.
+    let outage_end = std::time::Instant::now() + Duration::from_millis(3 * lease_ms);
+    while std::time::Instant::now() < outage_end {
+        let again = popgate.poll(&group, &topic, 4, 2_000).await;
+        assert!(again.is_empty(), "the owed delivery lost its lease and came back: {again:?}");
+    }
+    assert!(popgate.metric("popgate_dlq_record_failures_total").await >= 1.0, "the DLQ write really failed");
+    assert_eq!(popgate.metric("popgate_leases_lost_total").await, 0.0, "no lease was given up");
+
+    cluster.resume_broker("broker-b");
+    eventually(Duration::from_secs(60), "the owed DLQ write and broker ACK happen", || async {
+        popgate.metric("popgate_broker_acks_total").await == 1.0
+    })
+    .await;
+    // The hung broker stores the sends that timed out at popgate once it resumes: one delivery, maybe copies.
+    let dead = direct.read_all(&format!("%DLQ%{group}")).await;
+    assert!(!dead.is_empty(), "dead-lettered");
+    for copy in &dead {
+        assert_eq!(copy.body, b"owed".to_vec());
+        assert_eq!(copy.property("POPGATE_DELIVERY_ID"), Some(id(&got[0]).as_str()), "every copy names the delivery");
+    }
+    popgate.kill9();
+    let consumer = DirectConsumer::connect(&cluster.namesrv_addr).await;
+    let back = consumer.drain(&group, &topic, Duration::from_millis(lease_ms + 15_000)).await;
+    assert!(back.is_empty(), "the broker redelivered a dead-lettered event: {back:?}");
+}

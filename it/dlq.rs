@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::harness::popgate::{data, id, Popgate};
-use crate::harness::unique_topic;
+use crate::harness::{eventually, unique_topic};
 use crate::publish::shared_cluster;
 
 /// Short backoff so six attempts take well under a second each.
@@ -220,4 +220,55 @@ async fn a_kill9_in_the_middle_of_a_replay_loses_no_event_and_makes_none_new() {
     for (body, ids) in &seen {
         assert!(ids.iter().all(|id| id == &origin_ids[body]), "{body}: every copy carries its original id {ids:?}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_whose_ledger_cannot_be_written_stops_is_counted_and_finishes_once_the_disk_is_back() {
+    let cluster = shared_cluster();
+    let disk = crate::harness::Tmpfs::mount(16 * 1024);
+    let state_dir = disk.path.join("state");
+    let config = format!("[delivery]\nstate_dir = \"{}\"\nlease_ms = 60000\npop_poll_ms = 500\n", state_dir.display());
+    let popgate = Popgate::start(&cluster.namesrv_addr, &config).await;
+    let (topic, group) = (unique_topic("ledger_full"), unique_topic("g_ledger_full"));
+    let body = json!({"group": group, "topic": topic, "maxAttempts": 1});
+    let (status, answer) = popgate.post_json("/events/subscribe", &body).await;
+    assert_eq!(status, 200, "{answer}");
+    let count = 40;
+    exhaust(&popgate, &group, &topic, &bodies("ledger", count)).await;
+    browse_until(&popgate, &group, count).await;
+
+    // Each replay syncs two small ledger entries; the disk's last free page takes a few dozen at most, so one
+    // of these replays must fail to record its progress. It stops there and answers 503.
+    let full = disk.keep_full();
+    let failures_before = popgate.metric("popgate_offset_write_failures_total").await;
+    let mut refused = None;
+    for attempt in 0..count {
+        let (status, answer) = popgate.post_json(&format!("/admin/dlq/replay?group={group}&max=1"), &json!({})).await;
+        if status == 503 {
+            refused = Some((attempt, answer));
+            break;
+        }
+        assert_eq!(status, 200, "{answer}");
+    }
+    let (attempt, answer) = refused.expect("a replay hit the full disk");
+    assert!(answer.to_string().contains("store"), "the answer names the store: {answer}");
+    assert!(
+        popgate.metric("popgate_offset_write_failures_total").await > failures_before,
+        "the ledger's failed write is counted like every other store write"
+    );
+    let (status, ready) = popgate.get_json("/readyz").await;
+    assert_eq!(status, 503, "the failing ledger is surfaced: {ready}");
+
+    drop(full);
+    disk.free();
+    eventually(Duration::from_secs(30), "the store is healthy again", || async {
+        popgate.get_json("/readyz").await.0 == 200
+    })
+    .await;
+    let (status, answer) = popgate.post_json(&format!("/admin/dlq/replay?group={group}&max=100"), &json!({})).await;
+    assert_eq!(status, 200, "{answer}");
+    let results = answer["results"].as_array().cloned().unwrap_or_default();
+    assert_eq!(results.len(), count - attempt, "everything not yet replayed is replayed now: {answer}");
+    assert!(results.iter().all(|r| r["status"] == "replayed"), "{answer}");
+    assert!(browse(&popgate, &group).await.is_empty(), "the DLQ view is empty");
 }

@@ -202,6 +202,15 @@ impl Ledger {
     fn settled(&self, key: &str) -> bool {
         self.acked.contains(key) || self.termed.contains(key) || self.acked_ambiguous.contains(key)
     }
+
+    /// Moves the group's first open index past everything started or settled. Settled counts too: a
+    /// subscriber's "unknown" answer (a redispatched copy ACKed by another subscriber) can undo a settle just
+    /// before the other subscriber's confirmation lands, and that event is settled all the same.
+    fn advance_prefix(&mut self, group: usize) {
+        while self.started[group].contains(&self.prefix[group]) || self.settled(&key_of(group, self.prefix[group])) {
+            self.prefix[group] += 1;
+        }
+    }
 }
 
 struct World {
@@ -252,6 +261,7 @@ impl World {
             ledger.duplicated += 1;
             return Some(key);
         }
+        ledger.advance_prefix(group);
         if !ledger.started[group].contains(&index) && ledger.prefix[group] < index {
             ledger.reordered += 1;
             let first_open = ledger.prefix[group];
@@ -271,9 +281,7 @@ impl World {
         let ledger = &mut *guard;
         ledger.settle_sent_at.entry(key.to_owned()).or_insert(now);
         ledger.started[group].insert(index);
-        while ledger.started[group].contains(&ledger.prefix[group]) {
-            ledger.prefix[group] += 1;
-        }
+        ledger.advance_prefix(group);
     }
 
     /// The settle did not happen (popgate refused it): the event is open again.

@@ -383,7 +383,10 @@ impl Deliveries {
                 let Some(id) = active.ready.pop_front() else { break };
                 let Some(tracked) = deliveries.get_mut(&id) else { continue };
                 tracked.queued = false;
-                if tracked.claimed || !tracked.dispatchable(now) {
+                // A lapsed lease (popgate was hung) means the broker may have handed the event to someone
+                // else already: it is not handed out, and the sweeper gives it up.
+                let lapsed = tracked.record.handle.lease_deadline_ms() <= now;
+                if tracked.claimed || !tracked.dispatchable(now) || lapsed {
                     // Out of the queue: the sweeper queues it again when it is due.
                     timers.push(std::cmp::Reverse((0, id)));
                     continue;
@@ -762,10 +765,12 @@ impl Deliveries {
                         owed.push(Owed::BrokerAck(id));
                         continue;
                     }
+                    // A DLQ write runs unclaimed and wakes its delivery when it ends; until then the sweeper
+                    // still owes it its lease renewals (below), so no `continue` here.
+                    Phase::DeadLetter { .. } if tracked.dlq_write_in_flight => {}
                     Phase::DeadLetter { .. } if owed_due => {
-                        tracked.claimed = true;
-                        owed.push(Owed::DeadLetter(id));
-                        continue;
+                        tracked.dlq_write_in_flight = true;
+                        owed.push(Owed::DeadLetter(id.clone()));
                     }
                     Phase::Acked | Phase::DeadLetter { .. } => next = next.min(tracked.owed_retry_ms),
                     Phase::Ready { due_ms } if *due_ms > now => next = next.min(*due_ms),
@@ -834,18 +839,18 @@ impl Deliveries {
     pub(super) async fn perform(&self, owed: Owed) {
         match owed {
             Owed::BrokerAck(id) => {
-                if let Some(record) = self.claimed_record(&id) {
+                if let Some(record) = self.tracked_record(&id) {
                     self.broker_ack(&record).await;
                 }
             }
             Owed::DeadLetter(id) => {
-                if let Some(record) = self.claimed_record(&id) {
+                if let Some(record) = self.tracked_record(&id) {
                     self.dead_letter(record).await;
                 }
             }
             Owed::Renew(id) => self.renew(&id).await,
             Owed::GiveBack(id) => {
-                if let Some(record) = self.claimed_record(&id) {
+                if let Some(record) = self.tracked_record(&id) {
                     self.give_back_at_broker(&record.group, &record.handle, "unsubscribed").await;
                     self.retire(&id);
                     self.notify();
@@ -854,20 +859,34 @@ impl Deliveries {
         }
     }
 
-    /// The record of a delivery this task already claimed.
-    fn claimed_record(&self, id: &str) -> Option<DeliveryRecord> {
+    /// A copy of a tracked delivery's record (the sweeper claimed it, or marked its DLQ write).
+    fn tracked_record(&self, id: &str) -> Option<DeliveryRecord> {
         self.table.lock().deliveries.get(id).map(|t| t.record.clone())
     }
 
     /// Writes the event to `%DLQ%<group>`; only then ACKs the original at the broker and retires it.
-    async fn dead_letter(&self, mut record: DeliveryRecord) {
+    ///
+    /// The write runs unclaimed: with its retries on other brokers it may take longer than a lease, and the
+    /// lease must be renewed meanwhile or the broker redelivers the event. The broker ACK does claim it, so
+    /// it waits for a renewal in progress and carries the handle that renewal returned.
+    async fn dead_letter(&self, record: DeliveryRecord) {
+        let id = record.id.clone();
         if let Err(error) = dlq::send(&self.publisher, &record).await {
             counter!(m::DLQ_RECORD_FAILURES).increment(1);
-            tracing::warn!(%error, delivery = %record.id, "DLQ write failed; the delivery stays in flight and will retry.");
-            self.release(&record.id, Some(now_millis() + RETRY_PAUSE_MS));
+            tracing::warn!(%error, delivery = %id, "DLQ write failed; the delivery stays in flight and will retry.");
+            self.end_dlq_write(&id, Some(now_millis() + RETRY_PAUSE_MS));
             return;
         }
         counter!(m::DLQ_MESSAGES, "group" => record.group.clone()).increment(1);
+        // Claimed before the in-flight mark is cleared, so the sweeper never starts a second write between.
+        let claimed = self.claim(&id).await;
+        self.end_dlq_write(&id, None);
+        let Ok(mut record) = claimed else {
+            // Held by a renewal for longer than a claim waits: the next sweep writes the DLQ again, a
+            // duplicate there and never a loss.
+            tracing::warn!(delivery = %id, "Could not claim a dead-lettered delivery for its broker ACK.");
+            return;
+        };
         match self.broker.ack(&record.group, &record.handle).await {
             Ok(()) => {
                 counter!(m::BROKER_ACKS).increment(1);
@@ -882,6 +901,18 @@ impl Deliveries {
                 record.phase = Phase::Acked;
                 let _ = self.commit(record, Some(now_millis() + RETRY_PAUSE_MS));
             }
+        }
+    }
+
+    /// Ends a DLQ write: on failure (`retry_at` set) the next try waits until then.
+    fn end_dlq_write(&self, id: &str, retry_at: Option<i64>) {
+        let mut table = self.table.lock();
+        if let Some(tracked) = table.deliveries.get_mut(id) {
+            tracked.dlq_write_in_flight = false;
+            if let Some(at) = retry_at {
+                tracked.owed_retry_ms = at;
+            }
+            table.wake(id, 0);
         }
     }
 

@@ -23,6 +23,9 @@ pub(super) struct Tracked {
     pub(super) redispatch: bool,
     /// Earliest retry of an owed broker ACK or DLQ write that failed (epoch ms).
     pub(super) owed_retry_ms: i64,
+    /// Its DLQ write is under way. That write runs unclaimed (its send attempts may outlast a lease), so
+    /// renewals go on meanwhile; this flag alone keeps a second write from starting.
+    pub(super) dlq_write_in_flight: bool,
     /// Earliest retry of a lease renewal that failed (epoch ms); kept apart from owed work so a failing
     /// broker ACK never holds a renewal back.
     pub(super) renew_retry_ms: i64,
@@ -38,6 +41,7 @@ impl Tracked {
             queued: false,
             redispatch: false,
             owed_retry_ms: 0,
+            dlq_write_in_flight: false,
             renew_retry_ms: 0,
             holder: None,
         }
