@@ -309,9 +309,7 @@ async fn a_broker_restart_with_deliveries_in_flight_loses_nothing_and_the_dlq_wr
 async fn a_full_state_disk_dispatches_and_acks_nothing_then_delivery_resumes() {
     let cluster = shared_cluster();
     let disk = Tmpfs::mount(16 * 1024);
-    let state_dir = disk.path.join("state");
-    let config = format!("[delivery]\nstate_dir = \"{}\"\nlease_ms = 5000\npop_poll_ms = 1000\n", state_dir.display());
-    let popgate = Popgate::start(&cluster.namesrv_addr, &config).await;
+    let popgate = Popgate::start_on_disk(&cluster.namesrv_addr, &disk, "lease_ms = 5000\npop_poll_ms = 1000\n").await;
     let (topic, group) = (unique_topic("diskfull"), unique_topic("g_diskfull"));
     subscribe(&popgate, json!({"group": group, "topic": topic, "ackTimeoutMs": 30000})).await;
     publish_all(&popgate, &topic, &["before"]).await;
@@ -343,10 +341,7 @@ async fn a_full_state_disk_dispatches_and_acks_nothing_then_delivery_resumes() {
         }
     }
     assert_eq!(resumed, during.iter().cloned().collect::<BTreeSet<_>>(), "every event is delivered once space is free");
-    eventually(Duration::from_secs(10), "the store reports healthy again", || async {
-        popgate.get_json("/readyz").await.0 == 200
-    })
-    .await;
+    popgate.wait_ready(Duration::from_secs(10)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

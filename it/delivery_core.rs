@@ -127,9 +127,7 @@ async fn a_stored_ack_intent_is_replayed_at_boot_and_the_broker_never_redelivers
 async fn a_failing_store_makes_push_subscribers_back_off_and_is_surfaced() {
     let cluster = shared_cluster();
     let disk = Tmpfs::mount(16 * 1024);
-    let state_dir = disk.path.join("state");
-    let config = format!("[delivery]\nstate_dir = \"{}\"\nlease_ms = 60000\npop_poll_ms = 500\n", state_dir.display());
-    let popgate = Popgate::start(&cluster.namesrv_addr, &config).await;
+    let popgate = Popgate::start_on_disk(&cluster.namesrv_addr, &disk, "lease_ms = 60000\npop_poll_ms = 500\n").await;
     let (topic, group) = (unique_topic("backoff_store"), unique_topic("g_backoff_store"));
     subscribe(&popgate, json!({"group": group, "topic": topic, "ackTimeoutMs": 60000})).await;
     // "later" is large: its record cannot fit in the slack of the WAL's preallocated space once the disk is
@@ -158,10 +156,7 @@ async fn a_failing_store_makes_push_subscribers_back_off_and_is_surfaced() {
     assert_eq!(status, 503, "the failing store is surfaced: {ready}");
     drop(full);
     disk.free();
-    eventually(Duration::from_secs(30), "the store is healthy again", || async {
-        popgate.get_json("/readyz").await.0 == 200
-    })
-    .await;
+    popgate.wait_ready(Duration::from_secs(30)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

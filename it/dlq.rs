@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::harness::popgate::{data, id, Popgate};
-use crate::harness::{eventually, unique_topic};
+use crate::harness::unique_topic;
 use crate::publish::shared_cluster;
 
 /// Short backoff so six attempts take well under a second each.
@@ -226,9 +226,7 @@ async fn a_kill9_in_the_middle_of_a_replay_loses_no_event_and_makes_none_new() {
 async fn a_replay_whose_ledger_cannot_be_written_stops_is_counted_and_finishes_once_the_disk_is_back() {
     let cluster = shared_cluster();
     let disk = crate::harness::Tmpfs::mount(16 * 1024);
-    let state_dir = disk.path.join("state");
-    let config = format!("[delivery]\nstate_dir = \"{}\"\nlease_ms = 60000\npop_poll_ms = 500\n", state_dir.display());
-    let popgate = Popgate::start(&cluster.namesrv_addr, &config).await;
+    let popgate = Popgate::start_on_disk(&cluster.namesrv_addr, &disk, "lease_ms = 60000\npop_poll_ms = 500\n").await;
     let (topic, group) = (unique_topic("ledger_full"), unique_topic("g_ledger_full"));
     let body = json!({"group": group, "topic": topic, "maxAttempts": 1});
     let (status, answer) = popgate.post_json("/events/subscribe", &body).await;
@@ -261,10 +259,7 @@ async fn a_replay_whose_ledger_cannot_be_written_stops_is_counted_and_finishes_o
 
     drop(full);
     disk.free();
-    eventually(Duration::from_secs(30), "the store is healthy again", || async {
-        popgate.get_json("/readyz").await.0 == 200
-    })
-    .await;
+    popgate.wait_ready(Duration::from_secs(30)).await;
     let (status, answer) = popgate.post_json(&format!("/admin/dlq/replay?group={group}&max=100"), &json!({})).await;
     assert_eq!(status, 200, "{answer}");
     let results = answer["results"].as_array().cloned().unwrap_or_default();

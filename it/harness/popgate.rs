@@ -54,6 +54,20 @@ impl Popgate {
         popgate
     }
 
+    /// Starts popgate with its state directory on `disk` (a small tmpfs a test fills), `delivery_toml` added
+    /// to its `[delivery]` section.
+    pub async fn start_on_disk(namesrv_addr: &str, disk: &super::Tmpfs, delivery_toml: &str) -> Popgate {
+        let state_dir = disk.path.join("state");
+        let config = format!("[delivery]\nstate_dir = \"{}\"\n{delivery_toml}", state_dir.display());
+        Popgate::start(namesrv_addr, &config).await
+    }
+
+    /// Waits until `/readyz` answers 200 (the store and the broker are healthy again), at most `timeout`.
+    pub async fn wait_ready(&self, timeout: Duration) {
+        super::eventually(timeout, "popgate is ready again", || async { self.get_json("/readyz").await.0 == 200 })
+            .await;
+    }
+
     /// Runs popgate with a config it must refuse: returns its exit code and what it printed.
     pub async fn expect_exit(namesrv_addr: &str, extra_toml: &str) -> (Option<i32>, String) {
         let dir = tempfile::Builder::new().prefix("popgate-it-").tempdir().expect("tempdir");
