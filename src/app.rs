@@ -46,6 +46,9 @@ pub enum AppError {
     /// Boot recovery failed.
     #[error("recovery: {0}")]
     Recovery(#[from] DeliveryError),
+    /// The gRPC front's certificate cannot be used.
+    #[error("{0}")]
+    GrpcTls(#[from] crate::grpc::GrpcTlsError),
 }
 
 /// Runs popgate on `listener` until `shutdown` resolves; in-flight requests then get
@@ -64,6 +67,8 @@ pub async fn serve(
         (Some(cert), Some(key)) => Some(tls::server_config(cert, key)?),
         _ => None,
     };
+    // The gRPC front's certificate too, and its port is bound before anything starts.
+    let grpc = bind_grpc(&config).await?;
     if !config.auth.enabled {
         tracing::warn!("Authentication is switched off (auth.enabled = false): every caller may do everything.");
     }
@@ -82,12 +87,27 @@ pub async fn serve(
     let monitor = Arc::new(ProfileMonitor::new(profile, broker.clone()));
     check_profile_at_start(&monitor, config.reliability.fail_on_mismatch).await?;
     let check_every = Duration::from_secs(config.reliability.broker_check_interval_secs);
+    let tokens = Arc::new(TokenTable::new(&config.auth));
+    let config = Arc::new(config);
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let grpc_server = grpc.map(|(listener, tls)| {
+        let mut stop = stop_rx.clone();
+        let stopped = async move {
+            let _ = stop.wait_for(|stop| *stop).await;
+        };
+        let front = crate::grpc::serve(listener, tls, publisher.clone(), tokens.clone(), config.clone(), stopped);
+        tokio::spawn(async move {
+            if let Err(error) = front.await {
+                tracing::error!(%error, "The gRPC front stopped.");
+            }
+        })
+    });
     let state = AppState {
         dlq: Arc::new(DlqAdmin::new(broker.clone(), publisher.clone(), store)),
-        tokens: Arc::new(TokenTable::new(&config.auth)),
+        tokens,
         limits: ConnectionLimits::new(config.server.max_waiters_per_token, config.server.max_streams_per_token),
         profile: monitor.clone(),
-        config: Arc::new(config),
+        config,
         publisher: publisher.clone(),
         dispatcher: dispatcher.clone(),
         metrics,
@@ -95,7 +115,6 @@ pub async fn serve(
 
     let gauges = tokio::spawn(refresh_gauges(publisher.clone()));
     let profile_checks = tokio::spawn(monitor.run(check_every));
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stop_signal = async move {
         shutdown.await;
         let _ = stop_tx.send(true);
@@ -116,6 +135,9 @@ pub async fn serve(
     };
     gauges.abort();
     profile_checks.abort();
+    if let Some(grpc_server) = grpc_server {
+        grpc_server.abort();
+    }
     dispatcher.shutdown().await;
     drop(dispatcher);
     drop(publisher);
@@ -123,6 +145,17 @@ pub async fn serve(
         broker.shutdown().await;
     }
     result.map_err(AppError::from)
+}
+
+/// Binds the gRPC front's port and loads (or generates) its certificate, when the front is on.
+async fn bind_grpc(config: &Config) -> Result<Option<(TcpListener, Arc<rustls::ServerConfig>)>, AppError> {
+    let Some(addr) = config.grpc.listen_addr() else { return Ok(None) };
+    let cert_and_key = config.grpc.tls_cert_path.as_deref().zip(config.grpc.tls_key_path.as_deref());
+    let tls = crate::grpc::tls_config(cert_and_key)?;
+    let listener = TcpListener::bind(addr).await?;
+    let bound = listener.local_addr()?;
+    tracing::info!(addr = %bound, "popgate gRPC listening on {bound} (TLS and plaintext)");
+    Ok(Some((listener, tls)))
 }
 
 /// Checks the brokers once before serving: a mismatch is a warning, or fatal when configured so. A cluster

@@ -33,6 +33,7 @@ pub mod cli;
 pub mod config;
 pub mod delivery;
 pub mod dlq;
+pub mod grpc;
 pub mod metrics;
 pub mod publish;
 pub mod reliability;
@@ -52,7 +53,8 @@ mod layering {
         ("delivery", &["api", "app", "auth", "cli", "dlq", "reliability"]),
         ("auth", &["api", "app", "cli", "delivery", "dlq", "publish", "store"]),
         ("dlq", &["api", "app", "auth", "cli"]),
-        ("api", &["app", "broker", "cli"]),
+        ("api", &["app", "broker", "cli", "grpc"]),
+        ("grpc", &["api", "app", "broker", "cli", "dlq", "store"]),
     ];
 
     fn sources(path: &std::path::Path, out: &mut Vec<(String, String)>) {

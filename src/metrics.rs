@@ -62,6 +62,12 @@ pub const POPPED_UNUSABLE: &str = "popgate_popped_unusable_total";
 pub const DELIVERIES_GIVEN_BACK: &str = "popgate_deliveries_given_back_total";
 /// Counter (`family`): stored records that no longer decode, found outside boot recovery.
 pub const STORE_UNDECODABLE: &str = "popgate_store_undecodable_records_total";
+/// Counter (`rpc`, `code`): gRPC calls answered, by RPC and RocketMQ status code.
+pub const GRPC_REQUESTS: &str = "popgate_grpc_requests_total";
+/// Histogram (`rpc`): how long a gRPC call took to answer.
+pub const GRPC_REQUEST_DURATION: &str = "popgate_grpc_request_duration_seconds";
+/// Gauge (`kind`): gRPC clients seen in the last minute (producer, push_consumer, simple_consumer, other).
+pub const GRPC_CLIENTS: &str = "popgate_grpc_clients";
 /// 1 while the broker is weaker than the reliability profile (flush or replication), else 0.
 pub const PROFILE_MISMATCH: &str = "popgate_profile_mismatch";
 /// Requests refused before or by their handler for a limit or for authentication, by `reason`
@@ -97,6 +103,8 @@ pub fn install() -> Result<PrometheusHandle, String> {
                 .set_buckets_for_metric(Matcher::Full(ACK_LATENCY.to_owned()), ACK_LATENCY_BUCKETS)
                 .map_err(|e| e.to_string())?
                 .set_buckets_for_metric(Matcher::Full(SEND_DURATION.to_owned()), PUBLISH_DURATION_BUCKETS)
+                .map_err(|e| e.to_string())?
+                .set_buckets_for_metric(Matcher::Full(GRPC_REQUEST_DURATION.to_owned()), PUBLISH_DURATION_BUCKETS)
                 .map_err(|e| e.to_string())?
                 .install_recorder()
                 .map_err(|e| e.to_string())?;
@@ -160,10 +168,19 @@ fn register_zeroes() {
         metrics::counter!(*name).increment(0);
     }
     metrics::gauge!(PENDING_DELIVERIES).set(0.0);
+    for rpc in ["QueryRoute", "Heartbeat", "Telemetry", "SendMessage", "NotifyClientTermination"] {
+        metrics::counter!(GRPC_REQUESTS, "rpc" => rpc, "code" => "OK").increment(0);
+    }
+    for kind in ["producer", "push_consumer", "simple_consumer", "other"] {
+        metrics::gauge!(GRPC_CLIENTS, "kind" => kind).set(0.0);
+    }
 }
 
 fn describe_all() {
     describe_counter!(PUBLISH_REQUESTS, Unit::Count, "Publish requests answered, by result.");
+    describe_counter!(GRPC_REQUESTS, Unit::Count, "gRPC calls answered, by RPC and RocketMQ status code.");
+    describe_histogram!(GRPC_REQUEST_DURATION, Unit::Seconds, "gRPC call duration, by RPC.");
+    describe_gauge!(GRPC_CLIENTS, "gRPC clients seen in the last minute, by kind.");
     describe_counter!(SEND_ATTEMPTS, Unit::Count, "Send attempts to the broker, by broker name.");
     describe_counter!(SEND_RETRIES, Unit::Count, "Send attempts that retried a failed attempt.");
     describe_counter!(SEND_FAILURES, Unit::Count, "Failed send attempts, by reason.");

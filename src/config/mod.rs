@@ -59,6 +59,36 @@ pub struct Config {
     pub auth: AuthConfig,
     /// The admin plane (DLQ replay pacing).
     pub admin: AdminConfig,
+    /// The RocketMQ 5 gRPC front, for apps built on the official SDKs.
+    pub grpc: GrpcConfig,
+}
+
+/// The RocketMQ 5 gRPC front (`apache.rocketmq.v2.MessagingService`). TLS and plaintext are served on the
+/// same port, as Apache's proxy does, because the official SDKs use TLS by default and accept any certificate.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct GrpcConfig {
+    /// Address the gRPC front listens on; empty switches it off. Port 0 picks a free port (it is logged).
+    pub listen: String,
+    /// PEM certificate chain for TLS; without it (and `tls_key_path`) popgate generates a self-signed one at
+    /// start.
+    pub tls_cert_path: Option<PathBuf>,
+    /// PEM private key of `tls_cert_path`.
+    pub tls_key_path: Option<PathBuf>,
+}
+
+impl Default for GrpcConfig {
+    fn default() -> Self {
+        GrpcConfig { listen: "127.0.0.1:8081".to_owned(), tls_cert_path: None, tls_key_path: None }
+    }
+}
+
+impl GrpcConfig {
+    /// The address to listen on, or `None` when the front is switched off (or the address is invalid, which
+    /// validation reports).
+    pub fn listen_addr(&self) -> Option<SocketAddr> {
+        self.listen.trim().parse().ok()
+    }
 }
 
 /// Bearer-token authentication. On by default: with no token configured popgate refuses to start, unless

@@ -102,6 +102,17 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
         "server.tls_key_path",
         "give both server.tls_cert_path and server.tls_key_path, or neither",
     );
+    let grpc = &config.grpc;
+    check(
+        grpc.listen.trim().is_empty() || grpc.listen_addr().is_some(),
+        "grpc.listen",
+        &format!("`{}` is not host:port (leave it empty to switch the gRPC front off)", grpc.listen),
+    );
+    check(
+        grpc.tls_cert_path.is_some() == grpc.tls_key_path.is_some(),
+        "grpc.tls_cert_path",
+        "give both grpc.tls_cert_path and grpc.tls_key_path, or neither",
+    );
     for (key, path) in [("server.tls_cert_path", &server.tls_cert_path), ("server.tls_key_path", &server.tls_key_path)]
     {
         if let Some(path) = path {

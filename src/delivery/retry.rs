@@ -84,6 +84,11 @@ impl RetryPolicy {
         self.initial.saturating_mul(1u32 << doublings).min(self.max)
     }
 
+    /// The delays between attempts, without jitter (1, 2, 4, 8, 16 s by default): one per retry.
+    pub fn schedule(&self) -> Vec<Duration> {
+        (1..self.max_attempts).map(|failed| self.base_delay(failed)).collect()
+    }
+
     /// What follows the failure of attempt `failed` (1-based), with a jittered delay from `rng`.
     pub fn next(&self, failed: u32, rng: &mut impl Rng) -> NextStep {
         if failed >= self.max_attempts {

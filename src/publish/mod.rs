@@ -11,6 +11,13 @@
 
 pub mod request;
 
+// The message a front builds and hands to [`Publisher::publish`], with the property names fronts set.
+pub use crate::broker::message::{
+    is_reserved_property, is_valid_name, PROPERTY_SHARDING_KEY as MESSAGE_GROUP_PROPERTY,
+    PROPERTY_TIMER_DELIVER_MS as DELIVER_AT_PROPERTY, PROPERTY_UNIQ_KEY as MESSAGE_ID_PROPERTY,
+};
+pub use crate::broker::{OutgoingMessage, TopicRoute};
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -21,7 +28,7 @@ use serde::Serialize;
 
 use crate::broker::fault::{self, FaultTable, IsolationCause};
 use crate::broker::message::PROPERTY_SHARDING_KEY;
-use crate::broker::{BrokerClient, BrokerError, BrokerRoute, OutgoingMessage, SendReceipt, StoreStatus, TopicRoute};
+use crate::broker::{BrokerClient, BrokerError, BrokerRoute, SendReceipt, StoreStatus};
 use crate::config::{FaultAvoidanceConfig, Profile, PublishConfig};
 use crate::metrics as m;
 
@@ -150,6 +157,15 @@ impl Publisher {
             Ok(_) => Ok(()),
             Err(error) => Err(error.to_string()),
         }
+    }
+
+    /// The brokers of `topic` as the name server knows it (no auto-creation), or `None` when the cluster does
+    /// not have the topic.
+    ///
+    /// # Errors
+    /// What went wrong when no name server answered.
+    pub async fn existing_topic(&self, topic: &str) -> Result<Option<TopicRoute>, String> {
+        self.broker.existing_route(topic).await.map_err(|e| e.to_string())
     }
 
     /// The reliability profile sends are judged by.

@@ -1,0 +1,17 @@
+//! Compiles the RocketMQ 5 gRPC protocol (`proto/apache/rocketmq/v2`, vendored from apache/rocketmq-apis at
+//! commit 3e60073c6dab3430feaec443824802e23ecda681) into Rust with protox, a pure-Rust protobuf compiler, so
+//! building popgate needs no system `protoc`.
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // protox bundles google/protobuf/{duration,timestamp}.proto; only the vendored folder is given.
+    let descriptors = protox::compile(["apache/rocketmq/v2/service.proto"], ["proto"])?;
+    tonic_prost_build::configure()
+        .build_server(true)
+        .build_client(false)
+        // RPCs popgate does not serve answer UNIMPLEMENTED instead of needing a body each.
+        .generate_default_stubs(true)
+        .bytes(".apache.rocketmq.v2.Message.body")
+        .compile_fds(descriptors)?;
+    println!("cargo:rerun-if-changed=proto");
+    Ok(())
+}

@@ -1,0 +1,722 @@
+package dev.popgate.grpcdriver;
+
+import java.io.FileDescriptor;
+import java.io.FileOutputStream;
+import java.io.IOException;
+import java.nio.ByteBuffer;
+import java.nio.charset.StandardCharsets;
+import java.time.Duration;
+import java.util.ArrayList;
+import java.util.Arrays;
+import java.util.Collections;
+import java.util.HashSet;
+import java.util.LinkedHashMap;
+import java.util.List;
+import java.util.Map;
+import java.util.Set;
+import java.util.concurrent.CompletableFuture;
+import java.util.concurrent.CompletionException;
+import java.util.concurrent.ExecutionException;
+
+import org.apache.rocketmq.client.apis.ClientConfiguration;
+import org.apache.rocketmq.client.apis.ClientConfigurationBuilder;
+import org.apache.rocketmq.client.apis.ClientServiceProvider;
+import org.apache.rocketmq.client.apis.StaticSessionCredentialsProvider;
+import org.apache.rocketmq.client.apis.consumer.ConsumeResult;
+import org.apache.rocketmq.client.apis.consumer.FilterExpression;
+import org.apache.rocketmq.client.apis.consumer.FilterExpressionType;
+import org.apache.rocketmq.client.apis.consumer.PushConsumer;
+import org.apache.rocketmq.client.apis.consumer.PushConsumerBuilder;
+import org.apache.rocketmq.client.apis.consumer.SimpleConsumer;
+import org.apache.rocketmq.client.apis.message.Message;
+import org.apache.rocketmq.client.apis.message.MessageBuilder;
+import org.apache.rocketmq.client.apis.message.MessageView;
+import org.apache.rocketmq.client.apis.producer.Producer;
+import org.apache.rocketmq.client.apis.producer.SendReceipt;
+
+/**
+ * popgate's gRPC test driver: runs one scenario with Apache's official RocketMQ 5 Java SDK and prints one JSON
+ * object on stdout. Logs (the SDK's and the driver's) go to stderr.
+ *
+ * <pre>
+ *   java -jar popgate-grpc-driver.jar produce        '{"endpoint":"127.0.0.1:8081","topic":"T","count":3}'
+ *   java -jar popgate-grpc-driver.jar simple-consume '{"endpoint":"127.0.0.1:8081","group":"G","topic":"T","expect":3}'
+ *   java -jar popgate-grpc-driver.jar push-consume   '{"endpoint":"127.0.0.1:8081","group":"G","topic":"T","expect":3}'
+ * </pre>
+ *
+ * Arguments may also be given as key=value words instead of one JSON object. Exit codes: 0 the scenario ran (its
+ * JSON says what happened, including per-message errors and "timedOut"); 1 the SDK client could not be built or the
+ * scenario failed as a whole ({"error":...} on stdout); 2 bad usage or arguments ({"error":...} on stdout); 3 the
+ * result could not be written to stdout.
+ */
+public final class Driver {
+    private Driver() {
+    }
+
+    public static void main(String[] argv) {
+        // stdout carries only the result (written to fd 1 by finish); anything else printing to System.out,
+        // such as the SDK's console appender when mq.consoleAppender.enabled=true, goes to stderr.
+        System.setOut(System.err);
+        configureLogging();
+        if (argv.length == 0 || argv[0].equals("-h") || argv[0].equals("--help") || argv[0].equals("help")) {
+            System.err.println("usage: java -jar popgate-grpc-driver.jar <produce|simple-consume|push-consume>"
+                + " ['{json args}' | key=value ...]");
+            Map<String, Object> usage = new LinkedHashMap<>();
+            usage.put("usage", "<produce|simple-consume|push-consume> ['{json args}' | key=value ...]");
+            finish(argv.length == 0 ? error("missing scenario", null) : usage, argv.length == 0 ? 2 : 0);
+            return;
+        }
+        String scenario = argv[0];
+        Args args;
+        try {
+            args = Args.parse(Arrays.copyOfRange(argv, 1, argv.length));
+        } catch (IllegalArgumentException e) {
+            finish(error(e.getMessage(), null), 2);
+            return;
+        }
+        Map<String, Object> result;
+        int code;
+        try {
+            switch (scenario) {
+                case "produce":
+                    result = produce(args);
+                    break;
+                case "simple-consume":
+                    result = simpleConsume(args);
+                    break;
+                case "push-consume":
+                    result = pushConsume(args);
+                    break;
+                default:
+                    finish(error("unknown scenario '" + scenario + "'", null), 2);
+                    return;
+            }
+            code = result.containsKey("error") ? 1 : 0;
+        } catch (BadArgs e) {
+            result = error(e.getMessage(), null);
+            code = 2;
+        } catch (Throwable t) {
+            t.printStackTrace(System.err);
+            result = error("scenario failed", t);
+            code = 1;
+        }
+        result.put("scenario", scenario);
+        finish(result, code);
+    }
+
+    /**
+     * The SDK logs through a shaded logback whose config file property is renamed to
+     * rocketmq.logback.configurationFile; its own rocketmq.logback.xml writes ~/logs/rocketmq/rocketmq-client.log
+     * (and the console only when mq.consoleAppender.enabled=true). Point it at a stderr-only config, level warn,
+     * unless the caller set these properties with -D.
+     */
+    private static void configureLogging() {
+        if (System.getProperty("rocketmq.logback.configurationFile") == null) {
+            System.setProperty("rocketmq.logback.configurationFile", "popgate-grpc-driver-logback.xml");
+        }
+        if (System.getProperty("rocketmq.log.level") == null) {
+            System.setProperty("rocketmq.log.level", "warn");
+        }
+    }
+
+    private static void finish(Map<String, Object> result, int code) {
+        byte[] line = (Json.write(result) + "\n").getBytes(StandardCharsets.UTF_8);
+        try {
+            // Written straight to fd 1: a PrintStream would swallow a failed write.
+            FileOutputStream stdout = new FileOutputStream(FileDescriptor.out);
+            stdout.write(line);
+            stdout.flush();
+        } catch (IOException e) {
+            System.err.println("popgate-grpc-driver: writing the result to stdout failed: " + e);
+            code = 3;
+        }
+        System.err.flush();
+        // The SDK leaves non-daemon threads behind (gRPC, schedulers): exit explicitly.
+        Runtime.getRuntime().halt(code);
+    }
+
+    // ---------------------------------------------------------------------------------------------- scenarios
+
+    private static Map<String, Object> produce(Args a) throws Exception {
+        String endpoint = a.required("endpoint");
+        String topic = a.required("topic");
+        int count = a.integer("count", 1);
+        String prefix = a.string("prefix", "msg");
+        int startIndex = a.integer("startIndex", 0);
+        String tag = a.string("tag", null);
+        List<String> keys = a.list("keys");
+        String messageGroup = a.string("messageGroup", null);
+        long deliveryDelayMs = a.longValue("deliveryDelayMs", 0);
+        boolean async = a.bool("async", false);
+        ClientConfiguration config = clientConfiguration(a, endpoint);
+        a.rejectUnknown();
+
+        ClientServiceProvider provider = ClientServiceProvider.loadService();
+        Map<String, Object> out = new LinkedHashMap<>();
+        long started = System.currentTimeMillis();
+        out.put("startedAtMs", started);
+        Producer producer;
+        try {
+            producer = provider.newProducerBuilder().setClientConfiguration(config).setTopics(topic).build();
+        } catch (Throwable t) {
+            return startupFailed(out, started, "producer", t);
+        }
+        out.put("startupMs", System.currentTimeMillis() - started);
+
+        List<Object> sent = new ArrayList<>();
+        List<Object> errors = new ArrayList<>();
+        long sendStarted = System.currentTimeMillis();
+        List<CompletableFuture<SendReceipt>> futures = new ArrayList<>();
+        List<Long> submittedAt = new ArrayList<>();
+        for (int n = 0; n < count; n++) {
+            int i = startIndex + n;
+            String body = prefix + "-" + i;
+            MessageBuilder mb = provider.newMessageBuilder().setTopic(topic)
+                .setBody(body.getBytes(StandardCharsets.UTF_8));
+            if (tag != null) {
+                mb.setTag(subst(tag, i));
+            }
+            if (!keys.isEmpty()) {
+                mb.setKeys(keys.stream().map(k -> subst(k, i)).toArray(String[]::new));
+            }
+            if (messageGroup != null) {
+                mb.setMessageGroup(subst(messageGroup, i));
+            }
+            if (deliveryDelayMs > 0) {
+                mb.setDeliveryTimestamp(System.currentTimeMillis() + deliveryDelayMs);
+            }
+            Message message = mb.build();
+            long t0 = System.currentTimeMillis();
+            if (async) {
+                futures.add(producer.sendAsync(message));
+                submittedAt.add(t0);
+                continue;
+            }
+            try {
+                SendReceipt receipt = producer.send(message);
+                sent.add(sentEntry(i, body, receipt, t0));
+            } catch (Throwable t) {
+                errors.add(sendError(i, body, t, t0));
+            }
+        }
+        for (int n = 0; n < futures.size(); n++) {
+            int i = startIndex + n;
+            String body = prefix + "-" + i;
+            try {
+                sent.add(sentEntry(i, body, futures.get(n).get(), submittedAt.get(n)));
+            } catch (Throwable t) {
+                errors.add(sendError(i, body, t, submittedAt.get(n)));
+            }
+        }
+        out.put("sendMs", System.currentTimeMillis() - sendStarted);
+        out.put("sent", sent);
+        out.put("errors", errors);
+        out.put("closeMs", close(producer, 5000));
+        out.put("finishedAtMs", System.currentTimeMillis());
+        return out;
+    }
+
+    private static Map<String, Object> simpleConsume(Args a) throws Exception {
+        String endpoint = a.required("endpoint");
+        String group = a.required("group");
+        String topic = a.required("topic");
+        FilterExpression filter = filter(a);
+        int expect = a.integer("expect", 0);
+        int invisibleSeconds = a.integer("invisibleSeconds", 30);
+        int awaitSeconds = a.integer("awaitSeconds", 5);
+        int timeoutSeconds = a.integer("timeoutSeconds", 30);
+        int maxMessageNum = a.integer("maxMessageNum", 16);
+        boolean ack = a.bool("ack", true);
+        Integer changeInvisibleFirst = a.has("changeInvisibleFirst") ? a.integer("changeInvisibleFirst", 0) : null;
+        boolean stopOnRejection = a.bool("stopOnRejection", true);
+        ClientConfiguration config = clientConfiguration(a, endpoint);
+        a.rejectUnknown();
+
+        ClientServiceProvider provider = ClientServiceProvider.loadService();
+        Map<String, Object> out = new LinkedHashMap<>();
+        long started = System.currentTimeMillis();
+        out.put("startedAtMs", started);
+        SimpleConsumer consumer;
+        try {
+            consumer = provider.newSimpleConsumerBuilder().setClientConfiguration(config).setConsumerGroup(group)
+                .setSubscriptionExpressions(Collections.singletonMap(topic, filter))
+                .setAwaitDuration(Duration.ofSeconds(awaitSeconds)).build();
+        } catch (Throwable t) {
+            return startupFailed(out, started, "simple consumer", t);
+        }
+        out.put("startupMs", System.currentTimeMillis() - started);
+
+        List<Object> received = new ArrayList<>();
+        List<Object> ackErrors = new ArrayList<>();
+        List<Object> changeInvisibleErrors = new ArrayList<>();
+        List<Object> receiveErrors = new ArrayList<>();
+        long deadline = System.currentTimeMillis() + timeoutSeconds * 1000L; // from when the client is up
+        int receiveCalls = 0;
+        boolean stoppedOnError = false;
+        while (System.currentTimeMillis() < deadline && (expect <= 0 || received.size() < expect)) {
+            int want = expect > 0 ? Math.min(maxMessageNum, expect - received.size()) : maxMessageNum;
+            List<MessageView> views;
+            receiveCalls++;
+            long t0 = System.currentTimeMillis();
+            try {
+                views = consumer.receive(want, Duration.ofSeconds(invisibleSeconds));
+            } catch (Throwable t) {
+                Map<String, Object> e = describe(t);
+                e.put("atMs", t0);
+                receiveErrors.add(e);
+                if (stopOnRejection && isRejection(t)) {
+                    // A 4xx-like answer (bad request, forbidden, not found, ...) will not change by retrying.
+                    stoppedOnError = true;
+                    break;
+                }
+                Thread.sleep(200);
+                continue;
+            }
+            long at = System.currentTimeMillis();
+            for (MessageView view : views) {
+                Map<String, Object> entry = viewEntry(view);
+                entry.put("receivedAtMs", at);
+                received.add(entry);
+                if (changeInvisibleFirst != null) {
+                    try {
+                        consumer.changeInvisibleDuration(view, Duration.ofSeconds(changeInvisibleFirst));
+                        entry.put("changedInvisible", true);
+                    } catch (Throwable t) {
+                        entry.put("changedInvisible", false);
+                        changeInvisibleErrors.add(messageError(view, entry, t));
+                    }
+                }
+                if (ack) {
+                    try {
+                        long a0 = System.currentTimeMillis();
+                        consumer.ack(view);
+                        entry.put("acked", true);
+                        entry.put("ackMs", System.currentTimeMillis() - a0);
+                    } catch (Throwable t) {
+                        entry.put("acked", false);
+                        ackErrors.add(messageError(view, entry, t));
+                    }
+                } else {
+                    entry.put("acked", false);
+                }
+            }
+        }
+        out.put("receiveCalls", receiveCalls);
+        out.put("received", received);
+        out.put("ackErrors", ackErrors);
+        out.put("changeInvisibleErrors", changeInvisibleErrors);
+        out.put("receiveErrors", receiveErrors);
+        out.put("stoppedOnError", stoppedOnError);
+        out.put("timedOut", !stoppedOnError && expect > 0 && received.size() < expect);
+        out.put("closeMs", close(consumer, 5000));
+        out.put("finishedAtMs", System.currentTimeMillis());
+        return out;
+    }
+
+    private static Map<String, Object> pushConsume(Args a) throws Exception {
+        String endpoint = a.required("endpoint");
+        String group = a.required("group");
+        String topic = a.required("topic");
+        FilterExpression filter = filter(a);
+        int expect = a.integer("expect", 0);
+        int expectSuccess = a.integer("expectSuccess", 0);
+        int timeoutSeconds = a.integer("timeoutSeconds", 30);
+        Set<String> failBodies = new HashSet<>(a.list("failBodies"));
+        long holdMillis = a.longValue("holdMillis", 0);
+        long settleMillis = a.longValue("settleMillis", 0);
+        long closeTimeoutMillis = a.longValue("closeTimeoutMillis", 5000);
+        Integer threads = a.has("consumptionThreadCount") ? a.integer("consumptionThreadCount", 20) : null;
+        Integer maxCache = a.has("maxCacheMessageCount") ? a.integer("maxCacheMessageCount", 1024) : null;
+        ClientConfiguration config = clientConfiguration(a, endpoint);
+        a.rejectUnknown();
+
+        ClientServiceProvider provider = ClientServiceProvider.loadService();
+        Map<String, Object> out = new LinkedHashMap<>();
+        List<Map<String, Object>> invocations = new ArrayList<>();
+        int[] counts = new int[2]; // [done, succeeded], guarded by invocations
+        long started = System.currentTimeMillis();
+        out.put("startedAtMs", started);
+        PushConsumerBuilder builder = provider.newPushConsumerBuilder().setClientConfiguration(config)
+            .setConsumerGroup(group).setSubscriptionExpressions(Collections.singletonMap(topic, filter))
+            .setMessageListener(view -> {
+                long at = System.currentTimeMillis();
+                Map<String, Object> entry = viewEntry(view);
+                entry.put("atMs", at);
+                entry.put("thread", Thread.currentThread().getName());
+                synchronized (invocations) {
+                    entry.put("seq", invocations.size());
+                    invocations.add(entry);
+                }
+                String body = (String) entry.get("body");
+                if (holdMillis > 0) {
+                    try {
+                        Thread.sleep(holdMillis);
+                    } catch (InterruptedException e) {
+                        Thread.currentThread().interrupt();
+                    }
+                }
+                ConsumeResult r = failBodies.contains(body) ? ConsumeResult.FAILURE : ConsumeResult.SUCCESS;
+                synchronized (invocations) {
+                    entry.put("result", r.name());
+                    entry.put("doneAtMs", System.currentTimeMillis());
+                    counts[0]++;
+                    if (r == ConsumeResult.SUCCESS) {
+                        counts[1]++;
+                    }
+                    invocations.notifyAll();
+                }
+                return r;
+            });
+        if (threads != null) {
+            builder.setConsumptionThreadCount(threads);
+        }
+        if (maxCache != null) {
+            builder.setMaxCacheMessageCount(maxCache);
+        }
+        PushConsumer consumer;
+        try {
+            consumer = builder.build();
+        } catch (Throwable t) {
+            return startupFailed(out, started, "push consumer", t);
+        }
+        out.put("startupMs", System.currentTimeMillis() - started);
+
+        long deadline = System.currentTimeMillis() + timeoutSeconds * 1000L; // from when the client is up
+        boolean reached = false;
+        synchronized (invocations) {
+            while (true) {
+                // Counted when a listener call has returned, so a test never sees a result still pending.
+                boolean target = (expect > 0 || expectSuccess > 0)
+                    && (expect <= 0 || counts[0] >= expect) && (expectSuccess <= 0 || counts[1] >= expectSuccess);
+                if (target) {
+                    reached = true;
+                    break;
+                }
+                long left = deadline - System.currentTimeMillis();
+                if (left <= 0) {
+                    break;
+                }
+                invocations.wait(Math.min(left, 200));
+            }
+        }
+        if (reached && settleMillis > 0) {
+            Thread.sleep(settleMillis);
+        }
+        out.put("timedOut", (expect > 0 || expectSuccess > 0) && !reached);
+        // Closing waits for in-flight listener calls, gives the SDK 1 s to ack, but first waits up to
+        // requestTimeout + longPollingTimeout (33 s) for in-flight receives: bounded here by closeTimeoutMillis.
+        long closeMs = close(consumer, closeTimeoutMillis);
+        out.put("closeMs", closeMs);
+        out.put("closeTimedOut", closeMs < 0);
+        synchronized (invocations) {
+            out.put("invocations", invocations.size());
+            out.put("succeeded", counts[1]);
+            out.put("received", snapshot(invocations));
+        }
+        out.put("finishedAtMs", System.currentTimeMillis());
+        return out;
+    }
+
+    // ---------------------------------------------------------------------------------------------- helpers
+
+    /** A stock configuration: the endpoint, plus credentials when given; `ssl` only when the caller asks for it. */
+    private static ClientConfiguration clientConfiguration(Args a, String endpoint) {
+        ClientConfigurationBuilder b = ClientConfiguration.newBuilder().setEndpoints(endpoint);
+        String accessKey = a.string("accessKey", null);
+        String secretKey = a.string("secretKey", null);
+        String securityToken = a.string("securityToken", null);
+        if (accessKey != null || secretKey != null) {
+            if (accessKey == null || secretKey == null) {
+                throw new BadArgs("accessKey and secretKey go together");
+            }
+            b.setCredentialProvider(securityToken == null
+                ? new StaticSessionCredentialsProvider(accessKey, secretKey)
+                : new StaticSessionCredentialsProvider(accessKey, secretKey, securityToken));
+        }
+        if (a.has("ssl")) {
+            // Not part of the stock configuration: the SDK's default is TLS on (trusting any certificate).
+            b.enableSsl(a.bool("ssl", true));
+        }
+        return b.build();
+    }
+
+    private static FilterExpression filter(Args a) {
+        String sql = a.string("sql", null);
+        String tag = a.string("tag", null);
+        if (sql != null && tag != null) {
+            throw new BadArgs("give either tag or sql, not both");
+        }
+        if (sql != null) {
+            return new FilterExpression(sql, FilterExpressionType.SQL92);
+        }
+        return new FilterExpression(tag == null ? "*" : tag, FilterExpressionType.TAG);
+    }
+
+    /** Whether the SDK mapped the answer to a client-side (4xx) error other than throttling. */
+    private static boolean isRejection(Throwable t) {
+        while ((t instanceof ExecutionException || t instanceof CompletionException) && t.getCause() != null) {
+            t = t.getCause();
+        }
+        switch (t.getClass().getSimpleName()) {
+            case "BadRequestException":
+            case "UnauthorizedException":
+            case "PaymentRequiredException":
+            case "ForbiddenException":
+            case "NotFoundException":
+            case "PayloadTooLargeException":
+            case "RequestHeaderFieldsTooLargeException":
+            case "UnsupportedException":
+                return true;
+            default:
+                return false;
+        }
+    }
+
+    private static String subst(String template, int i) {
+        return template.replace("{i}", Integer.toString(i));
+    }
+
+    private static Map<String, Object> sentEntry(int i, String body, SendReceipt receipt, long t0) {
+        long now = System.currentTimeMillis();
+        Map<String, Object> e = new LinkedHashMap<>();
+        e.put("index", i);
+        e.put("messageId", receipt.getMessageId().toString());
+        e.put("body", body);
+        e.put("sentAtMs", t0);
+        e.put("latencyMs", now - t0);
+        return e;
+    }
+
+    private static Map<String, Object> sendError(int i, String body, Throwable t, long t0) {
+        Map<String, Object> e = describe(t);
+        e.put("index", i);
+        e.put("body", body);
+        e.put("sentAtMs", t0);
+        return e;
+    }
+
+    private static Map<String, Object> messageError(MessageView view, Map<String, Object> entry, Throwable t) {
+        Map<String, Object> e = describe(t);
+        e.put("messageId", view.getMessageId().toString());
+        e.put("body", entry.get("body"));
+        e.put("atMs", System.currentTimeMillis());
+        return e;
+    }
+
+    private static Map<String, Object> viewEntry(MessageView view) {
+        Map<String, Object> e = new LinkedHashMap<>();
+        e.put("messageId", view.getMessageId().toString());
+        ByteBuffer buf = view.getBody().duplicate();
+        byte[] bytes = new byte[buf.remaining()];
+        buf.get(bytes);
+        e.put("body", new String(bytes, StandardCharsets.UTF_8));
+        e.put("deliveryAttempt", view.getDeliveryAttempt());
+        e.put("topic", view.getTopic());
+        e.put("tag", view.getTag().orElse(null));
+        e.put("keys", new ArrayList<>(view.getKeys()));
+        e.put("messageGroup", view.getMessageGroup().orElse(null));
+        e.put("deliveryTimestamp", view.getDeliveryTimestamp().orElse(null));
+        e.put("bornTimestamp", view.getBornTimestamp());
+        e.put("bornHost", view.getBornHost());
+        e.put("properties", new LinkedHashMap<>(view.getProperties()));
+        return e;
+    }
+
+    private static List<Object> snapshot(List<Map<String, Object>> entries) {
+        List<Object> copy = new ArrayList<>();
+        for (Map<String, Object> e : entries) {
+            copy.add(new LinkedHashMap<>(e));
+        }
+        return copy;
+    }
+
+    private static Map<String, Object> startupFailed(Map<String, Object> out, long started, String what,
+        Throwable t) {
+        t.printStackTrace(System.err);
+        out.put("startupMs", System.currentTimeMillis() - started);
+        out.putAll(error("could not start the " + what, t));
+        return out;
+    }
+
+    private static Map<String, Object> error(String message, Throwable t) {
+        Map<String, Object> e = new LinkedHashMap<>();
+        e.put("error", message);
+        if (t != null) {
+            e.put("cause", describe(t));
+        }
+        return e;
+    }
+
+    /** {"errorClass", "message", "causes": [...]} of a throwable, unwrapping future wrappers. */
+    private static Map<String, Object> describe(Throwable t) {
+        while ((t instanceof ExecutionException || t instanceof CompletionException) && t.getCause() != null) {
+            t = t.getCause();
+        }
+        Map<String, Object> e = new LinkedHashMap<>();
+        e.put("errorClass", t.getClass().getName());
+        e.put("message", String.valueOf(t.getMessage()));
+        List<Object> causes = new ArrayList<>();
+        for (Throwable c = t.getCause(); c != null && causes.size() < 5; c = c.getCause()) {
+            causes.add(c.getClass().getName() + ": " + c.getMessage());
+        }
+        if (!causes.isEmpty()) {
+            e.put("causes", causes);
+        }
+        return e;
+    }
+
+    /** Closes a client on a daemon thread; returns how long it took, or -1 if it did not finish in time. */
+    private static long close(AutoCloseable client, long timeoutMillis) {
+        long t0 = System.currentTimeMillis();
+        Thread closer = new Thread(() -> {
+            try {
+                client.close();
+            } catch (Throwable t) {
+                System.err.println("close failed: " + t);
+            }
+        }, "driver-close");
+        closer.setDaemon(true);
+        closer.start();
+        try {
+            closer.join(timeoutMillis);
+        } catch (InterruptedException e) {
+            Thread.currentThread().interrupt();
+        }
+        return closer.isAlive() ? -1 : System.currentTimeMillis() - t0;
+    }
+
+    // ---------------------------------------------------------------------------------------------- arguments
+
+    /** A bad argument: exit code 2. */
+    static final class BadArgs extends RuntimeException {
+        BadArgs(String message) {
+            super(message);
+        }
+    }
+
+    /** Scenario arguments, from one JSON object or key=value words; unknown keys are an error (typos). */
+    static final class Args {
+        private final Map<String, Object> values;
+        private final Set<String> used = new HashSet<>();
+
+        private Args(Map<String, Object> values) {
+            this.values = values;
+        }
+
+        @SuppressWarnings("unchecked")
+        static Args parse(String[] words) {
+            Map<String, Object> m = new LinkedHashMap<>();
+            if (words.length == 1 && words[0].trim().startsWith("{")) {
+                Object v = Json.parse(words[0]);
+                if (!(v instanceof Map)) {
+                    throw new IllegalArgumentException("arguments must be a JSON object");
+                }
+                m.putAll((Map<String, Object>) v);
+            } else {
+                for (String w : words) {
+                    int eq = w.indexOf('=');
+                    if (eq <= 0) {
+                        throw new IllegalArgumentException("expected a JSON object or key=value words, got '" + w
+                            + "'");
+                    }
+                    m.put(w.substring(0, eq), w.substring(eq + 1));
+                }
+            }
+            return new Args(m);
+        }
+
+        boolean has(String key) {
+            used.add(key);
+            return values.get(key) != null;
+        }
+
+        String string(String key, String dflt) {
+            used.add(key);
+            Object v = values.get(key);
+            if (v == null) {
+                return dflt;
+            }
+            if (v instanceof Map || v instanceof List) {
+                throw new BadArgs(key + " must be a string");
+            }
+            if (v instanceof Double && ((Double) v) == Math.rint((Double) v)) {
+                return Long.toString(((Double) v).longValue());
+            }
+            return v.toString();
+        }
+
+        String required(String key) {
+            String v = string(key, null);
+            if (v == null || v.isEmpty()) {
+                throw new BadArgs("missing required argument '" + key + "'");
+            }
+            return v;
+        }
+
+        long longValue(String key, long dflt) {
+            String v = string(key, null);
+            if (v == null) {
+                return dflt;
+            }
+            try {
+                return Long.parseLong(v.trim());
+            } catch (NumberFormatException e) {
+                throw new BadArgs(key + " must be an integer, got '" + v + "'");
+            }
+        }
+
+        int integer(String key, int dflt) {
+            long v = longValue(key, dflt);
+            if (v < Integer.MIN_VALUE || v > Integer.MAX_VALUE) {
+                throw new BadArgs(key + " out of range");
+            }
+            return (int) v;
+        }
+
+        boolean bool(String key, boolean dflt) {
+            String v = string(key, null);
+            if (v == null) {
+                return dflt;
+            }
+            switch (v.trim().toLowerCase()) {
+                case "true": case "1": case "yes": return true;
+                case "false": case "0": case "no": return false;
+                default: throw new BadArgs(key + " must be true or false, got '" + v + "'");
+            }
+        }
+
+        /** A JSON array of strings, or one comma-separated string; empty when absent. */
+        List<String> list(String key) {
+            used.add(key);
+            Object v = values.get(key);
+            List<String> out = new ArrayList<>();
+            if (v == null) {
+                return out;
+            }
+            if (v instanceof List) {
+                for (Object o : (List<?>) v) {
+                    out.add(String.valueOf(o));
+                }
+                return out;
+            }
+            for (String s : string(key, "").split(",")) {
+                if (!s.trim().isEmpty()) {
+                    out.add(s.trim());
+                }
+            }
+            return out;
+        }
+
+        void rejectUnknown() {
+            List<String> unknown = new ArrayList<>();
+            for (String k : values.keySet()) {
+                if (!used.contains(k)) {
+                    unknown.add(k);
+                }
+            }
+            if (!unknown.isEmpty()) {
+                throw new BadArgs("unknown argument(s) " + unknown + "; known: " + new java.util.TreeSet<>(used));
+            }
+        }
+    }
+}

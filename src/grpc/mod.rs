@@ -1,0 +1,52 @@
+//! The RocketMQ 5 gRPC front: `apache.rocketmq.v2.MessagingService`, the protocol of the official 5.x SDKs,
+//! so an app built on them points at popgate by changing only its endpoint.
+//!
+//! Like the HTTP front it holds no message or delivery state: each RPC calls the publish layer (and the
+//! delivery layer). TLS and plaintext share one port (see [`listener`]).
+//!
+//! ```text
+//! listener (TLS sniffing) ──▶ service::Front ──▶ route / send / settings ──▶ publish::Publisher
+//! ```
+
+mod listener;
+mod proto;
+mod route;
+mod send;
+mod service;
+mod settings;
+mod status;
+
+use std::future::Future;
+use std::sync::Arc;
+
+use tokio::net::TcpListener;
+
+pub use listener::{tls_config, GrpcTlsError};
+
+use crate::auth::TokenTable;
+use crate::config::Config;
+use crate::publish::Publisher;
+
+/// Largest gRPC message popgate reads: a send of the largest body the broker takes, plus its properties.
+const MAX_DECODING_BYTES: usize = 16 * 1024 * 1024;
+
+/// Serves the gRPC front on `listener` until `shutdown` resolves.
+///
+/// # Errors
+/// When the server fails.
+pub async fn serve(
+    listener: TcpListener,
+    tls: Arc<rustls::ServerConfig>,
+    publisher: Arc<Publisher>,
+    tokens: Arc<TokenTable>,
+    config: Arc<Config>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), tonic::transport::Error> {
+    let front = Arc::new(service::Front::new(publisher, tokens, config));
+    let service = proto::messaging_service_server::MessagingServiceServer::new(front)
+        .max_decoding_message_size(MAX_DECODING_BYTES);
+    tonic::transport::Server::builder()
+        .add_service(service)
+        .serve_with_incoming_shutdown(listener::incoming(listener, tls), shutdown)
+        .await
+}

@@ -1,0 +1,47 @@
+//! `QueryRoute`: the topic's queues as the cluster has them, each served by popgate itself. The broker
+//! entries carry the endpoints the client dialled, so the SDK sends everything back to popgate (it would dial
+//! the brokers' remoting ports otherwise, which speak no gRPC).
+
+use super::proto::{self as pb, Code, MessageType, Permission};
+use super::service::Front;
+use super::status::{ok, status};
+use crate::publish::is_valid_name;
+
+/// The message types popgate's queues accept: no transactional messages (popgate does not serve
+/// `EndTransaction`), so the SDK refuses those itself.
+const ACCEPTED_TYPES: [MessageType; 3] = [MessageType::Normal, MessageType::Fifo, MessageType::Delay];
+
+pub(super) async fn query_route(front: &Front, request: pb::QueryRouteRequest) -> pb::QueryRouteResponse {
+    let refused = |code, message: String| pb::QueryRouteResponse { status: Some(status(code, message)), message_queues: vec![] };
+    let topic = request.topic.unwrap_or_default();
+    if !is_valid_name(&topic.name) {
+        return refused(Code::IllegalTopic, format!("`{}` is not a valid topic name", topic.name));
+    }
+    let Some(endpoints) = request.endpoints else {
+        return refused(Code::IllegalAccessPoint, "the request names no endpoints".to_owned());
+    };
+    let route = match front.publisher.existing_topic(&topic.name).await {
+        Ok(Some(route)) => route,
+        Ok(None) => return refused(Code::TopicNotFound, format!("topic `{}` does not exist", topic.name)),
+        Err(error) => return refused(Code::InternalServerError, format!("the name server did not answer: {error}")),
+    };
+    let mut message_queues = Vec::new();
+    for broker in &route.brokers {
+        for queue_id in 0..broker.write_queues.max(broker.read_queues) {
+            let permission = match (queue_id < broker.read_queues, queue_id < broker.write_queues) {
+                (true, true) => Permission::ReadWrite,
+                (true, false) => Permission::Read,
+                (false, true) => Permission::Write,
+                (false, false) => Permission::None,
+            };
+            message_queues.push(pb::MessageQueue {
+                topic: Some(topic.clone()),
+                id: i32::try_from(queue_id).unwrap_or(i32::MAX),
+                permission: permission as i32,
+                broker: Some(pb::Broker { name: broker.name.clone(), id: 0, endpoints: Some(endpoints.clone()) }),
+                accept_message_types: ACCEPTED_TYPES.iter().map(|t| *t as i32).collect(),
+            });
+        }
+    }
+    pb::QueryRouteResponse { status: Some(ok()), message_queues }
+}
