@@ -9,6 +9,8 @@ mod delivery;
 mod delivery_core;
 mod dlq;
 mod fuzz;
+mod grpc;
+mod grpc_raw;
 mod harness;
 mod metrics;
 mod ordered;

@@ -48,7 +48,7 @@ async fn published_event_reaches_the_broker_with_body_tags_keys_and_properties()
     assert_eq!(m.property("tenant"), Some("acme"));
     assert_eq!(m.property("UNIQ_KEY"), answer["messageId"].as_str());
     assert_eq!(Some(m.broker.as_str()), answer["broker"].as_str());
-    assert!(popgate.metric("popgate_publish_requests_total{result=\"ok\"}").await >= 1.0);
+    assert!(popgate.metric("popgate_publish_requests_total{result=\"ok\",transport=\"http\"}").await >= 1.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -143,10 +143,10 @@ async fn malformed_wrong_typed_and_oversized_bodies_get_the_documented_4xx() {
     let (status, answer) = status_and_json(resp).await;
     assert_eq!((status, answer["error"]["field"].as_str()), (400, Some("mode")), "{answer}");
 
-    assert!(popgate.metric("popgate_publish_requests_total{result=\"bad_request\"}").await >= 10.0);
+    assert!(popgate.metric("popgate_publish_requests_total{result=\"bad_request\",transport=\"http\"}").await >= 10.0);
     // The message over max_message_bytes is the publish path's own 413; the body over the HTTP limit is refused
     // before it is read, by the request guard.
-    assert!(popgate.metric("popgate_publish_requests_total{result=\"too_large\"}").await >= 1.0);
+    assert!(popgate.metric("popgate_publish_requests_total{result=\"too_large\",transport=\"http\"}").await >= 1.0);
     assert!(popgate.metric("popgate_requests_rejected_total{reason=\"body_too_large\"}").await >= 1.0);
     let direct = Direct::connect(&cluster.namesrv_addr).await;
     direct.create_topic(&topic, &broker_addrs(cluster)).await;
@@ -182,7 +182,7 @@ async fn oneway_is_accepted_without_confirmation_and_async_is_confirmed() {
 
     eventually(Duration::from_secs(10), "both messages stored", || async { direct.read_all(&topic).await.len() == 2 })
         .await;
-    assert_eq!(popgate.metric("popgate_publish_requests_total{result=\"accepted\"}").await, 1.0);
+    assert_eq!(popgate.metric("popgate_publish_requests_total{result=\"accepted\",transport=\"http\"}").await, 1.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -196,7 +196,7 @@ async fn unknown_topic_is_404_when_the_broker_does_not_auto_create() {
     assert_eq!(status, 404, "{answer}");
     assert_eq!(answer["error"]["code"], "unknown_topic");
     assert_eq!(answer["error"]["field"], "topic");
-    assert_eq!(popgate.metric("popgate_publish_requests_total{result=\"not_found\"}").await, 1.0);
+    assert_eq!(popgate.metric("popgate_publish_requests_total{result=\"not_found\",transport=\"http\"}").await, 1.0);
 
     let topic = unique_topic("precreated");
     let direct = Direct::connect(&cluster.namesrv_addr).await;
@@ -276,7 +276,7 @@ async fn every_broker_down_is_503_with_the_attempts_and_counted() {
     let attempts = answer["error"]["attempts"].as_array().expect("attempts listed");
     assert_eq!(attempts.len(), 3, "1 + retryTimesWhenSendFailed attempts: {answer}");
     assert!(attempts.iter().all(|a| a["error"].is_string()), "{answer}");
-    assert_eq!(popgate.metric("popgate_publish_requests_total{result=\"unavailable\"}").await, 1.0);
+    assert_eq!(popgate.metric("popgate_publish_requests_total{result=\"unavailable\",transport=\"http\"}").await, 1.0);
     let failures = popgate.metric("popgate_send_failures_total{reason=\"network\"}").await
         + popgate.metric("popgate_send_failures_total{reason=\"timeout\"}").await;
     assert!(failures >= 3.0, "every failed attempt is counted");

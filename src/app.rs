@@ -95,7 +95,15 @@ pub async fn serve(
         let stopped = async move {
             let _ = stop.wait_for(|stop| *stop).await;
         };
-        let front = crate::grpc::serve(listener, tls, publisher.clone(), tokens.clone(), config.clone(), stopped);
+        let front = crate::grpc::serve(
+            listener,
+            tls,
+            publisher.clone(),
+            dispatcher.clone(),
+            tokens.clone(),
+            config.clone(),
+            stopped,
+        );
         tokio::spawn(async move {
             if let Err(error) = front.await {
                 tracing::error!(%error, "The gRPC front stopped.");

@@ -22,6 +22,7 @@
 //! HTTP, `api` reaches the broker only through `publish` and `delivery`, and `config` imports no other
 //! module. A unit test below reads the sources and fails on an arrow that runs back up.
 
+#![recursion_limit = "256"]
 #![forbid(unsafe_code)]
 #![deny(rust_2018_idioms)]
 

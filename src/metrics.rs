@@ -119,10 +119,9 @@ pub fn install() -> Result<PrometheusHandle, String> {
 /// lets `rate()` and dashboards show 0 instead of "no data", and alerts tell "never happened" from "not
 /// scraped".
 const ZERO_SERIES: &[(&str, &str, &[&str])] = &[
-    (PUBLISH_REQUESTS, "result", &["ok", "accepted", "bad_request", "too_large", "not_found", "unavailable"]),
     (SEND_FAILURES, "reason", &["timeout", "network", "broker_error", "not_stored", "no_route", "client"]),
     (SEND_DEGRADED, "status", &["FLUSH_DISK_TIMEOUT", "FLUSH_SLAVE_TIMEOUT", "SLAVE_NOT_AVAILABLE"]),
-    (DELIVERIES_DISPATCHED, "transport", &["poll", "sse", "websocket", "webhook"]),
+    (DELIVERIES_DISPATCHED, "transport", &["poll", "sse", "websocket", "webhook", "grpc"]),
     (PUSH_WRITE_FAILURES, "transport", &["sse", "websocket", "webhook"]),
     (ACKS, "result", &["acked", "unknown", "stale", "not_in_flight", "busy", "store_error"]),
     (REDELIVERIES, "reason", &["timeout", "nack", "push_failure", "recovery"]),
@@ -158,6 +157,20 @@ const ZERO_COUNTERS: &[&str] = &[
     POPPED_UNUSABLE,
 ];
 
+/// The gRPC RPCs popgate serves, registered at 0 with code OK.
+const GRPC_RPCS: &[&str] = &[
+    "QueryRoute",
+    "Heartbeat",
+    "Telemetry",
+    "SendMessage",
+    "NotifyClientTermination",
+    "QueryAssignment",
+    "ReceiveMessage",
+    "AckMessage",
+    "ChangeInvisibleDuration",
+    "ForwardMessageToDeadLetterQueue",
+];
+
 fn register_zeroes() {
     for (name, label, values) in ZERO_SERIES {
         for value in *values {
@@ -167,8 +180,13 @@ fn register_zeroes() {
     for name in ZERO_COUNTERS {
         metrics::counter!(*name).increment(0);
     }
+    for transport in ["http", "grpc"] {
+        for result in ["ok", "accepted", "bad_request", "too_large", "not_found", "unavailable"] {
+            metrics::counter!(PUBLISH_REQUESTS, "result" => result, "transport" => transport).increment(0);
+        }
+    }
     metrics::gauge!(PENDING_DELIVERIES).set(0.0);
-    for rpc in ["QueryRoute", "Heartbeat", "Telemetry", "SendMessage", "NotifyClientTermination"] {
+    for rpc in GRPC_RPCS.iter().copied() {
         metrics::counter!(GRPC_REQUESTS, "rpc" => rpc, "code" => "OK").increment(0);
     }
     for kind in ["producer", "push_consumer", "simple_consumer", "other"] {
@@ -177,7 +195,11 @@ fn register_zeroes() {
 }
 
 fn describe_all() {
-    describe_counter!(PUBLISH_REQUESTS, Unit::Count, "Publish requests answered, by result.");
+    describe_counter!(
+        PUBLISH_REQUESTS,
+        Unit::Count,
+        "Publish requests answered (a gRPC send counts each message), by result and transport."
+    );
     describe_counter!(GRPC_REQUESTS, Unit::Count, "gRPC calls answered, by RPC and RocketMQ status code.");
     describe_histogram!(GRPC_REQUEST_DURATION, Unit::Seconds, "gRPC call duration, by RPC.");
     describe_gauge!(GRPC_CLIENTS, "gRPC clients seen in the last minute, by kind.");

@@ -529,7 +529,7 @@ fn planted_record(i: usize, size: usize, now_ms: i64) -> DeliveryRecord {
             invisible_ms: 3_600_000,
         },
         attempt: 1,
-        phase: Phase::AwaitingAck { deadline_ms: now_ms + 3_600_000, dispatched_ms: now_ms },
+        phase: Phase::AwaitingAck { deadline_ms: now_ms + 3_600_000, dispatched_ms: now_ms, holder: None },
         last_failure: None,
         seq: i as u64 + 1,
     }

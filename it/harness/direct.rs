@@ -91,10 +91,13 @@ impl Direct {
 
     /// Every message currently stored in `topic`, on every broker and queue.
     pub async fn read_all(&self, topic: &str) -> Vec<StoredMessage> {
-        let route = TopicAdmin::examine_topic_route_info(&self.admin, CheetahString::from(topic))
-            .await
-            .expect("route lookup")
-            .expect("topic has a route");
+        self.try_read_all(topic).await.expect("topic has a route")
+    }
+
+    /// As [`Direct::read_all`], or `None` while the topic has no route (a `%DLQ%` topic before its first
+    /// message).
+    pub async fn try_read_all(&self, topic: &str) -> Option<Vec<StoredMessage>> {
+        let route = TopicAdmin::examine_topic_route_info(&self.admin, CheetahString::from(topic)).await.ok()??;
         let mut out = Vec::new();
         for queue_data in &route.queue_datas {
             let broker = route
@@ -122,7 +125,7 @@ impl Direct {
                 }
             }
         }
-        out
+        Some(out)
     }
 }
 

@@ -8,6 +8,7 @@ pub mod direct;
 pub mod popgate;
 pub mod push;
 pub mod rocketmq;
+pub mod sdk;
 
 use std::net::TcpListener;
 use std::time::{Duration, Instant};

@@ -15,6 +15,8 @@ use super::free_port;
 pub struct Popgate {
     /// Base URL of the HTTP API.
     pub base: String,
+    /// `127.0.0.1:port` of the gRPC front (the endpoint an SDK client is given); empty when it is off.
+    pub grpc: String,
     /// The config file it was started with.
     pub config_path: PathBuf,
     /// Its RocksDB state directory.
@@ -46,10 +48,13 @@ impl Popgate {
             "[server]\nlisten = \"127.0.0.1:0\"\nshutdown_grace_secs = 2\n\n[broker]\nnamesrv_addr = \"{namesrv_addr}\"\n\n\
              [delivery]\n{state_line}{extra_toml}\n"
         );
+        let config =
+            if config.contains("[grpc]") { config } else { format!("{config}\n[grpc]\nlisten = \"127.0.0.1:0\"\n") };
         fs::write(&config_path, merge_sections(&with_auth_default(&config))).expect("write config");
         let log = dir.path().join("popgate.log");
         let child = spawn(&config_path, &log);
-        let mut popgate = Popgate { base: String::new(), config_path, state_dir, child, log, _dir: dir };
+        let mut popgate =
+            Popgate { base: String::new(), grpc: String::new(), config_path, state_dir, child, log, _dir: dir };
         popgate.wait_healthy(0).await;
         popgate
     }
@@ -73,8 +78,8 @@ impl Popgate {
         let dir = tempfile::Builder::new().prefix("popgate-it-").tempdir().expect("tempdir");
         let config_path = dir.path().join("popgate.toml");
         let config = format!(
-            "[server]\nlisten = \"127.0.0.1:{}\"\n\n[broker]\nnamesrv_addr = \"{namesrv_addr}\"\n\n[delivery]\n\
-             state_dir = \"{}\"\n{extra_toml}\n",
+            "[server]\nlisten = \"127.0.0.1:{}\"\n\n[grpc]\nlisten = \"127.0.0.1:0\"\n\n[broker]\n\
+             namesrv_addr = \"{namesrv_addr}\"\n\n[delivery]\nstate_dir = \"{}\"\n{extra_toml}\n",
             free_port(),
             dir.path().join("state").display()
         );
@@ -110,9 +115,34 @@ impl Popgate {
         fs::write(&self.config_path, replaced.join("\n")).expect("write config");
     }
 
+    /// Rewrites `key = value` in `[section]` of the config file.
+    pub fn set_section_line(&self, section: &str, key: &str, value: &str) {
+        let text = fs::read_to_string(&self.config_path).expect("read config");
+        let mut current = String::new();
+        let mut replaced = false;
+        let lines: Vec<String> = text
+            .lines()
+            .map(|line| {
+                if line.trim_start().starts_with('[') {
+                    current = line.trim().trim_matches(['[', ']']).to_owned();
+                } else if current == section && line.trim_start().starts_with(&format!("{key} =")) {
+                    replaced = true;
+                    return format!("{key} = {value}");
+                }
+                line.to_owned()
+            })
+            .collect();
+        assert!(replaced, "`{key}` is in [{section}] of the config");
+        fs::write(&self.config_path, lines.join("\n")).expect("write config");
+    }
+
     /// Starts the process again with the same config and state directory (after [`Popgate::kill9`]).
     pub async fn restart(&mut self) {
         self.kill9();
+        // The gRPC port stays: SDK clients reconnect to the endpoint they were given.
+        if !self.grpc.is_empty() {
+            self.set_section_line("grpc", "listen", &format!("\"{}\"", self.grpc));
+        }
         let logged = fs::metadata(&self.log).map(|m| m.len() as usize).unwrap_or(0);
         self.child = spawn(&self.config_path, &self.log);
         self.wait_healthy(logged).await;
@@ -140,6 +170,7 @@ impl Popgate {
         // Only readiness is checked here; the TLS test verifies the certificate with its own client.
         let client = reqwest::Client::builder().danger_accept_invalid_certs(true).build().expect("client");
         self.base.clear();
+        self.grpc.clear();
         loop {
             if self.base.is_empty() {
                 let text = fs::read_to_string(&self.log).unwrap_or_default();
@@ -147,7 +178,12 @@ impl Popgate {
                     self.base = base;
                 }
             }
-            if !self.base.is_empty() {
+            if self.grpc.is_empty() && self.grpc_expected() {
+                let text = fs::read_to_string(&self.log).unwrap_or_default();
+                self.grpc = text.get(from..).and_then(grpc_endpoint).unwrap_or_default();
+            }
+            // The gRPC front binds after the HTTP server: both must be up.
+            if !self.base.is_empty() && (!self.grpc.is_empty() || !self.grpc_expected()) {
                 let healthy = client.get(format!("{}/healthz", self.base)).send().await;
                 if healthy.is_ok_and(|resp| resp.status().is_success()) {
                     return;
@@ -159,6 +195,12 @@ impl Popgate {
             assert!(Instant::now() < deadline, "popgate not healthy after 30 s:\n{}", self.output());
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// Whether the config switches the gRPC front on (the harness does, unless a test turns it off).
+    fn grpc_expected(&self) -> bool {
+        let text = fs::read_to_string(&self.config_path).unwrap_or_default();
+        !text.replace(' ', "").contains("[grpc]\nlisten=\"\"")
     }
 
     /// What popgate logged so far (stdout and stderr).
@@ -267,12 +309,19 @@ fn spawn(config_path: &std::path::Path, log: &std::path::Path) -> Child {
 
 /// The base URL in popgate's "popgate listening on http(s)://ADDR" log line.
 fn listening_base(log: &str) -> Option<String> {
-    let start = log.find("listening on ")? + "listening on ".len();
+    let start = log.find("popgate listening on ")? + "popgate listening on ".len();
     let rest = &log[start..];
     let scheme = if rest.starts_with("https://") { "https://" } else { "http://" };
     let addr: String =
         rest.strip_prefix(scheme)?.chars().take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':').collect();
     (!addr.is_empty()).then(|| format!("{scheme}{addr}"))
+}
+
+/// The address in popgate's "popgate gRPC listening on ADDR" log line (logged before the HTTP one).
+fn grpc_endpoint(log: &str) -> Option<String> {
+    let start = log.find("gRPC listening on ")? + "gRPC listening on ".len();
+    let addr: String = log[start..].chars().take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':').collect();
+    (!addr.is_empty()).then_some(addr)
 }
 
 /// A delivery's event data, as text.

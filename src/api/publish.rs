@@ -40,7 +40,7 @@ pub async fn publish(
         Err(error) => (result_label(&error), error.into_response()),
     };
     let result = if response.status() == StatusCode::ACCEPTED { "accepted" } else { result };
-    counter!(m::PUBLISH_REQUESTS, "result" => result).increment(1);
+    counter!(m::PUBLISH_REQUESTS, "result" => result, "transport" => "http").increment(1);
     histogram!(m::PUBLISH_DURATION).record(started.elapsed().as_secs_f64());
     response
 }

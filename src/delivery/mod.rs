@@ -41,7 +41,7 @@ use std::time::Duration;
 
 use tokio::task::JoinHandle;
 
-pub use record::{Event, Subscription};
+pub use record::{Event, Holder, Subscription};
 pub use state::new_delivery_id;
 pub use subscriber::Subscriber;
 
@@ -109,6 +109,24 @@ pub struct Dispatched {
     pub ack_deadline_ms: i64,
     /// The event.
     pub event: Event,
+}
+
+/// How deliveries are handed out: by which transport, with which ACK deadline, to which gRPC client.
+#[derive(Debug, Clone)]
+pub struct HandOut {
+    /// The `transport` label of `popgate_deliveries_dispatched_total`.
+    pub transport: &'static str,
+    /// Time to ACK from the hand-out; the subscription's ACK timeout when unset.
+    pub ack_timeout: Option<Duration>,
+    /// The gRPC client that receives them (stored with the hand-out).
+    pub holder: Option<Holder>,
+}
+
+impl HandOut {
+    /// A long-poll hand-out: the subscription's ACK timeout, no holder.
+    pub fn long_poll() -> HandOut {
+        HandOut { transport: "poll", ack_timeout: None, holder: None }
+    }
 }
 
 /// The outcome of a NACK.
@@ -318,6 +336,11 @@ impl Dispatcher {
         self.subscribe(SubscriptionRequest { group: group.to_owned(), topic: topic.to_owned(), ..Default::default() })
     }
 
+    /// The subscription of `group`/`topic`, if there is one.
+    pub fn subscription(&self, group: &str, topic: &str) -> Option<Subscription> {
+        self.deliveries.subscription(group, topic)
+    }
+
     /// The consumer group of an in-flight delivery (to authorize its ACK, NACK or TERM).
     pub fn group_of(&self, id: &str) -> Option<String> {
         self.deliveries.group_of(id)
@@ -333,6 +356,36 @@ impl Dispatcher {
         self.deliveries.subscriptions()
     }
 
+    /// The subscription of `group`/`topic` with the tag expression `filter`: created with the defaults when
+    /// there is none, its filter changed when it differs (a gRPC consumer names its filter on every receive).
+    ///
+    /// # Errors
+    /// As [`Dispatcher::subscribe`].
+    pub fn ensure_filtered(&self, group: &str, topic: &str, filter: &str) -> Result<Subscription, DeliveryError> {
+        let Some(sub) = self.deliveries.subscription(group, topic) else {
+            return self.subscribe(SubscriptionRequest {
+                group: group.to_owned(),
+                topic: topic.to_owned(),
+                filter: Some(filter.to_owned()),
+                ..Default::default()
+            });
+        };
+        if sub.filter == filter {
+            return Ok(sub);
+        }
+        self.subscribe(SubscriptionRequest {
+            filter: Some(filter.to_owned()),
+            ack_timeout_ms: Some(sub.ack_timeout_ms),
+            max_attempts: Some(sub.max_attempts),
+            initial_backoff_ms: Some(sub.initial_backoff_ms),
+            max_backoff_ms: Some(sub.max_backoff_ms),
+            ordered: Some(sub.ordered),
+            push: sub.push,
+            group: sub.group,
+            topic: sub.topic,
+        })
+    }
+
     /// Long-polls up to `max` deliveries for `group`/`topic`, waiting at most `wait` when none is ready.
     ///
     /// # Errors
@@ -345,6 +398,31 @@ impl Dispatcher {
         wait: Duration,
     ) -> Result<Vec<Dispatched>, DeliveryError> {
         let key = self.ensure_subscription(group, topic)?.key();
+        self.poll_key(&key, max, wait, &HandOut::long_poll()).await
+    }
+
+    /// As [`Dispatcher::poll`], on an existing subscription, handed out as `to` says (the gRPC front).
+    ///
+    /// # Errors
+    /// As [`Dispatcher::poll`]; [`DeliveryError::Unknown`] when there is no such subscription.
+    pub async fn poll_as(
+        &self,
+        sub: &Subscription,
+        max: usize,
+        wait: Duration,
+        to: &HandOut,
+    ) -> Result<Vec<Dispatched>, DeliveryError> {
+        self.poll_key(&sub.key(), max, wait, to).await
+    }
+
+    async fn poll_key(
+        &self,
+        key: &str,
+        max: usize,
+        wait: Duration,
+        to: &HandOut,
+    ) -> Result<Vec<Dispatched>, DeliveryError> {
+        let key = key.to_owned();
         let max = max.clamp(1, MAX_POLL_BATCH);
         let _demand = Demand::register(&self.deliveries, &key, max);
         let deadline = tokio::time::Instant::now() + wait.min(MAX_POLL_WAIT);
@@ -352,7 +430,7 @@ impl Dispatcher {
             let notified = self.deliveries.changed();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let taken = self.deliveries.hand_out(&key, max, "poll", None)?;
+            let taken = self.deliveries.hand_out(&key, max, to, None)?;
             if !taken.is_empty() || tokio::time::Instant::now() >= deadline {
                 return Ok(taken);
             }
@@ -414,6 +492,48 @@ impl Dispatcher {
     /// As [`Dispatcher::ack`].
     pub async fn term(&self, id: &str, reason: &str) -> Result<(), DeliveryError> {
         self.deliveries.term(id, reason).await
+    }
+
+    /// Extends the ACK deadline of a handed-out delivery to `by` from now (a SimpleConsumer's
+    /// ChangeInvisibleDuration); returns the new deadline (epoch ms).
+    ///
+    /// # Errors
+    /// As [`Dispatcher::ack`].
+    pub async fn extend(&self, id: &str, by: Duration) -> Result<i64, DeliveryError> {
+        self.deliveries.extend(id, by).await
+    }
+
+    /// The group, topic and gRPC holder of an in-flight delivery (to check a gRPC settlement).
+    pub fn hold_of(&self, id: &str) -> Option<(String, String, Option<Holder>)> {
+        self.deliveries.hold_of(id)
+    }
+
+    /// `client_id` is alive: the deliveries it holds with `auto_renew` stay handed out for `hold` more, up
+    /// to `max_hold` after their hand-out. Returns how many were extended.
+    ///
+    /// # Errors
+    /// [`DeliveryError::Store`] when the new deadlines cannot be stored (nothing changes then).
+    pub fn keep_held(&self, client_id: &str, hold: Duration, max_hold: Duration) -> Result<usize, DeliveryError> {
+        self.deliveries.keep_held(client_id, hold, max_hold)
+    }
+
+    /// `client_id` ended (NotifyClientTermination): what it held and did not settle is NACKed, so its next
+    /// attempt is due at once instead of after its ACK deadline. Returns how many.
+    pub async fn release_client(&self, client_id: &str) -> usize {
+        let held = self.deliveries.held_by_client(client_id);
+        let mut released = 0;
+        for id in held {
+            if self.deliveries.nack(&id, Some(Duration::ZERO)).await.is_ok() {
+                released += 1;
+            }
+        }
+        released
+    }
+
+    /// These deliveries were handed out but could not be sent to their client (it went away first): they
+    /// are dispatched again at once, their attempt not spent.
+    pub async fn unsent(&self, ids: &[String], transport: &'static str) {
+        self.deliveries.push_failed(ids, transport, "push_failure").await;
     }
 
     /// False after a failed state-store write, until a write succeeds again.

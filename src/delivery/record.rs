@@ -23,6 +23,9 @@ pub enum Phase {
         deadline_ms: i64,
         /// When it was handed out, for the ACK latency.
         dispatched_ms: i64,
+        /// The gRPC client it was handed to, if one was (see [`Holder`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        holder: Option<Holder>,
     },
     /// The subscriber ACKed (the ACK intent): the broker ACK is owed, and nothing else.
     Acked,
@@ -31,6 +34,19 @@ pub enum Phase {
         /// Why (the last failure, or the subscriber's TERM reason).
         reason: String,
     },
+}
+
+/// The gRPC client a delivery is handed to. Stored with the hand-out, so a restart keeps it: such a delivery
+/// is not dispatched again at boot (its client still holds it and will ACK it with the handle it has), it
+/// comes back only if its ACK deadline passes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Holder {
+    /// The client's `x-mq-client-id`.
+    pub client_id: String,
+    /// The client asked popgate to keep the delivery until it settles it (a PushConsumer's `auto_renew`):
+    /// its ACK deadline is extended while the client is alive.
+    pub auto_renew: bool,
 }
 
 /// One in-flight delivery.

@@ -179,7 +179,7 @@ mod tests {
         };
         store.put(Family::Subscriptions, &sub.key(), &sub).expect("put sub");
         let planted = [
-            record("awaiting", Phase::AwaitingAck { deadline_ms: 0, dispatched_ms: 0 }, 3),
+            record("awaiting", Phase::AwaitingAck { deadline_ms: 0, dispatched_ms: 0, holder: None }, 3),
             record("ready", Phase::Ready { due_ms: 0 }, 2),
             record("acked", Phase::Acked, 1),
             record("dead", Phase::DeadLetter { reason: "r".into() }, 6),

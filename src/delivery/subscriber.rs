@@ -19,7 +19,7 @@ use std::time::Duration;
 use metrics::gauge;
 
 use super::state::Deliveries;
-use super::{DeliveryError, Demand, Dispatched};
+use super::{DeliveryError, Demand, Dispatched, HandOut};
 use crate::metrics as m;
 
 /// How long a subscriber waits after the state store refused a hand-out before it asks again: the store
@@ -88,7 +88,8 @@ impl Subscriber {
                     drop(demand.take());
                     demand = Some((room, Demand::register(&self.deliveries, &self.key, room)));
                 }
-                let taken = match self.deliveries.hand_out(&self.key, room, self.transport, Some(self.id)) {
+                let to = HandOut { transport: self.transport, ack_timeout: None, holder: None };
+                let taken = match self.deliveries.hand_out(&self.key, room, &to, Some(self.id)) {
                     Ok(taken) => taken,
                     Err(error) => {
                         self.paused_until = Some(tokio::time::Instant::now() + STORE_PAUSE);

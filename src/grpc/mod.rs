@@ -1,15 +1,17 @@
 //! The RocketMQ 5 gRPC front: `apache.rocketmq.v2.MessagingService`, the protocol of the official 5.x SDKs,
 //! so an app built on them points at popgate by changing only its endpoint.
 //!
-//! Like the HTTP front it holds no message or delivery state: each RPC calls the publish layer (and the
-//! delivery layer). TLS and plaintext share one port (see [`listener`]).
+//! Like the HTTP front it holds no message or delivery state: each RPC calls the publish layer or the
+//! delivery layer. TLS and plaintext share one port (see [`listener`]).
 //!
 //! ```text
 //! listener (TLS sniffing) ──▶ service::Front ──▶ route / send / settings ──▶ publish::Publisher
+//!                                            └─▶ consume ──────────────────▶ delivery::Dispatcher
 //! ```
 
+mod consume;
 mod listener;
-mod proto;
+pub mod proto;
 mod route;
 mod send;
 mod service;
@@ -25,6 +27,7 @@ pub use listener::{tls_config, GrpcTlsError};
 
 use crate::auth::TokenTable;
 use crate::config::Config;
+use crate::delivery::Dispatcher;
 use crate::publish::Publisher;
 
 /// Largest gRPC message popgate reads: a send of the largest body the broker takes, plus its properties.
@@ -38,11 +41,13 @@ pub async fn serve(
     listener: TcpListener,
     tls: Arc<rustls::ServerConfig>,
     publisher: Arc<Publisher>,
+    dispatcher: Arc<Dispatcher>,
     tokens: Arc<TokenTable>,
     config: Arc<Config>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
-    let front = Arc::new(service::Front::new(publisher, tokens, config));
+    let front = Arc::new(service::Front::new(publisher, dispatcher, tokens, config));
+    tokio::spawn(service::keep_alive_loop(Arc::downgrade(&front)));
     let service = proto::messaging_service_server::MessagingServiceServer::new(front)
         .max_decoding_message_size(MAX_DECODING_BYTES);
     tonic::transport::Server::builder()

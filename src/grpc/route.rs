@@ -12,7 +12,8 @@ use crate::publish::is_valid_name;
 const ACCEPTED_TYPES: [MessageType; 3] = [MessageType::Normal, MessageType::Fifo, MessageType::Delay];
 
 pub(super) async fn query_route(front: &Front, request: pb::QueryRouteRequest) -> pb::QueryRouteResponse {
-    let refused = |code, message: String| pb::QueryRouteResponse { status: Some(status(code, message)), message_queues: vec![] };
+    let refused =
+        |code, message: String| pb::QueryRouteResponse { status: Some(status(code, message)), message_queues: vec![] };
     let topic = request.topic.unwrap_or_default();
     if !is_valid_name(&topic.name) {
         return refused(Code::IllegalTopic, format!("`{}` is not a valid topic name", topic.name));

@@ -4,10 +4,13 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use metrics::{counter, histogram};
+
 use super::proto::{self as pb, Code, MessageType};
 use super::service::Front;
 use super::status::{ok, overall, status};
 use crate::auth::{Action, Caller};
+use crate::metrics as m;
 use crate::publish::{
     is_reserved_property, is_valid_name, OutgoingMessage, PublishError, SendMode, DELIVER_AT_PROPERTY,
     MESSAGE_GROUP_PROPERTY, MESSAGE_ID_PROPERTY,
@@ -16,7 +19,11 @@ use crate::publish::{
 /// The broker's longest timer delay by default (`timerMaxDelaySec`, 3 days).
 const MAX_DELAY: Duration = Duration::from_secs(3 * 24 * 3600);
 
-pub(super) async fn send_messages(front: &Front, caller: &Caller, request: pb::SendMessageRequest) -> pb::SendMessageResponse {
+pub(super) async fn send_messages(
+    front: &Front,
+    caller: &Caller,
+    request: pb::SendMessageRequest,
+) -> pb::SendMessageResponse {
     if request.messages.is_empty() {
         return pb::SendMessageResponse { status: Some(status(Code::BadRequest, "no messages")), entries: vec![] };
     }
@@ -28,14 +35,38 @@ pub(super) async fn send_messages(front: &Front, caller: &Caller, request: pb::S
     pb::SendMessageResponse { status: Some(overall(&statuses)), entries }
 }
 
+/// Sends one message and counts it as the HTTP front counts a publish (`transport="grpc"`).
 async fn send_one(front: &Front, caller: &Caller, message: pb::Message) -> pb::SendResultEntry {
+    let started = std::time::Instant::now();
+    let entry = send_checked(front, caller, message).await;
+    let code = entry.status.as_ref().map_or(Code::Ok as i32, |s| s.code);
+    let result = match Code::try_from(code) {
+        Ok(Code::Ok) => "ok",
+        Ok(Code::MessageBodyTooLarge) => "too_large",
+        Ok(Code::TopicNotFound) => "not_found",
+        Ok(Code::InternalServerError) => "unavailable",
+        // Counted in `popgate_requests_rejected_total`, as the HTTP front's refusals are.
+        Ok(Code::Forbidden) => return entry,
+        _ => "bad_request",
+    };
+    counter!(m::PUBLISH_REQUESTS, "result" => result, "transport" => "grpc").increment(1);
+    histogram!(m::PUBLISH_DURATION).record(started.elapsed().as_secs_f64());
+    entry
+}
+
+async fn send_checked(front: &Front, caller: &Caller, message: pb::Message) -> pb::SendResultEntry {
     let message_id = message.system_properties.as_ref().map(|p| p.message_id.clone()).unwrap_or_default();
-    let refused = |status: pb::Status| pb::SendResultEntry { status: Some(status), message_id: message_id.clone(), ..Default::default() };
+    let refused = |status: pb::Status| pb::SendResultEntry {
+        status: Some(status),
+        message_id: message_id.clone(),
+        ..Default::default()
+    };
     let outgoing = match to_outgoing(message, front.config.publish.max_message_bytes) {
         Ok(outgoing) => outgoing,
         Err(invalid) => return refused(invalid),
     };
     if !caller.may(Action::Publish(&outgoing.topic)) {
+        counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
         return refused(status(Code::Forbidden, format!("may not publish to `{}`", outgoing.topic)));
     }
     match front.publisher.publish(&outgoing, SendMode::Sync).await {

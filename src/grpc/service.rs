@@ -1,6 +1,6 @@
-//! `MessagingService`: each RPC checks the caller, then calls the publish layer (and, next, the delivery
-//! layer). It holds no message or delivery state of its own: only the connected clients, for the gauge and
-//! for telling producers from consumers.
+//! `MessagingService`: each RPC checks the caller, then calls the publish or the delivery layer. It holds no
+//! message or delivery state of its own: only which clients are alive (for the gauge, and so the deliveries a
+//! live PushConsumer holds stay handed out: [`keep_alive_loop`]).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -14,30 +14,43 @@ use tonic::codegen::BoxStream;
 use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Streaming};
 
+use super::consume::{self, AUTO_RENEW_HOLD, AUTO_RENEW_MAX};
 use super::proto::messaging_service_server::MessagingService;
-use super::proto::{self as pb, telemetry_command, Code};
+use super::proto::{self as pb, settings::PubSub as settings_pub_sub, telemetry_command, Code};
 use super::send;
 use super::settings;
 use super::status::{code_label, ok, status};
 use crate::auth::{Caller, TokenTable};
 use crate::config::Config;
+use crate::delivery::Dispatcher;
 use crate::metrics as m;
 use crate::publish::Publisher;
 
 /// A client that stops heartbeating (it heartbeats every 10 s) is forgotten after this long.
 const CLIENT_EXPIRY: Duration = Duration::from_secs(60);
+/// A client seen this recently (any call: heartbeats every 10 s, receives all the time) counts as alive, and
+/// the deliveries it holds with `auto_renew` are kept handed out to it.
+const ALIVE_WINDOW: Duration = Duration::from_secs(20);
+/// How often the deadlines of live clients' auto-renewed deliveries are pushed forward.
+const KEEP_ALIVE_EVERY: Duration = Duration::from_secs(5);
 
 /// What the front needs from the rest of popgate.
 pub struct Front {
     pub(super) publisher: Arc<Publisher>,
+    pub(super) dispatcher: Arc<Dispatcher>,
     pub(super) tokens: Arc<TokenTable>,
     pub(super) config: Arc<Config>,
     clients: Mutex<HashMap<String, (&'static str, Instant)>>,
 }
 
 impl Front {
-    pub(super) fn new(publisher: Arc<Publisher>, tokens: Arc<TokenTable>, config: Arc<Config>) -> Front {
-        Front { publisher, tokens, config, clients: Mutex::new(HashMap::new()) }
+    pub(super) fn new(
+        publisher: Arc<Publisher>,
+        dispatcher: Arc<Dispatcher>,
+        tokens: Arc<TokenTable>,
+        config: Arc<Config>,
+    ) -> Front {
+        Front { publisher, dispatcher, tokens, config, clients: Mutex::new(HashMap::new()) }
     }
 
     /// The caller of a request, from the SDK's signature (`authorization: MQv2-HMAC-SHA1 Credential=<AK>,
@@ -63,9 +76,9 @@ impl Front {
             .ok_or_else(|| refused("unknown access key or bad signature"))
     }
 
-    /// Notes that `client_id` is alive (its kind, when known), and refreshes the gauge.
+    /// Notes that the calling client is alive (its kind, when known), and refreshes the gauge.
     fn saw_client(&self, metadata: &MetadataMap, kind: Option<&'static str>) {
-        let Some(id) = metadata.get("x-mq-client-id").and_then(|v| v.to_str().ok()) else { return };
+        let Some(id) = client_id(metadata) else { return };
         let mut clients = self.clients.lock();
         let now = Instant::now();
         let known = clients.get(id).map(|(k, _)| *k);
@@ -74,11 +87,55 @@ impl Front {
         publish_client_gauge(&clients);
     }
 
-    fn forget_client(&self, metadata: &MetadataMap) {
-        let Some(id) = metadata.get("x-mq-client-id").and_then(|v| v.to_str().ok()) else { return };
+    fn forget_client(&self, id: &str) {
         let mut clients = self.clients.lock();
         clients.remove(id);
         publish_client_gauge(&clients);
+    }
+
+    /// The ids of the clients seen within [`ALIVE_WINDOW`].
+    fn live_clients(&self) -> Vec<String> {
+        let now = Instant::now();
+        let clients = self.clients.lock();
+        clients
+            .iter()
+            .filter(|(_, (_, seen))| now.duration_since(*seen) < ALIVE_WINDOW)
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+}
+
+impl Front {
+    /// popgate's subscription for a consumer's Settings (its group and first topic with one), whose retry
+    /// policy and ordering the reply carries.
+    fn subscription_of(&self, client: &pb::Settings) -> Option<crate::delivery::Subscription> {
+        let Some(settings_pub_sub::Subscription(subscription)) = &client.pub_sub else { return None };
+        let group = subscription.group.as_ref()?;
+        subscription.subscriptions.iter().find_map(|entry| {
+            let topic = entry.topic.as_ref()?;
+            self.dispatcher.subscription(&group.name, &topic.name)
+        })
+    }
+}
+
+/// The SDK's client id (`x-mq-client-id`), when it sent a usable one.
+fn client_id(metadata: &MetadataMap) -> Option<&str> {
+    metadata.get("x-mq-client-id").and_then(|v| v.to_str().ok()).filter(|id| !id.trim().is_empty())
+}
+
+/// Keeps the auto-renewed deliveries of every live client handed out: their deadlines move [`AUTO_RENEW_HOLD`]
+/// ahead every [`KEEP_ALIVE_EVERY`]. A client that goes away without a word stops being seen, and what it held
+/// comes back through the retry policy once that deadline passes. Ends when the front is dropped.
+pub(super) async fn keep_alive_loop(front: std::sync::Weak<Front>) {
+    let mut tick = tokio::time::interval(KEEP_ALIVE_EVERY);
+    loop {
+        tick.tick().await;
+        let Some(front) = front.upgrade() else { return };
+        for client in front.live_clients() {
+            if let Err(error) = front.dispatcher.keep_held(&client, AUTO_RENEW_HOLD, AUTO_RENEW_MAX) {
+                tracing::warn!(%error, %client, "Could not extend the deliveries a gRPC client holds.");
+            }
+        }
     }
 }
 
@@ -168,12 +225,111 @@ impl MessagingService for Arc<Front> {
         let answer = match self.caller(request.metadata()) {
             Err(refused) => refused,
             Ok(_) => {
-                self.forget_client(request.metadata());
+                if let Some(id) = client_id(request.metadata()) {
+                    self.forget_client(id);
+                    let released = self.dispatcher.release_client(id).await;
+                    if released > 0 {
+                        tracing::info!(client = %id, released, "gRPC client terminated; what it held is due again.");
+                    }
+                }
                 ok()
             }
         };
         observe("NotifyClientTermination", answer.code, started);
         Ok(Response::new(pb::NotifyClientTerminationResponse { status: Some(answer) }))
+    }
+
+    async fn query_assignment(
+        &self,
+        request: Request<pb::QueryAssignmentRequest>,
+    ) -> Result<Response<pb::QueryAssignmentResponse>, tonic::Status> {
+        let started = Instant::now();
+        self.saw_client(request.metadata(), Some("push_consumer"));
+        let answer = match self.caller(request.metadata()) {
+            Err(refused) => pb::QueryAssignmentResponse { status: Some(refused), assignments: Vec::new() },
+            Ok(caller) => consume::query_assignment(self, &caller, request.into_inner()).await,
+        };
+        observe("QueryAssignment", answer.status.as_ref().map_or(0, |s| s.code), started);
+        Ok(Response::new(answer))
+    }
+
+    async fn receive_message(
+        &self,
+        request: Request<pb::ReceiveMessageRequest>,
+    ) -> Result<Response<BoxStream<pb::ReceiveMessageResponse>>, tonic::Status> {
+        let started = Instant::now();
+        self.saw_client(request.metadata(), None);
+        let (out, stream) = tokio::sync::mpsc::channel(16);
+        let checked = match (self.caller(request.metadata()), client_id(request.metadata())) {
+            (Err(refused), _) => Err(refused),
+            (Ok(_), None) => Err(status(Code::ClientIdRequired, "the x-mq-client-id header is required")),
+            (Ok(caller), Some(id)) => {
+                let id = id.to_owned();
+                consume::prepare_receive(self, &caller, &id, request.into_inner()).await
+            }
+        };
+        match checked {
+            Err(refused) => {
+                observe("ReceiveMessage", refused.code, started);
+                let refusal = pb::ReceiveMessageResponse {
+                    content: Some(pb::receive_message_response::Content::Status(refused)),
+                };
+                let _ = out.send(Ok(refusal)).await;
+            }
+            Ok(receive) => {
+                let front = self.clone();
+                tokio::spawn(async move {
+                    consume::run_receive(&front, receive, out).await;
+                    observe("ReceiveMessage", Code::Ok as i32, started);
+                });
+            }
+        }
+        Ok(Response::new(Box::pin(ReceiverStream::new(stream))))
+    }
+
+    async fn ack_message(
+        &self,
+        request: Request<pb::AckMessageRequest>,
+    ) -> Result<Response<pb::AckMessageResponse>, tonic::Status> {
+        let started = Instant::now();
+        self.saw_client(request.metadata(), None);
+        let answer = match self.caller(request.metadata()) {
+            Err(refused) => pb::AckMessageResponse { status: Some(refused), entries: Vec::new() },
+            Ok(caller) => consume::ack_messages(self, &caller, request.into_inner()).await,
+        };
+        observe("AckMessage", answer.status.as_ref().map_or(0, |s| s.code), started);
+        Ok(Response::new(answer))
+    }
+
+    async fn change_invisible_duration(
+        &self,
+        request: Request<pb::ChangeInvisibleDurationRequest>,
+    ) -> Result<Response<pb::ChangeInvisibleDurationResponse>, tonic::Status> {
+        let started = Instant::now();
+        self.saw_client(request.metadata(), None);
+        let answer = match self.caller(request.metadata()) {
+            Err(refused) => {
+                let handle = request.get_ref().receipt_handle.clone();
+                pb::ChangeInvisibleDurationResponse { status: Some(refused), receipt_handle: handle }
+            }
+            Ok(caller) => consume::change_invisible_duration(self, &caller, request.into_inner()).await,
+        };
+        observe("ChangeInvisibleDuration", answer.status.as_ref().map_or(0, |s| s.code), started);
+        Ok(Response::new(answer))
+    }
+
+    async fn forward_message_to_dead_letter_queue(
+        &self,
+        request: Request<pb::ForwardMessageToDeadLetterQueueRequest>,
+    ) -> Result<Response<pb::ForwardMessageToDeadLetterQueueResponse>, tonic::Status> {
+        let started = Instant::now();
+        self.saw_client(request.metadata(), None);
+        let answer = match self.caller(request.metadata()) {
+            Err(refused) => refused,
+            Ok(caller) => consume::forward_to_dead_letter_queue(self, &caller, request.into_inner()).await,
+        };
+        observe("ForwardMessageToDeadLetterQueue", answer.code, started);
+        Ok(Response::new(pb::ForwardMessageToDeadLetterQueueResponse { status: Some(answer) }))
     }
 
     /// Answers each Settings the client sends at once (it waits for that answer to finish starting), and
@@ -198,7 +354,8 @@ impl MessagingService for Arc<Front> {
                 let Some(telemetry_command::Command::Settings(client)) = command.command else { continue };
                 let started = Instant::now();
                 front.saw_client(&metadata, Some(settings::kind_label(client.client_type)));
-                let reply = settings::reply(client, &front.config);
+                let group_sub = front.subscription_of(&client);
+                let reply = settings::reply(client, &front.config, group_sub.as_ref());
                 observe("Telemetry", Code::Ok as i32, started);
                 let answer = pb::TelemetryCommand {
                     status: Some(ok()),

@@ -10,14 +10,16 @@ use super::proto::{
 };
 use crate::config::Config;
 use crate::delivery::retry::RetryPolicy as DeliveryRetryPolicy;
+use crate::delivery::Subscription;
 
 /// Messages a consumer receives per call, when it does not say.
 const RECEIVE_BATCH_SIZE: i32 = 32;
 /// How long a consumer's receive waits for messages at most, when it does not say.
 const LONG_POLLING_TIMEOUT: Duration = Duration::from_secs(20);
 
-/// The settings to answer `client` with.
-pub fn reply(client: Settings, config: &Config) -> Settings {
+/// The settings to answer `client` with; `group_sub` is popgate's subscription of a consumer's group, when
+/// there is one: its retry policy and ordering win over the configured defaults.
+pub fn reply(client: Settings, config: &Config, group_sub: Option<&Subscription>) -> Settings {
     let mut reply = client;
     reply.metric = Some(Metric { on: false, endpoints: None });
     match reply.pub_sub.take() {
@@ -32,8 +34,8 @@ pub fn reply(client: Settings, config: &Config) -> Settings {
             subscription.receive_batch_size = Some(subscription.receive_batch_size.unwrap_or(RECEIVE_BATCH_SIZE));
             subscription.long_polling_timeout =
                 Some(subscription.long_polling_timeout.unwrap_or_else(|| duration(LONG_POLLING_TIMEOUT)));
-            subscription.fifo = Some(subscription.fifo.unwrap_or(false));
-            reply.backoff_policy = Some(consumer_backoff(config));
+            subscription.fifo = Some(group_sub.is_some_and(|s| s.ordered));
+            reply.backoff_policy = Some(consumer_backoff(config, group_sub));
             reply.pub_sub = Some(settings::PubSub::Subscription(subscription));
         }
         None => {}
@@ -60,8 +62,14 @@ fn producer_backoff(client: Option<RetryPolicy>, config: &Config) -> RetryPolicy
 
 /// popgate's delivery policy as a customized list (1, 2, 4, 8, 16 s by default): the one form every official
 /// SDK reads. popgate still adds its jitter and counts the attempts itself.
-fn consumer_backoff(config: &Config) -> RetryPolicy {
-    let policy = DeliveryRetryPolicy::from_config(&config.delivery).unwrap_or(DeliveryRetryPolicy::SEED_DEFAULT);
+fn consumer_backoff(config: &Config, group_sub: Option<&Subscription>) -> RetryPolicy {
+    let configured = DeliveryRetryPolicy::from_config(&config.delivery).unwrap_or(DeliveryRetryPolicy::SEED_DEFAULT);
+    let policy = group_sub
+        .and_then(|s| {
+            let (initial, max) = (Duration::from_millis(s.initial_backoff_ms), Duration::from_millis(s.max_backoff_ms));
+            DeliveryRetryPolicy::try_new(initial, max, 0.0, s.max_attempts).ok()
+        })
+        .unwrap_or(configured);
     RetryPolicy {
         max_attempts: i32::try_from(policy.max_attempts).unwrap_or(i32::MAX),
         strategy: Some(retry_policy::Strategy::CustomizedBackoff(CustomizedBackoff {

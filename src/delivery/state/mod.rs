@@ -29,9 +29,9 @@ use tokio::sync::futures::Notified;
 use tokio::sync::Notify;
 
 use self::table::{ActiveSubscription, Table, Tracked};
-use super::record::{DeliveryRecord, Phase, Subscription};
+use super::record::{DeliveryRecord, Holder, Phase, Subscription};
 use super::retry::{NextStep, RetryPolicy};
-use super::{dlq, DeliveryError, Dispatched, InFlight, NackOutcome};
+use super::{dlq, DeliveryError, Dispatched, HandOut, InFlight, NackOutcome};
 use crate::broker::client::now_millis;
 use crate::broker::consumer::Popped;
 use crate::broker::BrokerClient;
@@ -360,21 +360,23 @@ impl Deliveries {
 
 impl Deliveries {
     /// Hands out up to `max` ready deliveries of `key` to `holder` (a push subscriber, or none for a
-    /// long-poll), marking them awaiting ACK in the store first. Nothing is handed out when that write fails.
+    /// long-poll or a gRPC client, which `to` names), marking them awaiting ACK in the store first. Nothing is
+    /// handed out when that write fails.
     pub(super) fn hand_out(
         &self,
         key: &str,
         max: usize,
-        transport: &'static str,
+        to: &HandOut,
         holder: Option<u64>,
     ) -> Result<Vec<Dispatched>, DeliveryError> {
         let now = now_millis();
+        let transport = to.transport;
         let mut taken: Vec<DeliveryRecord> = Vec::new();
         {
             let mut guard = self.table.lock();
             let table = &mut *guard;
             let Some(active) = table.subs.get(key) else { return Ok(Vec::new()) };
-            let ack_timeout = active.sub.ack_timeout_ms as i64;
+            let ack_timeout = to.ack_timeout.map_or(active.sub.ack_timeout_ms as i64, |t| t.as_millis() as i64);
             let heads = active.sub.ordered.then(|| table.group_heads(&active.sub));
             let Table { subs, deliveries, timers, .. } = table;
             let Some(active) = subs.get_mut(key) else { return Ok(Vec::new()) };
@@ -401,7 +403,11 @@ impl Deliveries {
                 }
                 tracked.claimed = true;
                 let mut record = tracked.record.clone();
-                record.phase = Phase::AwaitingAck { deadline_ms: now + ack_timeout, dispatched_ms: now };
+                record.phase = Phase::AwaitingAck {
+                    deadline_ms: now + ack_timeout,
+                    dispatched_ms: now,
+                    holder: to.holder.clone(),
+                };
                 taken.push(record);
             }
             // Blocked ids go back in their order, ahead of what was not looked at.
@@ -468,6 +474,100 @@ impl Deliveries {
                 tracked.holder = None;
             }
         }
+    }
+}
+
+// === deliveries held by gRPC clients ===
+
+impl Deliveries {
+    /// Extends to `now + hold` the ACK deadline of every delivery `client_id` holds with `auto_renew`, handed
+    /// out less than `max_hold` ago; stored first, as every change. Returns how many were extended.
+    pub(super) fn keep_held(
+        &self,
+        client_id: &str,
+        hold: Duration,
+        max_hold: Duration,
+    ) -> Result<usize, DeliveryError> {
+        let now = now_millis();
+        let new_deadline = now + hold.as_millis() as i64;
+        let oldest = now - max_hold.as_millis() as i64;
+        let mut extended: Vec<DeliveryRecord> = Vec::new();
+        {
+            let mut table = self.table.lock();
+            for tracked in table.deliveries.values_mut() {
+                let Phase::AwaitingAck { deadline_ms, dispatched_ms, holder: Some(holder) } = &tracked.record.phase
+                else {
+                    continue;
+                };
+                let due = holder.auto_renew && holder.client_id == client_id && *deadline_ms < new_deadline;
+                if !due || tracked.claimed || *dispatched_ms < oldest {
+                    continue;
+                }
+                tracked.claimed = true;
+                let mut record = tracked.record.clone();
+                if let Phase::AwaitingAck { deadline_ms, .. } = &mut record.phase {
+                    *deadline_ms = new_deadline;
+                }
+                extended.push(record);
+            }
+        }
+        if extended.is_empty() {
+            return Ok(0);
+        }
+        let stored = self.persist(&extended.iter().collect::<Vec<_>>());
+        let mut table = self.table.lock();
+        for record in &extended {
+            if let Some(tracked) = table.deliveries.get_mut(&record.id) {
+                tracked.claimed = false;
+                if stored.is_ok() {
+                    tracked.record = record.clone();
+                }
+            }
+        }
+        for record in &extended {
+            table.wake(&record.id, 0);
+        }
+        stored.map(|()| extended.len()).map_err(DeliveryError::from)
+    }
+
+    /// The ids of the deliveries `client_id` holds.
+    pub(super) fn held_by_client(&self, client_id: &str) -> Vec<String> {
+        self.table
+            .lock()
+            .deliveries
+            .values()
+            .filter(
+                |t| matches!(&t.record.phase, Phase::AwaitingAck { holder: Some(h), .. } if h.client_id == client_id),
+            )
+            .map(|t| t.record.id.clone())
+            .collect()
+    }
+
+    /// Sets the ACK deadline of a handed-out delivery to `now + by` (a SimpleConsumer's
+    /// ChangeInvisibleDuration); returns the new deadline.
+    pub(super) async fn extend(&self, id: &str, by: Duration) -> Result<i64, DeliveryError> {
+        let mut record = self.claim(id).await?;
+        if let Err(refused) = self.check_settleable(&record) {
+            self.release(id, None);
+            return Err(refused);
+        }
+        let new_deadline = now_millis() + by.as_millis() as i64;
+        if let Phase::AwaitingAck { deadline_ms, .. } = &mut record.phase {
+            *deadline_ms = new_deadline;
+        }
+        self.commit(record, None)?;
+        Ok(new_deadline)
+    }
+
+    /// Who holds a tracked delivery, and for which group and topic.
+    pub(super) fn hold_of(&self, id: &str) -> Option<(String, String, Option<Holder>)> {
+        let table = self.table.lock();
+        let record = &table.deliveries.get(id)?.record;
+        let holder = match &record.phase {
+            Phase::AwaitingAck { holder, .. } => holder.clone(),
+            _ => None,
+        };
+        Some((record.group.clone(), record.topic.clone(), holder))
     }
 }
 
@@ -966,7 +1066,8 @@ impl Deliveries {
 
 impl Deliveries {
     /// Tracks a stored record again after a restart (see `recovery`). A delivery that was handed out stays
-    /// ACKable by its holder and is dispatched again at once, attempt kept.
+    /// ACKable by its holder and is dispatched again at once, attempt kept; one a gRPC client holds stays
+    /// with that client until its deadline.
     pub(super) fn restore(&self, record: DeliveryRecord) -> Restored {
         let mut table = self.table.lock();
         if table.deliveries.contains_key(&record.id) {
@@ -980,7 +1081,9 @@ impl Deliveries {
             Phase::DeadLetter { .. } => Restored::DeadLetterPending,
         };
         let mut tracked = Tracked::new(record);
-        tracked.redispatch = matches!(tracked.record.phase, Phase::AwaitingAck { .. });
+        // A gRPC client keeps its handles across the restart and ACKs with them: its deliveries stay handed
+        // out until their deadline. Any other hand-out is dispatched again at once.
+        tracked.redispatch = matches!(tracked.record.phase, Phase::AwaitingAck { holder: None, .. });
         table.insert(tracked);
         Self::set_pending_gauge(&table);
         outcome

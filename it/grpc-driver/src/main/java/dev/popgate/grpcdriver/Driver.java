@@ -322,6 +322,8 @@ public final class Driver {
         int expectSuccess = a.integer("expectSuccess", 0);
         int timeoutSeconds = a.integer("timeoutSeconds", 30);
         Set<String> failBodies = new HashSet<>(a.list("failBodies"));
+        // Bodies whose first listener call fails and later ones succeed.
+        Set<String> failOnce = Collections.synchronizedSet(new HashSet<>(a.list("failOnce")));
         long holdMillis = a.longValue("holdMillis", 0);
         long settleMillis = a.longValue("settleMillis", 0);
         long closeTimeoutMillis = a.longValue("closeTimeoutMillis", 5000);
@@ -355,7 +357,8 @@ public final class Driver {
                         Thread.currentThread().interrupt();
                     }
                 }
-                ConsumeResult r = failBodies.contains(body) ? ConsumeResult.FAILURE : ConsumeResult.SUCCESS;
+                boolean fail = failBodies.contains(body) || failOnce.remove(body);
+                ConsumeResult r = fail ? ConsumeResult.FAILURE : ConsumeResult.SUCCESS;
                 synchronized (invocations) {
                     entry.put("result", r.name());
                     entry.put("doneAtMs", System.currentTimeMillis());

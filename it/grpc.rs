@@ -1,0 +1,421 @@
+//! The RocketMQ 5 gRPC front, driven by Apache's official Java SDK 5.2.0 with a stock `ClientConfiguration`
+//! (only the endpoint, and credentials in the auth test): producer, SimpleConsumer, PushConsumer, the retry
+//! schedule and the DLQ, FIFO, durability across `kill -9`, HTTP and gRPC together. Each test checks what
+//! the SDK saw and what the broker holds. `grpc_raw` covers what the SDK never sends (foreign handles).
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::harness::direct::{Direct, DirectConsumer};
+use crate::harness::popgate::Popgate;
+use crate::harness::rocketmq::{Cluster, ClusterSpec};
+use crate::harness::sdk::{self, bodies, Scenario};
+use crate::harness::{eventually, unique_topic};
+use crate::publish::shared_cluster;
+
+/// How long one driver run may take on a loaded machine (JVM start, SDK start, the scenario).
+const DRIVER_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// Creates `topic` on every broker of `cluster` (QueryRoute does not auto-create topics, as Apache's proxy).
+pub async fn create_topic(cluster: &Cluster, topic: &str) {
+    let addrs: Vec<String> = cluster.brokers.iter().map(|b| format!("127.0.0.1:{}", b.port)).collect();
+    Direct::connect(&cluster.namesrv_addr).await.create_topic(topic, &addrs).await;
+}
+
+/// The scenario's arguments with popgate's gRPC endpoint added.
+fn args(popgate: &Popgate, mut extra: Value) -> Value {
+    extra["endpoint"] = json!(popgate.grpc);
+    extra
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
+}
+
+/// The `received` entries of a result, by body.
+fn received_by_body(result: &Value) -> HashMap<String, Vec<Value>> {
+    let mut by_body: HashMap<String, Vec<Value>> = HashMap::new();
+    for entry in result["received"].as_array().cloned().unwrap_or_default() {
+        by_body.entry(entry["body"].as_str().unwrap_or_default().to_owned()).or_default().push(entry);
+    }
+    by_body
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sdk_producer_sends_normal_fifo_delayed_and_tagged_messages_that_the_broker_stores_as_sent() {
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, "").await;
+    let topic = unique_topic("grpc_produce");
+    create_topic(cluster, &topic).await;
+
+    let tagged = json!({"topic": topic, "count": 3, "prefix": "tagged", "tag": "t{i}",
+        "keys": ["order-{i}", "cust"]});
+    let fifo = json!({"topic": topic, "count": 3, "prefix": "fifo", "messageGroup": "g1", "async": true});
+    let delayed = json!({"topic": topic, "count": 1, "prefix": "delayed", "deliveryDelayMs": 4000});
+    let mut sent: HashMap<String, String> = HashMap::new();
+    for scenario in [tagged, fifo, delayed] {
+        let result = sdk::run("produce", &args(&popgate, scenario), DRIVER_TIMEOUT).await;
+        assert_eq!(result["errors"], json!([]), "{result}");
+        for entry in result["sent"].as_array().cloned().unwrap_or_default() {
+            sent.insert(
+                entry["body"].as_str().unwrap_or_default().to_owned(),
+                entry["messageId"].as_str().unwrap_or_default().to_owned(),
+            );
+        }
+    }
+    assert_eq!(sent.len(), 7, "{sent:?}");
+
+    // The delayed message is a timer message: it reaches the topic only once it is due.
+    let direct = Direct::connect(&cluster.namesrv_addr).await;
+    let mut stored = Vec::new();
+    for _ in 0..150 {
+        stored = direct.read_all(&topic).await;
+        if stored.len() >= 7 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let arrived_ms = now_ms();
+    let stored: HashMap<String, _> =
+        stored.into_iter().map(|m| (String::from_utf8_lossy(&m.body).into_owned(), m)).collect();
+    assert_eq!(stored.len(), 7, "every message stored once: {:?}", stored.keys().collect::<Vec<_>>());
+    for (body, message_id) in &sent {
+        let m = &stored[body];
+        assert_eq!(m.property("UNIQ_KEY"), Some(message_id.as_str()), "the SDK's message id is kept for {body}");
+    }
+    assert_eq!(stored["tagged-1"].property("TAGS"), Some("t1"));
+    assert_eq!(stored["tagged-1"].property("KEYS"), Some("order-1 cust"));
+    for n in 0..3 {
+        assert_eq!(stored[&format!("fifo-{n}")].property("__SHARDINGKEY"), Some("g1"), "message group → FIFO");
+    }
+    let deliver_at: i64 = stored["delayed-0"].property("TIMER_DELIVER_MS").and_then(|v| v.parse().ok()).unwrap_or(0);
+    assert!(deliver_at > 0, "the delivery timestamp became a timer message: {:?}", stored["delayed-0"].properties);
+    assert!(arrived_ms >= deliver_at - 1_000, "it was not in the topic before its delivery time");
+
+    let metrics = popgate.metrics_text().await;
+    let sends =
+        crate::harness::popgate::metric_value(&metrics, "popgate_grpc_requests_total{rpc=\"SendMessage\",code=\"OK\"}");
+    assert!(sends >= 7.0, "gRPC sends are counted: {sends}");
+    assert!(
+        crate::harness::popgate::metric_value(
+            &metrics,
+            "popgate_publish_requests_total{result=\"ok\",transport=\"grpc\"}"
+        ) >= 7.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sdk_producer_is_served_past_a_stopped_broker_by_popgates_retry_policy() {
+    let cluster = Cluster::start(&ClusterSpec::brokers(&["broker-a", "broker-b"]));
+    let popgate = Popgate::start(&cluster.namesrv_addr, "[publish]\nsend_timeout_ms = 1500\n").await;
+    let topic = unique_topic("grpc_failover");
+    create_topic(&cluster, &topic).await;
+    cluster.pause_broker("broker-a");
+
+    let result =
+        sdk::run("produce", &args(&popgate, json!({"topic": topic, "count": 6, "prefix": "f"})), DRIVER_TIMEOUT).await;
+    cluster.resume_broker("broker-a");
+    assert_eq!(result["errors"], json!([]), "every send was stored despite the stopped broker: {result}");
+
+    let stored = Direct::connect(&cluster.namesrv_addr).await.read_all(&topic).await;
+    let mut on_b: Vec<String> = stored
+        .iter()
+        .filter(|m| m.broker == "broker-b")
+        .map(|m| String::from_utf8_lossy(&m.body).into_owned())
+        .collect();
+    on_b.sort();
+    on_b.dedup();
+    assert_eq!(on_b.len(), 6, "all six are on broker-b: {on_b:?}");
+    assert!(popgate.metric("popgate_send_retries_total").await >= 1.0, "the stopped broker cost retries");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn simple_consumer_receives_what_its_tag_filter_selects_and_acks_it_at_the_broker() {
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, "").await;
+    let topic = unique_topic("grpc_simple");
+    let group = format!("g_{topic}");
+    create_topic(cluster, &topic).await;
+    for (n, tag) in ["keep", "drop", "keep", "drop", "keep"].iter().enumerate() {
+        let (status, answer) = popgate.publish(&json!({"topic": topic, "data": format!("s-{n}"), "tags": tag})).await;
+        assert_eq!(status, 200, "{answer}");
+    }
+
+    let consume = json!({"group": group, "topic": topic, "tag": "keep", "expect": 3, "invisibleSeconds": 30,
+        "awaitSeconds": 3, "timeoutSeconds": 60});
+    let result = sdk::run("simple-consume", &args(&popgate, consume), DRIVER_TIMEOUT).await;
+    assert_eq!(result["ackErrors"], json!([]), "{result}");
+    let mut got = bodies(&result, "received");
+    got.sort();
+    assert_eq!(got, ["s-0", "s-2", "s-4"], "{result}");
+    for entry in result["received"].as_array().cloned().unwrap_or_default() {
+        assert_eq!(entry["tag"], "keep");
+        assert_eq!(entry["deliveryAttempt"], 1);
+        assert_eq!(entry["acked"], true);
+    }
+
+    // Every ACK reached the broker (nothing left in flight), and the group has nothing more to give.
+    eventually(Duration::from_secs(15), "the ACKs are settled at the broker", || async {
+        popgate.get_json(&format!("/admin/deliveries?group={group}")).await.1["deliveries"]
+            .as_array()
+            .is_some_and(Vec::is_empty)
+    })
+    .await;
+    assert!(popgate.metric("popgate_deliveries_dispatched_total{transport=\"grpc\"}").await >= 3.0);
+    drop(popgate);
+    let again =
+        DirectConsumer::connect(&cluster.namesrv_addr).await.drain(&group, &topic, Duration::from_secs(5)).await;
+    assert!(
+        again.iter().all(|b| !["s-0", "s-2", "s-4"].contains(&b.as_str())),
+        "ACKed messages never come back: {again:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn simple_consumer_changes_the_invisible_duration_then_acks_and_an_unacked_message_returns_as_attempt_2() {
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, "").await;
+    let topic = unique_topic("grpc_invisible");
+    create_topic(cluster, &topic).await;
+    popgate.publish_bodies(&topic, &["c-0"]).await;
+
+    // changeInvisibleDuration, then ack: the handle stays valid (popgate's never changes).
+    let changed = json!({"group": format!("g1_{topic}"), "topic": topic, "expect": 1, "changeInvisibleFirst": 20,
+        "awaitSeconds": 3, "timeoutSeconds": 60});
+    let result = sdk::run("simple-consume", &args(&popgate, changed), DRIVER_TIMEOUT).await;
+    assert_eq!(result["changeInvisibleErrors"], json!([]), "{result}");
+    assert_eq!(result["ackErrors"], json!([]), "{result}");
+    assert_eq!(result["received"][0]["changedInvisible"], true, "{result}");
+
+    // Not acked within its 2 s: it comes back (after popgate's 1 s backoff) as attempt 2.
+    let group = format!("g2_{topic}");
+    let unacked = json!({"group": group, "topic": topic, "expect": 2, "ack": false, "invisibleSeconds": 2,
+        "awaitSeconds": 3, "timeoutSeconds": 60});
+    let result = sdk::run("simple-consume", &args(&popgate, unacked), DRIVER_TIMEOUT).await;
+    let received = result["received"].as_array().cloned().unwrap_or_default();
+    assert_eq!(received.len(), 2, "{result}");
+    assert_eq!(received[0]["body"], "c-0");
+    assert_eq!(received[1]["body"], "c-0");
+    assert_eq!(received[0]["deliveryAttempt"], 1);
+    assert_eq!(received[1]["deliveryAttempt"], 2);
+    let gap = received[1]["receivedAtMs"].as_i64().unwrap_or(0) - received[0]["receivedAtMs"].as_i64().unwrap_or(0);
+    assert!(gap >= 2_000, "not before its invisible duration ended: {gap} ms");
+    assert!(popgate.metric("popgate_redeliveries_total{reason=\"timeout\"}").await >= 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_consumer_failures_are_retried_on_popgates_schedule_then_dead_lettered_with_origin_properties() {
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, "").await;
+    let topic = unique_topic("grpc_push_dlq");
+    let group = format!("g_{topic}");
+    create_topic(cluster, &topic).await;
+    popgate.publish_bodies(&topic, &["ok-0", "bad", "ok-1"]).await;
+
+    let consume = json!({"group": group, "topic": topic, "failBodies": ["bad"], "expect": 8, "timeoutSeconds": 120,
+        "settleMillis": 500});
+    let result = sdk::run("push-consume", &args(&popgate, consume), DRIVER_TIMEOUT).await;
+    assert_eq!(result["timedOut"], false, "{result}");
+    let by_body = received_by_body(&result);
+    assert_eq!(by_body["ok-0"].len(), 1, "{result}");
+    assert_eq!(by_body["ok-1"].len(), 1, "{result}");
+    let bad = &by_body["bad"];
+    assert_eq!(bad.len(), 6, "6 attempts in all: {result}");
+    let attempts: Vec<i64> = bad.iter().map(|e| e["deliveryAttempt"].as_i64().unwrap_or(0)).collect();
+    assert_eq!(attempts, [1, 2, 3, 4, 5, 6], "popgate counts the attempts");
+    let at: Vec<i64> = bad.iter().map(|e| e["atMs"].as_i64().unwrap_or(0)).collect();
+    for (n, pair) in at.windows(2).enumerate() {
+        let expected = 1_000i64 << n;
+        let gap = pair[1] - pair[0];
+        // ±20 % jitter; the upper bound also allows for a loaded machine's receive and listener latency.
+        assert!(
+            gap >= expected * 8 / 10 - 100 && gap <= expected * 12 / 10 + 2_000,
+            "retry {} after {gap} ms, not {expected} ms ±20 %: {at:?}",
+            n + 1
+        );
+    }
+
+    let direct = Direct::connect(&cluster.namesrv_addr).await;
+    let dlq = format!("%DLQ%{group}");
+    let mut dead = Vec::new();
+    for _ in 0..100 {
+        dead = direct_read(&direct, &dlq).await;
+        if !dead.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(dead.len(), 1, "the failed message is in {dlq}");
+    assert_eq!(dead[0].body, b"bad");
+    assert_eq!(dead[0].property("DLQ_ORIGIN_TOPIC"), Some(topic.as_str()));
+    assert_eq!(dead[0].property("DLQ_ORIGIN_MESSAGE_ID"), bad[0]["messageId"].as_str());
+    assert!(popgate.metric(&format!("popgate_dlq_messages_total{{group=\"{group}\"}}")).await >= 1.0);
+}
+
+/// What `topic` holds, or nothing while it has no route yet (a DLQ topic is created by its first message).
+async fn direct_read(direct: &Direct, topic: &str) -> Vec<crate::harness::direct::StoredMessage> {
+    match tokio::time::timeout(Duration::from_secs(10), direct.try_read_all(topic)).await {
+        Ok(Some(found)) => found,
+        _ => Vec::new(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_consumer_of_an_ordered_group_keeps_each_message_group_in_order_through_a_failure() {
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, "").await;
+    let topic = unique_topic("grpc_fifo");
+    let group = format!("g_{topic}");
+    create_topic(cluster, &topic).await;
+    let (status, answer) =
+        popgate.post_json("/events/subscribe", &json!({"group": group, "topic": topic, "ordered": true})).await;
+    assert_eq!(status, 200, "{answer}");
+    let produce = json!({"topic": topic, "count": 8, "prefix": "o", "messageGroup": "mg{i}"});
+    // Two message groups: even and odd indexes (the driver substitutes {i}, so map them by hand).
+    let mut produced = Vec::new();
+    for parity in 0..2 {
+        for n in (parity..8).step_by(2) {
+            let mut one = produce.clone();
+            one["count"] = json!(1);
+            one["startIndex"] = json!(n);
+            one["messageGroup"] = json!(format!("mg{parity}"));
+            produced.push(one);
+        }
+    }
+    // Sent in index order, each its own send, so the broker holds each group in index order.
+    produced.sort_by_key(|one| one["startIndex"].as_i64());
+    for one in produced {
+        let result = sdk::run("produce", &args(&popgate, one), DRIVER_TIMEOUT).await;
+        assert_eq!(result["errors"], json!([]), "{result}");
+    }
+
+    let consume = json!({"group": group, "topic": topic, "failOnce": ["o-2"], "expectSuccess": 8, "timeoutSeconds": 90,
+        "settleMillis": 1000});
+    let result = sdk::run("push-consume", &args(&popgate, consume), DRIVER_TIMEOUT).await;
+    assert_eq!(result["timedOut"], false, "{result}");
+    let mut per_group: HashMap<String, Vec<(String, String)>> = HashMap::new();
+    let mut calls = result["received"].as_array().cloned().unwrap_or_default();
+    calls.sort_by_key(|c| c["seq"].as_i64());
+    for call in calls {
+        let group = call["messageGroup"].as_str().unwrap_or_default().to_owned();
+        per_group.entry(group).or_default().push((
+            call["body"].as_str().unwrap_or_default().to_owned(),
+            call["result"].as_str().unwrap_or_default().to_owned(),
+        ));
+    }
+    let even: Vec<&str> = per_group["mg0"].iter().map(|(b, _)| b.as_str()).collect();
+    let odd: Vec<&str> = per_group["mg1"].iter().map(|(b, _)| b.as_str()).collect();
+    assert_eq!(even, ["o-0", "o-2", "o-2", "o-4", "o-6"], "o-2 failed once and nothing passed it: {per_group:?}");
+    assert_eq!(odd, ["o-1", "o-3", "o-5", "o-7"], "{per_group:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_consumer_acks_with_handles_issued_before_popgate_was_killed_and_nothing_is_delivered_twice() {
+    let cluster = shared_cluster();
+    // A short broker lease: a message whose ACK were lost would come back from the broker within seconds.
+    let mut popgate = Popgate::start(&cluster.namesrv_addr, "lease_ms = 5000\n").await;
+    let topic = unique_topic("grpc_durable");
+    let group = format!("g_{topic}");
+    create_topic(cluster, &topic).await;
+    let bodies_sent: Vec<String> = (0..4).map(|n| format!("d-{n}")).collect();
+    popgate.publish_bodies(&topic, &bodies_sent).await;
+
+    // Each listener call holds its message for 40 s: longer than popgate's 30 s hold of an auto-renewed
+    // delivery, so the hold is renewed too, across the restart.
+    let consume = json!({"group": group, "topic": topic, "holdMillis": 40_000, "expect": 4, "timeoutSeconds": 120,
+        "settleMillis": 3000});
+    let consumer = Scenario::start("push-consume", &args(&popgate, consume));
+    eventually(Duration::from_secs(90), "the listener holds all four", || async {
+        let (_, body) = popgate.get_json(&format!("/admin/deliveries?group={group}")).await;
+        body["deliveries"].as_array().is_some_and(|d| d.len() == 4 && d.iter().all(|d| d["phase"] == "awaiting_ack"))
+    })
+    .await;
+    // The SDK hands received messages to its listener threads a moment later.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    popgate.restart().await;
+
+    let result = consumer.finish(DRIVER_TIMEOUT).await;
+    assert_eq!(result["timedOut"], false, "{result}");
+    let by_body = received_by_body(&result);
+    for body in &bodies_sent {
+        assert_eq!(by_body.get(body).map(Vec::len), Some(1), "{body} reached the listener exactly once: {result}");
+    }
+    eventually(Duration::from_secs(20), "the post-crash ACKs are settled at the broker", || async {
+        popgate.get_json(&format!("/admin/deliveries?group={group}")).await.1["deliveries"]
+            .as_array()
+            .is_some_and(Vec::is_empty)
+    })
+    .await;
+    assert!(popgate.metric("popgate_acks_total{result=\"acked\"}").await >= 4.0, "the restarted popgate took the ACKs");
+    drop(popgate);
+    // Past the 5 s lease: an unACKed message would be back at the broker by now.
+    let again =
+        DirectConsumer::connect(&cluster.namesrv_addr).await.drain(&group, &topic, Duration::from_secs(10)).await;
+    assert_eq!(again, Vec::<String>::new(), "nothing comes back from the broker");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_publishes_reach_grpc_consumers_and_grpc_publishes_reach_http_subscribers() {
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, "").await;
+    let topic = unique_topic("grpc_mixed");
+    create_topic(cluster, &topic).await;
+
+    popgate.publish(&json!({"topic": topic, "data": "from-http", "properties": {"origin": "http"}})).await;
+    let consume =
+        json!({"group": format!("g1_{topic}"), "topic": topic, "expect": 1, "awaitSeconds": 3, "timeoutSeconds": 60});
+    let result = sdk::run("simple-consume", &args(&popgate, consume), DRIVER_TIMEOUT).await;
+    assert_eq!(bodies(&result, "received"), ["from-http"], "{result}");
+    assert_eq!(result["received"][0]["properties"]["origin"], "http");
+
+    let produce = json!({"topic": topic, "count": 1, "prefix": "from-grpc", "tag": "sdk"});
+    let sent = sdk::run("produce", &args(&popgate, produce), DRIVER_TIMEOUT).await;
+    let group = format!("g2_{topic}");
+    // A new group starts at the queue's beginning, so both messages are there; the SDK's is the one tagged.
+    let polled = popgate.poll_until(&group, &topic, 2, Duration::from_secs(30)).await;
+    let from_sdk = polled.iter().find(|d| d["event"]["tags"] == "sdk").expect("the SDK's message reached HTTP");
+    assert_eq!(crate::harness::popgate::data(from_sdk), "from-grpc-0");
+    assert_eq!(from_sdk["event"]["id"], sent["sent"][0]["messageId"]);
+    for delivery in &polled {
+        assert_eq!(popgate.ack(&crate::harness::popgate::id(delivery)).await.0, 200);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sdk_credentials_map_onto_popgates_tokens_and_a_bad_secret_or_scope_is_refused() {
+    let cluster = shared_cluster();
+    let tokens = "[auth]\nenabled = true\n[[auth.tokens]]\nname = \"app\"\ntoken = \"app-secret-0123456789\"\n\
+                  publish = [\"grpc_auth_*\"]\nconsume = [\"g_grpc_auth_*\"]\n";
+    let popgate = Popgate::start(&cluster.namesrv_addr, tokens).await;
+    let topic = unique_topic("grpc_auth");
+    create_topic(cluster, &topic).await;
+    let creds = |secret: &str| json!({"accessKey": "app", "secretKey": secret});
+
+    let mut good = creds("app-secret-0123456789");
+    good["topic"] = json!(topic);
+    good["count"] = json!(1);
+    let result = sdk::run("produce", &args(&popgate, good), DRIVER_TIMEOUT).await;
+    assert_eq!(result["errors"], json!([]), "{result}");
+
+    let mut bad = creds("wrong-secret-0123456789");
+    bad["topic"] = json!(topic);
+    bad["prefix"] = json!("forged");
+    let refused = sdk::Scenario::start("produce", &args(&popgate, bad));
+    let refused = refused.finish_allowing_error(DRIVER_TIMEOUT).await;
+    assert!(refused.to_string().contains("Unauthorized"), "a bad signature is refused: {refused}");
+
+    let other = unique_topic("grpc_other");
+    create_topic(cluster, &other).await;
+    let mut out_of_scope = creds("app-secret-0123456789");
+    out_of_scope["topic"] = json!(other);
+    let result = sdk::run("produce", &args(&popgate, out_of_scope), DRIVER_TIMEOUT).await;
+    assert!(result["errors"].to_string().contains("Forbidden"), "out of scope is forbidden: {result}");
+
+    let stored = Direct::connect(&cluster.namesrv_addr).await.read_all(&topic).await;
+    assert_eq!(stored.len(), 1, "only the signed message is stored");
+    assert!(Direct::connect(&cluster.namesrv_addr).await.read_all(&other).await.is_empty());
+    let metrics = popgate.metrics_text().await;
+    assert!(metrics.contains("code=\"UNAUTHORIZED\""), "refusals are counted by code");
+}

@@ -1,0 +1,263 @@
+//! The gRPC front spoken to directly (plaintext, the generated client) for what the official SDK never
+//! sends: handles popgate did not issue, another group's handle, out-of-range fields, unsigned or
+//! out-of-scope calls, RPCs popgate does not serve, and a client's termination. Each refusal carries its
+//! RocketMQ code, and nothing is lost or half-written.
+
+use std::time::Duration;
+
+use hmac::{Hmac, Mac};
+use popgate::grpc::proto::{self as pb, messaging_service_client::MessagingServiceClient, Code};
+use serde_json::json;
+use tonic::transport::Channel;
+
+use crate::grpc::create_topic;
+use crate::harness::direct::Direct;
+use crate::harness::popgate::Popgate;
+use crate::harness::{eventually, unique_topic};
+use crate::publish::shared_cluster;
+
+const CLIENT_ID: &str = "it-raw@1@0@test";
+
+async fn connect(popgate: &Popgate) -> MessagingServiceClient<Channel> {
+    MessagingServiceClient::connect(format!("http://{}", popgate.grpc)).await.expect("plaintext gRPC connection")
+}
+
+/// A request with the SDK's client id header (and, when given, its signature).
+fn request<T>(message: T, signed_by: Option<(&str, &str)>) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    let metadata = request.metadata_mut();
+    metadata.insert("x-mq-client-id", CLIENT_ID.parse().expect("ascii"));
+    if let Some((access_key, secret)) = signed_by {
+        let date_time = "20261201T000000Z";
+        let mut mac = Hmac::<sha1::Sha1>::new_from_slice(secret.as_bytes()).expect("hmac key");
+        mac.update(date_time.as_bytes());
+        let signature = hex::encode_upper(mac.finalize().into_bytes());
+        let header =
+            format!("MQv2-HMAC-SHA1 Credential={access_key}, SignedHeaders=x-mq-date-time, Signature={signature}");
+        metadata.insert("x-mq-date-time", date_time.parse().expect("ascii"));
+        metadata.insert("authorization", header.parse().expect("ascii"));
+    }
+    request
+}
+
+fn resource(name: &str) -> Option<pb::Resource> {
+    Some(pb::Resource { resource_namespace: String::new(), name: name.to_owned() })
+}
+
+fn receive_request(group: &str, topic: &str, auto_renew: bool) -> pb::ReceiveMessageRequest {
+    pb::ReceiveMessageRequest {
+        group: resource(group),
+        message_queue: Some(pb::MessageQueue { topic: resource(topic), id: -1, ..Default::default() }),
+        filter_expression: Some(pb::FilterExpression { r#type: pb::FilterType::Tag as i32, expression: "*".into() }),
+        batch_size: 16,
+        invisible_duration: (!auto_renew).then_some(prost_types::Duration { seconds: 30, nanos: 0 }),
+        auto_renew,
+        long_polling_timeout: Some(prost_types::Duration { seconds: 5, nanos: 0 }),
+        attempt_id: None,
+    }
+}
+
+/// Runs one receive: its first status code, and the messages it carried.
+async fn receive(
+    client: &mut MessagingServiceClient<Channel>,
+    req: pb::ReceiveMessageRequest,
+) -> (i32, Vec<pb::Message>) {
+    let mut stream = client.receive_message(request(req, None)).await.expect("receive call").into_inner();
+    let (mut code, mut messages) = (0, Vec::new());
+    while let Some(item) = stream.message().await.expect("receive stream") {
+        match item.content {
+            Some(pb::receive_message_response::Content::Status(status)) if code == 0 => code = status.code,
+            Some(pb::receive_message_response::Content::Message(message)) => messages.push(message),
+            _ => {}
+        }
+    }
+    (code, messages)
+}
+
+fn handle_of(message: &pb::Message) -> String {
+    message.system_properties.as_ref().and_then(|p| p.receipt_handle.clone()).unwrap_or_default()
+}
+
+async fn ack(
+    client: &mut MessagingServiceClient<Channel>,
+    group: &str,
+    topic: &str,
+    handles: &[&str],
+) -> pb::AckMessageResponse {
+    let entries = handles
+        .iter()
+        .map(|h| pb::AckMessageEntry { message_id: String::new(), receipt_handle: (*h).to_owned(), lite_topic: None })
+        .collect();
+    let req = pb::AckMessageRequest { group: resource(group), topic: resource(topic), entries };
+    client.ack_message(request(req, None)).await.expect("ack call").into_inner()
+}
+
+fn code(status: Option<&pb::Status>) -> i32 {
+    status.map_or(0, |s| s.code)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn foreign_handles_other_groups_and_bad_fields_get_their_codes_and_change_nothing() {
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, "[publish]\nmax_message_bytes = 1024\n").await;
+    let topic = unique_topic("grpc_raw");
+    let group = format!("g_{topic}");
+    create_topic(cluster, &topic).await;
+    popgate.publish_bodies(&topic, &["kept"]).await;
+    let mut client = connect(&popgate).await;
+
+    let (status, messages) = receive(&mut client, receive_request(&group, &topic, false)).await;
+    assert_eq!(status, Code::Ok as i32);
+    assert_eq!(messages.len(), 1);
+    let handle = handle_of(&messages[0]);
+    assert!(handle.starts_with("pg1:"), "popgate's own handle: {handle}");
+    let digest = messages[0].system_properties.as_ref().and_then(|p| p.body_digest.clone()).expect("digest");
+    assert_eq!(digest.r#type, pb::DigestType::Sha1 as i32);
+
+    // Handles popgate did not issue, and another group's use of a real one.
+    for foreign in ["pg1:00000000000000000000000000000000", "0 1 2 broker-a 0 0 0", ""] {
+        let answer = ack(&mut client, &group, &topic, &[foreign]).await;
+        assert_eq!(code(answer.status.as_ref()), Code::InvalidReceiptHandle as i32, "{foreign}: {answer:?}");
+    }
+    let answer = ack(&mut client, "another_group", &topic, &[&handle]).await;
+    assert_eq!(code(answer.status.as_ref()), Code::InvalidReceiptHandle as i32, "{answer:?}");
+    let changed = client
+        .change_invisible_duration(request(
+            pb::ChangeInvisibleDurationRequest {
+                group: resource(&group),
+                topic: resource(&topic),
+                receipt_handle: "pg1:unknown".into(),
+                invisible_duration: Some(prost_types::Duration { seconds: 10, nanos: 0 }),
+                ..Default::default()
+            },
+            None,
+        ))
+        .await
+        .expect("call")
+        .into_inner();
+    assert_eq!(code(changed.status.as_ref()), Code::InvalidReceiptHandle as i32);
+    assert_eq!(changed.receipt_handle, "pg1:unknown", "the handle is echoed back");
+
+    // The real handle still works after all that; a batch with a bad entry answers per entry.
+    let answer = ack(&mut client, &group, &topic, &[&handle, "pg1:nope"]).await;
+    assert_eq!(code(answer.status.as_ref()), Code::MultipleResults as i32, "{answer:?}");
+    assert_eq!(code(answer.entries[0].status.as_ref()), Code::Ok as i32);
+    assert_eq!(code(answer.entries[1].status.as_ref()), Code::InvalidReceiptHandle as i32);
+    let again = ack(&mut client, &group, &topic, &[&handle]).await;
+    assert_eq!(code(again.status.as_ref()), Code::InvalidReceiptHandle as i32, "an ACKed handle is spent");
+
+    // Receives that cannot be served.
+    let mut sql = receive_request(&group, &topic, false);
+    sql.filter_expression =
+        Some(pb::FilterExpression { r#type: pb::FilterType::Sql as i32, expression: "a > 1".into() });
+    assert_eq!(receive(&mut client, sql).await.0, Code::IllegalFilterExpression as i32);
+    let missing = receive_request(&group, &unique_topic("grpc_raw_missing"), false);
+    assert_eq!(receive(&mut client, missing).await.0, Code::TopicNotFound as i32);
+    let mut zero = receive_request(&group, &topic, false);
+    zero.batch_size = 0;
+    assert_eq!(receive(&mut client, zero).await.0, Code::BadRequest as i32);
+    let mut no_client_id = tonic::Request::new(receive_request(&group, &topic, false));
+    no_client_id.metadata_mut().remove("x-mq-client-id");
+    let mut stream = client.receive_message(no_client_id).await.expect("call").into_inner();
+    let first = stream.message().await.expect("stream").and_then(|r| r.content);
+    assert!(
+        matches!(first, Some(pb::receive_message_response::Content::Status(s)) if s.code == Code::ClientIdRequired as i32)
+    );
+
+    // Sends that cannot be stored: an empty topic, a body over the limit. Neither reaches the broker.
+    let message = |topic: &str, body: Vec<u8>| pb::Message {
+        topic: resource(topic),
+        user_properties: Default::default(),
+        system_properties: Some(pb::SystemProperties { message_id: "raw-1".into(), ..Default::default() }),
+        body: body.into(),
+    };
+    for (bad, expected) in [
+        (message("", b"x".to_vec()), Code::IllegalTopic),
+        (message(&topic, vec![b'x'; 2048]), Code::MessageBodyTooLarge),
+    ] {
+        let answer = client
+            .send_message(request(pb::SendMessageRequest { messages: vec![bad] }, None))
+            .await
+            .expect("send call")
+            .into_inner();
+        assert_eq!(code(answer.status.as_ref()), expected as i32, "{answer:?}");
+    }
+    let stored = Direct::connect(&cluster.namesrv_addr).await.read_all(&topic).await;
+    assert_eq!(stored.len(), 1, "only the one good message is stored");
+    assert_eq!(popgate.metric("popgate_publish_requests_total{result=\"too_large\",transport=\"grpc\"}").await, 1.0);
+
+    // An RPC popgate does not serve answers at once, with gRPC's UNIMPLEMENTED.
+    let unserved = tokio::time::timeout(
+        Duration::from_secs(10),
+        client.end_transaction(request(pb::EndTransactionRequest::default(), None)),
+    )
+    .await
+    .expect("an answer, not a hang");
+    assert_eq!(unserved.expect_err("not served").code(), tonic::Code::Unimplemented);
+    let metrics = popgate.metrics_text().await;
+    assert!(metrics.contains("popgate_grpc_requests_total{rpc=\"AckMessage\",code=\"INVALID_RECEIPT_HANDLE\"}"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_signature_is_unauthorized_and_a_group_out_of_scope_is_forbidden() {
+    let cluster = shared_cluster();
+    let tokens = "[auth]\nenabled = true\n[[auth.tokens]]\nname = \"app\"\ntoken = \"app-secret-0123456789\"\n\
+                  publish = [\"grpc_raw_*\"]\nconsume = [\"g_mine_*\"]\n";
+    let popgate = Popgate::start(&cluster.namesrv_addr, tokens).await;
+    let topic = unique_topic("grpc_raw_auth");
+    create_topic(cluster, &topic).await;
+    let mut client = connect(&popgate).await;
+
+    let heartbeat = pb::HeartbeatRequest { group: None, client_type: pb::ClientType::Producer as i32 };
+    let unsigned = client.heartbeat(request(heartbeat.clone(), None)).await.expect("call").into_inner();
+    assert_eq!(code(unsigned.status.as_ref()), Code::Unauthorized as i32);
+    let forged =
+        client.heartbeat(request(heartbeat.clone(), Some(("app", "not-the-secret")))).await.expect("call").into_inner();
+    assert_eq!(code(forged.status.as_ref()), Code::Unauthorized as i32);
+    let signed =
+        client.heartbeat(request(heartbeat, Some(("app", "app-secret-0123456789")))).await.expect("call").into_inner();
+    assert_eq!(code(signed.status.as_ref()), Code::Ok as i32);
+
+    let req = pb::AckMessageRequest {
+        group: resource("g_theirs"),
+        topic: resource(&topic),
+        entries: vec![pb::AckMessageEntry {
+            message_id: String::new(),
+            receipt_handle: "pg1:x".into(),
+            lite_topic: None,
+        }],
+    };
+    let answer =
+        client.ack_message(request(req, Some(("app", "app-secret-0123456789")))).await.expect("call").into_inner();
+    assert_eq!(code(answer.status.as_ref()), Code::Forbidden as i32);
+    assert!(popgate.metric("popgate_requests_rejected_total{reason=\"unauthenticated\"}").await >= 2.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_terminated_clients_auto_renewed_deliveries_are_due_again_at_once() {
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, "").await;
+    let topic = unique_topic("grpc_raw_term");
+    let group = format!("g_{topic}");
+    create_topic(cluster, &topic).await;
+    popgate.publish_bodies(&topic, &["held"]).await;
+    let mut client = connect(&popgate).await;
+
+    let (_, messages) = receive(&mut client, receive_request(&group, &topic, true)).await;
+    assert_eq!(messages.len(), 1);
+    let deliveries = popgate.get_json(&format!("/admin/deliveries?group={group}")).await.1;
+    assert_eq!(deliveries["deliveries"][0]["phase"], "awaiting_ack", "{deliveries}");
+
+    let bye = pb::NotifyClientTerminationRequest { group: resource(&group) };
+    let answer = client.notify_client_termination(request(bye, None)).await.expect("call").into_inner();
+    assert_eq!(code(answer.status.as_ref()), Code::Ok as i32);
+    // Due at once as attempt 2, not after the 30 s hold.
+    eventually(Duration::from_secs(5), "the delivery is ready again", || async {
+        let d = popgate.get_json(&format!("/admin/deliveries?group={group}")).await.1;
+        d["deliveries"][0]["phase"] == "ready" && d["deliveries"][0]["attempt"] == 2
+    })
+    .await;
+    let polled = popgate.poll(&group, &topic, 1, 5_000).await;
+    assert_eq!(polled.len(), 1, "another subscriber gets it at once");
+    assert_eq!(polled[0]["attempt"], json!(2));
+}
