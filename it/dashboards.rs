@@ -120,6 +120,12 @@ async fn load(popgate: &Popgate) {
     }
     let again = popgate.poll_until(&group, &topic, 1, Duration::from_secs(10)).await;
     assert_eq!(popgate.ack(&id(&again[0])).await.0, 200);
+    // gRPC calls for the front's panels: a heartbeat, and an ACK with a handle popgate never issued.
+    let mut client = crate::grpc_raw::connect(popgate).await;
+    let heartbeat = popgate::grpc::proto::HeartbeatRequest { group: None, client_type: 1 };
+    client.heartbeat(crate::grpc_raw::request(heartbeat, None)).await.expect("heartbeat");
+    let refused = crate::grpc_raw::ack(&mut client, &group, &topic, &["pg1:unknown"]).await;
+    assert_eq!(refused.status.map(|s| s.code), Some(popgate::grpc::proto::Code::InvalidReceiptHandle as i32));
     eventually(Duration::from_secs(20), "the dead letter is written", || async {
         popgate.metric(&format!("popgate_dlq_messages_total{{group=\"{group}\"}}")).await == 1.0
     })

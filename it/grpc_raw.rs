@@ -18,12 +18,12 @@ use crate::publish::shared_cluster;
 
 const CLIENT_ID: &str = "it-raw@1@0@test";
 
-async fn connect(popgate: &Popgate) -> MessagingServiceClient<Channel> {
+pub async fn connect(popgate: &Popgate) -> MessagingServiceClient<Channel> {
     MessagingServiceClient::connect(format!("http://{}", popgate.grpc)).await.expect("plaintext gRPC connection")
 }
 
 /// A request with the SDK's client id header (and, when given, its signature).
-fn request<T>(message: T, signed_by: Option<(&str, &str)>) -> tonic::Request<T> {
+pub fn request<T>(message: T, signed_by: Option<(&str, &str)>) -> tonic::Request<T> {
     let mut request = tonic::Request::new(message);
     let metadata = request.metadata_mut();
     metadata.insert("x-mq-client-id", CLIENT_ID.parse().expect("ascii"));
@@ -78,7 +78,7 @@ fn handle_of(message: &pb::Message) -> String {
     message.system_properties.as_ref().and_then(|p| p.receipt_handle.clone()).unwrap_or_default()
 }
 
-async fn ack(
+pub async fn ack(
     client: &mut MessagingServiceClient<Channel>,
     group: &str,
     topic: &str,

@@ -117,12 +117,14 @@ fn policy_of(sub: &Subscription, config: &DeliveryConfig) -> RetryPolicy {
 mod tests {
     use std::sync::Arc;
 
+    use std::time::Duration;
+
     use super::*;
     use crate::broker::client::now_millis;
     use crate::broker::consumer::{PoppedEvent, ReceiptHandle};
     use crate::broker::BrokerClient;
     use crate::config::{BrokerConfig, Config};
-    use crate::delivery::record::Phase;
+    use crate::delivery::record::{Holder, Phase};
     use crate::delivery::Dispatcher;
     use crate::publish::Publisher;
     use crate::store::StateStore;
@@ -162,11 +164,22 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn recovery_replays_each_phase_retires_corrupt_records_and_is_idempotent() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let store = StateStore::open(dir.path(), true).expect("open");
-        let sub = Subscription {
+    /// A dispatcher over `store` with no reachable broker: recovery itself must not need one.
+    async fn start_offline(store: StateStore) -> (Arc<Dispatcher>, RecoveryReport) {
+        let config = Config::default();
+        let broker_config = BrokerConfig { namesrv_addr: "127.0.0.1:1".into(), ..BrokerConfig::default() };
+        let broker = Arc::new(BrokerClient::connect(&broker_config, "test").await.expect("client"));
+        let publisher = Arc::new(Publisher::new(
+            broker.clone(),
+            config.publish.clone(),
+            &config.fault_avoidance,
+            config.reliability.profile,
+        ));
+        Dispatcher::start(Arc::new(store), broker, publisher, config.delivery.clone(), None).expect("start")
+    }
+
+    fn subscription() -> Subscription {
+        Subscription {
             group: "g".into(),
             topic: "t".into(),
             filter: "*".into(),
@@ -176,7 +189,43 @@ mod tests {
             max_backoff_ms: 16_000,
             ordered: false,
             push: None,
-        };
+        }
+    }
+
+    #[tokio::test]
+    async fn a_grpc_clients_hand_out_stays_with_it_across_a_restart_and_its_keep_alive_extends_it() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = StateStore::open(dir.path(), true).expect("open");
+        let sub = subscription();
+        store.put(Family::Subscriptions, &sub.key(), &sub).expect("put sub");
+        let soon = now_millis() + 5_000;
+        let holder = Holder { client_id: "app@1".into(), auto_renew: true };
+        let held = record(
+            "held",
+            Phase::AwaitingAck { deadline_ms: soon, dispatched_ms: now_millis(), holder: Some(holder) },
+            2,
+        );
+        store.put(Family::Deliveries, &held.id, &held).expect("put");
+
+        let (dispatcher, report) = start_offline(store).await;
+        assert_eq!(report.redispatched, 1, "counted as in flight");
+        let polled = dispatcher.poll("g", "t", 10, Duration::from_millis(300)).await.expect("poll");
+        assert!(polled.is_empty(), "not handed to anyone else: its client still holds it");
+
+        let extended = dispatcher.keep_held("app@1", Duration::from_secs(30), Duration::from_secs(3 * 3600));
+        assert_eq!(extended.expect("stored"), 1);
+        assert_eq!(dispatcher.keep_held("other@2", Duration::from_secs(30), Duration::from_secs(3600)).ok(), Some(0));
+        let due = dispatcher.in_flight(Some("g"), 1)[0].due_ms.unwrap_or(0);
+        assert!(due >= now_millis() + 25_000, "the deadline moved 30 s ahead: {due}");
+        assert_eq!(dispatcher.hold_of("held").and_then(|(_, _, h)| h).map(|h| h.client_id), Some("app@1".into()));
+        dispatcher.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn recovery_replays_each_phase_retires_corrupt_records_and_is_idempotent() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = StateStore::open(dir.path(), true).expect("open");
+        let sub = subscription();
         store.put(Family::Subscriptions, &sub.key(), &sub).expect("put sub");
         let planted = [
             record("awaiting", Phase::AwaitingAck { deadline_ms: 0, dispatched_ms: 0, holder: None }, 3),
@@ -189,19 +238,7 @@ mod tests {
         }
         store.put_raw(Family::Deliveries, "garbage", b"\xff not json").expect("put raw");
 
-        // No broker is reachable: recovery itself must not need one.
-        let config = Config::default();
-        let broker_config = BrokerConfig { namesrv_addr: "127.0.0.1:1".into(), ..BrokerConfig::default() };
-        let broker = Arc::new(BrokerClient::connect(&broker_config, "test").await.expect("client"));
-        let publisher = Arc::new(Publisher::new(
-            broker.clone(),
-            config.publish.clone(),
-            &config.fault_avoidance,
-            config.reliability.profile,
-        ));
-        let (dispatcher, report) =
-            Dispatcher::start(std::sync::Arc::new(store), broker, publisher, config.delivery.clone(), None)
-                .expect("start");
+        let (dispatcher, report) = start_offline(store).await;
         assert_eq!(
             report,
             RecoveryReport {

@@ -220,7 +220,7 @@ pub(super) async fn run_receive(
         front.dispatcher.unsent(&unsent, "grpc").await;
         return;
     }
-    let _ = out.send(Ok(content(Content::DeliveryTimestamp(timestamp(crate::broker::client::now_millis()))))).await;
+    let _ = out.send(Ok(content(Content::DeliveryTimestamp(timestamp(now_ms()))))).await;
 }
 
 fn content(content: Content) -> pb::ReceiveMessageResponse {
@@ -231,7 +231,7 @@ fn content(content: Content) -> pb::ReceiveMessageResponse {
 /// receipt handle.
 fn to_message(delivery: &Dispatched, namespace: &str) -> pb::Message {
     let event = &delivery.event;
-    let remaining = delivery.ack_deadline_ms - crate::broker::client::now_millis();
+    let remaining = delivery.ack_deadline_ms - now_ms();
     let system_properties = pb::SystemProperties {
         tag: event.tags.clone(),
         keys: event.keys.clone(),
@@ -357,6 +357,11 @@ fn delivery_status(error: DeliveryError) -> pb::Status {
         DeliveryError::Invalid(..) => Code::BadRequest,
     };
     status(code, error.to_string())
+}
+
+fn now_ms() -> i64 {
+    let since_epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    i64::try_from(since_epoch.as_millis()).unwrap_or(i64::MAX)
 }
 
 fn to_std(d: prost_types::Duration) -> Option<Duration> {

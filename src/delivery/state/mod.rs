@@ -490,6 +490,7 @@ impl Deliveries {
     ) -> Result<usize, DeliveryError> {
         let now = now_millis();
         let new_deadline = now + hold.as_millis() as i64;
+        let hold_half = hold.as_millis() as i64 / 2;
         let oldest = now - max_hold.as_millis() as i64;
         let mut extended: Vec<DeliveryRecord> = Vec::new();
         {
@@ -499,7 +500,9 @@ impl Deliveries {
                 else {
                     continue;
                 };
-                let due = holder.auto_renew && holder.client_id == client_id && *deadline_ms < new_deadline;
+                // Rewritten only once half the hold is used up, so a live client costs a write per delivery
+                // every hold/2, not every keep-alive tick.
+                let due = holder.auto_renew && holder.client_id == client_id && *deadline_ms < now + hold_half;
                 if !due || tracked.claimed || *dispatched_ms < oldest {
                     continue;
                 }
