@@ -261,3 +261,77 @@ async fn a_terminated_clients_auto_renewed_deliveries_are_due_again_at_once() {
     assert_eq!(polled.len(), 1, "another subscriber gets it at once");
     assert_eq!(polled[0]["attempt"], json!(2));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forwarded_message_goes_to_the_dlq_with_its_origin_and_is_acked() {
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, "").await;
+    let topic = unique_topic("grpc_raw_fwd");
+    let group = format!("g_{topic}");
+    create_topic(cluster, &topic).await;
+    popgate.publish_bodies(&topic, &["poison"]).await;
+    let mut client = connect(&popgate).await;
+
+    let (_, messages) = receive(&mut client, receive_request(&group, &topic, true)).await;
+    assert_eq!(messages.len(), 1);
+    let message_id = messages[0].system_properties.as_ref().map(|p| p.message_id.clone()).unwrap_or_default();
+    let forward = pb::ForwardMessageToDeadLetterQueueRequest {
+        group: resource(&group),
+        topic: resource(&topic),
+        receipt_handle: handle_of(&messages[0]),
+        message_id: message_id.clone(),
+        delivery_attempt: 1,
+        max_delivery_attempts: 6,
+        lite_topic: None,
+    };
+    let answer = client.forward_message_to_dead_letter_queue(request(forward, None)).await.expect("call").into_inner();
+    assert_eq!(code(answer.status.as_ref()), Code::Ok as i32);
+
+    let direct = Direct::connect(&cluster.namesrv_addr).await;
+    let dlq = format!("%DLQ%{group}");
+    let mut dead = Vec::new();
+    for _ in 0..100 {
+        dead = direct.try_read_all(&dlq).await.unwrap_or_default();
+        if !dead.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(dead.len(), 1, "the message is in {dlq}");
+    assert_eq!(dead[0].body, b"poison");
+    assert_eq!(dead[0].property("DLQ_ORIGIN_TOPIC"), Some(topic.as_str()));
+    assert_eq!(dead[0].property("DLQ_ORIGIN_MESSAGE_ID"), Some(message_id.as_str()));
+    eventually(Duration::from_secs(15), "the original is ACKed and retired", || async {
+        popgate.get_json(&format!("/admin/deliveries?group={group}")).await.1["deliveries"]
+            .as_array()
+            .is_some_and(Vec::is_empty)
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_auto_renewed_delivery_comes_back_once_its_client_has_gone_silent() {
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, "").await;
+    let topic = unique_topic("grpc_raw_gone");
+    let group = format!("g_{topic}");
+    create_topic(cluster, &topic).await;
+    popgate.publish_bodies(&topic, &["orphan"]).await;
+    let mut client = connect(&popgate).await;
+
+    let (_, messages) = receive(&mut client, receive_request(&group, &topic, true)).await;
+    assert_eq!(messages.len(), 1);
+    let received = std::time::Instant::now();
+    // The client never calls again. Its hold (30 s, extended while it was seen in the last 20 s) runs out,
+    // and the delivery's attempt is spent as for any missed ACK deadline.
+    eventually(Duration::from_secs(90), "the delivery is due again as attempt 2", || async {
+        let d = popgate.get_json(&format!("/admin/deliveries?group={group}")).await.1;
+        d["deliveries"][0]["attempt"] == 2
+    })
+    .await;
+    let held_for = received.elapsed();
+    assert!(held_for >= Duration::from_secs(30), "held while the client might still be alive: {held_for:?}");
+    let polled = popgate.poll_until(&group, &topic, 1, Duration::from_secs(10)).await;
+    assert_eq!(polled[0]["attempt"], json!(2));
+    assert!(popgate.metric("popgate_redeliveries_total{reason=\"timeout\"}").await >= 1.0);
+}

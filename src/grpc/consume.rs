@@ -186,24 +186,28 @@ pub(super) async fn prepare_receive(
 
 /// Runs a checked receive: waits for deliveries (or until the client goes away) and writes the stream Apache's
 /// proxy writes: `status OK, message…, delivery_timestamp`, or `MESSAGE_NOT_FOUND, delivery_timestamp`.
-/// Deliveries that can no longer be written go back at once, their attempt not spent.
+/// Deliveries that can no longer be written go back at once, their attempt not spent. Returns the status
+/// code answered, or `None` when the client left first.
 pub(super) async fn run_receive(
     front: &Front,
     receive: Receive,
     out: mpsc::Sender<Result<pb::ReceiveMessageResponse, tonic::Status>>,
-) {
+) -> Option<i32> {
     let polled = tokio::select! {
         polled = front.dispatcher.poll_as(&receive.sub, receive.batch, receive.wait, &receive.hand_out) => polled,
-        () = out.closed() => return,
+        () = out.closed() => return None,
     };
     let deliveries = match polled {
         Ok(deliveries) => deliveries,
         Err(error) => {
-            let _ = out.send(Ok(content(Content::Status(delivery_status(error))))).await;
-            return;
+            let refusal = delivery_status(error);
+            let code = refusal.code;
+            let _ = out.send(Ok(content(Content::Status(refusal)))).await;
+            return Some(code);
         }
     };
     let first = if deliveries.is_empty() { status(Code::MessageNotFound, "no new message") } else { ok() };
+    let code = first.code;
     let mut unsent: Vec<String> = Vec::new();
     if out.send(Ok(content(Content::Status(first)))).await.is_err() {
         unsent.extend(deliveries.iter().map(|d| d.id.clone()));
@@ -218,9 +222,10 @@ pub(super) async fn run_receive(
     }
     if !unsent.is_empty() {
         front.dispatcher.unsent(&unsent, "grpc").await;
-        return;
+        return None;
     }
     let _ = out.send(Ok(content(Content::DeliveryTimestamp(timestamp(now_ms()))))).await;
+    Some(code)
 }
 
 fn content(content: Content) -> pb::ReceiveMessageResponse {

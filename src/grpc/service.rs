@@ -279,8 +279,9 @@ impl MessagingService for Arc<Front> {
             Ok(receive) => {
                 let front = self.clone();
                 tokio::spawn(async move {
-                    consume::run_receive(&front, receive, out).await;
-                    observe("ReceiveMessage", Code::Ok as i32, started);
+                    if let Some(code) = consume::run_receive(&front, receive, out).await {
+                        observe("ReceiveMessage", code, started);
+                    }
                 });
             }
         }
