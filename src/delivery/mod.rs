@@ -508,13 +508,18 @@ impl Dispatcher {
         self.deliveries.hold_of(id)
     }
 
-    /// `client_id` is alive: the deliveries it holds with `auto_renew` stay handed out for `hold` more, up
-    /// to `max_hold` after their hand-out. Returns how many were extended.
+    /// `clients` are alive: the deliveries they hold with `auto_renew` stay handed out for `hold` more, up to
+    /// `max_hold` after their hand-out. Returns how many were extended.
     ///
     /// # Errors
     /// [`DeliveryError::Store`] when the new deadlines cannot be stored (nothing changes then).
-    pub fn keep_held(&self, client_id: &str, hold: Duration, max_hold: Duration) -> Result<usize, DeliveryError> {
-        self.deliveries.keep_held(client_id, hold, max_hold)
+    pub fn keep_held(
+        &self,
+        clients: &std::collections::HashSet<String>,
+        hold: Duration,
+        max_hold: Duration,
+    ) -> Result<usize, DeliveryError> {
+        self.deliveries.keep_held(clients, hold, max_hold)
     }
 
     /// `client_id` ended (NotifyClientTermination): what it held and did not settle is NACKed, so its next

@@ -212,9 +212,15 @@ mod tests {
         let polled = dispatcher.poll("g", "t", 10, Duration::from_millis(300)).await.expect("poll");
         assert!(polled.is_empty(), "not handed to anyone else: its client still holds it");
 
-        let extended = dispatcher.keep_held("app@1", Duration::from_secs(30), Duration::from_secs(3 * 3600));
-        assert_eq!(extended.expect("stored"), 1);
-        assert_eq!(dispatcher.keep_held("other@2", Duration::from_secs(30), Duration::from_secs(3600)).ok(), Some(0));
+        let clients = |id: &str| std::collections::HashSet::from([id.to_owned()]);
+        let hold = Duration::from_secs(30);
+        assert_eq!(dispatcher.keep_held(&clients("other@2"), hold, Duration::from_secs(3600)).ok(), Some(0));
+        assert_eq!(dispatcher.keep_held(&clients("app@1"), hold, Duration::from_secs(3600)).ok(), Some(1));
+        assert_eq!(
+            dispatcher.keep_held(&clients("app@1"), hold, Duration::from_secs(3600)).ok(),
+            Some(0),
+            "not due yet"
+        );
         let due = dispatcher.in_flight(Some("g"), 1)[0].due_ms.unwrap_or(0);
         assert!(due >= now_millis() + 25_000, "the deadline moved 30 s ahead: {due}");
         assert_eq!(dispatcher.hold_of("held").and_then(|(_, _, h)| h).map(|h| h.client_id), Some("app@1".into()));

@@ -2,7 +2,7 @@
 //! message or delivery state of its own: only which clients are alive (for the gauge, and so the deliveries a
 //! live PushConsumer holds stay handed out: [`keep_alive_loop`]).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -94,7 +94,7 @@ impl Front {
     }
 
     /// The ids of the clients seen within [`ALIVE_WINDOW`].
-    fn live_clients(&self) -> Vec<String> {
+    fn live_clients(&self) -> HashSet<String> {
         let now = Instant::now();
         let clients = self.clients.lock();
         clients
@@ -131,10 +131,12 @@ pub(super) async fn keep_alive_loop(front: std::sync::Weak<Front>) {
     loop {
         tick.tick().await;
         let Some(front) = front.upgrade() else { return };
-        for client in front.live_clients() {
-            if let Err(error) = front.dispatcher.keep_held(&client, AUTO_RENEW_HOLD, AUTO_RENEW_MAX) {
-                tracing::warn!(%error, %client, "Could not extend the deliveries a gRPC client holds.");
-            }
+        let live = front.live_clients();
+        if live.is_empty() {
+            continue;
+        }
+        if let Err(error) = front.dispatcher.keep_held(&live, AUTO_RENEW_HOLD, AUTO_RENEW_MAX) {
+            tracing::warn!(%error, "Could not extend the deliveries live gRPC clients hold; will retry.");
         }
     }
 }

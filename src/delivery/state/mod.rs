@@ -480,11 +480,12 @@ impl Deliveries {
 // === deliveries held by gRPC clients ===
 
 impl Deliveries {
-    /// Extends to `now + hold` the ACK deadline of every delivery `client_id` holds with `auto_renew`, handed
-    /// out less than `max_hold` ago; stored first, as every change. Returns how many were extended.
+    /// Extends to `now + hold` the ACK deadline of every delivery one of `clients` holds with `auto_renew`,
+    /// handed out less than `max_hold` ago; stored first, as every change. One pass over the table for all
+    /// clients. Returns how many were extended.
     pub(super) fn keep_held(
         &self,
-        client_id: &str,
+        clients: &std::collections::HashSet<String>,
         hold: Duration,
         max_hold: Duration,
     ) -> Result<usize, DeliveryError> {
@@ -502,7 +503,7 @@ impl Deliveries {
                 };
                 // Rewritten only once half the hold is used up, so a live client costs a write per delivery
                 // every hold/2, not every keep-alive tick.
-                let due = holder.auto_renew && holder.client_id == client_id && *deadline_ms < now + hold_half;
+                let due = holder.auto_renew && *deadline_ms < now + hold_half && clients.contains(&holder.client_id);
                 if !due || tracked.claimed || *dispatched_ms < oldest {
                     continue;
                 }
