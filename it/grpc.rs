@@ -322,9 +322,10 @@ async fn push_consumer_acks_with_handles_issued_before_popgate_was_killed_and_no
     let bodies_sent: Vec<String> = (0..4).map(|n| format!("d-{n}")).collect();
     popgate.publish_bodies(&topic, &bodies_sent).await;
 
-    // Each listener call holds its message for 40 s: longer than popgate's 30 s hold of an auto-renewed
-    // delivery, so the hold is renewed too, across the restart.
-    let consume = json!({"group": group, "topic": topic, "holdMillis": 40_000, "expect": 4, "timeoutSeconds": 120,
+    // Each listener call holds its message for 75 s: longer than popgate's 30 s hold of an auto-renewed
+    // delivery (so the hold is renewed, across the restart too), and longer than the 60 s invisible time of
+    // Apache's proxy, past which the same scenario against the proxy delivers every message twice.
+    let consume = json!({"group": group, "topic": topic, "holdMillis": 75_000, "expect": 4, "timeoutSeconds": 150,
         "settleMillis": 3000});
     let consumer = Scenario::start("push-consume", &args(&popgate, consume));
     eventually(Duration::from_secs(90), "the listener holds all four", || async {
