@@ -4,10 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source docker/setup.sh
-# The gRPC tests drive Apache's Java SDK through it/grpc-driver; built once here (Maven Central, cached under
-# $HOME, rebuilt only when its sources change) rather than by the first test that needs it.
-POPGATE_GRPC_DRIVER="$(it/grpc-driver/build.sh)"
-export POPGATE_GRPC_DRIVER
+# The gRPC tests drive Apache's Java SDK through it/grpc-driver, built once here (Maven Central, cached under
+# $HOME, rebuilt only when its sources change) rather than by the first test that needs it. The variable is not
+# named POPGATE_*: popgate reads every POPGATE_* variable as config.
+SDK_DRIVER_JAR="$(it/grpc-driver/build.sh)"
+export SDK_DRIVER_JAR
 cargo fmt --check
 cargo clippy --all-targets --locked -- -D warnings
 cargo test --all-targets --locked -- --test-threads="${TEST_THREADS:-4}"

@@ -9,7 +9,7 @@
 # Env: MVN (default mvn), MVN_NICE (default 10; the machine is shared with long-running tests).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-out="${POPGATE_DRIVER_DIR:-$HOME/.cache/popgate/grpc-driver}"
+out="${SDK_DRIVER_DIR:-$HOME/.cache/popgate/grpc-driver}"
 mkdir -p "$out"
 jar="$out/popgate-grpc-driver.jar"
 stamp="$out/.popgate-grpc-driver.inputs.sha256"

@@ -9,12 +9,12 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-/// The driver jar: `POPGATE_GRPC_DRIVER` (set by `docker/setup.sh`), or built now by `it/grpc-driver/build.sh`
+/// The driver jar: `SDK_DRIVER_JAR` (set by `docker/test.sh`), or built now by `it/grpc-driver/build.sh`
 /// (idempotent, cached under `$HOME`).
 pub fn driver_jar() -> &'static PathBuf {
     static JAR: OnceLock<PathBuf> = OnceLock::new();
     JAR.get_or_init(|| {
-        if let Some(jar) = std::env::var_os("POPGATE_GRPC_DRIVER").map(PathBuf::from).filter(|p| p.exists()) {
+        if let Some(jar) = std::env::var_os("SDK_DRIVER_JAR").map(PathBuf::from).filter(|p| p.exists()) {
             return jar;
         }
         let script = concat!(env!("CARGO_MANIFEST_DIR"), "/it/grpc-driver/build.sh");
