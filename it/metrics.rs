@@ -1,5 +1,6 @@
 //! `/metrics` is valid Prometheus text: `promtool check metrics` finds nothing to complain about, and every
-//! metric family the README's table lists is there with its HELP and TYPE once the paths behind it ran.
+//! metric family the README's table lists is there with its HELP and TYPE once the paths behind it ran (HTTP
+//! and gRPC).
 
 use std::io::Write;
 use std::process::{Command, Stdio};
@@ -34,6 +35,10 @@ async fn metrics_pass_promtool_and_describe_every_family() {
     })
     .await;
     let _sse = crate::harness::push::SseClient::connect(&popgate.base, &format!("group={group}&topic={topic}")).await;
+    // A gRPC call, so the front's duration histogram exists.
+    let mut grpc = crate::grpc_raw::connect(&popgate).await;
+    let heartbeat = popgate::grpc::proto::HeartbeatRequest { group: None, client_type: 1 };
+    grpc.heartbeat(crate::grpc_raw::request(heartbeat, None)).await.expect("heartbeat");
 
     let text = popgate.metrics_text().await;
     let mut promtool = Command::new("promtool")
