@@ -156,13 +156,16 @@ pub struct Cluster {
 }
 
 /// Three consecutive-ish ports a broker needs: fast port (listen - 2), listen, HA (listen + 1).
+///
+/// Chosen below the kernel's ephemeral range (32768 and up): a broker a test stops and restarts must get its
+/// ports back, and an outgoing connection of any process on the machine (an SDK client, popgate, another
+/// broker) can take an ephemeral port while the broker is down. That happened: a restarted broker failed with
+/// "Address already in use" on its HA port.
 fn broker_port() -> u16 {
     loop {
-        let port = free_port();
-        if port > 1024
-            && port < 65000
-            && [port - 2, port + 1].iter().all(|p| std::net::TcpListener::bind(("0.0.0.0", *p)).is_ok())
-        {
+        let port: u16 = rand::random_range(10_002..32_000);
+        let ports = [port - 2, port, port + 1];
+        if ports.iter().all(|p| std::net::TcpListener::bind(("0.0.0.0", *p)).is_ok()) {
             return port;
         }
     }
