@@ -130,10 +130,10 @@ async fn a_failing_store_makes_push_subscribers_back_off_and_is_surfaced() {
     let popgate = Popgate::start_on_disk(&cluster.namesrv_addr, &disk, "lease_ms = 60000\npop_poll_ms = 500\n").await;
     let (topic, group) = (unique_topic("backoff_store"), unique_topic("g_backoff_store"));
     subscribe(&popgate, json!({"group": group, "topic": topic, "ackTimeoutMs": 60000})).await;
-    // "later" is large: its record cannot fit in the slack of the WAL's preallocated space once the disk is
-    // full, so writing it really fails.
-    let later_body = format!("later{}", "x".repeat(32 * 1024));
-    popgate.publish_bodies(&topic, &[later_body.as_str()]).await;
+    // "later" has a large property: its record (bodies are stored apart, properties are not) cannot fit in
+    // the slack of the WAL's preallocated space once the disk is full, so writing it really fails.
+    let later = json!({"topic": topic, "data": "later", "properties": {"pad": "x".repeat(30_000)}});
+    assert_eq!(popgate.publish(&later).await.0, 200);
     let got = popgate.poll_until(&group, &topic, 1, Duration::from_secs(30)).await;
     let later = got.iter().find(|d| data(d).starts_with("later")).map(id).expect("delivered");
     // "later" is due again in 2 s: a WebSocket subscriber will try to hand it out while the disk is full.

@@ -128,7 +128,7 @@ const ZERO_SERIES: &[(&str, &str, &[&str])] = &[
     (RECOVERED_DELIVERIES, "outcome", &["redispatched", "ack_pending", "dead_letter_pending", "corrupt"]),
     (CONSUME_REQUEST_FAILURES, "op", &["pop", "renew", "give_back"]),
     (DELIVERIES_GIVEN_BACK, "reason", &["unsubscribed", "not_admitted"]),
-    (STORE_UNDECODABLE, "family", &["dlq_replays"]),
+    (STORE_UNDECODABLE, "family", &["dlq_replays", "payloads"]),
     (
         REQUESTS_REJECTED,
         "reason",

@@ -499,7 +499,7 @@ async fn in_flight_rss(params: &Params, namesrv: &str, direct: &DirectPath, topi
     })
 }
 
-fn planted_record(i: usize, size: usize, now_ms: i64) -> DeliveryRecord {
+fn planted_record(i: usize, now_ms: i64) -> DeliveryRecord {
     let id = format!("{:032x}", 0xb0b0_0000_0000u64 as u128 * 1_000_003 + i as u128);
     DeliveryRecord {
         id,
@@ -511,7 +511,8 @@ fn planted_record(i: usize, size: usize, now_ms: i64) -> DeliveryRecord {
             tags: None,
             keys: Vec::new(),
             properties: Default::default(),
-            body: body(size).into_bytes(),
+            // The body lives in the payloads family, as popgate stores it (see the writer below).
+            body: Vec::new(),
             born_timestamp: now_ms,
             reconsume_times: 0,
             retry_topic: None,
@@ -532,6 +533,7 @@ fn planted_record(i: usize, size: usize, now_ms: i64) -> DeliveryRecord {
         phase: Phase::AwaitingAck { deadline_ms: now_ms + 3_600_000, dispatched_ms: now_ms, holder: None },
         last_failure: None,
         seq: i as u64 + 1,
+        body_apart: true,
     }
 }
 
@@ -561,10 +563,11 @@ async fn recovery(params: &Params, namesrv: &str) -> Value {
             .map(|d| d.as_millis() as i64)
             .unwrap_or(0);
         for chunk in (0..m).collect::<Vec<_>>().chunks(10_000) {
-            let records: Vec<DeliveryRecord> = chunk.iter().map(|i| planted_record(*i, size, now_ms)).collect();
+            let records: Vec<DeliveryRecord> = chunk.iter().map(|i| planted_record(*i, now_ms)).collect();
             let encoded: Vec<Vec<u8>> = records.iter().map(|r| serde_json::to_vec(r).expect("encode")).collect();
-            let changes: Vec<Change<'_>> =
+            let mut changes: Vec<Change<'_>> =
                 records.iter().zip(encoded).map(|(r, v)| Change::Put(Family::Deliveries, &r.id, v)).collect();
+            changes.extend(records.iter().map(|r| Change::Put(Family::Payloads, &r.id, body(size).into_bytes())));
             store.apply(&changes).expect("write");
         }
         store.sync_wal().expect("sync");

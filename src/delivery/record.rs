@@ -74,6 +74,11 @@ pub struct DeliveryRecord {
     /// order, so this orders a FIFO message group.
     #[serde(default)]
     pub seq: u64,
+    /// The event's body is stored apart (the `payloads` family) and left out of this record, in memory and in
+    /// the store; it is read back to hand the event out or dead-letter it. Records written before popgate
+    /// kept bodies apart carry their body inline (`false`).
+    #[serde(default)]
+    pub body_apart: bool,
 }
 
 /// A subscription: which group consumes which topic, and its delivery policy.

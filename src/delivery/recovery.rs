@@ -67,38 +67,46 @@ pub(super) fn recover(deliveries: &Deliveries) -> Result<(RecoveryReport, Vec<Po
         }
     }
 
-    let listing = deliveries.store().list::<DeliveryRecord>(Family::Deliveries)?;
-    for key in &listing.undecodable {
+    // Restored one by one as the store is read: the records are never all decoded at once. The store's read
+    // guard is held meanwhile, so an undecodable record is only noted here and discarded afterwards.
+    let mut undecodable = Vec::new();
+    deliveries.store().for_each::<DeliveryRecord>(Family::Deliveries, |key, record| match record {
+        Some(record) => restore_one(deliveries, record, &mut report),
+        None => undecodable.push(key),
+    })?;
+    for key in &undecodable {
         tracing::warn!(record = %key, "Undecodable delivery record retired without a broker ACK.");
         deliveries.discard_undecodable(key);
         counter!(m::RECOVERED_DELIVERIES, "outcome" => "corrupt").increment(1);
         report.corrupt += 1;
     }
-    for (_, record) in listing.records {
-        let outcome = match deliveries.restore(record) {
-            Restored::Skipped => {
-                report.skipped += 1;
-                continue;
-            }
-            Restored::Redispatched { was_handed_out } => {
-                if was_handed_out {
-                    counter!(m::REDELIVERIES, "reason" => "recovery").increment(1);
-                }
-                report.redispatched += 1;
-                "redispatched"
-            }
-            Restored::AckPending => {
-                report.ack_pending += 1;
-                "ack_pending"
-            }
-            Restored::DeadLetterPending => {
-                report.dead_letter_pending += 1;
-                "dead_letter_pending"
-            }
-        };
-        counter!(m::RECOVERED_DELIVERIES, "outcome" => outcome).increment(1);
-    }
     Ok((report, poppers))
+}
+
+/// Tracks one stored record again and counts what became of it.
+fn restore_one(deliveries: &Deliveries, record: DeliveryRecord, report: &mut RecoveryReport) {
+    let outcome = match deliveries.restore(record) {
+        Restored::Skipped => {
+            report.skipped += 1;
+            return;
+        }
+        Restored::Redispatched { was_handed_out } => {
+            if was_handed_out {
+                counter!(m::REDELIVERIES, "reason" => "recovery").increment(1);
+            }
+            report.redispatched += 1;
+            "redispatched"
+        }
+        Restored::AckPending => {
+            report.ack_pending += 1;
+            "ack_pending"
+        }
+        Restored::DeadLetterPending => {
+            report.dead_letter_pending += 1;
+            "dead_letter_pending"
+        }
+    };
+    counter!(m::RECOVERED_DELIVERIES, "outcome" => outcome).increment(1);
 }
 
 /// The subscription's policy, falling back to the configured defaults if the stored values are unusable.
@@ -161,6 +169,7 @@ mod tests {
             phase,
             last_failure: None,
             seq: 0,
+            body_apart: false,
         }
     }
 

@@ -37,16 +37,21 @@ pub enum Family {
     Subscriptions,
     /// DLQ replay progress, keyed by DLQ topic and message id.
     DlqReplays,
+    /// The body of each in-flight delivery, keyed by deliveryId: written once at admission, read at hand-out
+    /// and for the DLQ, deleted with the delivery. Kept apart so memory and every phase change carry only
+    /// the small record.
+    Payloads,
 }
 
 impl Family {
-    const ALL: [Family; 3] = [Family::Deliveries, Family::Subscriptions, Family::DlqReplays];
+    const ALL: [Family; 4] = [Family::Deliveries, Family::Subscriptions, Family::DlqReplays, Family::Payloads];
 
     fn name(self) -> &'static str {
         match self {
             Family::Deliveries => "deliveries",
             Family::Subscriptions => "subscriptions",
             Family::DlqReplays => "dlq_replays",
+            Family::Payloads => "payloads",
         }
     }
 }
@@ -92,7 +97,7 @@ const REOPEN_PAUSE: Duration = Duration::from_secs(1);
 /// One change in an atomic batch.
 #[derive(Debug)]
 pub enum Change<'a> {
-    /// Store `value` (already JSON) under `key`.
+    /// Store `value` (JSON, or a payload's raw bytes) under `key`.
     Put(Family, &'a str, Vec<u8>),
     /// Remove `key`.
     Delete(Family, &'a str),
@@ -277,6 +282,41 @@ impl StateStore {
             return Ok(None);
         };
         serde_json::from_slice(&bytes).map(Some).map_err(|source| StoreError::Decode { key: key.to_owned(), source })
+    }
+
+    /// The raw values of `keys` in `family`, in the order of `keys` (`None` where a key is absent), read in one
+    /// batch.
+    ///
+    /// # Errors
+    /// [`StoreError::Read`] when a read fails.
+    pub fn get_raw_many(&self, family: Family, keys: &[&str]) -> Result<Vec<Option<Vec<u8>>>, StoreError> {
+        let guard = self.db()?;
+        let db = guard.as_ref().ok_or(StoreError::Closed)?;
+        let handle = family_handle(db, family);
+        db.multi_get_cf(keys.iter().map(|key| (handle, key.as_bytes())))
+            .into_iter()
+            .map(|value| value.map_err(StoreError::Read))
+            .collect()
+    }
+
+    /// Calls `visit` with each record of `family` in key order: its key and the record decoded as `T` (or
+    /// `None` when it does not decode). Nothing is collected, so a million records are never all in memory
+    /// twice (boot recovery).
+    ///
+    /// # Errors
+    /// [`StoreError::Read`] when iteration fails.
+    pub fn for_each<T: DeserializeOwned>(
+        &self,
+        family: Family,
+        mut visit: impl FnMut(String, Option<T>),
+    ) -> Result<(), StoreError> {
+        let guard = self.db()?;
+        let db = guard.as_ref().ok_or(StoreError::Closed)?;
+        for item in db.iterator_cf(family_handle(db, family), IteratorMode::Start) {
+            let (key, value) = item.map_err(StoreError::Read)?;
+            visit(String::from_utf8_lossy(&key).into_owned(), serde_json::from_slice::<T>(&value).ok());
+        }
+        Ok(())
     }
 
     /// Every record of `family`, decoded as `T`.

@@ -174,6 +174,15 @@ impl Deliveries {
         self.store.apply(&changes)
     }
 
+    /// Stores newly admitted records and, apart, their bodies, in one atomic batch.
+    fn persist_admitted(&self, records: &[DeliveryRecord], bodies: &[Vec<u8>]) -> Result<(), StoreError> {
+        let encoded = records.iter().map(serde_json::to_vec).collect::<Result<Vec<_>, _>>()?;
+        let mut changes: Vec<Change<'_>> =
+            records.iter().zip(encoded).map(|(r, value)| Change::Put(Family::Deliveries, &r.id, value)).collect();
+        changes.extend(records.iter().zip(bodies).map(|(r, body)| Change::Put(Family::Payloads, &r.id, body.clone())));
+        self.store.apply(&changes)
+    }
+
     /// Syncs the store's WAL (group commit of async-flush profiles); a failure is counted by the store.
     pub(super) fn sync_wal(&self) {
         let _ = self.store.sync_wal();
@@ -294,9 +303,11 @@ impl Deliveries {
             return Admission::NoSubscription(popped);
         };
         let now = now_millis();
+        let mut bodies: Vec<Vec<u8>> = Vec::with_capacity(popped.len());
         let records: Vec<DeliveryRecord> = popped
             .into_iter()
-            .map(|p| {
+            .map(|mut p| {
+                bodies.push(std::mem::take(&mut p.event.body));
                 let attempt = p.event.reconsume_times.saturating_add(1).max(1);
                 let phase = if attempt > policy.max_attempts {
                     Phase::DeadLetter { reason: format!("the broker redelivered it {} times", p.event.reconsume_times) }
@@ -313,11 +324,19 @@ impl Deliveries {
                     phase,
                     last_failure: None,
                     seq: self.next_seq.fetch_add(1, Ordering::Relaxed),
+                    body_apart: true,
                 }
             })
             .collect();
-        if self.persist(&records.iter().collect::<Vec<_>>()).is_err() {
-            let back = records.into_iter().map(|r| Popped { event: r.event, handle: r.handle }).collect();
+        if self.persist_admitted(&records, &bodies).is_err() {
+            let back = records
+                .into_iter()
+                .zip(bodies)
+                .map(|(mut r, body)| {
+                    r.event.body = body;
+                    Popped { event: r.event, handle: r.handle }
+                })
+                .collect();
             return Admission::Refused(back);
         }
         let ids: Vec<String> = records.iter().map(|r| r.id.clone()).collect();
@@ -418,29 +437,32 @@ impl Deliveries {
         if taken.is_empty() {
             return Ok(Vec::new());
         }
-        if let Err(error) = self.persist(&taken.iter().collect::<Vec<_>>()) {
-            // Not handed out: back at the head of the queue, unchanged.
-            let mut table = self.table.lock();
-            for record in taken.iter().rev() {
-                if let Some(tracked) = table.deliveries.get_mut(&record.id) {
-                    tracked.claimed = false;
-                    tracked.queued = true;
-                }
-                if let Some(active) = table.subs.get_mut(key) {
-                    active.ready.push_front(record.id.clone());
-                }
+        // The bodies are read before the hand-out is stored: a read that fails hands nothing out.
+        let bodies = match self.read_bodies(&taken) {
+            Ok(bodies) => bodies,
+            Err(error) => {
+                self.put_back(key, &taken);
+                return Err(error.into());
             }
+        };
+        let (taken, bodies) = self.drop_bodiless(taken, bodies);
+        if let Err(error) = self.persist(&taken.iter().collect::<Vec<_>>()) {
+            self.put_back(key, &taken);
             return Err(error.into());
         }
         let mut table = self.table.lock();
         let mut out = Vec::with_capacity(taken.len());
-        for record in taken {
+        for (record, body) in taken.into_iter().zip(bodies) {
             let Phase::AwaitingAck { deadline_ms, .. } = record.phase else { continue };
+            let mut event = record.event.clone();
+            if let Some(body) = body {
+                event.body = body;
+            }
             out.push(Dispatched {
                 id: record.id.clone(),
                 attempt: record.attempt,
                 ack_deadline_ms: deadline_ms,
-                event: record.event.clone(),
+                event,
             });
             let id = record.id.clone();
             if let Some(tracked) = table.deliveries.get_mut(&id) {
@@ -453,6 +475,68 @@ impl Deliveries {
         }
         counter!(m::DELIVERIES_DISPATCHED, "transport" => transport).increment(out.len() as u64);
         Ok(out)
+    }
+
+    /// Taken for a hand-out that did not happen: back at the head of the queue, unchanged.
+    fn put_back(&self, key: &str, taken: &[DeliveryRecord]) {
+        let mut table = self.table.lock();
+        for record in taken.iter().rev() {
+            if let Some(tracked) = table.deliveries.get_mut(&record.id) {
+                tracked.claimed = false;
+                tracked.queued = true;
+            }
+            if let Some(active) = table.subs.get_mut(key) {
+                active.ready.push_front(record.id.clone());
+            }
+        }
+    }
+
+    /// The stored body of each record, in order: `None` for a record that carries its body inline, and
+    /// `Some(None)` for one whose kept-apart body is missing from the store.
+    fn read_bodies(&self, records: &[DeliveryRecord]) -> Result<Vec<Option<Option<Vec<u8>>>>, StoreError> {
+        let apart: Vec<&str> = records.iter().filter(|r| r.body_apart).map(|r| r.id.as_str()).collect();
+        let mut found = self.store.get_raw_many(Family::Payloads, &apart)?.into_iter();
+        Ok(records.iter().map(|r| r.body_apart.then(|| found.next().flatten())).collect())
+    }
+
+    /// Leaves out (and retires, without a broker ACK) the records whose kept-apart body is missing from the
+    /// store: handing out an empty event would lose it, while the broker redelivers a retired one once its
+    /// lease lapses. Returns the rest with their bodies (`None`: inline).
+    fn drop_bodiless(
+        &self,
+        taken: Vec<DeliveryRecord>,
+        bodies: Vec<Option<Option<Vec<u8>>>>,
+    ) -> (Vec<DeliveryRecord>, Vec<Option<Vec<u8>>>) {
+        let mut kept = (Vec::with_capacity(taken.len()), Vec::with_capacity(taken.len()));
+        for (record, body) in taken.into_iter().zip(bodies) {
+            let body = match body {
+                None => None,
+                Some(Some(body)) => Some(body),
+                Some(None) => {
+                    tracing::warn!(delivery = %record.id, "Stored body missing; the broker will redeliver the event.");
+                    counter!(m::STORE_UNDECODABLE, "family" => "payloads").increment(1);
+                    self.retire(&record.id);
+                    continue;
+                }
+            };
+            kept.0.push(record);
+            kept.1.push(body);
+        }
+        kept
+    }
+
+    /// `record` with its body read back from the store when it is kept apart (for the DLQ write).
+    fn with_body(&self, mut record: DeliveryRecord) -> Result<Option<DeliveryRecord>, StoreError> {
+        if !record.body_apart {
+            return Ok(Some(record));
+        }
+        match self.store.get_raw_many(Family::Payloads, &[&record.id])?.pop().flatten() {
+            Some(body) => {
+                record.event.body = body;
+                Ok(Some(record))
+            }
+            None => Ok(None),
+        }
     }
 
     /// How many of `ids` are still handed to `holder` and unsettled; the others are dropped from the set.
@@ -933,7 +1017,7 @@ impl Deliveries {
     fn retire(&self, id: &str) {
         // A failed delete leaves a record that boot recovery settles again (its lease will have lapsed, or
         // its ACK intent is replayed): harmless, and the store counts the failure.
-        let _ = self.store.apply(&[Change::Delete(Family::Deliveries, id)]);
+        let _ = self.store.apply(&[Change::Delete(Family::Deliveries, id), Change::Delete(Family::Payloads, id)]);
         let mut table = self.table.lock();
         table.remove(id);
         Self::set_pending_gauge(&table);
@@ -975,6 +1059,23 @@ impl Deliveries {
     /// it waits for a renewal in progress and carries the handle that renewal returned.
     async fn dead_letter(&self, record: DeliveryRecord) {
         let id = record.id.clone();
+        let record = match self.with_body(record) {
+            Ok(Some(record)) => record,
+            Ok(None) => {
+                // Nothing to write: retired without a broker ACK, so the broker redelivers the event.
+                tracing::warn!(delivery = %id, "Stored body missing; the broker will redeliver the event.");
+                counter!(m::STORE_UNDECODABLE, "family" => "payloads").increment(1);
+                self.end_dlq_write(&id, None);
+                self.retire(&id);
+                return;
+            }
+            Err(error) => {
+                counter!(m::DLQ_RECORD_FAILURES).increment(1);
+                tracing::warn!(%error, delivery = %id, "Could not read the body for the DLQ write; will retry.");
+                self.end_dlq_write(&id, Some(now_millis() + RETRY_PAUSE_MS));
+                return;
+            }
+        };
         if let Err(error) = dlq::send(&self.publisher, &record).await {
             counter!(m::DLQ_RECORD_FAILURES).increment(1);
             tracing::warn!(%error, delivery = %id, "DLQ write failed; the delivery stays in flight and will retry.");
@@ -1095,7 +1196,7 @@ impl Deliveries {
 
     /// Removes a stored record that no longer decodes, without any broker ACK.
     pub(super) fn discard_undecodable(&self, key: &str) {
-        let _ = self.store.apply(&[Change::Delete(Family::Deliveries, key)]);
+        let _ = self.store.apply(&[Change::Delete(Family::Deliveries, key), Change::Delete(Family::Payloads, key)]);
     }
 
     /// The consumer group of a tracked delivery (to authorize its ACK, NACK or TERM).
@@ -1142,4 +1243,105 @@ pub fn new_delivery_id() -> String {
     let mut bytes = [0u8; 16];
     rand::rng().fill_bytes(&mut bytes);
     hex::encode(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::broker::consumer::{PoppedEvent, ReceiptHandle};
+    use crate::config::{BrokerConfig, Config};
+
+    /// Deliveries over a fresh store, with a broker client that reaches nothing (none of this needs one).
+    async fn offline(dir: &std::path::Path) -> Deliveries {
+        let config = Config::default();
+        let store = Arc::new(StateStore::open(dir, true).expect("open"));
+        let broker_config = BrokerConfig { namesrv_addr: "127.0.0.1:1".into(), ..BrokerConfig::default() };
+        let broker = Arc::new(BrokerClient::connect(&broker_config, "test").await.expect("client"));
+        let publisher = Arc::new(Publisher::new(
+            broker.clone(),
+            config.publish.clone(),
+            &config.fault_avoidance,
+            config.reliability.profile,
+        ));
+        Deliveries::new(store, broker, publisher, config.delivery)
+    }
+
+    fn subscription() -> Subscription {
+        Subscription {
+            group: "g".into(),
+            topic: "t".into(),
+            filter: "*".into(),
+            ack_timeout_ms: 30_000,
+            max_attempts: 6,
+            initial_backoff_ms: 1_000,
+            max_backoff_ms: 16_000,
+            ordered: false,
+            push: None,
+        }
+    }
+
+    fn popped(body: &[u8]) -> Popped {
+        let event = PoppedEvent {
+            id: "msg-1".into(),
+            topic: "t".into(),
+            tags: None,
+            keys: Vec::new(),
+            properties: Default::default(),
+            body: body.to_vec(),
+            born_timestamp: 0,
+            reconsume_times: 0,
+            retry_topic: None,
+            message_group: None,
+        };
+        let handle = ReceiptHandle {
+            broker_name: "broker-a".into(),
+            broker_addr: "127.0.0.1:1".into(),
+            extra_info: "0 0 0 0 0 broker-a 0 0".into(),
+            ack_topic: "t".into(),
+            queue_id: 0,
+            queue_offset: 0,
+            pop_time_ms: now_millis(),
+            invisible_ms: 3_600_000,
+        };
+        Popped { event, handle }
+    }
+
+    #[tokio::test]
+    async fn a_body_is_stored_apart_kept_out_of_memory_and_read_back_at_hand_out() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let deliveries = offline(dir.path()).await;
+        let sub = subscription();
+        deliveries.put_subscription(sub.clone(), RetryPolicy::SEED_DEFAULT).expect("subscribe");
+        assert!(matches!(deliveries.admit(&sub.key(), vec![popped(b"the body")]), Admission::Admitted));
+
+        let id = deliveries.table.lock().deliveries.keys().next().cloned().expect("tracked");
+        let in_memory = deliveries.tracked_record(&id).expect("record");
+        assert!(in_memory.body_apart && in_memory.event.body.is_empty(), "memory holds no body");
+        let stored: DeliveryRecord = deliveries.store.get(Family::Deliveries, &id).expect("read").expect("stored");
+        assert!(stored.event.body.is_empty(), "nor does the stored record");
+
+        let to = HandOut { transport: "poll", ack_timeout: None, holder: None };
+        let handed = deliveries.hand_out(&sub.key(), 10, &to, None).expect("hand out");
+        assert_eq!(handed.len(), 1);
+        assert_eq!(handed[0].event.body, b"the body");
+
+        deliveries.retire(&id);
+        let left = deliveries.store.get_raw_many(Family::Payloads, &[&id]).expect("read");
+        assert_eq!(left, vec![None], "the body goes with its delivery");
+    }
+
+    #[tokio::test]
+    async fn a_delivery_whose_stored_body_is_gone_is_not_handed_out_empty() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let deliveries = offline(dir.path()).await;
+        let sub = subscription();
+        deliveries.put_subscription(sub.clone(), RetryPolicy::SEED_DEFAULT).expect("subscribe");
+        assert!(matches!(deliveries.admit(&sub.key(), vec![popped(b"x")]), Admission::Admitted));
+        let id = deliveries.table.lock().deliveries.keys().next().cloned().expect("tracked");
+        deliveries.store.delete(Family::Payloads, &id).expect("delete");
+
+        let to = HandOut { transport: "poll", ack_timeout: None, holder: None };
+        assert!(deliveries.hand_out(&sub.key(), 10, &to, None).expect("hand out").is_empty());
+        assert!(deliveries.tracked_record(&id).is_none(), "retired; the broker redelivers it");
+    }
 }
