@@ -28,7 +28,7 @@ use rand::RngCore;
 use tokio::sync::futures::Notified;
 use tokio::sync::Notify;
 
-use self::table::{ActiveSubscription, Table, Tracked};
+use self::table::{ActiveSubscription, Id, Table, Tracked};
 use super::record::{DeliveryRecord, Holder, Phase, Subscription};
 use super::retry::{NextStep, RetryPolicy};
 use super::{dlq, DeliveryError, Dispatched, HandOut, InFlight, NackOutcome};
@@ -57,13 +57,13 @@ const ORDERED_LOOKAHEAD: usize = 256;
 #[derive(Debug)]
 pub(super) enum Owed {
     /// The subscriber ACKed (the intent is stored): ACK the broker, then retire.
-    BrokerAck(String),
+    BrokerAck(Id),
     /// Write the event to `%DLQ%<group>`, then ACK the broker, then retire.
-    DeadLetter(String),
+    DeadLetter(Id),
     /// Extend the lease (ChangeInvisibleTime) and store the new handle.
-    Renew(String),
+    Renew(Id),
     /// The subscription is gone: hand the message back to the broker unACKed, then forget it.
-    GiveBack(String),
+    GiveBack(Id),
 }
 
 /// What became of a batch of popped messages.
@@ -465,7 +465,7 @@ impl Deliveries {
                 event,
             });
             let id = record.id.clone();
-            if let Some(tracked) = table.deliveries.get_mut(&id) {
+            if let Some(tracked) = table.deliveries.get_mut(id.as_str()) {
                 tracked.record = record;
                 tracked.claimed = false;
                 tracked.redispatch = false;
@@ -481,12 +481,13 @@ impl Deliveries {
     fn put_back(&self, key: &str, taken: &[DeliveryRecord]) {
         let mut table = self.table.lock();
         for record in taken.iter().rev() {
-            if let Some(tracked) = table.deliveries.get_mut(&record.id) {
+            if let Some(tracked) = table.deliveries.get_mut(record.id.as_str()) {
                 tracked.claimed = false;
                 tracked.queued = true;
             }
-            if let Some(active) = table.subs.get_mut(key) {
-                active.ready.push_front(record.id.clone());
+            let id = table.id(&record.id);
+            if let (Some(active), Some(id)) = (table.subs.get_mut(key), id) {
+                active.ready.push_front(id);
             }
         }
     }
@@ -543,7 +544,7 @@ impl Deliveries {
     pub(super) fn retain_held(&self, holder: u64, ids: &mut std::collections::HashSet<String>) -> usize {
         let table = self.table.lock();
         ids.retain(|id| {
-            table.deliveries.get(id).is_some_and(|t| {
+            table.deliveries.get(id.as_str()).is_some_and(|t| {
                 t.holder == Some(holder) && matches!(t.record.phase, Phase::AwaitingAck { .. }) && !t.redispatch
             })
         });
@@ -605,7 +606,7 @@ impl Deliveries {
         let stored = self.persist(&extended.iter().collect::<Vec<_>>());
         let mut table = self.table.lock();
         for record in &extended {
-            if let Some(tracked) = table.deliveries.get_mut(&record.id) {
+            if let Some(tracked) = table.deliveries.get_mut(record.id.as_str()) {
                 tracked.claimed = false;
                 if stored.is_ok() {
                     tracked.record = record.clone();
@@ -711,7 +712,7 @@ impl Deliveries {
             return Err(error.into());
         }
         let mut table = self.table.lock();
-        if let Some(tracked) = table.deliveries.get_mut(&id) {
+        if let Some(tracked) = table.deliveries.get_mut(id.as_str()) {
             tracked.record = record;
             tracked.claimed = false;
             if let Some(at) = owed_retry_at {
@@ -869,7 +870,7 @@ impl Deliveries {
                 counter!(m::PUSH_WRITE_FAILURES, "transport" => transport).increment(1);
             }
             counter!(m::REDELIVERIES, "reason" => "push_failure").increment(1);
-            if let Some(tracked) = self.table.lock().deliveries.get_mut(id) {
+            if let Some(tracked) = self.table.lock().deliveries.get_mut(id.as_str()) {
                 tracked.holder = None;
             }
         }
@@ -885,15 +886,16 @@ impl Deliveries {
     fn queue_now(&self, ids: &[String]) {
         let now = now_millis();
         let mut guard = self.table.lock();
-        let Table { subs, deliveries, .. } = &mut *guard;
         for id in ids {
-            let Some(tracked) = deliveries.get_mut(id) else { continue };
+            let Some(id) = guard.id(id) else { continue };
+            let Table { subs, deliveries, .. } = &mut *guard;
+            let Some(tracked) = deliveries.get_mut(&id) else { continue };
             if tracked.queued || tracked.claimed || !tracked.dispatchable(now) {
                 continue;
             }
             if let Some(active) = subs.get_mut(&tracked.key()) {
                 tracked.queued = true;
-                active.ready.push_back(id.clone());
+                active.ready.push_back(id);
             }
         }
         drop(guard);
@@ -912,7 +914,7 @@ impl Deliveries {
             let mut guard = self.table.lock();
             let table = &mut *guard;
             table.stale.retain(|_, until| *until > now);
-            let mut due: Vec<String> = Vec::new();
+            let mut due: Vec<Id> = Vec::new();
             while table.timers.peek().is_some_and(|std::cmp::Reverse((at, _))| *at <= now) {
                 if let Some(std::cmp::Reverse((_, id))) = table.timers.pop() {
                     due.push(id);
@@ -1175,7 +1177,7 @@ impl Deliveries {
     /// with that client until its deadline.
     pub(super) fn restore(&self, record: DeliveryRecord) -> Restored {
         let mut table = self.table.lock();
-        if table.deliveries.contains_key(&record.id) {
+        if table.deliveries.contains_key(record.id.as_str()) {
             return Restored::Skipped;
         }
         self.next_seq.fetch_max(record.seq + 1, Ordering::Relaxed);
@@ -1208,7 +1210,7 @@ impl Deliveries {
     pub(super) fn in_flight(&self, group: Option<&str>, max: usize) -> Vec<InFlight> {
         let table = self.table.lock();
         let mut found: Vec<&Tracked> =
-            table.deliveries.values().filter(|t| group.is_none_or(|g| t.record.group == g)).collect();
+            table.deliveries.values().map(|t| &**t).filter(|t| group.is_none_or(|g| t.record.group == g)).collect();
         found.sort_by_key(|t| t.record.seq);
         found
             .into_iter()

@@ -10,6 +10,10 @@ use std::sync::Arc;
 use crate::delivery::record::{DeliveryRecord, Phase, Subscription};
 use crate::delivery::retry::RetryPolicy;
 
+/// A delivery id as memory holds it: one allocation shared by the table's key, the ready queue and every
+/// timer entry (a million held deliveries would otherwise carry a copy of the id in each).
+pub(super) type Id = Arc<str>;
+
 /// One delivery popgate holds: its stored record and what only memory needs to know about it.
 pub(super) struct Tracked {
     /// The record exactly as stored (memory never runs ahead of the store).
@@ -72,7 +76,7 @@ pub(super) struct ActiveSubscription {
     pub(super) sub: Subscription,
     pub(super) policy: RetryPolicy,
     /// Ids ready to hand out, oldest first.
-    pub(super) ready: VecDeque<String>,
+    pub(super) ready: VecDeque<Id>,
     /// Deliveries asked for by waiting subscribers: the POP loop pops only what is asked for.
     pub(super) demand: usize,
     /// Tells this subscription's POP loop to stop.
@@ -88,27 +92,36 @@ impl ActiveSubscription {
 #[derive(Default)]
 pub(super) struct Table {
     pub(super) subs: HashMap<String, ActiveSubscription>,
-    pub(super) deliveries: HashMap<String, Tracked>,
+    /// Boxed: a map slot then costs a pointer, not a whole `Tracked`, in the table's spare capacity.
+    pub(super) deliveries: HashMap<Id, Box<Tracked>>,
     /// Ids given up to the broker, with the time until which a late ACK is answered 409 rather than 404.
     pub(super) stale: HashMap<String, i64>,
     /// How many deliveries each subscription key holds, kept with every insert and removal.
     held: HashMap<String, usize>,
     /// When the sweeper must look at a delivery next (epoch ms, id), earliest first. Entries may be stale
     /// (the delivery changed or is gone): the sweeper looks, then files the delivery at its next due time.
-    pub(super) timers: BinaryHeap<Reverse<(i64, String)>>,
+    pub(super) timers: BinaryHeap<Reverse<(i64, Id)>>,
 }
 
 impl Table {
-    /// Files `id` for the sweeper at `at_ms` (0: the next tick).
+    /// The shared id of a tracked delivery.
+    pub(super) fn id(&self, id: &str) -> Option<Id> {
+        self.deliveries.get_key_value(id).map(|(id, _)| id.clone())
+    }
+
+    /// Files `id` for the sweeper at `at_ms` (0: the next tick); an id no longer tracked needs no timer.
     pub(super) fn wake(&mut self, id: &str, at_ms: i64) {
-        self.timers.push(Reverse((at_ms, id.to_owned())));
+        if let Some(id) = self.id(id) {
+            self.timers.push(Reverse((at_ms, id)));
+        }
     }
 
     /// Adds a delivery (replacing one of the same id) and files it for the next tick.
     pub(super) fn insert(&mut self, tracked: Tracked) {
         let key = tracked.key();
-        self.wake(&tracked.record.id, 0);
-        if let Some(old) = self.deliveries.insert(tracked.record.id.clone(), tracked) {
+        let id: Id = Arc::from(tracked.record.id.as_str());
+        self.timers.push(Reverse((0, id.clone())));
+        if let Some(old) = self.deliveries.insert(id, Box::new(tracked)) {
             self.uncount(&old.key());
         }
         *self.held.entry(key).or_default() += 1;
@@ -118,7 +131,7 @@ impl Table {
     pub(super) fn remove(&mut self, id: &str) -> Option<Tracked> {
         let tracked = self.deliveries.remove(id)?;
         self.uncount(&tracked.key());
-        Some(tracked)
+        Some(*tracked)
     }
 
     fn uncount(&mut self, key: &str) {
@@ -138,7 +151,7 @@ impl Table {
     /// Takes every delivery of `key` out of any ready queue and files it for the next tick: after a
     /// subscription is created, replaced or removed, the sweeper decides again where each one belongs.
     pub(super) fn refile_subscription(&mut self, key: &str) {
-        let ids: Vec<String> = self
+        let ids: Vec<Id> = self
             .deliveries
             .iter_mut()
             .filter(|(_, t)| t.key() == key)
@@ -151,7 +164,7 @@ impl Table {
             active.ready.clear();
         }
         for id in ids {
-            self.wake(&id, 0);
+            self.timers.push(Reverse((0, id)));
         }
     }
 
