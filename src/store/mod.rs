@@ -46,6 +46,19 @@ pub enum Family {
 impl Family {
     const ALL: [Family; 4] = [Family::Deliveries, Family::Subscriptions, Family::DlqReplays, Family::Payloads];
 
+    /// The family's memtable size. Memtables count in popgate's RSS (two per family at most), so they are
+    /// far below RocksDB's 64 MiB: a delivery's records (admitted, handed out, deleted) and its body (written,
+    /// read, deleted) still mostly meet and cancel within one memtable, since a delivery lives for
+    /// milliseconds to seconds under load. Bodies are the bulk of the bytes and are written once, so their
+    /// memtable is the smallest.
+    fn write_buffer_bytes(self) -> usize {
+        match self {
+            Family::Payloads => 4 * 1024 * 1024,
+            Family::Deliveries => 8 * 1024 * 1024,
+            Family::Subscriptions | Family::DlqReplays => 4 * 1024 * 1024,
+        }
+    }
+
     fn name(self) -> &'static str {
         match self {
             Family::Deliveries => "deliveries",
@@ -133,10 +146,7 @@ fn open_db(dir: &Path) -> Result<DB, StoreError> {
     options.set_keep_log_file_num(3);
     let families = Family::ALL.iter().map(|f| {
         let mut family = Options::default();
-        // Memtables count in popgate's RSS (two of them per family at most): 16 MiB instead of RocksDB's
-        // 64 MiB keeps the memory per in-flight delivery down; a delivery's records (admitted, handed out,
-        // deleted) mostly meet and cancel within one memtable at either size.
-        family.set_write_buffer_size(16 * 1024 * 1024);
+        family.set_write_buffer_size(f.write_buffer_bytes());
         ColumnFamilyDescriptor::new(f.name(), family)
     });
     DB::open_cf_descriptors(&options, dir, families)
