@@ -503,8 +503,8 @@ fn planted_record(i: usize, now_ms: i64) -> DeliveryRecord {
     let id = format!("{:032x}", 0xb0b0_0000_0000u64 as u128 * 1_000_003 + i as u128);
     DeliveryRecord {
         id,
-        group: "g_recovery".to_owned(),
-        topic: "t_recovery".to_owned(),
+        group: "g_recovery".into(),
+        topic: "t_recovery".into(),
         event: PoppedEvent {
             id: format!("MSG{i:020}"),
             topic: "t_recovery".to_owned(),
@@ -519,10 +519,10 @@ fn planted_record(i: usize, now_ms: i64) -> DeliveryRecord {
             message_group: None,
         },
         handle: ReceiptHandle {
-            broker_name: "broker-a".to_owned(),
-            broker_addr: "127.0.0.1:1".to_owned(),
+            broker_name: "broker-a".into(),
+            broker_addr: "127.0.0.1:1".into(),
             extra_info: format!("0 {now_ms} 3600000 0 0 broker-a 0 {i}"),
-            ack_topic: "t_recovery".to_owned(),
+            ack_topic: "t_recovery".into(),
             queue_id: 0,
             queue_offset: i as i64,
             // A lease an hour long: neither renewed nor given up while the boot is measured.

@@ -15,6 +15,7 @@
 //! - A message that came back from the retry topic must be ACKed on that topic (the handle's retry marker).
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use cheetah_string::CheetahString;
 use rocketmq_client_rust::{AckStatus, ClientInstanceHandle, PopStatus};
@@ -65,14 +66,15 @@ pub struct PoppedEvent {
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ReceiptHandle {
-    /// Broker that holds the checkpoint.
-    pub broker_name: String,
+    /// Broker that holds the checkpoint. (Names and addresses are `Arc<str>`: the delivery state shares one
+    /// copy among all the deliveries that carry the same one.)
+    pub broker_name: Arc<str>,
     /// Its address when popped.
-    pub broker_addr: String,
+    pub broker_addr: Arc<str>,
     /// The `POP_CK` extra info: what ACK and ChangeInvisibleTime must quote.
     pub extra_info: String,
     /// The topic to ACK on: the retry topic when the message came back from `%RETRY%`.
-    pub ack_topic: String,
+    pub ack_topic: Arc<str>,
     /// Queue of the message (in `ack_topic`).
     pub queue_id: i32,
     /// Offset of the message in that queue.
@@ -182,7 +184,7 @@ impl BrokerClient {
     pub async fn ack(&self, group: &str, handle: &ReceiptHandle) -> Result<(), BrokerError> {
         let header = AckMessageRequestHeader {
             consumer_group: group.into(),
-            topic: handle.ack_topic.as_str().into(),
+            topic: (&*handle.ack_topic).into(),
             queue_id: handle.queue_id,
             extra_info: handle.extra_info.as_str().into(),
             offset: handle.queue_offset,
@@ -192,7 +194,7 @@ impl BrokerClient {
         let timeout = self.request_timeout();
         let result = self
             .pooled()
-            .ack_message(&handle.broker_addr.as_str().into(), header, timeout.as_millis() as u64)
+            .ack_message(&(&*handle.broker_addr).into(), header, timeout.as_millis() as u64)
             .await
             .map_err(|e| BrokerError::from_client(e, timeout))?;
         if result.status() == AckStatus::NotExist {
@@ -214,7 +216,7 @@ impl BrokerClient {
     ) -> Result<ReceiptHandle, BrokerError> {
         let header = ChangeInvisibleTimeRequestHeader {
             consumer_group: group.into(),
-            topic: handle.ack_topic.as_str().into(),
+            topic: (&*handle.ack_topic).into(),
             queue_id: handle.queue_id,
             extra_info: handle.extra_info.as_str().into(),
             offset: handle.queue_offset,
@@ -227,8 +229,8 @@ impl BrokerClient {
         let result = self
             .pooled()
             .change_invisible_time(
-                &handle.broker_name.as_str().into(),
-                &handle.broker_addr.as_str().into(),
+                &(&*handle.broker_name).into(),
+                &(&*handle.broker_addr).into(),
                 header,
                 timeout.as_millis() as u64,
             )
@@ -276,9 +278,9 @@ fn popped(message: &MessageExt, request: &PopRequest<'_>, broker: &BrokerRoute) 
         message_group: property(super::message::PROPERTY_SHARDING_KEY),
     };
     let handle = ReceiptHandle {
-        broker_name: parsed.broker_name.to_owned(),
-        broker_addr: broker.addr.clone(),
-        ack_topic,
+        broker_name: parsed.broker_name.into(),
+        broker_addr: broker.addr.as_str().into(),
+        ack_topic: ack_topic.into(),
         queue_id: parsed.queue_id,
         queue_offset: parsed.queue_offset,
         pop_time_ms: parsed.pop_time,

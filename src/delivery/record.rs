@@ -4,6 +4,8 @@
 //! ("write the new state, then act"), so boot recovery can replay from it. Its JSON form is what the state
 //! store holds.
 
+use std::sync::Arc;
+
 use serde::{Deserialize, Serialize};
 
 pub use crate::broker::consumer::{PoppedEvent as Event, ReceiptHandle};
@@ -55,10 +57,10 @@ pub struct Holder {
 pub struct DeliveryRecord {
     /// 128-bit random id, 32 hex characters; never reused.
     pub id: String,
-    /// Consumer group.
-    pub group: String,
+    /// Consumer group. (`Arc<str>`: one copy shared by all the deliveries of a subscription.)
+    pub group: Arc<str>,
     /// Subscribed topic.
-    pub topic: String,
+    pub topic: Arc<str>,
     /// The event.
     pub event: Event,
     /// The broker lease.

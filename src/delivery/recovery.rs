@@ -140,8 +140,8 @@ mod tests {
     fn record(id: &str, phase: Phase, attempt: u32) -> DeliveryRecord {
         DeliveryRecord {
             id: id.to_owned(),
-            group: "g".to_owned(),
-            topic: "t".to_owned(),
+            group: "g".into(),
+            topic: "t".into(),
             event: PoppedEvent {
                 id: format!("msg-{id}"),
                 topic: "t".to_owned(),
@@ -155,10 +155,10 @@ mod tests {
                 message_group: None,
             },
             handle: ReceiptHandle {
-                broker_name: "broker-a".to_owned(),
-                broker_addr: "127.0.0.1:1".to_owned(),
+                broker_name: "broker-a".into(),
+                broker_addr: "127.0.0.1:1".into(),
                 extra_info: "0 0 0 0 0 broker-a 0 0".to_owned(),
-                ack_topic: "t".to_owned(),
+                ack_topic: "t".into(),
                 queue_id: 0,
                 queue_offset: 0,
                 // A lease far in the future: the sweeper neither renews nor gives it up during the test.

@@ -316,8 +316,8 @@ impl Deliveries {
                 };
                 DeliveryRecord {
                     id: new_delivery_id(),
-                    group: sub.group.clone(),
-                    topic: sub.topic.clone(),
+                    group: sub.group.as_str().into(),
+                    topic: sub.topic.as_str().into(),
                     event: p.event,
                     handle: p.handle,
                     attempt,
@@ -656,7 +656,7 @@ impl Deliveries {
             Phase::AwaitingAck { holder, .. } => holder.clone(),
             _ => None,
         };
-        Some((record.group.clone(), record.topic.clone(), holder))
+        Some((record.group.to_string(), record.topic.to_string(), holder))
     }
 }
 
@@ -705,13 +705,14 @@ impl Deliveries {
 
     /// Persists `record` and makes it the tracked one, ending the claim; on a store failure nothing changes
     /// (the claim ends all the same, so the next tick or request can try again).
-    fn commit(&self, record: DeliveryRecord, owed_retry_at: Option<i64>) -> Result<(), DeliveryError> {
+    fn commit(&self, mut record: DeliveryRecord, owed_retry_at: Option<i64>) -> Result<(), DeliveryError> {
         let id = record.id.clone();
         if let Err(error) = self.persist(&[&record]) {
             self.release(&id, owed_retry_at);
             return Err(error.into());
         }
         let mut table = self.table.lock();
+        table.intern(&mut record);
         if let Some(tracked) = table.deliveries.get_mut(id.as_str()) {
             tracked.record = record;
             tracked.claimed = false;
@@ -1203,14 +1204,14 @@ impl Deliveries {
 
     /// The consumer group of a tracked delivery (to authorize its ACK, NACK or TERM).
     pub(super) fn group_of(&self, id: &str) -> Option<String> {
-        self.table.lock().deliveries.get(id).map(|t| t.record.group.clone())
+        self.table.lock().deliveries.get(id).map(|t| t.record.group.to_string())
     }
 
     /// Up to `max` tracked deliveries (of `group`, when given), oldest admission first.
     pub(super) fn in_flight(&self, group: Option<&str>, max: usize) -> Vec<InFlight> {
         let table = self.table.lock();
         let mut found: Vec<&Tracked> =
-            table.deliveries.values().map(|t| &**t).filter(|t| group.is_none_or(|g| t.record.group == g)).collect();
+            table.deliveries.values().map(|t| &**t).filter(|t| group.is_none_or(|g| &*t.record.group == g)).collect();
         found.sort_by_key(|t| t.record.seq);
         found
             .into_iter()
@@ -1225,8 +1226,8 @@ impl Deliveries {
                 };
                 InFlight {
                     delivery_id: record.id.clone(),
-                    group: record.group.clone(),
-                    topic: record.topic.clone(),
+                    group: record.group.to_string(),
+                    topic: record.topic.to_string(),
                     event_id: record.event.id.clone(),
                     attempt: record.attempt,
                     phase,
@@ -1330,6 +1331,22 @@ mod tests {
         deliveries.retire(&id);
         let left = deliveries.store.get_raw_many(Family::Payloads, &[&id]).expect("read");
         assert_eq!(left, vec![None], "the body goes with its delivery");
+    }
+
+    #[tokio::test]
+    async fn deliveries_share_one_copy_of_their_group_topic_and_broker_names() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let deliveries = offline(dir.path()).await;
+        let sub = subscription();
+        deliveries.put_subscription(sub.clone(), RetryPolicy::SEED_DEFAULT).expect("subscribe");
+        assert!(matches!(deliveries.admit(&sub.key(), vec![popped(b"a"), popped(b"b")]), Admission::Admitted));
+        let table = deliveries.table.lock();
+        let records: Vec<&DeliveryRecord> = table.deliveries.values().map(|t| &t.record).collect();
+        assert_eq!(records.len(), 2);
+        assert!(Arc::ptr_eq(&records[0].group, &records[1].group));
+        assert!(Arc::ptr_eq(&records[0].topic, &records[1].topic));
+        assert!(Arc::ptr_eq(&records[0].handle.broker_name, &records[1].handle.broker_name));
+        assert!(Arc::ptr_eq(&records[0].handle.broker_addr, &records[1].handle.broker_addr));
     }
 
     #[tokio::test]

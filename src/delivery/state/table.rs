@@ -101,6 +101,9 @@ pub(super) struct Table {
     /// When the sweeper must look at a delivery next (epoch ms, id), earliest first. Entries may be stale
     /// (the delivery changed or is gone): the sweeper looks, then files the delivery at its next due time.
     pub(super) timers: BinaryHeap<Reverse<(i64, Id)>>,
+    /// Group, topic and broker names, one copy each, shared by every record that carries them (a million
+    /// deliveries of one subscription would otherwise hold a million copies of each).
+    names: std::collections::HashSet<Arc<str>>,
 }
 
 impl Table {
@@ -116,8 +119,28 @@ impl Table {
         }
     }
 
+    /// Makes `record`'s group, topic and broker names the shared copies.
+    pub(super) fn intern(&mut self, record: &mut DeliveryRecord) {
+        let handle = &mut record.handle;
+        for name in [
+            &mut record.group,
+            &mut record.topic,
+            &mut handle.broker_name,
+            &mut handle.broker_addr,
+            &mut handle.ack_topic,
+        ] {
+            match self.names.get(&**name) {
+                Some(shared) => *name = shared.clone(),
+                None => {
+                    self.names.insert(name.clone());
+                }
+            }
+        }
+    }
+
     /// Adds a delivery (replacing one of the same id) and files it for the next tick.
-    pub(super) fn insert(&mut self, tracked: Tracked) {
+    pub(super) fn insert(&mut self, mut tracked: Tracked) {
+        self.intern(&mut tracked.record);
         let key = tracked.key();
         let id: Id = Arc::from(tracked.record.id.as_str());
         self.timers.push(Reverse((0, id.clone())));
@@ -174,7 +197,7 @@ impl Table {
         let mut heads: HashMap<String, u64> = HashMap::new();
         for tracked in self.deliveries.values() {
             let record = &tracked.record;
-            if record.group != sub.group || record.topic != sub.topic || !tracked.unsettled() {
+            if *record.group != *sub.group || *record.topic != *sub.topic || !tracked.unsettled() {
                 continue;
             }
             if let Some(group) = &record.event.message_group {
