@@ -33,6 +33,8 @@ pub mod retry;
 mod state;
 pub mod subscriber;
 mod sweeper;
+#[cfg(test)]
+mod test_support;
 pub mod webhook;
 
 use std::sync::atomic::{AtomicBool, Ordering};

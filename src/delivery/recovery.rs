@@ -130,11 +130,9 @@ mod tests {
     use super::*;
     use crate::broker::client::now_millis;
     use crate::broker::consumer::{PoppedEvent, ReceiptHandle};
-    use crate::broker::BrokerClient;
-    use crate::config::{BrokerConfig, Config};
     use crate::delivery::record::{Holder, Phase};
+    use crate::delivery::test_support::{offline_parts, subscription};
     use crate::delivery::Dispatcher;
-    use crate::publish::Publisher;
     use crate::store::StateStore;
 
     fn record(id: &str, phase: Phase, attempt: u32) -> DeliveryRecord {
@@ -175,30 +173,8 @@ mod tests {
 
     /// A dispatcher over `store` with no reachable broker: recovery itself must not need one.
     async fn start_offline(store: StateStore) -> (Arc<Dispatcher>, RecoveryReport) {
-        let config = Config::default();
-        let broker_config = BrokerConfig { namesrv_addr: "127.0.0.1:1".into(), ..BrokerConfig::default() };
-        let broker = Arc::new(BrokerClient::connect(&broker_config, "test").await.expect("client"));
-        let publisher = Arc::new(Publisher::new(
-            broker.clone(),
-            config.publish.clone(),
-            &config.fault_avoidance,
-            config.reliability.profile,
-        ));
-        Dispatcher::start(Arc::new(store), broker, publisher, config.delivery.clone(), None).expect("start")
-    }
-
-    fn subscription() -> Subscription {
-        Subscription {
-            group: "g".into(),
-            topic: "t".into(),
-            filter: "*".into(),
-            ack_timeout_ms: 30_000,
-            max_attempts: 6,
-            initial_backoff_ms: 1_000,
-            max_backoff_ms: 16_000,
-            ordered: false,
-            push: None,
-        }
+        let (broker, publisher, config) = offline_parts().await;
+        Dispatcher::start(Arc::new(store), broker, publisher, config, None).expect("start")
     }
 
     #[tokio::test]

@@ -1252,35 +1252,13 @@ pub fn new_delivery_id() -> String {
 mod tests {
     use super::*;
     use crate::broker::consumer::{PoppedEvent, ReceiptHandle};
-    use crate::config::{BrokerConfig, Config};
+    use crate::delivery::test_support::{offline_parts, subscription};
 
     /// Deliveries over a fresh store, with a broker client that reaches nothing (none of this needs one).
     async fn offline(dir: &std::path::Path) -> Deliveries {
-        let config = Config::default();
         let store = Arc::new(StateStore::open(dir, true).expect("open"));
-        let broker_config = BrokerConfig { namesrv_addr: "127.0.0.1:1".into(), ..BrokerConfig::default() };
-        let broker = Arc::new(BrokerClient::connect(&broker_config, "test").await.expect("client"));
-        let publisher = Arc::new(Publisher::new(
-            broker.clone(),
-            config.publish.clone(),
-            &config.fault_avoidance,
-            config.reliability.profile,
-        ));
-        Deliveries::new(store, broker, publisher, config.delivery)
-    }
-
-    fn subscription() -> Subscription {
-        Subscription {
-            group: "g".into(),
-            topic: "t".into(),
-            filter: "*".into(),
-            ack_timeout_ms: 30_000,
-            max_attempts: 6,
-            initial_backoff_ms: 1_000,
-            max_backoff_ms: 16_000,
-            ordered: false,
-            push: None,
-        }
+        let (broker, publisher, config) = offline_parts().await;
+        Deliveries::new(store, broker, publisher, config)
     }
 
     fn popped(body: &[u8]) -> Popped {
