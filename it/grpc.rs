@@ -239,27 +239,12 @@ async fn push_consumer_failures_are_retried_on_popgates_schedule_then_dead_lette
 
     let direct = Direct::connect(&cluster.namesrv_addr).await;
     let dlq = format!("%DLQ%{group}");
-    let mut dead = Vec::new();
-    for _ in 0..100 {
-        dead = direct_read(&direct, &dlq).await;
-        if !dead.is_empty() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let dead = direct.read_when_present(&dlq, Duration::from_secs(30)).await;
     assert_eq!(dead.len(), 1, "the failed message is in {dlq}");
     assert_eq!(dead[0].body, b"bad");
     assert_eq!(dead[0].property("DLQ_ORIGIN_TOPIC"), Some(topic.as_str()));
     assert_eq!(dead[0].property("DLQ_ORIGIN_MESSAGE_ID"), bad[0]["messageId"].as_str());
     assert!(popgate.metric(&format!("popgate_dlq_messages_total{{group=\"{group}\"}}")).await >= 1.0);
-}
-
-/// What `topic` holds, or nothing while it has no route yet (a DLQ topic is created by its first message).
-async fn direct_read(direct: &Direct, topic: &str) -> Vec<crate::harness::direct::StoredMessage> {
-    match tokio::time::timeout(Duration::from_secs(10), direct.try_read_all(topic)).await {
-        Ok(Some(found)) => found,
-        _ => Vec::new(),
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -289,14 +289,7 @@ async fn a_forwarded_message_goes_to_the_dlq_with_its_origin_and_is_acked() {
 
     let direct = Direct::connect(&cluster.namesrv_addr).await;
     let dlq = format!("%DLQ%{group}");
-    let mut dead = Vec::new();
-    for _ in 0..100 {
-        dead = direct.try_read_all(&dlq).await.unwrap_or_default();
-        if !dead.is_empty() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let dead = direct.read_when_present(&dlq, Duration::from_secs(30)).await;
     assert_eq!(dead.len(), 1, "the message is in {dlq}");
     assert_eq!(dead[0].body, b"poison");
     assert_eq!(dead[0].property("DLQ_ORIGIN_TOPIC"), Some(topic.as_str()));

@@ -94,6 +94,20 @@ impl Direct {
         self.try_read_all(topic).await.expect("topic has a route")
     }
 
+    /// What `topic` holds once it holds anything (a `%DLQ%` topic is created by its first message), polling
+    /// for at most `timeout`; empty if nothing arrived by then.
+    pub async fn read_when_present(&self, topic: &str, timeout: std::time::Duration) -> Vec<StoredMessage> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            let read = tokio::time::timeout(std::time::Duration::from_secs(10), self.try_read_all(topic)).await;
+            let found = read.ok().flatten().unwrap_or_default();
+            if !found.is_empty() || std::time::Instant::now() >= deadline {
+                return found;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+    }
+
     /// As [`Direct::read_all`], or `None` while the topic has no route (a `%DLQ%` topic before its first
     /// message).
     pub async fn try_read_all(&self, topic: &str) -> Option<Vec<StoredMessage>> {
