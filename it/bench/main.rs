@@ -502,12 +502,12 @@ async fn in_flight_rss(params: &Params, namesrv: &str, direct: &DirectPath, topi
 fn planted_record(i: usize, now_ms: i64) -> DeliveryRecord {
     let id = format!("{:032x}", 0xb0b0_0000_0000u64 as u128 * 1_000_003 + i as u128);
     DeliveryRecord {
-        id,
+        id: id.into(),
         group: "g_recovery".into(),
         topic: "t_recovery".into(),
         event: PoppedEvent {
             id: format!("MSG{i:020}"),
-            topic: "t_recovery".to_owned(),
+            topic: "t_recovery".into(),
             tags: None,
             keys: Vec::new(),
             properties: Default::default(),

@@ -41,7 +41,7 @@ pub struct PoppedEvent {
     /// The client message id (`UNIQ_KEY`), or the broker's message id when the producer set none.
     pub id: String,
     /// The topic the event was published to (not the retry topic).
-    pub topic: String,
+    pub topic: Arc<str>,
     /// RocketMQ tag, if any.
     pub tags: Option<String>,
     /// Message keys.
@@ -260,7 +260,7 @@ fn popped(message: &MessageExt, request: &PopRequest<'_>, broker: &BrokerRoute) 
     let retry_topic = (ack_topic != request.topic).then(|| ack_topic.clone());
     let event = PoppedEvent {
         id: property("UNIQ_KEY").unwrap_or_else(|| message.msg_id().to_string()),
-        topic: request.topic.to_owned(),
+        topic: request.topic.into(),
         tags: property("TAGS"),
         keys: property("KEYS")
             .map(|k| k.split(' ').filter(|s| !s.is_empty()).map(str::to_owned).collect())

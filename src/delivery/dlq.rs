@@ -49,12 +49,12 @@ pub fn dead_letter_message(record: &DeliveryRecord) -> OutgoingMessage {
         _ => record.last_failure.clone().unwrap_or_default(),
     };
     let extra = [
-        (DLQ_ORIGIN_TOPIC, event.topic.clone()),
+        (DLQ_ORIGIN_TOPIC, event.topic.to_string()),
         (DLQ_ORIGIN_MESSAGE_ID, event.id.clone()),
         (POPGATE_ATTEMPTS, record.attempt.to_string()),
         (POPGATE_LAST_FAILURE, reason),
         (POPGATE_DEAD_LETTERED_AT, now_millis().to_string()),
-        (POPGATE_DELIVERY_ID, record.id.clone()),
+        (POPGATE_DELIVERY_ID, record.id.to_string()),
     ];
     for (name, value) in extra {
         message.properties.insert(name.to_owned(), value);

@@ -56,7 +56,7 @@ pub struct Holder {
 #[serde(rename_all = "camelCase")]
 pub struct DeliveryRecord {
     /// 128-bit random id, 32 hex characters; never reused.
-    pub id: String,
+    pub id: Arc<str>,
     /// Consumer group. (`Arc<str>`: one copy shared by all the deliveries of a subscription.)
     pub group: Arc<str>,
     /// Subscribed topic.

@@ -137,12 +137,12 @@ mod tests {
 
     fn record(id: &str, phase: Phase, attempt: u32) -> DeliveryRecord {
         DeliveryRecord {
-            id: id.to_owned(),
+            id: id.into(),
             group: "g".into(),
             topic: "t".into(),
             event: PoppedEvent {
                 id: format!("msg-{id}"),
-                topic: "t".to_owned(),
+                topic: "t".into(),
                 tags: None,
                 keys: Vec::new(),
                 properties: Default::default(),

@@ -255,7 +255,7 @@ fn to_message(delivery: &Dispatched, namespace: &str) -> pb::Message {
         ..Default::default()
     };
     pb::Message {
-        topic: Some(pb::Resource { resource_namespace: namespace.to_owned(), name: event.topic.clone() }),
+        topic: Some(pb::Resource { resource_namespace: namespace.to_owned(), name: event.topic.to_string() }),
         user_properties: event.properties.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
         system_properties: Some(system_properties),
         body: event.body.clone().into(),

@@ -315,7 +315,7 @@ impl Deliveries {
                     Phase::Ready { due_ms: now }
                 };
                 DeliveryRecord {
-                    id: new_delivery_id(),
+                    id: new_delivery_id().into(),
                     group: sub.group.as_str().into(),
                     topic: sub.topic.as_str().into(),
                     event: p.event,
@@ -339,7 +339,7 @@ impl Deliveries {
                 .collect();
             return Admission::Refused(back);
         }
-        let ids: Vec<String> = records.iter().map(|r| r.id.clone()).collect();
+        let ids: Vec<String> = records.iter().map(|r| r.id.to_string()).collect();
         let mut table = self.table.lock();
         // Each is also filed for the sweeper, which gives it back if the subscription went away meanwhile: an
         // unsubscribe racing this POP strands nothing.
@@ -459,13 +459,13 @@ impl Deliveries {
                 event.body = body;
             }
             out.push(Dispatched {
-                id: record.id.clone(),
+                id: record.id.to_string(),
                 attempt: record.attempt,
                 ack_deadline_ms: deadline_ms,
                 event,
             });
             let id = record.id.clone();
-            if let Some(tracked) = table.deliveries.get_mut(id.as_str()) {
+            if let Some(tracked) = table.deliveries.get_mut(&*id) {
                 tracked.record = record;
                 tracked.claimed = false;
                 tracked.redispatch = false;
@@ -481,7 +481,7 @@ impl Deliveries {
     fn put_back(&self, key: &str, taken: &[DeliveryRecord]) {
         let mut table = self.table.lock();
         for record in taken.iter().rev() {
-            if let Some(tracked) = table.deliveries.get_mut(record.id.as_str()) {
+            if let Some(tracked) = table.deliveries.get_mut(&*record.id) {
                 tracked.claimed = false;
                 tracked.queued = true;
             }
@@ -495,7 +495,7 @@ impl Deliveries {
     /// The stored body of each record, in order: `None` for a record that carries its body inline, and
     /// `Some(None)` for one whose kept-apart body is missing from the store.
     fn read_bodies(&self, records: &[DeliveryRecord]) -> Result<Vec<Option<Option<Vec<u8>>>>, StoreError> {
-        let apart: Vec<&str> = records.iter().filter(|r| r.body_apart).map(|r| r.id.as_str()).collect();
+        let apart: Vec<&str> = records.iter().filter(|r| r.body_apart).map(|r| &*r.id).collect();
         let mut found = self.store.get_raw_many(Family::Payloads, &apart)?.into_iter();
         Ok(records.iter().map(|r| r.body_apart.then(|| found.next().flatten())).collect())
     }
@@ -606,7 +606,7 @@ impl Deliveries {
         let stored = self.persist(&extended.iter().collect::<Vec<_>>());
         let mut table = self.table.lock();
         for record in &extended {
-            if let Some(tracked) = table.deliveries.get_mut(record.id.as_str()) {
+            if let Some(tracked) = table.deliveries.get_mut(&*record.id) {
                 tracked.claimed = false;
                 if stored.is_ok() {
                     tracked.record = record.clone();
@@ -628,7 +628,7 @@ impl Deliveries {
             .filter(
                 |t| matches!(&t.record.phase, Phase::AwaitingAck { holder: Some(h), .. } if h.client_id == client_id),
             )
-            .map(|t| t.record.id.clone())
+            .map(|t| t.record.id.to_string())
             .collect()
     }
 
@@ -713,7 +713,7 @@ impl Deliveries {
         }
         let mut table = self.table.lock();
         table.intern(&mut record);
-        if let Some(tracked) = table.deliveries.get_mut(id.as_str()) {
+        if let Some(tracked) = table.deliveries.get_mut(&*id) {
             tracked.record = record;
             tracked.claimed = false;
             if let Some(at) = owed_retry_at {
@@ -1178,7 +1178,7 @@ impl Deliveries {
     /// with that client until its deadline.
     pub(super) fn restore(&self, record: DeliveryRecord) -> Restored {
         let mut table = self.table.lock();
-        if table.deliveries.contains_key(record.id.as_str()) {
+        if table.deliveries.contains_key(&*record.id) {
             return Restored::Skipped;
         }
         self.next_seq.fetch_max(record.seq + 1, Ordering::Relaxed);
@@ -1225,7 +1225,7 @@ impl Deliveries {
                     Phase::DeadLetter { .. } => ("dead_letter_pending", None),
                 };
                 InFlight {
-                    delivery_id: record.id.clone(),
+                    delivery_id: record.id.to_string(),
                     group: record.group.to_string(),
                     topic: record.topic.to_string(),
                     event_id: record.event.id.clone(),

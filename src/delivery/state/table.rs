@@ -125,6 +125,7 @@ impl Table {
         for name in [
             &mut record.group,
             &mut record.topic,
+            &mut record.event.topic,
             &mut handle.broker_name,
             &mut handle.broker_addr,
             &mut handle.ack_topic,
@@ -142,7 +143,7 @@ impl Table {
     pub(super) fn insert(&mut self, mut tracked: Tracked) {
         self.intern(&mut tracked.record);
         let key = tracked.key();
-        let id: Id = Arc::from(tracked.record.id.as_str());
+        let id: Id = tracked.record.id.clone();
         self.timers.push(Reverse((0, id.clone())));
         if let Some(old) = self.deliveries.insert(id, Box::new(tracked)) {
             self.uncount(&old.key());
