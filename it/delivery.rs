@@ -54,6 +54,44 @@ async fn the_broker_sees_only_acked_events_as_consumed() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_ack_reaches_the_broker_as_batch_requests_and_only_unacked_events_come_back() {
+    let cluster = shared_cluster();
+    let mut popgate = Popgate::start(&cluster.namesrv_addr, FAST_LEASE).await;
+    let (topic, group) = (unique_topic("batch_ack"), unique_topic("g_batch_ack"));
+    let mut bodies: Vec<String> = (0..24).map(|i| format!("acked-{i}")).collect();
+    bodies.extend(["kept-1".to_owned(), "kept-2".to_owned()]);
+    popgate.publish_bodies(&topic, &bodies).await;
+    let deliveries = popgate.poll_until(&group, &topic, bodies.len(), Duration::from_secs(30)).await;
+    assert_eq!(deliveries.len(), bodies.len());
+
+    let single = "popgate_broker_ack_requests_total{kind=\"single\"}";
+    let batch = "popgate_broker_ack_requests_total{kind=\"batch\"}";
+    let (single_before, batch_before) = (popgate.metric(single).await, popgate.metric(batch).await);
+    let mut ids: Vec<String> = deliveries.iter().filter(|d| data(d).starts_with("acked-")).map(id).collect();
+    ids.push(ids[0].clone()); // the same id twice: the second is answered as a second ACK would be
+    let (status, answer) = popgate.post_json("/events/ack", &json!({ "deliveryIds": ids })).await;
+    assert_eq!(status, 200, "{answer}");
+    let statuses: Vec<&str> =
+        answer["results"].as_array().expect("results").iter().filter_map(|r| r["status"].as_str()).collect();
+    let mut expected = vec!["acked"; 24];
+    expected.push("unknown");
+    assert_eq!(statuses, expected, "{answer}");
+    // The 24 went as BATCH_ACK_MESSAGE requests, one per broker (the shared cluster has two), none one by one.
+    // A broker that refused the batch format would show as single requests (popgate's fallback).
+    let batches = popgate.metric(batch).await - batch_before;
+    assert!((1.0..=2.0).contains(&batches), "one batch request per broker, not {batches}");
+    assert_eq!(popgate.metric(single).await, single_before, "no fallback to single ACKs");
+    assert_eq!(popgate.metric("popgate_acks_total{result=\"acked\"}").await, 24.0);
+
+    // popgate dies holding the two kept ones: the broker brings back exactly those, never a batch-ACKed one.
+    popgate.kill9();
+    let consumer = DirectConsumer::connect(&cluster.namesrv_addr).await;
+    let mut back = consumer.drain(&group, &topic, Duration::from_secs(30)).await;
+    back.sort();
+    assert_eq!(back, vec!["kept-1".to_owned(), "kept-2".to_owned()], "the broker took every batch-ACKed offset");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_never_acked_event_is_redelivered_at_the_backoff_times_then_dead_lettered() {
     let cluster = shared_cluster();
     let popgate = Popgate::start(&cluster.namesrv_addr, FAST_LEASE).await;

@@ -46,6 +46,8 @@ pub const DLQ_MESSAGES: &str = "popgate_dlq_messages_total";
 pub const DLQ_RECORD_FAILURES: &str = "popgate_dlq_record_failures_total";
 /// Successful broker ACKs; each follows a stored subscriber ACK or a DLQ write (the chaos checker compares).
 pub const BROKER_ACKS: &str = "popgate_broker_acks_total";
+/// ACK requests sent to brokers, by `kind`: single (one message) or batch (`BATCH_ACK_MESSAGE`, many).
+pub const BROKER_ACK_REQUESTS: &str = "popgate_broker_ack_requests_total";
 /// Failed broker ACKs (retried from the stored ACK intent).
 pub const BROKER_ACK_FAILURES: &str = "popgate_broker_ack_failures_total";
 /// State-store writes that failed (disk full, I/O error): the seed's offsetWriteFailures.
@@ -144,6 +146,7 @@ const ZERO_SERIES: &[(&str, &str, &[&str])] = &[
         ],
     ),
     (DLQ_REPLAYS, "result", &["replayed", "failed"]),
+    (BROKER_ACK_REQUESTS, "kind", &["single", "batch"]),
 ];
 
 /// Counters without labels, registered at 0 at start for the same reason.
@@ -220,6 +223,11 @@ fn describe_all() {
     describe_counter!(DLQ_MESSAGES, Unit::Count, "Events dead-lettered to %DLQ%<group>, by group.");
     describe_counter!(DLQ_RECORD_FAILURES, Unit::Count, "Failed DLQ writes (retried).");
     describe_counter!(BROKER_ACKS, Unit::Count, "Successful broker ACKs (after a subscriber ACK or a DLQ write).");
+    describe_counter!(
+        BROKER_ACK_REQUESTS,
+        Unit::Count,
+        "ACK requests sent to brokers, by kind (single message, or batch of many)."
+    );
     describe_counter!(BROKER_ACK_FAILURES, Unit::Count, "Failed broker ACKs (retried from the ACK intent).");
     describe_counter!(OFFSET_WRITE_FAILURES, Unit::Count, "Failed state-store writes (disk full, I/O error).");
     describe_counter!(RECOVERED_DELIVERIES, Unit::Count, "Records replayed at boot, by outcome.");

@@ -20,10 +20,14 @@ use std::sync::Arc;
 use cheetah_string::CheetahString;
 use rocketmq_client_rust::{AckStatus, ClientInstanceHandle, PopStatus};
 use rocketmq_model::common::message::message_ext::MessageExt;
+use rocketmq_protocol::code::request_code::RequestCode;
+use rocketmq_protocol::protocol::body::batch_ack_builder::{build_batch_ack_requests, BatchAckInput};
+use rocketmq_protocol::protocol::body::batch_ack_message_request_body::BatchAckMessageRequestBody;
 use rocketmq_protocol::protocol::header::ack_message_request_header::AckMessageRequestHeader;
 use rocketmq_protocol::protocol::header::change_invisible_time_request_header::ChangeInvisibleTimeRequestHeader;
 use rocketmq_protocol::protocol::header::extra_info_util::ExtraInfoUtil;
 use rocketmq_protocol::protocol::header::pop_message_request_header::PopMessageRequestHeader;
+use rocketmq_protocol::RemotingCommand;
 
 use super::client::{BrokerClient, BrokerError, BrokerRoute};
 use super::message::is_reserved_property;
@@ -192,6 +196,7 @@ impl BrokerClient {
             topic_request_header: None,
         };
         let timeout = self.request_timeout();
+        metrics::counter!(crate::metrics::BROKER_ACK_REQUESTS, "kind" => "single").increment(1);
         let result = self
             .pooled()
             .ack_message(&(&*handle.broker_addr).into(), header, timeout.as_millis() as u64)
@@ -201,6 +206,59 @@ impl BrokerClient {
             tracing::debug!(broker = %handle.broker_name, offset = handle.queue_offset, "Broker no longer has the acked message.");
         }
         Ok(())
+    }
+
+    /// ACKs many messages with one `BATCH_ACK_MESSAGE` request per broker (Apache brokers 5.1.3 and later; the
+    /// broker ACKs each checkpoint's offsets as a bit set). The answer, per entry in order:
+    /// - `Ok(true)`: the broker took it;
+    /// - `Ok(false)`: not ACKed by this call, ACK it alone: its handle could not be batched, or the broker
+    ///   refused the batch (a broker older than 5.1.3 answers that the request code is not supported);
+    /// - `Err`: the broker could not be asked.
+    pub async fn ack_batch(&self, entries: &[AckEntry<'_>]) -> Vec<Result<bool, BrokerError>> {
+        let inputs: Vec<BatchAckInput<'_>> = entries
+            .iter()
+            .enumerate()
+            .map(|(entry_index, entry)| BatchAckInput {
+                entry_index,
+                consumer_group: entry.group,
+                topic: entry.topic,
+                receipt_handle: &entry.handle.extra_info,
+            })
+            .collect();
+        let built = build_batch_ack_requests(&inputs);
+        let mut answers: Vec<Result<bool, BrokerError>> = vec![Ok(false); entries.len()];
+        let timeout = self.request_timeout();
+        let calls = built.requests.into_iter().filter_map(|request| {
+            // Every entry of a request names the same broker, so the first one's address is the request's.
+            let addr = entries.get(*request.entry_indexes.first()?)?.handle.broker_addr.clone();
+            Some(async move {
+                metrics::counter!(crate::metrics::BROKER_ACK_REQUESTS, "kind" => "batch").increment(1);
+                let command = RemotingCommand::new_request(RequestCode::BatchAckMessage, batch_ack_body(&request.body));
+                let answer = self
+                    .pooled()
+                    .invoke_remoting(&(&*addr).into(), command, timeout.as_millis() as u64)
+                    .await
+                    .map(|response| {
+                        let taken = response.code() == 0;
+                        if !taken {
+                            let remark = response.remark().map(ToString::to_string).unwrap_or_default();
+                            tracing::debug!(code = response.code(), %remark, "Batch ACK refused by the broker.");
+                        }
+                        taken
+                    })
+                    .map_err(|e| BrokerError::from_client(e, timeout));
+                (request.entry_indexes, answer)
+            })
+        });
+        for (indexes, answer) in futures::future::join_all(calls).await {
+            if answer.as_ref().is_ok_and(|taken| !taken) {
+                tracing::debug!(broker = %entries[indexes[0]].handle.broker_name, "Batch ACK refused; ACKing one by one.");
+            }
+            for index in indexes {
+                answers[index] = answer.clone();
+            }
+        }
+        answers
     }
 
     /// Extends the lease: the broker takes a new checkpoint invisible for `invisible_ms` from now and the
@@ -248,6 +306,48 @@ impl BrokerClient {
         let answered = ExtraInfoUtil::parse_ack_extra_info(&extra_info).map(|p| p.invisible_time).unwrap_or(requested);
         Ok(ReceiptHandle { extra_info, pop_time_ms: result.pop_time(), invisible_ms: answered, ..handle.clone() })
     }
+}
+
+/// The `BATCH_ACK_MESSAGE` body as Apache's broker reads it (fastjson): each checkpoint's bit set of ACKed
+/// offsets is a base64 string of its little-endian bytes, as Java's `BitSet.toByteArray()` gives. (The
+/// crate's own encoding writes the bit set as a JSON array of numbers, which the broker refuses with
+/// "Illegal base64 character", so popgate sends the request itself.)
+fn batch_ack_body(body: &BatchAckMessageRequestBody) -> Vec<u8> {
+    use base64::Engine;
+    let acks: Vec<serde_json::Value> = body
+        .acks
+        .iter()
+        .map(|ack| {
+            let mut bytes: Vec<u8> = ack.bit_set.0.as_raw_slice().iter().flat_map(|word| word.to_le_bytes()).collect();
+            while bytes.last() == Some(&0) {
+                bytes.pop();
+            }
+            serde_json::json!({
+                "c": ack.consumer_group.as_str(),
+                "t": ack.topic.as_str(),
+                "r": ack.retry.as_str(),
+                "so": ack.start_offset,
+                "q": ack.queue_id,
+                "rq": ack.revive_queue_id,
+                "pt": ack.pop_time,
+                "it": ack.invisible_time,
+                "b": base64::engine::general_purpose::STANDARD.encode(bytes),
+            })
+        })
+        .collect();
+    serde_json::json!({"brokerName": body.broker_name.as_str(), "acks": acks}).to_string().into_bytes()
+}
+
+/// One message of a batch ACK: the consumer group, the subscribed topic (not the retry topic: the handle says
+/// which one it came from) and its receipt handle.
+#[derive(Debug, Clone, Copy)]
+pub struct AckEntry<'a> {
+    /// Consumer group.
+    pub group: &'a str,
+    /// Subscribed topic.
+    pub topic: &'a str,
+    /// The message's receipt handle.
+    pub handle: &'a ReceiptHandle,
 }
 
 /// Turns one popped message into an event and its handle; a message without a readable `POP_CK` is
@@ -301,5 +401,64 @@ mod base64_bytes {
     pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<u8>, D::Error> {
         let text = String::deserialize(deserializer)?;
         base64::engine::general_purpose::STANDARD.decode(text).map_err(serde::de::Error::custom)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn handle(extra_info: String) -> ReceiptHandle {
+        ReceiptHandle {
+            broker_name: "broker-a".into(),
+            broker_addr: "127.0.0.1:10911".into(),
+            extra_info,
+            ack_topic: "orders".into(),
+            queue_id: 1,
+            queue_offset: 0,
+            pop_time_ms: 1_000,
+            invisible_ms: 60_000,
+        }
+    }
+
+    #[test]
+    fn a_batch_ack_body_carries_each_checkpoint_bit_set_as_java_base64_bytes() {
+        // Two messages of one checkpoint (offsets 5 and 14 of a checkpoint starting at 5): bits 0 and 9.
+        let handles: Vec<ReceiptHandle> = [5, 14]
+            .iter()
+            .map(|offset| {
+                handle(ExtraInfoUtil::build_extra_info_with_offset(
+                    5, 1_000, 60_000, 3, "orders", "broker-a", 1, *offset,
+                ))
+            })
+            .collect();
+        let inputs: Vec<BatchAckInput<'_>> = handles
+            .iter()
+            .enumerate()
+            .map(|(entry_index, h)| BatchAckInput {
+                entry_index,
+                consumer_group: "g",
+                topic: "orders",
+                receipt_handle: &h.extra_info,
+            })
+            .collect();
+        let built = build_batch_ack_requests(&inputs);
+        assert_eq!(built.requests.len(), 1, "one broker, one request");
+        let body: serde_json::Value =
+            serde_json::from_slice(&batch_ack_body(&built.requests[0].body)).expect("JSON body");
+        assert_eq!(body["brokerName"], "broker-a");
+        let acks = body["acks"].as_array().expect("acks");
+        assert_eq!(acks.len(), 1, "one checkpoint");
+        // Java's BitSet.toByteArray() of {0, 9}: [0x01, 0x02], as base64 (fastjson's byte[] form).
+        assert_eq!(acks[0]["b"], "AQI=");
+        assert_eq!(
+            (acks[0]["so"].as_i64(), acks[0]["q"].as_i64(), acks[0]["rq"].as_i64()),
+            (Some(5), Some(1), Some(3))
+        );
+        assert_eq!(
+            (acks[0]["c"].as_str(), acks[0]["t"].as_str(), acks[0]["r"].as_str()),
+            (Some("g"), Some("orders"), Some("0"))
+        );
+        assert_eq!((acks[0]["pt"].as_i64(), acks[0]["it"].as_i64()), (Some(1_000), Some(60_000)));
     }
 }

@@ -474,10 +474,10 @@ impl Dispatcher {
         self.deliveries.ack(id).await
     }
 
-    /// ACKs a batch: every id at once (each as [`Dispatcher::ack`], so their broker ACKs overlap instead of
-    /// waiting for one another); the results in the order of `ids`.
+    /// ACKs a batch, each id answered as [`Dispatcher::ack`] would, in the order of `ids`: the ACK intents in
+    /// one store write, then one batch ACK request per broker.
     pub async fn ack_many(&self, ids: &[String]) -> Vec<Result<(), DeliveryError>> {
-        futures::future::join_all(ids.iter().map(|id| self.deliveries.ack(id))).await
+        self.deliveries.ack_many(ids).await
     }
 
     /// NACK: the attempt is spent; the next is scheduled after `delay` (or the backoff), or the DLQ.

@@ -287,18 +287,30 @@ pub(super) async fn ack_messages(
     if request.entries.is_empty() {
         return pb::AckMessageResponse { status: Some(status(Code::BadRequest, "no entries")), entries: vec![] };
     }
-    let acks = request.entries.iter().map(|entry| async {
-        let answer = match delivery_of(front, &group, &entry.receipt_handle) {
-            Err(refusal) => refusal,
-            Ok(id) => front.dispatcher.ack(id).await.map_or_else(delivery_status, |()| ok()),
-        };
-        pb::AckMessageResultEntry {
-            message_id: entry.message_id.clone(),
-            receipt_handle: entry.receipt_handle.clone(),
-            status: Some(answer),
-        }
-    });
-    let entries = futures::future::join_all(acks).await;
+    // The entries with a valid handle are ACKed as one batch (one store write, one broker request per broker).
+    let ids: Vec<Result<&str, pb::Status>> =
+        request.entries.iter().map(|entry| delivery_of(front, &group, &entry.receipt_handle)).collect();
+    let valid: Vec<String> = ids.iter().filter_map(|id| id.as_ref().ok().map(|id| (*id).to_owned())).collect();
+    let mut acked = front.dispatcher.ack_many(&valid).await.into_iter();
+    let entries: Vec<pb::AckMessageResultEntry> = request
+        .entries
+        .iter()
+        .zip(ids)
+        .map(|(entry, id)| {
+            let answer = match id {
+                Err(refusal) => refusal,
+                Ok(_) => acked.next().map_or_else(
+                    || status(Code::InternalServerError, "no answer"),
+                    |a| a.map_or_else(delivery_status, |()| ok()),
+                ),
+            };
+            pb::AckMessageResultEntry {
+                message_id: entry.message_id.clone(),
+                receipt_handle: entry.receipt_handle.clone(),
+                status: Some(answer),
+            }
+        })
+        .collect();
     let statuses: Vec<pb::Status> = entries.iter().filter_map(|e| e.status.clone()).collect();
     pb::AckMessageResponse { status: Some(overall(&statuses)), entries }
 }

@@ -18,6 +18,7 @@
 
 mod table;
 
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -33,7 +34,7 @@ use super::record::{DeliveryRecord, Holder, Phase, Subscription};
 use super::retry::{NextStep, RetryPolicy};
 use super::{dlq, DeliveryError, Dispatched, HandOut, InFlight, NackOutcome};
 use crate::broker::client::now_millis;
-use crate::broker::consumer::Popped;
+use crate::broker::consumer::{AckEntry, Popped};
 use crate::broker::BrokerClient;
 use crate::config::DeliveryConfig;
 use crate::metrics as m;
@@ -772,6 +773,121 @@ impl Deliveries {
         }
         self.broker_ack(&record).await;
         Ok(())
+    }
+
+    /// A batch of subscriber ACKs, each answered as [`Deliveries::ack`] would. Cheaper than one by one: the
+    /// ACK intents are stored in one write, and the broker gets one batch ACK request per broker instead of
+    /// one request per message. An id given again in the same batch is ACKed again after the batch, as two
+    /// single ACKs would be (so it is answered "unknown": already acknowledged).
+    pub(super) async fn ack_many(&self, ids: &[String]) -> Vec<Result<(), DeliveryError>> {
+        let mut seen = HashSet::new();
+        let (mut first, mut again) = (Vec::new(), Vec::new());
+        for (index, id) in ids.iter().enumerate() {
+            let list = if seen.insert(id.as_str()) { &mut first } else { &mut again };
+            list.push((index, id.as_str()));
+        }
+        let first_ids: Vec<&str> = first.iter().map(|(_, id)| *id).collect();
+        let mut answers: Vec<Option<Result<(), DeliveryError>>> =
+            std::iter::repeat_with(|| None).take(ids.len()).collect();
+        for ((index, _), answer) in first.iter().zip(self.ack_unique(&first_ids).await) {
+            answers[*index] = Some(answer);
+        }
+        for (index, id) in again {
+            answers[index] = Some(self.ack(id).await);
+        }
+        // A settled delivery frees a push subscriber's prefetch slot and may unblock its message group.
+        self.notify();
+        answers.into_iter().map(|answer| answer.unwrap_or(Err(DeliveryError::Unknown))).collect()
+    }
+
+    async fn ack_unique(&self, ids: &[&str]) -> Vec<Result<(), DeliveryError>> {
+        let claims = futures::future::join_all(ids.iter().map(|id| self.claim(id))).await;
+        let mut answers = Vec::with_capacity(ids.len());
+        let mut acked = Vec::new();
+        for (id, claim) in ids.iter().zip(claims) {
+            let checked = claim.and_then(|record| match self.check_settleable(&record) {
+                Ok(()) => Ok(record),
+                Err(refused) => {
+                    self.release(id, None);
+                    Err(refused)
+                }
+            });
+            match checked {
+                Ok(mut record) => {
+                    if let Phase::AwaitingAck { dispatched_ms, .. } = record.phase {
+                        histogram!(m::ACK_LATENCY).record((now_millis() - dispatched_ms).max(0) as f64 / 1000.0);
+                    }
+                    record.phase = Phase::Acked;
+                    acked.push(record);
+                    answers.push(Ok(()));
+                }
+                Err(refused) => {
+                    counter!(m::ACKS, "result" => refused.code()).increment(1);
+                    answers.push(Err(refused));
+                }
+            }
+        }
+        if let Err(error) = self.persist(&acked.iter().collect::<Vec<_>>()) {
+            // Nothing of the batch was stored. Each one alone gets its own answer (and is counted by it).
+            tracing::debug!(%error, "Storing a batch of ACK intents failed; storing them one by one.");
+            for record in &acked {
+                self.release(&record.id, None);
+            }
+            let alone = futures::future::join_all(acked.iter().map(|r| self.ack_inner(&r.id))).await;
+            let mut alone = alone.into_iter();
+            for (answer, id) in answers.iter_mut().zip(ids) {
+                if answer.is_ok() && acked.iter().any(|r| &*r.id == *id) {
+                    *answer = alone.next().unwrap_or(Err(DeliveryError::Busy));
+                    if let Err(error) = answer {
+                        counter!(m::ACKS, "result" => error.code()).increment(1);
+                    }
+                }
+            }
+            return answers;
+        }
+        // Counted where the intents are stored, before the broker ACKs they allow.
+        counter!(m::ACKS, "result" => "acked").increment(acked.len() as u64);
+        {
+            let mut table = self.table.lock();
+            for record in &acked {
+                if let Some(tracked) = table.deliveries.get_mut(&*record.id) {
+                    tracked.record = record.clone();
+                    tracked.redispatch = false;
+                }
+            }
+        }
+        self.broker_ack_many(&acked).await;
+        answers
+    }
+
+    /// [`Deliveries::broker_ack`] for many claimed deliveries: one batch ACK request per broker; what the
+    /// broker did not take in the batch is ACKed alone.
+    async fn broker_ack_many(&self, records: &[DeliveryRecord]) {
+        if let [record] = records {
+            return self.broker_ack(record).await;
+        }
+        if records.is_empty() {
+            return;
+        }
+        let entries: Vec<AckEntry<'_>> =
+            records.iter().map(|r| AckEntry { group: &r.group, topic: &r.topic, handle: &r.handle }).collect();
+        let answers = self.broker.ack_batch(&entries).await;
+        let mut alone = Vec::new();
+        for (record, answer) in records.iter().zip(answers) {
+            match answer {
+                Ok(true) => {
+                    counter!(m::BROKER_ACKS).increment(1);
+                    self.retire(&record.id);
+                }
+                Ok(false) => alone.push(record),
+                Err(error) => {
+                    counter!(m::BROKER_ACK_FAILURES).increment(1);
+                    tracing::warn!(%error, delivery = %record.id, "Batch broker ACK failed; retrying from the ACK intent.");
+                    self.release(&record.id, Some(now_millis() + RETRY_PAUSE_MS));
+                }
+            }
+        }
+        futures::future::join_all(alone.into_iter().map(|r| self.broker_ack(r))).await;
     }
 
     /// ACKs the broker for a claimed delivery whose ACK intent (or DLQ write) is done, and retires it; on
