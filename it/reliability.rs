@@ -17,11 +17,10 @@ fn profile(name: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_slave_fails_sync_replication_profiles_and_degrades_throughput() {
-    // One ASYNC_FLUSH + SYNC_MASTER (inSyncReplicas=2) master with its slave: right for `balanced`, weaker than
-    // `financial` on flush.
-    let mut spec = ClusterSpec::brokers(&["broker-a"]);
-    spec.with_slaves = true;
-    spec.sync_replication = true;
+    // The shipped `balanced` broker profile: one ASYNC_FLUSH + SYNC_MASTER (inSyncReplicas=2) master with its
+    // slave. Right for `balanced`, weaker than `financial` on flush.
+    let spec = ClusterSpec::profile("balanced");
+    assert!(spec.with_slaves && spec.sync_replication, "balanced replicates synchronously");
     let mut cluster = Cluster::start(&spec);
     let financial = Popgate::start(&cluster.namesrv_addr, &profile("financial")).await;
     let balanced = Popgate::start(&cluster.namesrv_addr, &profile("balanced")).await;

@@ -2,6 +2,7 @@
 # Apache RocketMQ 5.x for popgate, from Maven Central, run with `java -cp` on 127.0.0.1.
 #
 #   rocketmq.sh jars                 fetch the name server + broker jars once (cached under $HOME), print the lib dir
+#   rocketmq.sh proxy-jars           the same plus Apache's gRPC proxy (rocketmq-proxy), for the benchmark only
 #   rocketmq.sh start [PROFILE]      start a local name server (9876) and broker-a (10911) unless one answers already;
 #                                    PROFILE (profiles/*.conf, default balanced) sets flush and replication, and a
 #                                    SYNC_MASTER profile also gets its slave (10921), or no send could be stored
@@ -22,6 +23,18 @@ jars() {
     touch "$lib/.complete"
   fi
   echo "$lib"
+}
+
+# Apache's proxy in a lib dir of its own: its dependencies (gRPC, netty-tcnative, ...) never reach the
+# classpath the tests run the name server and broker with.
+proxy_jars() {
+  local proxy_lib="$cache/rocketmq-$version/proxy-lib"
+  if [[ ! -f "$proxy_lib/.complete" ]]; then
+    mkdir -p "$proxy_lib"
+    mvn -q -B -Pproxy -f "$here/pom.xml" dependency:copy-dependencies -DoutputDirectory="$proxy_lib" >&2
+    touch "$proxy_lib/.complete"
+  fi
+  echo "$proxy_lib"
 }
 
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
@@ -85,7 +98,8 @@ stop() {
 
 case "${1:-}" in
   jars) jars ;;
+  proxy-jars) proxy_jars ;;
   start) start "${2:-balanced}" ;;
   stop) stop ;;
-  *) echo "usage: rocketmq.sh jars|start [profile]|stop" >&2; exit 2 ;;
+  *) echo "usage: rocketmq.sh jars|proxy-jars|start [profile]|stop" >&2; exit 2 ;;
 esac

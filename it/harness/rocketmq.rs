@@ -19,12 +19,18 @@ pub fn rocketmq_lib() -> PathBuf {
     if let Ok(dir) = std::env::var("ROCKETMQ_JARS_DIR") {
         return PathBuf::from(dir);
     }
+    jar_dir("jars")
+}
+
+/// Runs `docker/rocketmq/rocketmq.sh <command>` (`jars`, `proxy-jars`: idempotent, cached under `$HOME`) and
+/// returns the lib dir it prints.
+fn jar_dir(command: &str) -> PathBuf {
     let output = Command::new("bash")
         .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("docker/rocketmq/rocketmq.sh"))
-        .arg("jars")
+        .arg(command)
         .output()
-        .expect("run docker/rocketmq/rocketmq.sh jars");
-    assert!(output.status.success(), "fetching RocketMQ jars failed: {}", String::from_utf8_lossy(&output.stderr));
+        .expect("run docker/rocketmq/rocketmq.sh");
+    assert!(output.status.success(), "rocketmq.sh {command} failed: {}", String::from_utf8_lossy(&output.stderr));
     PathBuf::from(String::from_utf8_lossy(&output.stdout).trim().to_owned())
 }
 
@@ -36,15 +42,19 @@ pub struct JavaProcess {
 }
 
 impl JavaProcess {
+    /// A name server or broker: a small fixed heap and the serial collector, enough for tests on 2 cores.
     fn spawn(lib: &Path, home: &Path, heap_mb: u32, main_class: &str, args: &[&str]) -> JavaProcess {
+        let heap = [format!("-Xms{heap_mb}m"), format!("-Xmx{heap_mb}m")];
+        let jvm = [&heap[0], &heap[1], "-XX:MaxDirectMemorySize=256m", "-XX:+UseSerialGC"];
+        Self::spawn_with(lib, home, &jvm, main_class, args)
+    }
+
+    fn spawn_with(lib: &Path, home: &Path, jvm: &[&str], main_class: &str, args: &[&str]) -> JavaProcess {
         fs::create_dir_all(home).expect("process home");
         let log = home.join("console.log");
         let out = fs::File::create(&log).expect("console log");
         let child = Command::new("java")
-            .arg(format!("-Xms{heap_mb}m"))
-            .arg(format!("-Xmx{heap_mb}m"))
-            .arg("-XX:MaxDirectMemorySize=256m")
-            .arg("-XX:+UseSerialGC")
+            .args(jvm)
             // The broker writes scratch files (TLS test certificates) to the temp dir: keep them in the home.
             .arg(format!("-Djava.io.tmpdir={}", home.display()))
             .arg(format!("-Drocketmq.home.dir={}", home.display()))
@@ -118,6 +128,61 @@ impl Broker {
     }
 }
 
+/// Apache's own RocketMQ 5 gRPC proxy (`rocketmq-proxy` of the broker's version, cluster mode) in front of a
+/// [`Cluster`]: what the benchmark compares popgate's gRPC front with. Killed on drop.
+#[allow(dead_code)] // only the benchmark runs it
+pub struct ApacheProxy {
+    /// `127.0.0.1:port` of its gRPC endpoint (TLS and plaintext on one port, like popgate's).
+    pub endpoint: String,
+    process: JavaProcess,
+    _home: TempDir,
+}
+
+#[allow(dead_code)]
+impl ApacheProxy {
+    /// Starts the proxy for `cluster` and waits until it says it started. It runs with the collector and JVM
+    /// options of Apache's `runserver.sh` (G1), but a 1 GiB heap instead of its 4 GiB: this machine runs a
+    /// broker, a load program and popgate beside it.
+    pub fn start(cluster: &Cluster) -> ApacheProxy {
+        let lib = jar_dir("proxy-jars");
+        let home = tempfile::Builder::new().prefix("popgate-apache-proxy-").tempdir().expect("tempdir");
+        let grpc_port = free_port();
+        let conf = home.path().join("rmq-proxy.json");
+        let settings = serde_json::json!({
+            "rocketMQClusterName": CLUSTER_NAME,
+            "namesrvAddr": cluster.namesrv_addr,
+            "proxyMode": "cluster",
+            "grpcServerPort": grpc_port,
+            "remotingListenPort": free_port(),
+        });
+        fs::write(&conf, settings.to_string()).expect("proxy conf");
+        let jvm = [
+            "-Xms1g",
+            "-Xmx1g",
+            "-XX:+UseG1GC",
+            "-XX:G1HeapRegionSize=16m",
+            "-XX:G1ReservePercent=25",
+            "-XX:InitiatingHeapOccupancyPercent=30",
+            "-XX:SoftRefLRUPolicyMSPerMB=0",
+            "-XX:-OmitStackTraceInFastThrow",
+        ];
+        let conf = conf.to_string_lossy();
+        let args = ["-pc", conf.as_ref(), "-pm", "cluster"];
+        let process = JavaProcess::spawn_with(&lib, home.path(), &jvm, "org.apache.rocketmq.proxy.ProxyStartup", &args);
+        let log = home.path().join("logs/rocketmqlogs/proxy.log");
+        wait_for(&log, "rocketmq-proxy startup successfully", Duration::from_secs(120));
+        ApacheProxy { endpoint: format!("127.0.0.1:{grpc_port}"), process, _home: home }
+    }
+
+    /// The proxy's process id (for its CPU time and RSS).
+    pub fn pid(&self) -> u32 {
+        self.process.pid()
+    }
+}
+
+/// `brokerClusterName` of every test broker.
+const CLUSTER_NAME: &str = "PopgateTestCluster";
+
 /// What a cluster is made of.
 #[derive(Clone)]
 pub struct ClusterSpec {
@@ -140,6 +205,25 @@ impl ClusterSpec {
             with_slaves: false,
             sync_replication: false,
         }
+    }
+
+    /// One master named `broker-a` configured by a reliability profile of `docker/rocketmq/profiles`
+    /// (`financial`, `durable`, `balanced`, `throughput`): its flush mode, and a slave replicated
+    /// synchronously when the profile is a `SYNC_MASTER` one (as `rocketmq.sh start` does).
+    pub fn profile(name: &str) -> ClusterSpec {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("docker/rocketmq/profiles/{name}.conf"));
+        let text = fs::read_to_string(&path).unwrap_or_else(|e| panic!("profile {}: {e}", path.display()));
+        let mut spec = ClusterSpec::brokers(&["broker-a"]);
+        for line in text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')) {
+            match line.split_once('=') {
+                Some(("brokerRole", role)) => spec.sync_replication = role == "SYNC_MASTER",
+                // The harness sets the in-sync replica count of a SYNC_MASTER itself.
+                Some(("inSyncReplicas", _)) => {}
+                _ => spec.broker_conf.push(line.to_owned()),
+            }
+        }
+        spec.with_slaves = spec.sync_replication;
+        spec
     }
 }
 
@@ -228,7 +312,7 @@ impl Cluster {
         fs::create_dir_all(&home).expect("broker home");
         let store = home.join("store");
         let mut conf = format!(
-            "brokerClusterName=PopgateTestCluster\nbrokerName={name}\nbrokerId={id}\nbrokerRole={role}\n\
+            "brokerClusterName={CLUSTER_NAME}\nbrokerName={name}\nbrokerId={id}\nbrokerRole={role}\n\
              brokerIP1=127.0.0.1\nbrokerIP2=127.0.0.1\nbindAddress=127.0.0.1\nlistenPort={port}\nnamesrvAddr={namesrv}\n\
              storePathRootDir={store}\nstorePathCommitLog={store}/commitlog\nautoCreateTopicEnable=true\n\
              autoCreateSubscriptionGroup=true\nmappedFileSizeCommitLog=67108864\nmappedFileSizeConsumeQueue=300000\n\

@@ -31,10 +31,16 @@ pub struct Scenario {
 }
 
 impl Scenario {
-    /// Starts `scenario` with `args` (the endpoint is the caller's to put in).
+    /// Starts `scenario` with `args` (the endpoint is the caller's to put in), in a JVM tuned to start fast.
     pub fn start(scenario: &str, args: &Value) -> Scenario {
+        Self::start_in(&["-Xmx256m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1"], scenario, args)
+    }
+
+    /// As [`Scenario::start`], with the JVM options `jvm` (a load program wants the optimising compiler).
+    pub fn start_in(jvm: &[&str], scenario: &str, args: &Value) -> Scenario {
         let child = Command::new("java")
-            .args(["-Xmx256m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1", "-jar"])
+            .args(jvm)
+            .arg("-jar")
             .arg(driver_jar())
             .arg(scenario)
             .arg(args.to_string())

@@ -42,6 +42,7 @@ import org.apache.rocketmq.client.apis.producer.SendReceipt;
  *   java -jar popgate-grpc-driver.jar produce        '{"endpoint":"127.0.0.1:8081","topic":"T","count":3}'
  *   java -jar popgate-grpc-driver.jar simple-consume '{"endpoint":"127.0.0.1:8081","group":"G","topic":"T","expect":3}'
  *   java -jar popgate-grpc-driver.jar push-consume   '{"endpoint":"127.0.0.1:8081","group":"G","topic":"T","expect":3}'
+ *   java -jar popgate-grpc-driver.jar load           '{"endpoint":"127.0.0.1:8081","group":"G","topic":"T","mode":"simple"}'
  * </pre>
  *
  * Arguments may also be given as key=value words instead of one JSON object. Exit codes: 0 the scenario ran (its
@@ -59,10 +60,10 @@ public final class Driver {
         System.setOut(System.err);
         configureLogging();
         if (argv.length == 0 || argv[0].equals("-h") || argv[0].equals("--help") || argv[0].equals("help")) {
-            System.err.println("usage: java -jar popgate-grpc-driver.jar <produce|simple-consume|push-consume>"
+            System.err.println("usage: java -jar popgate-grpc-driver.jar <produce|simple-consume|push-consume|load>"
                 + " ['{json args}' | key=value ...]");
             Map<String, Object> usage = new LinkedHashMap<>();
-            usage.put("usage", "<produce|simple-consume|push-consume> ['{json args}' | key=value ...]");
+            usage.put("usage", "<produce|simple-consume|push-consume|load> ['{json args}' | key=value ...]");
             finish(argv.length == 0 ? error("missing scenario", null) : usage, argv.length == 0 ? 2 : 0);
             return;
         }
@@ -86,6 +87,9 @@ public final class Driver {
                     break;
                 case "push-consume":
                     result = pushConsume(args);
+                    break;
+                case "load":
+                    result = Load.run(args);
                     break;
                 default:
                     finish(error("unknown scenario '" + scenario + "'", null), 2);
@@ -423,7 +427,7 @@ public final class Driver {
     // ---------------------------------------------------------------------------------------------- helpers
 
     /** A stock configuration: the endpoint, plus credentials when given; `ssl` only when the caller asks for it. */
-    private static ClientConfiguration clientConfiguration(Args a, String endpoint) {
+    static ClientConfiguration clientConfiguration(Args a, String endpoint) {
         ClientConfigurationBuilder b = ClientConfiguration.newBuilder().setEndpoints(endpoint);
         String accessKey = a.string("accessKey", null);
         String secretKey = a.string("secretKey", null);
@@ -533,7 +537,7 @@ public final class Driver {
         return copy;
     }
 
-    private static Map<String, Object> startupFailed(Map<String, Object> out, long started, String what,
+    static Map<String, Object> startupFailed(Map<String, Object> out, long started, String what,
         Throwable t) {
         t.printStackTrace(System.err);
         out.put("startupMs", System.currentTimeMillis() - started);
@@ -551,7 +555,7 @@ public final class Driver {
     }
 
     /** {"errorClass", "message", "causes": [...]} of a throwable, unwrapping future wrappers. */
-    private static Map<String, Object> describe(Throwable t) {
+    static Map<String, Object> describe(Throwable t) {
         while ((t instanceof ExecutionException || t instanceof CompletionException) && t.getCause() != null) {
             t = t.getCause();
         }
@@ -569,7 +573,7 @@ public final class Driver {
     }
 
     /** Closes a client on a daemon thread; returns how long it took, or -1 if it did not finish in time. */
-    private static long close(AutoCloseable client, long timeoutMillis) {
+    static long close(AutoCloseable client, long timeoutMillis) {
         long t0 = System.currentTimeMillis();
         Thread closer = new Thread(() -> {
             try {
