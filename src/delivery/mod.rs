@@ -428,11 +428,19 @@ impl Dispatcher {
         let max = max.clamp(1, MAX_POLL_BATCH);
         let _demand = Demand::register(&self.deliveries, &key, max);
         let deadline = tokio::time::Instant::now() + wait.min(MAX_POLL_WAIT);
+        let bells = self.deliveries.bells(&key);
         loop {
-            let notified = self.deliveries.changed();
+            let notified = bells.polls.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let taken = self.deliveries.hand_out(&key, max, to, None)?;
+            let taken = self.deliveries.hand_out(&key, max, to, None).inspect_err(|_| {
+                // This poll may have been the one woken for what is ready: pass the turn on.
+                bells.polls.notify_one();
+            })?;
+            if !taken.is_empty() && self.deliveries.has_ready(&key) {
+                // Only one long poll is woken per change: the next one takes what this one left.
+                bells.polls.notify_one();
+            }
             if !taken.is_empty() || tokio::time::Instant::now() >= deadline {
                 return Ok(taken);
             }

@@ -46,10 +46,13 @@ pub(super) async fn run(deliveries: Arc<Deliveries>, key: String, stop: Arc<Atom
                 continue;
             }
         }
-        let notified = deliveries.changed();
+        let bells = deliveries.bells(&key);
+        let notified = bells.all.notified();
         let Some(plan) = deliveries.pop_plan(&key) else { break };
         group.clone_from(&plan.sub.group);
         if plan.wanted == 0 {
+            // Rung by this subscription's changes (demand, settlements). Room freed by another subscription
+            // under the global in-flight cap rings no bell here: the timeout notices it.
             let _ = tokio::time::timeout(IDLE_WAIT, notified).await;
             continue;
         }

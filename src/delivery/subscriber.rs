@@ -76,10 +76,15 @@ impl Subscriber {
         // The demand this wait asks the POP loop for; registered again only when the free room changes, since
         // registering wakes every waiter (this one included).
         let mut demand: Option<(usize, Demand)> = None;
+        let bells = self.deliveries.bells(&self.key);
         loop {
-            let notified = self.deliveries.changed();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
+            // Both enabled before the state is read, so no change in between is missed; the one that does not
+            // apply is dropped before waiting, which passes on a long poll's turn it may have caught (a turn
+            // held by a future nobody awaits would be lost to the long polls).
+            let mut any_change = Box::pin(bells.all.notified());
+            let mut ready = Box::pin(bells.polls.notified());
+            any_change.as_mut().enable();
+            ready.as_mut().enable();
             let room = self.prefetch.saturating_sub(self.deliveries.retain_held(self.id, &mut self.held));
             if room == 0 {
                 demand = None;
@@ -92,11 +97,15 @@ impl Subscriber {
                 let taken = match self.deliveries.hand_out(&self.key, room, &to, Some(self.id)) {
                     Ok(taken) => taken,
                     Err(error) => {
+                        bells.polls.notify_one();
                         self.paused_until = Some(tokio::time::Instant::now() + STORE_PAUSE);
                         return Err(error);
                     }
                 };
                 if !taken.is_empty() {
+                    if self.deliveries.has_ready(&self.key) {
+                        bells.polls.notify_one();
+                    }
                     self.held.extend(taken.iter().map(|d| d.id.clone()));
                     return Ok(taken);
                 }
@@ -104,8 +113,17 @@ impl Subscriber {
             if tokio::time::Instant::now() >= deadline {
                 return Ok(Vec::new());
             }
+            // With room, this subscriber waits like a long poll: one of them is woken per change. Without,
+            // it waits for a settlement of its own, which wakes every push subscriber of the subscription.
+            let wake = if room > 0 {
+                drop(any_change);
+                ready
+            } else {
+                drop(ready);
+                any_change
+            };
             tokio::select! {
-                () = &mut notified => {}
+                () = wake => {}
                 () = tokio::time::sleep_until(deadline) => {}
             }
         }

@@ -18,7 +18,7 @@
 
 mod table;
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,7 +26,6 @@ use std::time::Duration;
 use metrics::{counter, gauge, histogram};
 use parking_lot::Mutex;
 use rand::RngCore;
-use tokio::sync::futures::Notified;
 use tokio::sync::Notify;
 
 use self::table::{ActiveSubscription, Id, Table, Tracked};
@@ -101,6 +100,21 @@ pub(super) enum Restored {
     DeadLetterPending,
 }
 
+/// What a subscription's waiters wait on.
+///
+/// Push subscribers and the POP loop each wait for something of their own (a freed prefetch slot, new
+/// demand), so every change wakes them all (`all`). Long polls all wait for the same thing, a ready delivery,
+/// and any one of them may take it: a change wakes one (`polls`), and one that took deliveries while more
+/// are ready wakes the next. A thousand long polls on one group then cost one wake-up per change, not a
+/// thousand.
+#[derive(Default)]
+pub(super) struct Bells {
+    /// Push subscribers and the POP loop.
+    pub(super) all: Notify,
+    /// Long polls (HTTP and gRPC receives).
+    pub(super) polls: Notify,
+}
+
 /// The owner of every in-flight delivery and every active subscription.
 pub(super) struct Deliveries {
     table: Mutex<Table>,
@@ -108,8 +122,9 @@ pub(super) struct Deliveries {
     broker: Arc<BrokerClient>,
     publisher: Arc<Publisher>,
     config: DeliveryConfig,
-    /// Woken when deliveries become ready, are settled, or demand changes.
-    changed: Notify,
+    /// The bells of each subscription, rung when its deliveries become ready or are settled, or its demand
+    /// changes. Per subscription, so a change wakes only the waiters it concerns.
+    bells: Mutex<HashMap<String, Arc<Bells>>>,
     /// The next admission sequence number (see [`DeliveryRecord::seq`]).
     next_seq: AtomicU64,
     shutting_down: AtomicBool,
@@ -130,7 +145,7 @@ impl Deliveries {
             broker,
             publisher,
             config,
-            changed: Notify::new(),
+            bells: Mutex::new(HashMap::new()),
             next_seq: AtomicU64::new(1),
             shutting_down: AtomicBool::new(false),
         }
@@ -148,14 +163,38 @@ impl Deliveries {
         &self.store
     }
 
-    /// A future that resolves at the next change (ready deliveries, settlements, demand). Enable it before
-    /// looking at the state, so a change in between is not missed.
-    pub(super) fn changed(&self) -> Notified<'_> {
-        self.changed.notified()
+    /// The bells of subscription `key`. A `notified()` resolves at the next change there (ready deliveries,
+    /// settlements, demand); create and enable it before looking at the state, so a change in between is
+    /// not missed.
+    pub(super) fn bells(&self, key: &str) -> Arc<Bells> {
+        self.bells.lock().entry(key.to_owned()).or_default().clone()
     }
 
-    fn notify(&self) {
-        self.changed.notify_waiters();
+    /// Wakes the push subscribers and POP loop of subscription `key`, and one of its long polls.
+    fn ring(&self, key: &str) {
+        if let Some(bells) = self.bells.lock().get(key) {
+            bells.all.notify_waiters();
+            bells.polls.notify_one();
+        }
+    }
+
+    /// Whether subscription `key` has deliveries queued for hand-out (a long poll that took some and leaves
+    /// more wakes the next one).
+    pub(super) fn has_ready(&self, key: &str) -> bool {
+        self.table.lock().subs.get(key).is_some_and(|active| !active.ready.is_empty())
+    }
+
+    /// Wakes the waiters of each subscription in `keys` once.
+    fn ring_each(&self, keys: impl IntoIterator<Item = String>) {
+        let keys: HashSet<String> = keys.into_iter().collect();
+        for key in &keys {
+            self.ring(key);
+        }
+    }
+
+    /// The subscription key of a tracked delivery.
+    fn key_of(&self, id: &str) -> Option<String> {
+        self.table.lock().deliveries.get(id).map(|t| t.key())
     }
 
     pub(super) fn is_shutting_down(&self) -> bool {
@@ -164,7 +203,10 @@ impl Deliveries {
 
     pub(super) fn shut_down(&self) {
         self.shutting_down.store(true, Ordering::Relaxed);
-        self.notify();
+        for bells in self.bells.lock().values() {
+            bells.all.notify_waiters();
+            bells.polls.notify_waiters();
+        }
     }
 
     /// The one way delivery state reaches the store: every change of the batch, or none.
@@ -248,7 +290,11 @@ impl Deliveries {
         }
         table.refile_subscription(&key);
         drop(table);
-        self.notify();
+        // Its waiters wake and find it gone; a later subscription of the same key gets a new bell.
+        if let Some(bells) = self.bells.lock().remove(&key) {
+            bells.all.notify_waiters();
+            bells.polls.notify_waiters();
+        }
         Ok(())
     }
 
@@ -265,7 +311,7 @@ impl Deliveries {
         if let Some(active) = self.table.lock().subs.get_mut(key) {
             active.demand += count;
         }
-        self.notify();
+        self.ring(key);
     }
 
     /// A wait ended: its demand is withdrawn.
@@ -742,9 +788,10 @@ impl Deliveries {
     /// The subscriber's ACK: the ACK intent is stored, then the broker is ACKed; a failed broker ACK is
     /// retried from the intent, so the client's answer does not depend on it.
     pub(super) async fn ack(&self, id: &str) -> Result<(), DeliveryError> {
+        let key = self.key_of(id);
         let result = self.ack_inner(id).await;
         // A settled delivery frees a push subscriber's prefetch slot and may unblock its message group.
-        self.notify();
+        self.ring_each(key);
         if let Err(error) = &result {
             counter!(m::ACKS, "result" => error.code()).increment(1);
         }
@@ -787,6 +834,7 @@ impl Deliveries {
             list.push((index, id.as_str()));
         }
         let first_ids: Vec<&str> = first.iter().map(|(_, id)| *id).collect();
+        let keys: Vec<String> = first_ids.iter().filter_map(|id| self.key_of(id)).collect();
         let mut answers: Vec<Option<Result<(), DeliveryError>>> =
             std::iter::repeat_with(|| None).take(ids.len()).collect();
         for ((index, _), answer) in first.iter().zip(self.ack_unique(&first_ids).await) {
@@ -796,7 +844,7 @@ impl Deliveries {
             answers[index] = Some(self.ack(id).await);
         }
         // A settled delivery frees a push subscriber's prefetch slot and may unblock its message group.
-        self.notify();
+        self.ring_each(keys);
         answers.into_iter().map(|answer| answer.unwrap_or(Err(DeliveryError::Unknown))).collect()
     }
 
@@ -959,14 +1007,15 @@ impl Deliveries {
 
     /// After an attempt was spent (stored): the delivery leaves its holder, and its group may move on.
     fn after_spent(&self, id: &str, outcome: &NackOutcome, reason: &'static str) {
-        if let Some(tracked) = self.table.lock().deliveries.get_mut(id) {
+        let key = self.table.lock().deliveries.get_mut(id).map(|tracked| {
             tracked.holder = None;
             tracked.redispatch = false;
-        }
+            tracked.key()
+        });
         if matches!(outcome, NackOutcome::Retry { .. }) {
             counter!(m::REDELIVERIES, "reason" => reason).increment(1);
         }
-        self.notify();
+        self.ring_each(key);
     }
 
     /// A push transport could not hand these deliveries to its subscriber (the write failed, the connection
@@ -1002,6 +1051,7 @@ impl Deliveries {
     /// without waiting for the next sweep, and wakes waiting subscribers. The others are the sweeper's.
     fn queue_now(&self, ids: &[String]) {
         let now = now_millis();
+        let mut keys = Vec::new();
         let mut guard = self.table.lock();
         for id in ids {
             let Some(id) = guard.id(id) else { continue };
@@ -1010,13 +1060,15 @@ impl Deliveries {
             if tracked.queued || tracked.claimed || !tracked.dispatchable(now) {
                 continue;
             }
-            if let Some(active) = subs.get_mut(&tracked.key()) {
+            let key = tracked.key();
+            if let Some(active) = subs.get_mut(&key) {
                 tracked.queued = true;
                 active.ready.push_back(id);
+                keys.push(key);
             }
         }
         drop(guard);
-        self.notify();
+        self.ring_each(keys);
     }
 
     /// One sweeper tick over the deliveries filed as due: queues what is ready, spends the attempt of what
@@ -1026,7 +1078,7 @@ impl Deliveries {
         let mut owed = Vec::new();
         let mut expired = Vec::new();
         let mut lapsed = Vec::new();
-        let mut newly_ready = false;
+        let mut newly_ready: Vec<String> = Vec::new();
         {
             let mut guard = self.table.lock();
             let table = &mut *guard;
@@ -1087,7 +1139,7 @@ impl Deliveries {
                     if let Some(active) = table.subs.get_mut(&key) {
                         tracked.queued = true;
                         active.ready.push_back(id.clone());
-                        newly_ready = true;
+                        newly_ready.push(key);
                     }
                 }
                 // Every owned delivery is renewed, owed work included: a broker outage longer than the lease
@@ -1103,12 +1155,12 @@ impl Deliveries {
         for id in lapsed {
             self.give_up_lease(&id);
         }
-        let spent = !expired.is_empty();
+        let spent: Vec<String> = expired.iter().map(|r| Subscription::key_of(&r.group, &r.topic)).collect();
         for record in expired {
             self.expire(record);
         }
-        if newly_ready || spent {
-            self.notify();
+        if !newly_ready.is_empty() || !spent.is_empty() {
+            self.ring_each(newly_ready.into_iter().chain(spent));
         }
         owed
     }
@@ -1160,7 +1212,7 @@ impl Deliveries {
                 if let Some(record) = self.tracked_record(&id) {
                     self.give_back_at_broker(&record.group, &record.handle, "unsubscribed").await;
                     self.retire(&id);
-                    self.notify();
+                    self.ring(&Subscription::key_of(&record.group, &record.topic));
                 }
             }
         }
@@ -1215,7 +1267,7 @@ impl Deliveries {
             Ok(()) => {
                 counter!(m::BROKER_ACKS).increment(1);
                 self.retire(&record.id);
-                self.notify();
+                self.ring(&Subscription::key_of(&record.group, &record.topic));
             }
             Err(error) => {
                 counter!(m::BROKER_ACK_FAILURES).increment(1);
