@@ -21,6 +21,9 @@
 #[allow(dead_code)]
 mod harness;
 
+mod apache_proxy;
+mod fan_in;
+
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -662,6 +665,8 @@ fn print_table(report: &Value) {
     println!("half load: {}", report["halfLoad"]);
     println!("in flight: {}", report["inFlight"]);
     println!("recovery: {}", report["recovery"]);
+    println!("fan-in: {}", report["fanIn"]);
+    apache_proxy::print_table(&report["againstApacheProxy"]);
 }
 
 fn main() {
@@ -686,6 +691,17 @@ fn main() {
             assert!(run["sent"].as_u64().unwrap_or(0) > 0, "smoke: {} sent nothing", run["path"]);
             assert_eq!(run["sent"], run["acked"], "smoke: {} ACKed everything it sent", run["path"]);
         }
+        for comparison in report["againstApacheProxy"].as_array().into_iter().flatten() {
+            for run in comparison["runs"].as_array().into_iter().flatten() {
+                let what = format!("{} {} {}", comparison["profile"], run["front"], run["mode"]);
+                assert!(run["sent"].as_u64().unwrap_or(0) > 0, "smoke: {what} sent nothing: {run}");
+                assert_eq!(run["lost"].as_u64(), Some(0), "smoke: {what} lost messages: {run}");
+            }
+        }
+        let fan_in = &report["fanIn"];
+        assert_eq!(fan_in["errors"].as_u64(), Some(0), "smoke: fan-in errors: {fan_in}");
+        assert_eq!(fan_in["lost"].as_u64(), Some(0), "smoke: fan-in lost messages: {fan_in}");
+        assert_eq!(fan_in["sseStreamsOpen"], fan_in["sseStreams"], "smoke: every SSE stream opened: {fan_in}");
         assert_eq!(report["inFlight"]["inFlight"].as_u64(), Some(params.in_flight as u64), "smoke: in-flight run");
         assert_eq!(
             report["recovery"]["recordsRecovered"].as_f64(),
@@ -701,13 +717,24 @@ async fn bench(params: Params) -> Value {
     let namesrv = cluster.namesrv_addr.clone();
     let addrs = vec![format!("127.0.0.1:{}", cluster.broker("broker-a").port)];
     let admin = Direct::connect(&namesrv).await;
-    let topics: Vec<String> = (0..7).map(|i| unique_topic(&format!("bench{i}"))).collect();
+    let topics: Vec<String> = (0..9).map(|i| unique_topic(&format!("bench{i}"))).collect();
     for topic in &topics {
         admin.create_topic(topic, &addrs).await;
     }
     let direct = DirectPath::connect(&namesrv).await;
-    // `BENCH_ONLY=state` skips the throughput runs (for iterating on memory and recovery).
-    if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "state") {
+    // `BENCH_ONLY=state` skips the throughput runs (for iterating on memory and recovery); `BENCH_ONLY=sdk` runs
+    // only the comparison with Apache's proxy, `BENCH_ONLY=fanin` only the fan-in.
+    let only = std::env::var("BENCH_ONLY").unwrap_or_default();
+    if only == "sdk" {
+        drop((direct, admin, cluster));
+        let sdk = against_apache_proxy(&params).await;
+        return json!({"parameters": {"full": params.full}, "runs": [], "againstApacheProxy": sdk});
+    }
+    if only == "fanin" {
+        let fan_in = fan_in::fan_in(&params, &namesrv, [&topics[7], &topics[8]]).await;
+        return json!({"parameters": {"full": params.full}, "runs": [], "fanIn": fan_in});
+    }
+    if only == "state" {
         let in_flight = in_flight_rss(&params, &namesrv, &direct, &topics[6]).await;
         println!("in flight: {in_flight}");
         let recovered = recovery(&params, &namesrv).await;
@@ -755,6 +782,11 @@ async fn bench(params: Params) -> Value {
     println!("in flight: {in_flight}");
     let recovered = recovery(&params, &namesrv).await;
     println!("recovery: {recovered}");
+    let fan_in = fan_in::fan_in(&params, &namesrv, [&topics[7], &topics[8]]).await;
+    println!("fan-in: {fan_in}");
+    // Its own brokers: stop these first so they take no CPU from it.
+    drop((direct, admin, cluster));
+    let sdk = against_apache_proxy(&params).await;
 
     json!({
         "parameters": {"messageBytes": params.size, "producers": params.producers, "subscribers": params.subscribers,
@@ -765,5 +797,18 @@ async fn bench(params: Params) -> Value {
         "halfLoad": half,
         "inFlight": in_flight,
         "recovery": recovered,
+        "fanIn": fan_in,
+        "againstApacheProxy": sdk,
     })
+}
+
+/// The comparison with Apache's proxy on a `throughput` broker (async flush and replication: the proxies, not
+/// the broker, bound the figures), and in the full run once more on `balanced` (sync replication to a slave).
+async fn against_apache_proxy(params: &Params) -> Value {
+    let profiles: &[&str] = if params.full { &["throughput", "balanced"] } else { &["throughput"] };
+    let mut comparisons = Vec::new();
+    for profile in profiles {
+        comparisons.push(apache_proxy::compare(params, profile).await);
+    }
+    Value::Array(comparisons)
 }
