@@ -52,15 +52,13 @@ pub enum AppError {
 }
 
 /// Runs popgate on `listener` until `shutdown` resolves; in-flight requests then get
-/// `server.shutdown_grace_secs` to finish. `client_runtime` is the RocketMQ client's runtime when the caller
-/// runs popgate on it (one runtime for both, as the binary does); `None` starts one for the client.
+/// `server.shutdown_grace_secs` to finish.
 ///
 /// # Errors
 /// [`AppError`] when a component cannot start or the server fails.
 pub async fn serve(
     config: Config,
     listener: TcpListener,
-    client_runtime: Option<Arc<rocketmq_client_rust::ClientRuntime>>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), AppError> {
     let metrics = crate::metrics::install().map_err(AppError::Metrics)?;
@@ -74,10 +72,7 @@ pub async fn serve(
     if !config.auth.enabled {
         tracing::warn!("Authentication is switched off (auth.enabled = false): every caller may do everything.");
     }
-    let broker = Arc::new(match client_runtime {
-        Some(runtime) => BrokerClient::connect_on(&config.broker, PRODUCER_GROUP, runtime).await?,
-        None => BrokerClient::connect(&config.broker, PRODUCER_GROUP).await?,
-    });
+    let broker = Arc::new(BrokerClient::connect(&config.broker, PRODUCER_GROUP).await?);
     let profile = config.reliability.profile;
     let publisher = Arc::new(Publisher::new(broker.clone(), config.publish.clone(), &config.fault_avoidance, profile));
     std::fs::create_dir_all(&config.delivery.state_dir)?;

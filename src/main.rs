@@ -193,10 +193,8 @@ fn serve(path: Option<PathBuf>) -> ExitCode {
         Ok(config) => config,
         Err(code) => return code,
     };
-    // One Tokio runtime for everything: the RocketMQ client crate's own (it cannot run on another), which
-    // popgate's tasks share, so no request crosses from one runtime's threads to another's.
-    let (runtime, client_runtime) = match popgate::broker::client::start_client_runtime() {
-        Ok(started) => started,
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime,
         Err(error) => {
             eprintln!("popgate: cannot start the async runtime: {error}");
             return ExitCode::FAILURE;
@@ -214,7 +212,7 @@ fn serve(path: Option<PathBuf>) -> ExitCode {
             let scheme = if config.server.tls_cert_path.is_some() { "https" } else { "http" };
             tracing::info!(%addr, "popgate listening on {scheme}://{addr}");
         }
-        match popgate::serve(config, listener, Some(client_runtime), shutdown_signal()).await {
+        match popgate::serve(config, listener, shutdown_signal()).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(error) => {
                 tracing::error!(%error, "popgate stopped.");

@@ -198,10 +198,8 @@ pub struct BrokerClient {
     next_handle: std::sync::atomic::AtomicUsize,
     runtime: Arc<ClientRuntime>,
     routes: Mutex<HashMap<String, CachedRoute>>,
-    /// The client crate's own Tokio runtime, when this client started it ([`BrokerClient::connect`]); it
-    /// lives as long as the client and is dropped last. `None` when the caller owns it
-    /// ([`BrokerClient::connect_on`]).
-    _owner: Option<RuntimeOwner>,
+    /// The client crate runs its own Tokio runtime; it lives as long as the client and is dropped last.
+    _owner: RuntimeOwner,
 }
 
 impl BrokerClient {
@@ -212,22 +210,6 @@ impl BrokerClient {
     /// [`BrokerError::Client`] when the client runtime cannot be created.
     pub async fn connect(config: &BrokerConfig, producer_group: &str) -> Result<BrokerClient, BrokerError> {
         let (owner, runtime) = start_client_runtime()?;
-        let mut client = Self::connect_on(config, producer_group, runtime).await?;
-        client._owner = Some(owner);
-        Ok(client)
-    }
-
-    /// As [`BrokerClient::connect`], on a client runtime the caller started ([`start_client_runtime`]) and
-    /// keeps: the popgate binary runs on that runtime itself, so the client's I/O and popgate's tasks share
-    /// one set of worker threads instead of handing every request from one runtime to another.
-    ///
-    /// # Errors
-    /// [`BrokerError::Client`] when the client instance cannot be started.
-    pub async fn connect_on(
-        config: &BrokerConfig,
-        producer_group: &str,
-        runtime: Arc<ClientRuntime>,
-    ) -> Result<BrokerClient, BrokerError> {
         let handles = (0..HANDLE_POOL_SIZE).map(|_| Self::handle(&runtime, config)).collect::<Result<Vec<_>, _>>()?;
         // All handles share one client instance: starting it once starts it for all.
         handles[0].start().await.map_err(|e| BrokerError::Client(e.to_string()))?;
@@ -238,7 +220,7 @@ impl BrokerClient {
             next_handle: std::sync::atomic::AtomicUsize::new(0),
             runtime,
             routes: Mutex::new(HashMap::new()),
-            _owner: None,
+            _owner: owner,
         })
     }
 
