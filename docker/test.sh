@@ -9,6 +9,8 @@ source docker/setup.sh
 # named POPGATE_*: popgate reads every POPGATE_* variable as config.
 SDK_DRIVER_JAR="$(it/grpc-driver/build.sh)"
 export SDK_DRIVER_JAR
+# The bench's smoke run (part of --all-targets) also starts Apache's own gRPC proxy: fetch its jars up front.
+docker/rocketmq/rocketmq.sh proxy-jars >/dev/null
 cargo fmt --check
 cargo clippy --all-targets --locked -- -D warnings
 cargo test --all-targets --locked -- --test-threads="${TEST_THREADS:-4}"

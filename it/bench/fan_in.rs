@@ -18,7 +18,7 @@ use serde_json::{json, Value};
 
 use crate::harness::popgate::{proc_status_kib, Popgate};
 use crate::harness::{env_or, unique_topic};
-use crate::{cpu_time, Params};
+use crate::{cpu_time, sse_deliveries, Params};
 
 /// What the subscribers saw, shared by all their tasks.
 #[derive(Default)]
@@ -193,11 +193,7 @@ async fn sse_stream(http: &reqwest::Client, base: &str, query: &str, seen: &Seen
             }
             return;
         };
-        buffer.push_str(&String::from_utf8_lossy(&chunk));
-        while let Some(end) = buffer.find("\n\n") {
-            let block: String = buffer.drain(..end + 2).collect();
-            let Some(data) = block.lines().find_map(|l| l.strip_prefix("data: ")) else { continue };
-            let Ok(delivery) = serde_json::from_str::<Value>(data) else { continue };
+        for delivery in sse_deliveries(&mut buffer, &chunk) {
             if let Some(id) = delivery["deliveryId"].as_str() {
                 seen.delivered_sse.fetch_add(1, Ordering::Relaxed);
                 ack(http, base, id, seen).await;

@@ -415,11 +415,7 @@ async fn sse_subscriber(http: &reqwest::Client, base: &str, query: &str, sample:
                 Ok(Some(Ok(chunk))) => chunk,
                 Ok(_) => break,
             };
-            buffer.push_str(&String::from_utf8_lossy(&chunk));
-            while let Some(end) = buffer.find("\n\n") {
-                let block: String = buffer.drain(..end + 2).collect();
-                let Some(data) = block.lines().find_map(|l| l.strip_prefix("data: ")) else { continue };
-                let Ok(d) = serde_json::from_str::<Value>(data) else { continue };
+            for d in sse_deliveries(&mut buffer, &chunk) {
                 if let Some(id) = d["deliveryId"].as_str() {
                     sample.received(d["event"]["data"].as_str().unwrap_or_default().as_bytes());
                     let _ = tx.send(id.to_owned());
@@ -429,6 +425,18 @@ async fn sse_subscriber(http: &reqwest::Client, base: &str, query: &str, sample:
         // Dropping the sender ends the acker once it has ACKed the rest.
     };
     tokio::join!(reader, acker);
+}
+
+/// Appends `chunk` of an SSE stream to `buffer` and takes out the deliveries of the events it completes.
+fn sse_deliveries(buffer: &mut String, chunk: &[u8]) -> Vec<Value> {
+    buffer.push_str(&String::from_utf8_lossy(chunk));
+    let mut deliveries = Vec::new();
+    while let Some(end) = buffer.find("\n\n") {
+        let block: String = buffer.drain(..end + 2).collect();
+        let data = block.lines().find_map(|l| l.strip_prefix("data: "));
+        deliveries.extend(data.and_then(|data| serde_json::from_str::<Value>(data).ok()));
+    }
+    deliveries
 }
 
 // === state: RSS with N in flight, recovery of M records ===
@@ -723,7 +731,8 @@ async fn bench(params: Params) -> Value {
     }
     let direct = DirectPath::connect(&namesrv).await;
     // `BENCH_ONLY=state` skips the throughput runs (for iterating on memory and recovery); `BENCH_ONLY=sdk` runs
-    // only the comparison with Apache's proxy, `BENCH_ONLY=fanin` only the fan-in.
+    // only the comparison with Apache's proxy, `BENCH_ONLY=fanin` only the fan-in, `BENCH_ONLY=throughput` only
+    // the runs against the direct client (for before/after figures of one change).
     let only = std::env::var("BENCH_ONLY").unwrap_or_default();
     if only == "sdk" {
         drop((direct, admin, cluster));
@@ -778,6 +787,10 @@ async fn bench(params: Params) -> Value {
     });
     println!("half load: {half}");
 
+    if only == "throughput" {
+        return json!({"parameters": {"full": params.full}, "runs": [a, lp, sse], "halfLoad": half,
+            "ratios": {"longPoll": ratios(&lp, &a), "sse": ratios(&sse, &a)}});
+    }
     let in_flight = in_flight_rss(&params, &namesrv, &direct, &topics[6]).await;
     println!("in flight: {in_flight}");
     let recovered = recovery(&params, &namesrv).await;
