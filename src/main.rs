@@ -11,6 +11,11 @@ use popgate::cli::Endpoint;
 use popgate::Config;
 use tracing_subscriber::EnvFilter;
 
+// mimalloc instead of glibc's malloc: a `perf` profile of the bench put about 9 % of popgate's CPU in glibc's
+// allocator (malloc, free, consolidation).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// sysexits' EX_USAGE: the configuration is wrong, do not restart in a loop.
 const EXIT_CONFIG: u8 = 64;
 
