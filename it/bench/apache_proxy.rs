@@ -4,7 +4,8 @@
 //! broker's version, cluster mode) and popgate's gRPC front beside each other in front of it, and the same
 //! official Java SDK load program (the gRPC test driver's `load` scenario) against each front in turn:
 //! Producer sync sends + SimpleConsumer receive/ack, then Producer + PushConsumer. Each front is warmed up
-//! first (the proxy's JIT deserves the same chance as popgate's caches). For each run: send and end-to-end
+//! first (the proxy's JIT deserves the same chance as popgate's caches). Each mode runs at full speed, then at
+//! `BENCH_SDK_CAPPED_RATE` msgs/s (300), below either front's capacity. For each run: send and end-to-end
 //! msgs/s, p99s, the front's CPU per message and its peak RSS, then the ratios popgate/Apache.
 
 use std::time::Duration;
@@ -44,18 +45,26 @@ pub async fn compare(params: &Params, profile: &str) -> Value {
     let warm = Params { secs: if params.full { 5.0 } else { 1.0 }, ..params.clone() };
     for front in &fronts {
         let topic = new_topic(&admin, &broker_addr, "warm").await;
-        load(&warm, front, &topic, "simple").await;
+        load(&warm, front, &topic, "simple", None).await;
     }
+    // Each mode twice: at full speed (throughput; its end-to-end p99 is mostly the backlog a saturated load
+    // program builds), then at the same offered rate below either front's capacity (the latency each adds).
+    let capped: f64 = env_or("BENCH_SDK_CAPPED_RATE", 300.0);
     let mut runs = Vec::new();
-    for mode in MODES {
+    for (mode, rate) in MODES.iter().map(|m| (*m, None)).chain(MODES.iter().map(|m| (*m, Some(capped)))) {
         for front in &fronts {
             let topic = new_topic(&admin, &broker_addr, mode).await;
-            let run = load(params, front, &topic, mode).await;
-            println!("{profile} {mode} {}: {run}", front.name);
+            let run = load(params, front, &topic, mode, rate).await;
+            println!(
+                "{profile} {mode} {}{}: {run}",
+                front.name,
+                rate.map(|r| format!(" at {r}/s")).unwrap_or_default()
+            );
             runs.push(run);
         }
     }
-    let ratios: Vec<Value> = MODES.iter().map(|mode| ratios(&runs, mode)).collect();
+    let ratios: Vec<Value> =
+        MODES.iter().flat_map(|mode| [ratios(&runs, mode, None), ratios(&runs, mode, Some(capped))]).collect();
     json!({"profile": profile, "runs": runs, "ratios": ratios})
 }
 
@@ -65,15 +74,18 @@ async fn new_topic(admin: &Direct, broker_addr: &[String], what: &str) -> String
     topic
 }
 
-/// One load run of `mode` through `front`: the driver's figures plus the front's CPU and RSS.
-async fn load(params: &Params, front: &Front, topic: &str, mode: &str) -> Value {
+/// One load run of `mode` through `front` (at `rate` msgs/s in all, or as fast as it goes): the driver's figures
+/// plus the front's CPU and RSS.
+async fn load(params: &Params, front: &Front, topic: &str, mode: &str, rate: Option<f64>) -> Value {
+    let senders: usize = env_or("BENCH_SDK_SENDERS", 16);
     let args = json!({
         "endpoint": front.endpoint,
         "topic": topic,
         "group": format!("{topic}_group"),
         "mode": mode,
         "seconds": params.secs,
-        "senders": env_or("BENCH_SDK_SENDERS", 16),
+        "senders": senders,
+        "rate": rate.map_or(0.0, |r| r / senders as f64),
         "consumers": params.subscribers,
         "size": params.size,
         "drainSeconds": 15,
@@ -88,6 +100,7 @@ async fn load(params: &Params, front: &Front, topic: &str, mode: &str) -> Value 
     json!({
         "front": front.name,
         "mode": mode,
+        "offeredMsgsPerSec": rate,
         "sent": result["sent"],
         "consumed": consumed,
         "lost": result["lost"],
@@ -106,8 +119,12 @@ async fn load(params: &Params, front: &Front, topic: &str, mode: &str) -> Value 
 
 /// popgate's figure over Apache's for each compared quantity of `mode` (above 1 is better for throughput,
 /// below 1 is better for latency, CPU and memory).
-fn ratios(runs: &[Value], mode: &str) -> Value {
-    let run = |front: &str| runs.iter().find(|r| r["front"] == front && r["mode"] == mode).cloned();
+fn ratios(runs: &[Value], mode: &str, rate: Option<f64>) -> Value {
+    let run = |front: &str| {
+        runs.iter()
+            .find(|r| r["front"] == front && r["mode"] == mode && r["offeredMsgsPerSec"].as_f64() == rate)
+            .cloned()
+    };
     let (Some(apache), Some(popgate)) = (run("apache-proxy"), run("popgate")) else { return Value::Null };
     let ratio = |path: &[&str]| {
         let get = |v: &Value| path.iter().fold(v, |v, k| &v[*k]).as_f64().unwrap_or(0.0);
@@ -120,6 +137,7 @@ fn ratios(runs: &[Value], mode: &str) -> Value {
     };
     json!({
         "mode": mode,
+        "offeredMsgsPerSec": rate,
         "endToEndThroughput": ratio(&["endToEndMsgsPerSec"]),
         "sendThroughput": ratio(&["sendMsgsPerSec"]),
         "sendP99": ratio(&["sendLatencyMs", "p99"]),
@@ -136,16 +154,27 @@ fn ratios(runs: &[Value], mode: &str) -> Value {
 pub fn print_table(comparisons: &Value) {
     println!("\nagainst Apache's RocketMQ 5 proxy (official Java SDK, same broker, same load)");
     println!(
-        "{:<11} {:<7} {:<13} {:>8} {:>8} {:>11} {:>11} {:>10} {:>9} {:>6}",
-        "profile", "mode", "front", "send/s", "e2e/s", "send p99 ms", "e2e p99 ms", "cpu µs/msg", "peak RSS", "lost"
+        "{:<11} {:<7} {:>7} {:<13} {:>8} {:>8} {:>11} {:>11} {:>10} {:>9} {:>6}",
+        "profile",
+        "mode",
+        "offered",
+        "front",
+        "send/s",
+        "e2e/s",
+        "send p99 ms",
+        "e2e p99 ms",
+        "cpu µs/msg",
+        "peak RSS",
+        "lost"
     );
     for comparison in comparisons.as_array().into_iter().flatten() {
         for run in comparison["runs"].as_array().into_iter().flatten() {
             let num = |v: &Value| v.as_f64().unwrap_or(0.0);
             println!(
-                "{:<11} {:<7} {:<13} {:>8.0} {:>8.0} {:>11.1} {:>11.1} {:>10.0} {:>5} MiB {:>6}",
+                "{:<11} {:<7} {:>7} {:<13} {:>8.0} {:>8.0} {:>11.1} {:>11.1} {:>10.0} {:>5} MiB {:>6}",
                 comparison["profile"].as_str().unwrap_or_default(),
                 run["mode"].as_str().unwrap_or_default(),
+                run["offeredMsgsPerSec"].as_f64().map_or("max".to_owned(), |r| format!("{r:.0}/s")),
                 run["front"].as_str().unwrap_or_default(),
                 num(&run["sendMsgsPerSec"]),
                 num(&run["endToEndMsgsPerSec"]),
