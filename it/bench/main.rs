@@ -443,7 +443,13 @@ fn sse_deliveries(buffer: &mut String, chunk: &[u8]) -> Vec<Value> {
 
 async fn in_flight_rss(params: &Params, namesrv: &str, direct: &DirectPath, topic: &str) -> Value {
     let n = params.in_flight;
-    let extra = format!("[delivery]\nmax_in_flight = {}\nmax_in_flight_per_subscription = {}\n", n + 1_000, n + 1_000);
+    let mut extra =
+        format!("[delivery]\nmax_in_flight = {}\nmax_in_flight_per_subscription = {}\n", n + 1_000, n + 1_000);
+    // `BENCH_LEASE_MS`: popgate's broker lease. Each held delivery is renewed once per half lease, one broker
+    // request each, so a million held under the default 60 s lease need 33 000 renewals a second.
+    if let Ok(lease_ms) = std::env::var("BENCH_LEASE_MS") {
+        extra.push_str(&format!("lease_ms = {lease_ms}\n"));
+    }
     let popgate = Popgate::start(namesrv, &extra).await;
     let group = unique_topic("g_rss");
     let (status, answer) = popgate
@@ -507,6 +513,7 @@ async fn in_flight_rss(params: &Params, namesrv: &str, direct: &DirectPath, topi
         "idleCpuPercentHoldingThem": idle_cpu_pct.round(),
         "cpuPercentWhileRenewingLeases": renewal_cpu_pct,
         "rssKibAfterRenewals": popgate.rss_kib(),
+        "leasesLost": popgate.metric("popgate_leases_lost_total").await,
     })
 }
 
