@@ -433,14 +433,7 @@ impl Dispatcher {
             let notified = bells.polls.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let taken = self.deliveries.hand_out(&key, max, to, None).inspect_err(|_| {
-                // This poll may have been the one woken for what is ready: pass the turn on.
-                bells.polls.notify_one();
-            })?;
-            if !taken.is_empty() && self.deliveries.has_ready(&key) {
-                // Only one long poll is woken per change: the next one takes what this one left.
-                bells.polls.notify_one();
-            }
+            let taken = self.deliveries.hand_out(&key, max, to, None)?;
             if !taken.is_empty() || tokio::time::Instant::now() >= deadline {
                 return Ok(taken);
             }
@@ -484,8 +477,9 @@ impl Dispatcher {
 
     /// ACKs a batch, each id answered as [`Dispatcher::ack`] would, in the order of `ids`: the ACK intents in
     /// one store write, then one batch ACK request per broker.
-    pub async fn ack_many(&self, ids: &[String]) -> Vec<Result<(), DeliveryError>> {
-        self.deliveries.ack_many(ids).await
+    pub async fn ack_many(&self, ids: &[impl AsRef<str>]) -> Vec<Result<(), DeliveryError>> {
+        let ids: Vec<&str> = ids.iter().map(AsRef::as_ref).collect();
+        self.deliveries.ack_many(&ids).await
     }
 
     /// NACK: the attempt is spent; the next is scheduled after `delay` (or the backoff), or the DLQ.

@@ -97,15 +97,11 @@ impl Subscriber {
                 let taken = match self.deliveries.hand_out(&self.key, room, &to, Some(self.id)) {
                     Ok(taken) => taken,
                     Err(error) => {
-                        bells.polls.notify_one();
                         self.paused_until = Some(tokio::time::Instant::now() + STORE_PAUSE);
                         return Err(error);
                     }
                 };
                 if !taken.is_empty() {
-                    if self.deliveries.has_ready(&self.key) {
-                        bells.polls.notify_one();
-                    }
                     self.held.extend(taken.iter().map(|d| d.id.clone()));
                     return Ok(taken);
                 }

@@ -290,7 +290,7 @@ pub(super) async fn ack_messages(
     // The entries with a valid handle are ACKed as one batch (one store write, one broker request per broker).
     let ids: Vec<Result<&str, pb::Status>> =
         request.entries.iter().map(|entry| delivery_of(front, &group, &entry.receipt_handle)).collect();
-    let valid: Vec<String> = ids.iter().filter_map(|id| id.as_ref().ok().map(|id| (*id).to_owned())).collect();
+    let valid: Vec<&str> = ids.iter().filter_map(|id| id.as_ref().ok().copied()).collect();
     let mut acked = front.dispatcher.ack_many(&valid).await.into_iter();
     let entries: Vec<pb::AckMessageResultEntry> = request
         .entries

@@ -34,7 +34,7 @@ use super::retry::{NextStep, RetryPolicy};
 use super::{dlq, DeliveryError, Dispatched, HandOut, InFlight, NackOutcome};
 use crate::broker::client::now_millis;
 use crate::broker::consumer::{AckEntry, Popped};
-use crate::broker::BrokerClient;
+use crate::broker::{BrokerClient, BrokerError};
 use crate::config::DeliveryConfig;
 use crate::metrics as m;
 use crate::publish::Publisher;
@@ -115,6 +115,14 @@ pub(super) struct Bells {
     pub(super) polls: Notify,
 }
 
+impl Bells {
+    /// Wakes every waiter, long polls included (shut-down, the subscription removed).
+    fn wake_everyone(&self) {
+        self.all.notify_waiters();
+        self.polls.notify_waiters();
+    }
+}
+
 /// The owner of every in-flight delivery and every active subscription.
 pub(super) struct Deliveries {
     table: Mutex<Table>,
@@ -178,10 +186,12 @@ impl Deliveries {
         }
     }
 
-    /// Whether subscription `key` has deliveries queued for hand-out (a long poll that took some and leaves
-    /// more wakes the next one).
-    pub(super) fn has_ready(&self, key: &str) -> bool {
-        self.table.lock().subs.get(key).is_some_and(|active| !active.ready.is_empty())
+    /// Wakes one more long poll (or push subscriber with room) of subscription `key`: a hand-out left ready
+    /// deliveries behind, or put some back. Only one is woken per change, so the turn is passed on here.
+    fn pass_turn(&self, key: &str) {
+        if let Some(bells) = self.bells.lock().get(key) {
+            bells.polls.notify_one();
+        }
     }
 
     /// Wakes the waiters of each subscription in `keys` once.
@@ -192,11 +202,6 @@ impl Deliveries {
         }
     }
 
-    /// The subscription key of a tracked delivery.
-    fn key_of(&self, id: &str) -> Option<String> {
-        self.table.lock().deliveries.get(id).map(|t| t.key())
-    }
-
     pub(super) fn is_shutting_down(&self) -> bool {
         self.shutting_down.load(Ordering::Relaxed)
     }
@@ -204,8 +209,7 @@ impl Deliveries {
     pub(super) fn shut_down(&self) {
         self.shutting_down.store(true, Ordering::Relaxed);
         for bells in self.bells.lock().values() {
-            bells.all.notify_waiters();
-            bells.polls.notify_waiters();
+            bells.wake_everyone();
         }
     }
 
@@ -292,8 +296,7 @@ impl Deliveries {
         drop(table);
         // Its waiters wake and find it gone; a later subscription of the same key gets a new bell.
         if let Some(bells) = self.bells.lock().remove(&key) {
-            bells.all.notify_waiters();
-            bells.polls.notify_waiters();
+            bells.wake_everyone();
         }
         Ok(())
     }
@@ -428,6 +431,9 @@ impl Deliveries {
     /// Hands out up to `max` ready deliveries of `key` to `holder` (a push subscriber, or none for a
     /// long-poll or a gRPC client, which `to` names), marking them awaiting ACK in the store first. Nothing is
     /// handed out when that write fails.
+    ///
+    /// Only one long poll is woken per change, so when this leaves ready deliveries behind (or puts back what
+    /// it could not hand out) it wakes the next one.
     pub(super) fn hand_out(
         &self,
         key: &str,
@@ -520,11 +526,17 @@ impl Deliveries {
             }
             table.wake(&id, 0);
         }
+        let more_ready = table.subs.get(key).is_some_and(|active| !active.ready.is_empty());
+        drop(table);
+        if more_ready {
+            self.pass_turn(key);
+        }
         counter!(m::DELIVERIES_DISPATCHED, "transport" => transport).increment(out.len() as u64);
         Ok(out)
     }
 
-    /// Taken for a hand-out that did not happen: back at the head of the queue, unchanged.
+    /// Taken for a hand-out that did not happen: back at the head of the queue, unchanged, for the next
+    /// waiter (the caller may have been the one woken for them).
     fn put_back(&self, key: &str, taken: &[DeliveryRecord]) {
         let mut table = self.table.lock();
         for record in taken.iter().rev() {
@@ -537,6 +549,8 @@ impl Deliveries {
                 active.ready.push_front(id);
             }
         }
+        drop(table);
+        self.pass_turn(key);
     }
 
     /// The stored body of each record, in order: `None` for a record that carries its body inline, and
@@ -788,71 +802,37 @@ impl Deliveries {
     /// The subscriber's ACK: the ACK intent is stored, then the broker is ACKed; a failed broker ACK is
     /// retried from the intent, so the client's answer does not depend on it.
     pub(super) async fn ack(&self, id: &str) -> Result<(), DeliveryError> {
-        let key = self.key_of(id);
-        let result = self.ack_inner(id).await;
-        // A settled delivery frees a push subscriber's prefetch slot and may unblock its message group.
-        self.ring_each(key);
-        if let Err(error) = &result {
-            counter!(m::ACKS, "result" => error.code()).increment(1);
-        }
-        result
-    }
-
-    async fn ack_inner(&self, id: &str) -> Result<(), DeliveryError> {
-        let mut record = self.claim(id).await?;
-        if let Err(refused) = self.check_settleable(&record) {
-            self.release(id, None);
-            return Err(refused);
-        }
-        if let Phase::AwaitingAck { dispatched_ms, .. } = record.phase {
-            histogram!(m::ACK_LATENCY).record((now_millis() - dispatched_ms).max(0) as f64 / 1000.0);
-        }
-        record.phase = Phase::Acked;
-        if let Err(error) = self.persist(&[&record]) {
-            self.release(id, None);
-            return Err(error.into());
-        }
-        // Counted where the intent is stored, before the broker ACK it allows.
-        counter!(m::ACKS, "result" => "acked").increment(1);
-        if let Some(tracked) = self.table.lock().deliveries.get_mut(id) {
-            tracked.record = record.clone();
-            tracked.redispatch = false;
-        }
-        self.broker_ack(&record).await;
-        Ok(())
+        self.ack_many(&[id]).await.pop().unwrap_or(Err(DeliveryError::Unknown))
     }
 
     /// A batch of subscriber ACKs, each answered as [`Deliveries::ack`] would. Cheaper than one by one: the
     /// ACK intents are stored in one write, and the broker gets one batch ACK request per broker instead of
     /// one request per message. An id given again in the same batch is ACKed again after the batch, as two
     /// single ACKs would be (so it is answered "unknown": already acknowledged).
-    pub(super) async fn ack_many(&self, ids: &[String]) -> Vec<Result<(), DeliveryError>> {
+    pub(super) async fn ack_many(&self, ids: &[&str]) -> Vec<Result<(), DeliveryError>> {
         let mut seen = HashSet::new();
-        let (mut first, mut again) = (Vec::new(), Vec::new());
-        for (index, id) in ids.iter().enumerate() {
-            let list = if seen.insert(id.as_str()) { &mut first } else { &mut again };
-            list.push((index, id.as_str()));
-        }
-        let first_ids: Vec<&str> = first.iter().map(|(_, id)| *id).collect();
-        let keys: Vec<String> = first_ids.iter().filter_map(|id| self.key_of(id)).collect();
+        let (first, again): (Vec<usize>, Vec<usize>) = (0..ids.len()).partition(|&i| seen.insert(ids[i]));
+        let first_ids: Vec<&str> = first.iter().map(|&i| ids[i]).collect();
         let mut answers: Vec<Option<Result<(), DeliveryError>>> =
             std::iter::repeat_with(|| None).take(ids.len()).collect();
-        for ((index, _), answer) in first.iter().zip(self.ack_unique(&first_ids).await) {
-            answers[*index] = Some(answer);
+        for (&index, answer) in first.iter().zip(self.ack_unique(&first_ids).await) {
+            answers[index] = Some(answer);
         }
-        for (index, id) in again {
-            answers[index] = Some(self.ack(id).await);
+        for index in again {
+            answers[index] = self.ack_unique(&[ids[index]]).await.pop();
         }
-        // A settled delivery frees a push subscriber's prefetch slot and may unblock its message group.
-        self.ring_each(keys);
         answers.into_iter().map(|answer| answer.unwrap_or(Err(DeliveryError::Unknown))).collect()
     }
 
+    /// ACKs distinct ids: each is claimed and checked, the ACK intents of those that may be ACKed are stored
+    /// in one write, then the broker is ACKed. Every answer is counted in `popgate_acks_total`.
     async fn ack_unique(&self, ids: &[&str]) -> Vec<Result<(), DeliveryError>> {
         let claims = futures::future::join_all(ids.iter().map(|id| self.claim(id))).await;
+        let keys: Vec<String> =
+            claims.iter().flatten().map(|record| Subscription::key_of(&record.group, &record.topic)).collect();
         let mut answers = Vec::with_capacity(ids.len());
-        let mut acked = Vec::new();
-        for (id, claim) in ids.iter().zip(claims) {
+        let mut acked: Vec<(usize, DeliveryRecord)> = Vec::new();
+        for (index, (id, claim)) in ids.iter().zip(claims).enumerate() {
             let checked = claim.and_then(|record| match self.check_settleable(&record) {
                 Ok(()) => Ok(record),
                 Err(refused) => {
@@ -860,41 +840,31 @@ impl Deliveries {
                     Err(refused)
                 }
             });
-            match checked {
-                Ok(mut record) => {
-                    if let Phase::AwaitingAck { dispatched_ms, .. } = record.phase {
-                        histogram!(m::ACK_LATENCY).record((now_millis() - dispatched_ms).max(0) as f64 / 1000.0);
-                    }
-                    record.phase = Phase::Acked;
-                    acked.push(record);
-                    answers.push(Ok(()));
+            answers.push(checked.map(|mut record| {
+                if let Phase::AwaitingAck { dispatched_ms, .. } = record.phase {
+                    histogram!(m::ACK_LATENCY).record((now_millis() - dispatched_ms).max(0) as f64 / 1000.0);
                 }
-                Err(refused) => {
-                    counter!(m::ACKS, "result" => refused.code()).increment(1);
-                    answers.push(Err(refused));
-                }
-            }
+                record.phase = Phase::Acked;
+                acked.push((index, record));
+            }));
         }
-        if let Err(error) = self.persist(&acked.iter().collect::<Vec<_>>()) {
-            // Nothing of the batch was stored. Each one alone gets its own answer (and is counted by it).
+        if let Err(error) = self.persist(&acked.iter().map(|(_, r)| r).collect::<Vec<_>>()) {
+            // Nothing of the batch was stored: each intent is stored alone, so each gets its own answer.
             tracing::debug!(%error, "Storing a batch of ACK intents failed; storing them one by one.");
-            for record in &acked {
-                self.release(&record.id, None);
-            }
-            let alone = futures::future::join_all(acked.iter().map(|r| self.ack_inner(&r.id))).await;
-            let mut alone = alone.into_iter();
-            for (answer, id) in answers.iter_mut().zip(ids) {
-                if answer.is_ok() && acked.iter().any(|r| &*r.id == *id) {
-                    *answer = alone.next().unwrap_or(Err(DeliveryError::Busy));
-                    if let Err(error) = answer {
-                        counter!(m::ACKS, "result" => error.code()).increment(1);
-                    }
+            acked.retain(|(index, record)| match self.persist(&[record]) {
+                Ok(()) => true,
+                Err(error) => {
+                    self.release(&record.id, None);
+                    answers[*index] = Err(error.into());
+                    false
                 }
-            }
-            return answers;
+            });
         }
         // Counted where the intents are stored, before the broker ACKs they allow.
-        counter!(m::ACKS, "result" => "acked").increment(acked.len() as u64);
+        for answer in &answers {
+            counter!(m::ACKS, "result" => answer.as_ref().map_or_else(DeliveryError::code, |()| "acked")).increment(1);
+        }
+        let acked: Vec<DeliveryRecord> = acked.into_iter().map(|(_, record)| record).collect();
         {
             let mut table = self.table.lock();
             for record in &acked {
@@ -905,6 +875,8 @@ impl Deliveries {
             }
         }
         self.broker_ack_many(&acked).await;
+        // A settled delivery frees a push subscriber's prefetch slot and may unblock its message group.
+        self.ring_each(keys);
         answers
     }
 
@@ -923,16 +895,9 @@ impl Deliveries {
         let mut alone = Vec::new();
         for (record, answer) in records.iter().zip(answers) {
             match answer {
-                Ok(true) => {
-                    counter!(m::BROKER_ACKS).increment(1);
-                    self.retire(&record.id);
-                }
+                Ok(true) => self.broker_acked(record, Ok(())),
                 Ok(false) => alone.push(record),
-                Err(error) => {
-                    counter!(m::BROKER_ACK_FAILURES).increment(1);
-                    tracing::warn!(%error, delivery = %record.id, "Batch broker ACK failed; retrying from the ACK intent.");
-                    self.release(&record.id, Some(now_millis() + RETRY_PAUSE_MS));
-                }
+                Err(error) => self.broker_acked(record, Err(error)),
             }
         }
         futures::future::join_all(alone.into_iter().map(|r| self.broker_ack(r))).await;
@@ -941,7 +906,14 @@ impl Deliveries {
     /// ACKs the broker for a claimed delivery whose ACK intent (or DLQ write) is done, and retires it; on
     /// failure the claim ends and the sweeper retries after a pause.
     async fn broker_ack(&self, record: &DeliveryRecord) {
-        match self.broker.ack(&record.group, &record.handle).await {
+        let result = self.broker.ack(&record.group, &record.handle).await;
+        self.broker_acked(record, result);
+    }
+
+    /// The end of a broker ACK: retired when the broker took it; otherwise the claim ends and the sweeper
+    /// retries from the ACK intent after a pause.
+    fn broker_acked(&self, record: &DeliveryRecord, result: Result<(), BrokerError>) {
+        match result {
             Ok(()) => {
                 counter!(m::BROKER_ACKS).increment(1);
                 self.retire(&record.id);
