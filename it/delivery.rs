@@ -230,7 +230,7 @@ async fn kill9_keeps_attempts_and_ids_finishes_acks_and_retires_corrupt_records(
     popgate.kill9();
     {
         let store = popgate::store::StateStore::open(&popgate.state_dir, true).expect("open the crashed store");
-        store.put_raw(popgate::store::Family::Deliveries, "corrupt-record", b"{not json").expect("plant");
+        store.put_raw(popgate::store::Family::Deliveries, "corrupt-record", b"{not json").await.expect("plant");
     }
     popgate.restart().await;
 

@@ -183,6 +183,7 @@ async fn an_undecodable_replay_ledger_entry_is_counted_and_shown_as_interrupted(
         let store = popgate::store::StateStore::open(&popgate.state_dir, true).expect("open the stopped store");
         store
             .put_raw(popgate::store::Family::DlqReplays, &popgate::dlq::ledger_key(&dlq, &message_id), b"{rot")
+            .await
             .expect("plant");
     }
     popgate.restart().await;
@@ -264,4 +265,84 @@ async fn an_owed_dlq_write_keeps_its_lease_through_an_outage_longer_than_the_lea
     let consumer = DirectConsumer::connect(&cluster.namesrv_addr).await;
     let back = consumer.drain(&group, &topic, Duration::from_millis(lease_ms + 15_000)).await;
     assert!(back.is_empty(), "the broker redelivered a dead-lettered event: {back:?}");
+}
+
+/// The subscriptions popgate serves, as `(group, filter, implicit)`.
+async fn subscriptions_of(popgate: &Popgate, topic: &str) -> Vec<(String, String, bool)> {
+    let (status, view) = popgate.get_json("/admin/subscriptions").await;
+    assert_eq!(status, 200, "{view}");
+    let mut found: Vec<(String, String, bool)> = view["subscriptions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|s| s["topic"] == topic)
+        .map(|s| {
+            let text = |field: &str| s[field].as_str().unwrap_or_default().to_owned();
+            (text("group"), text("filter"), s["implicit"].as_bool().unwrap_or(false))
+        })
+        .collect();
+    found.sort();
+    found
+}
+
+/// One gRPC receive of `group` on `topic` with tag filter `filter`, answered after a short long poll.
+async fn receive_filtered(popgate: &Popgate, group: &str, topic: &str, filter: &str) {
+    use popgate::grpc::proto as pb;
+    let resource = |name: &str| Some(pb::Resource { resource_namespace: String::new(), name: name.to_owned() });
+    let message = pb::ReceiveMessageRequest {
+        group: resource(group),
+        message_queue: Some(pb::MessageQueue { topic: resource(topic), id: -1, ..Default::default() }),
+        filter_expression: Some(pb::FilterExpression { r#type: pb::FilterType::Tag as i32, expression: filter.into() }),
+        batch_size: 1,
+        invisible_duration: Some(prost_types::Duration { seconds: 30, nanos: 0 }),
+        auto_renew: false,
+        long_polling_timeout: Some(prost_types::Duration { seconds: 0, nanos: 300_000_000 }),
+        attempt_id: None,
+    };
+    let mut client = crate::grpc_raw::connect(popgate).await;
+    let mut stream =
+        client.receive_message(crate::grpc_raw::request(message, None)).await.expect("receive call").into_inner();
+    while stream.message().await.expect("receive stream").is_some() {}
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn implicit_subscriptions_expire_when_idle_and_two_filters_in_one_group_cannot_rewrite_it_every_receive() {
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, "idle_subscription_expiry_secs = 2\n").await;
+    let topic = unique_topic("implicit");
+    crate::grpc::create_topic(cluster, &topic).await;
+    let (asked, made) = (format!("g_asked_{topic}"), format!("g_made_{topic}"));
+    subscribe(&popgate, json!({"group": asked, "topic": topic})).await;
+    assert!(popgate.poll(&made, &topic, 1, 200).await.is_empty());
+    assert_eq!(
+        subscriptions_of(&popgate, &topic).await,
+        vec![(asked.clone(), "*".into(), false), (made.clone(), "*".into(), true)],
+        "a poll made its own subscription, marked implicit"
+    );
+    eventually(Duration::from_secs(30), "the idle implicit subscription is removed", || async {
+        subscriptions_of(&popgate, &topic).await.len() == 1
+    })
+    .await;
+    assert_eq!(
+        subscriptions_of(&popgate, &topic).await,
+        vec![(asked.clone(), "*".into(), false)],
+        "the asked-for one stays"
+    );
+    assert!(popgate.metric("popgate_subscriptions_expired_total").await >= 1.0);
+    // The next receive makes it again, and a message published meanwhile is delivered.
+    popgate.publish_bodies(&topic, &["after expiry"]).await;
+    let got = popgate.poll_until(&made, &topic, 1, Duration::from_secs(30)).await;
+    assert_eq!(got.iter().map(data).collect::<Vec<_>>(), vec!["after expiry".to_owned()]);
+    assert_eq!(popgate.ack(&id(&got[0])).await.0, 200);
+
+    // Two consumers of one group with different filters, receiving in turn.
+    let filtered = format!("g_filters_{topic}");
+    let conflicts = popgate.metric("popgate_subscription_filter_conflicts_total").await;
+    for filter in ["a", "b", "a", "b", "a"] {
+        receive_filtered(&popgate, &filtered, &topic, filter).await;
+    }
+    let filters: Vec<String> =
+        subscriptions_of(&popgate, &topic).await.into_iter().filter(|s| s.0 == filtered).map(|s| s.1).collect();
+    assert_eq!(filters, vec!["b".to_owned()], "created with `a`, changed once to `b`, then held for 10 s");
+    assert_eq!(popgate.metric("popgate_subscription_filter_conflicts_total").await - conflicts, 2.0, "the two refused");
 }

@@ -81,7 +81,8 @@ pub async fn serve(
     let store = Arc::new(StateStore::open(&config.delivery.state_dir, sync_writes)?);
     let group_commit = (!sync_writes).then(|| Duration::from_millis(config.reliability.group_commit_interval_ms));
     let (dispatcher, recovered) =
-        Dispatcher::start(store.clone(), broker.clone(), publisher.clone(), config.delivery.clone(), group_commit)?;
+        Dispatcher::start(store.clone(), broker.clone(), publisher.clone(), config.delivery.clone(), group_commit)
+            .await?;
     tracing::info!(?recovered, state_dir = %config.delivery.state_dir.display(), "Delivery state recovered.");
     let grace = Duration::from_secs(config.server.shutdown_grace_secs);
     let monitor = Arc::new(ProfileMonitor::new(profile, broker.clone()));

@@ -64,6 +64,15 @@ pub const POPPED_UNUSABLE: &str = "popgate_popped_unusable_total";
 pub const DELIVERIES_GIVEN_BACK: &str = "popgate_deliveries_given_back_total";
 /// Counter (`family`): stored records that no longer decode, found outside boot recovery.
 pub const STORE_UNDECODABLE: &str = "popgate_store_undecodable_records_total";
+/// Receives whose filter differed from their subscription's but were not allowed to change it (changed too
+/// recently: consumers of one group with different filters).
+pub const SUBSCRIPTION_FILTER_CONFLICTS: &str = "popgate_subscription_filter_conflicts_total";
+/// Implicit subscriptions (made by a receive) removed after being idle.
+pub const SUBSCRIPTIONS_EXPIRED: &str = "popgate_subscriptions_expired_total";
+/// Histogram: callers' writes committed together by one state-store group commit (one batch, one sync).
+pub const STORE_GROUP_COMMIT_WRITES: &str = "popgate_store_group_commit_writes";
+/// Histogram: how long one state-store group commit took (the write, its sync, a requested WAL sync).
+pub const STORE_COMMIT_DURATION: &str = "popgate_store_commit_duration_seconds";
 /// Counter (`rpc`, `code`): gRPC calls answered, by RPC and RocketMQ status code.
 pub const GRPC_REQUESTS: &str = "popgate_grpc_requests_total";
 /// Histogram (`rpc`): how long a gRPC call took to answer.
@@ -91,6 +100,13 @@ pub const ACK_LATENCY_BUCKETS: &[f64] = &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 pub const PUBLISH_DURATION_BUCKETS: &[f64] =
     &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
 
+/// Buckets for [`STORE_GROUP_COMMIT_WRITES`]: one write alone up to the writer's largest group (1024).
+pub const STORE_GROUP_COMMIT_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0];
+
+/// Buckets for [`STORE_COMMIT_DURATION`]: an unsynced write (0.1 ms) up to a disk stalled for seconds.
+pub const STORE_COMMIT_BUCKETS: &[f64] =
+    &[0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0];
+
 /// Installs the process-wide Prometheus recorder (once) and describes every metric.
 ///
 /// # Errors
@@ -107,6 +123,10 @@ pub fn install() -> Result<PrometheusHandle, String> {
                 .set_buckets_for_metric(Matcher::Full(SEND_DURATION.to_owned()), PUBLISH_DURATION_BUCKETS)
                 .map_err(|e| e.to_string())?
                 .set_buckets_for_metric(Matcher::Full(GRPC_REQUEST_DURATION.to_owned()), PUBLISH_DURATION_BUCKETS)
+                .map_err(|e| e.to_string())?
+                .set_buckets_for_metric(Matcher::Full(STORE_GROUP_COMMIT_WRITES.to_owned()), STORE_GROUP_COMMIT_BUCKETS)
+                .map_err(|e| e.to_string())?
+                .set_buckets_for_metric(Matcher::Full(STORE_COMMIT_DURATION.to_owned()), STORE_COMMIT_BUCKETS)
                 .map_err(|e| e.to_string())?
                 .install_recorder()
                 .map_err(|e| e.to_string())?;
@@ -129,7 +149,7 @@ const ZERO_SERIES: &[(&str, &str, &[&str])] = &[
     (REDELIVERIES, "reason", &["timeout", "nack", "push_failure", "recovery"]),
     (RECOVERED_DELIVERIES, "outcome", &["redispatched", "ack_pending", "dead_letter_pending", "corrupt"]),
     (CONSUME_REQUEST_FAILURES, "op", &["pop", "renew", "give_back"]),
-    (DELIVERIES_GIVEN_BACK, "reason", &["unsubscribed", "not_admitted"]),
+    (DELIVERIES_GIVEN_BACK, "reason", &["unsubscribed", "not_admitted", "fifo_head_lost"]),
     (STORE_UNDECODABLE, "family", &["dlq_replays", "payloads"]),
     (
         REQUESTS_REJECTED,
@@ -156,6 +176,8 @@ const ZERO_COUNTERS: &[&str] = &[
     BROKER_ACK_FAILURES,
     OFFSET_WRITE_FAILURES,
     LEASES_LOST,
+    SUBSCRIPTION_FILTER_CONFLICTS,
+    SUBSCRIPTIONS_EXPIRED,
     TLS_HANDSHAKE_FAILURES,
     POPPED_UNUSABLE,
 ];
@@ -244,6 +266,18 @@ fn describe_all() {
     );
     describe_counter!(DELIVERIES_GIVEN_BACK, Unit::Count, "Messages handed back to the broker unACKed, by reason.");
     describe_counter!(STORE_UNDECODABLE, Unit::Count, "Stored records that no longer decode, by family.");
+    describe_histogram!(
+        STORE_GROUP_COMMIT_WRITES,
+        Unit::Count,
+        "Callers' writes committed together by one state-store group commit (one batch, one sync)."
+    );
+    describe_histogram!(STORE_COMMIT_DURATION, Unit::Seconds, "Duration of one state-store group commit.");
+    describe_counter!(
+        SUBSCRIPTION_FILTER_CONFLICTS,
+        Unit::Count,
+        "Receives whose filter was not taken: the subscription's filter changed less than 10 s before."
+    );
+    describe_counter!(SUBSCRIPTIONS_EXPIRED, Unit::Count, "Idle implicit subscriptions removed.");
     describe_counter!(REQUESTS_REJECTED, Unit::Count, "Requests refused for a limit or authentication, by reason.");
     describe_counter!(TLS_HANDSHAKE_FAILURES, Unit::Count, "TLS handshakes that failed or timed out.");
     describe_counter!(DLQ_REPLAYS, Unit::Count, "DLQ events replayed to their origin topic, by result.");

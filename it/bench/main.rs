@@ -546,6 +546,7 @@ fn planted_record(i: usize, now_ms: i64) -> DeliveryRecord {
             // A lease an hour long: neither renewed nor given up while the boot is measured.
             pop_time_ms: now_ms,
             invisible_ms: 3_600_000,
+            lease_until_ms: now_ms + 3_600_000,
         },
         attempt: 1,
         phase: Phase::AwaitingAck { deadline_ms: now_ms + 3_600_000, dispatched_ms: now_ms, holder: None },
@@ -574,8 +575,10 @@ async fn recovery(params: &Params, namesrv: &str) -> Value {
             max_backoff_ms: 16_000,
             ordered: false,
             push: None,
+            implicit: false,
         };
-        store.put(Family::Subscriptions, &sub.key(), &sub).expect("subscription");
+        // A blocking thread of its own: the store's async API is waited for in place.
+        futures::executor::block_on(store.put(Family::Subscriptions, &sub.key(), &sub)).expect("subscription");
         let now_ms = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_millis() as i64)
@@ -586,9 +589,9 @@ async fn recovery(params: &Params, namesrv: &str) -> Value {
             let mut changes: Vec<Change<'_>> =
                 records.iter().zip(encoded).map(|(r, v)| Change::Put(Family::Deliveries, &r.id, v)).collect();
             changes.extend(records.iter().map(|r| Change::Put(Family::Payloads, &r.id, body(size).into_bytes())));
-            store.apply(&changes).expect("write");
+            futures::executor::block_on(store.apply(&changes)).expect("write");
         }
-        store.sync_wal().expect("sync");
+        futures::executor::block_on(store.sync_wal()).expect("sync");
         started.elapsed().as_secs_f64()
     })
     .await

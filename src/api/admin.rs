@@ -115,7 +115,7 @@ pub async fn delete_subscription(
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     let (group, topic) =
         id.split_once(':').ok_or_else(|| ApiError::invalid_field("id", "a subscription id is <group>:<topic>"))?;
-    state.dispatcher.unsubscribe(group, topic).map_err(ApiError::from)?;
+    state.dispatcher.unsubscribe(group, topic).await.map_err(ApiError::from)?;
     Ok((StatusCode::OK, Json(json!({"status": "unsubscribed", "id": id}))))
 }
 

@@ -166,7 +166,9 @@ pub async fn subscribe(
             max_backoff_ms: body.max_backoff_ms,
             ordered: body.ordered,
             push: body.push,
+            implicit: false,
         })
+        .await
         .map_err(ApiError::from)?;
     Ok(Json(json!({ "subscription": subscription_json(&sub) })).into_response())
 }
@@ -179,7 +181,7 @@ pub async fn unsubscribe(
 ) -> Result<Response, ApiError> {
     let body: GroupTopic = parse_body(&read_body(body)?)?;
     authorize(&caller, Action::Consume(&body.group), "group")?;
-    state.dispatcher.unsubscribe(&body.group, &body.topic).map_err(ApiError::from)?;
+    state.dispatcher.unsubscribe(&body.group, &body.topic).await.map_err(ApiError::from)?;
     Ok(Json(json!({"status": "unsubscribed"})).into_response())
 }
 

@@ -67,7 +67,7 @@ pub async fn stream(
     let (group, topic, prefetch) = push_params(&query)?;
     authorize(&caller, Action::Consume(&group), "group")?;
     let slot = state.limits.acquire(&caller, Budget::Streams)?;
-    let subscriber = state.dispatcher.attach(&group, &topic, prefetch, "sse").map_err(ApiError::from)?;
+    let subscriber = state.dispatcher.attach(&group, &topic, prefetch, "sse").await.map_err(ApiError::from)?;
     // A reconnecting client names the last delivery it saw. What it still holds unACKed stays in flight to it
     // (it is not sent again on this stream): it ACKs those by POST, or they come back after their ACK timeout.
     if let Some(last) = headers.get("last-event-id").and_then(|v| v.to_str().ok()) {
@@ -126,7 +126,7 @@ pub async fn websocket(
     let (group, topic, prefetch) = push_params(&query)?;
     authorize(&caller, Action::Consume(&group), "group")?;
     let slot = state.limits.acquire(&caller, Budget::Streams)?;
-    let subscriber = state.dispatcher.attach(&group, &topic, prefetch, "websocket").map_err(ApiError::from)?;
+    let subscriber = state.dispatcher.attach(&group, &topic, prefetch, "websocket").await.map_err(ApiError::from)?;
     Ok(upgrade.on_upgrade(move |socket| ws_session(socket, subscriber, state, caller, slot)))
 }
 

@@ -407,7 +407,29 @@ impl BrokerClient {
     }
 }
 
+/// popgate's clock, in epoch milliseconds: the wall clock read once, at the first call, then advanced by the
+/// monotonic clock. Every deadline popgate keeps (leases, ACK deadlines, retries) is judged on it, so a wall
+/// clock stepped by an operator or NTP moves none of them; it stays within the steps made since start of the
+/// wall clock, which is what a restart (and the stored records it reads back) re-anchors to.
 pub(crate) fn now_millis() -> i64 {
+    static ANCHOR: std::sync::OnceLock<(std::time::Instant, i64)> = std::sync::OnceLock::new();
+    let (started, wall_at_start) = ANCHOR.get_or_init(|| (std::time::Instant::now(), wall_millis()));
+    wall_at_start.saturating_add(i64::try_from(elapsed_since(*started).as_millis()).unwrap_or(i64::MAX))
+}
+
+#[cfg(not(test))]
+fn elapsed_since(started: std::time::Instant) -> std::time::Duration {
+    started.elapsed()
+}
+
+/// Unit tests read Tokio's clock, so a test on paused time (`start_paused`, `time::advance`) moves popgate's
+/// clock with its timers: deadlines and backoffs are tested without sleeping.
+#[cfg(test)]
+fn elapsed_since(started: std::time::Instant) -> std::time::Duration {
+    tokio::time::Instant::now().into_std().saturating_duration_since(started)
+}
+
+fn wall_millis() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))

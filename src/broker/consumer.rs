@@ -29,7 +29,7 @@ use rocketmq_protocol::protocol::header::extra_info_util::ExtraInfoUtil;
 use rocketmq_protocol::protocol::header::pop_message_request_header::PopMessageRequestHeader;
 use rocketmq_protocol::RemotingCommand;
 
-use super::client::{BrokerClient, BrokerError, BrokerRoute};
+use super::client::{now_millis, BrokerClient, BrokerError, BrokerRoute};
 use super::message::is_reserved_property;
 
 /// `ConsumeInitMode.MIN`: a group that never consumed a queue starts at its oldest message, so nothing
@@ -83,17 +83,38 @@ pub struct ReceiptHandle {
     pub queue_id: i32,
     /// Offset of the message in that queue.
     pub queue_offset: i64,
-    /// When the current checkpoint was taken (epoch ms, the broker's clock).
+    /// When the current checkpoint was taken (epoch ms, the broker's clock: informational only, never
+    /// compared with popgate's).
     pub pop_time_ms: i64,
     /// How long the broker keeps the message invisible from `pop_time_ms`.
     pub invisible_ms: i64,
+    /// Until when popgate holds the lease, on popgate's own clock ([`now_millis`]): the moment the POP (or
+    /// the renewal) was *sent*, plus the invisible time it asked for. The broker starts the invisible time
+    /// later than that (when it takes the request), so this ends no later than the broker's lease, whatever
+    /// the two clocks say. 0 in records stored before popgate judged leases this way.
+    #[serde(default)]
+    pub lease_until_ms: i64,
 }
 
 impl ReceiptHandle {
-    /// The instant (epoch ms) after which the broker may hand the message to someone else.
+    /// The instant (epoch ms, popgate's clock) after which the broker may hand the message to someone else.
+    ///
+    /// Judged on popgate's clock from when the request was sent, never from the broker's `popTime`: a broker
+    /// clock 60 s behind popgate's would make every fresh lease look lapsed, and one ahead would keep
+    /// accepting ACKs for messages the broker has already handed to someone else. A record stored before
+    /// `lease_until_ms` existed falls back to the broker's figures.
     pub fn lease_deadline_ms(&self) -> i64 {
-        self.pop_time_ms.saturating_add(self.invisible_ms)
+        if self.lease_until_ms > 0 {
+            self.lease_until_ms
+        } else {
+            self.pop_time_ms.saturating_add(self.invisible_ms)
+        }
     }
+}
+
+/// The end of a lease granted for `invisible_ms` by a request sent at `sent_at_ms` (popgate's clock).
+fn lease_until(sent_at_ms: i64, invisible_ms: u64) -> i64 {
+    sent_at_ms.saturating_add(i64::try_from(invisible_ms).unwrap_or(i64::MAX))
 }
 
 /// One message from a POP.
@@ -153,7 +174,7 @@ impl BrokerClient {
             max_msg_nums: request.max,
             invisible_time: request.invisible_ms,
             poll_time: request.poll_ms,
-            born_time: u64::try_from(super::client::now_millis()).unwrap_or_default(),
+            born_time: u64::try_from(now_millis()).unwrap_or_default(),
             init_mode: INIT_MODE_MIN,
             exp_type: Some("TAG".into()),
             exp: Some(request.filter.into()),
@@ -162,6 +183,8 @@ impl BrokerClient {
             topic_request_header: None,
         };
         let timeout_ms = request.poll_ms + POP_TIMEOUT_SLACK_MS;
+        // Read before the request leaves: the lease is judged from here (see `ReceiptHandle::lease_until_ms`).
+        let sent_at_ms = now_millis();
         let result = handle
             .pop_message(&broker.name.as_str().into(), &broker.addr.as_str().into(), header, timeout_ms)
             .await
@@ -170,7 +193,7 @@ impl BrokerClient {
             return Ok(Vec::new());
         }
         let messages = result.msg_found_list.unwrap_or_default();
-        let usable: Vec<Popped> = messages.iter().filter_map(|m| popped(m, request, broker)).collect();
+        let usable: Vec<Popped> = messages.iter().filter_map(|m| popped(m, request, broker, sent_at_ms)).collect();
         let unusable = messages.len() - usable.len();
         if unusable > 0 {
             // It cannot be ACKed or renewed without its receipt handle; the broker delivers it again once its
@@ -284,6 +307,7 @@ impl BrokerClient {
             topic_request_header: None,
         };
         let timeout = self.request_timeout();
+        let sent_at_ms = now_millis();
         let result = self
             .pooled()
             .change_invisible_time(
@@ -304,7 +328,13 @@ impl BrokerClient {
         let extra_info = result.extra_info().to_string();
         let requested = i64::try_from(invisible_ms).unwrap_or(i64::MAX);
         let answered = ExtraInfoUtil::parse_ack_extra_info(&extra_info).map(|p| p.invisible_time).unwrap_or(requested);
-        Ok(ReceiptHandle { extra_info, pop_time_ms: result.pop_time(), invisible_ms: answered, ..handle.clone() })
+        Ok(ReceiptHandle {
+            extra_info,
+            pop_time_ms: result.pop_time(),
+            invisible_ms: answered,
+            lease_until_ms: lease_until(sent_at_ms, invisible_ms),
+            ..handle.clone()
+        })
     }
 }
 
@@ -352,7 +382,7 @@ pub struct AckEntry<'a> {
 
 /// Turns one popped message into an event and its handle; a message without a readable `POP_CK` is
 /// skipped (it cannot be ACKed, so the broker will deliver it again).
-fn popped(message: &MessageExt, request: &PopRequest<'_>, broker: &BrokerRoute) -> Option<Popped> {
+fn popped(message: &MessageExt, request: &PopRequest<'_>, broker: &BrokerRoute, sent_at_ms: i64) -> Option<Popped> {
     let property = |name: &str| message.properties().get(&CheetahString::from(name)).map(ToString::to_string);
     let extra_info = property("POP_CK")?;
     let parsed = ExtraInfoUtil::parse_ack_extra_info(&extra_info).ok()?;
@@ -385,6 +415,11 @@ fn popped(message: &MessageExt, request: &PopRequest<'_>, broker: &BrokerRoute) 
         queue_offset: parsed.queue_offset,
         pop_time_ms: parsed.pop_time,
         invisible_ms: parsed.invisible_time,
+        // The shorter of what was asked and what the broker wrote into the handle.
+        lease_until_ms: lease_until(
+            sent_at_ms,
+            request.invisible_ms.min(u64::try_from(parsed.invisible_time).unwrap_or(0)),
+        ),
         extra_info,
     };
     Some(Popped { event, handle })
@@ -418,7 +453,49 @@ mod tests {
             queue_offset: 0,
             pop_time_ms: 1_000,
             invisible_ms: 60_000,
+            lease_until_ms: 0,
         }
+    }
+
+    /// A message as the broker hands it out, its `POP_CK` taken at `broker_pop_time_ms` on the broker's clock.
+    fn message_popped_at(broker_pop_time_ms: i64) -> MessageExt {
+        let mut message = MessageExt::default();
+        let extra_info =
+            ExtraInfoUtil::build_extra_info_with_offset(5, broker_pop_time_ms, 60_000, 3, "orders", "broker-a", 1, 5);
+        message.message.set_properties(std::collections::HashMap::from([(
+            CheetahString::from("POP_CK"),
+            CheetahString::from(extra_info),
+        )]));
+        message
+    }
+
+    #[test]
+    fn a_lease_is_judged_on_popgates_clock_from_when_the_pop_was_sent_whatever_the_brokers_clock_says() {
+        let request = PopRequest {
+            group: "g",
+            topic: "orders",
+            filter: "*",
+            max: 1,
+            invisible_ms: 60_000,
+            poll_ms: 0,
+            orderly: false,
+        };
+        let broker =
+            BrokerRoute { name: "broker-a".into(), addr: "127.0.0.1:10911".into(), write_queues: 1, read_queues: 1 };
+        let sent_at = now_millis();
+        // The broker's clock a minute behind popgate's, the same, and a minute ahead.
+        for skew_ms in [-60_000, 0, 60_000] {
+            let popped =
+                popped(&message_popped_at(sent_at + skew_ms), &request, &broker, sent_at).expect("a usable message");
+            assert_eq!(popped.handle.lease_deadline_ms(), sent_at + 60_000, "broker clock off by {skew_ms} ms");
+            assert_eq!(popped.handle.pop_time_ms, sent_at + skew_ms, "the broker's own figure is kept apart");
+        }
+    }
+
+    #[test]
+    fn a_record_stored_before_local_leases_falls_back_to_the_brokers_figures() {
+        let old = handle("0 1000 60000 3 0 broker-a 1 0".into());
+        assert_eq!(old.lease_deadline_ms(), 61_000);
     }
 
     #[test]

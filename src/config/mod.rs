@@ -375,6 +375,12 @@ pub struct DeliveryConfig {
     /// Most deliveries one subscription (group + topic) holds in flight, so one busy group cannot take the
     /// whole instance bound from the others.
     pub max_in_flight_per_subscription: usize,
+    /// A subscription that a receive created on its own (a long poll, a push stream or a gRPC receive for a
+    /// group and topic nobody subscribed with `POST /events/subscribe`) is removed after this long with no
+    /// receive waiting and nothing in flight; the next receive creates it again. Subscriptions made with
+    /// `POST /events/subscribe` stay until removed. Bounds the POP loops and stored subscriptions that
+    /// clients coming and going leave behind.
+    pub idle_subscription_expiry_secs: u64,
 }
 
 impl Default for DeliveryConfig {
@@ -393,6 +399,7 @@ impl Default for DeliveryConfig {
             redeliver_on_disconnect: false,
             max_in_flight: 100_000,
             max_in_flight_per_subscription: 10_000,
+            idle_subscription_expiry_secs: 600,
         }
     }
 }

@@ -70,6 +70,7 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
     }
     check((0.0..1.0).contains(&delivery.jitter_ratio), "delivery.jitter_ratio", "must be in [0, 1)");
     check(delivery.lease_ms >= 1_000, "delivery.lease_ms", "must be >= 1000");
+    check(delivery.idle_subscription_expiry_secs >= 1, "delivery.idle_subscription_expiry_secs", "must be >= 1");
     check(
         (1..=MAX_POP_BATCH).contains(&delivery.pop_batch),
         "delivery.pop_batch",

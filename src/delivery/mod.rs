@@ -166,6 +166,9 @@ pub struct SubscriptionRequest {
     pub ordered: Option<bool>,
     /// Push deliveries to a webhook.
     pub push: Option<webhook::WebhookPush>,
+    /// Made by a receive on its own rather than asked for (see [`Subscription::implicit`]). An existing
+    /// subscription that was asked for stays so.
+    pub implicit: bool,
 }
 
 /// One in-flight delivery as the admin plane shows it.
@@ -212,7 +215,7 @@ impl Dispatcher {
     /// [`DeliveryError::Store`] when the store cannot be read.
     ///
     /// `group_commit` is the WAL sync interval when the store does not sync each write (async-flush profiles).
-    pub fn start(
+    pub async fn start(
         store: Arc<StateStore>,
         broker: Arc<BrokerClient>,
         publisher: Arc<Publisher>,
@@ -220,7 +223,7 @@ impl Dispatcher {
         group_commit: Option<Duration>,
     ) -> Result<(Arc<Dispatcher>, RecoveryReport), DeliveryError> {
         let deliveries = Arc::new(Deliveries::new(store, broker, publisher, config));
-        let (report, poppers) = recovery::recover(&deliveries)?;
+        let (report, poppers) = recovery::recover(&deliveries).await?;
         let dispatcher = Arc::new_cyclic(|me| Dispatcher {
             deliveries: deliveries.clone(),
             tasks: parking_lot::Mutex::new(Vec::new()),
@@ -240,16 +243,25 @@ impl Dispatcher {
         Ok((dispatcher, report))
     }
 
+    /// Starts a background task, kept for shutdown; finished ones (a stopped POP loop or webhook pusher) are
+    /// dropped here, so the list holds what runs, not every task ever started.
     fn spawn(&self, task: impl std::future::Future<Output = ()> + Send + 'static) {
-        self.tasks.lock().push(tokio::spawn(task));
+        let mut tasks = self.tasks.lock();
+        tasks.retain(|task| !task.is_finished());
+        tasks.push(tokio::spawn(task));
+    }
+
+    /// Background tasks still kept (running, or finished since the last spawn).
+    pub fn background_tasks(&self) -> usize {
+        self.tasks.lock().len()
     }
 
     /// Runs recovery again (it is idempotent: tracked records are skipped). For operators and tests.
     ///
     /// # Errors
     /// [`DeliveryError::Store`] when the store cannot be read.
-    pub fn recover_again(&self) -> Result<RecoveryReport, DeliveryError> {
-        let (report, poppers) = recovery::recover(&self.deliveries)?;
+    pub async fn recover_again(&self) -> Result<RecoveryReport, DeliveryError> {
+        let (report, poppers) = recovery::recover(&self.deliveries).await?;
         for (key, stop) in poppers {
             self.spawn(popper::run(self.deliveries.clone(), key, stop));
         }
@@ -272,10 +284,12 @@ impl Dispatcher {
     ///
     /// # Errors
     /// [`DeliveryError::Invalid`] naming a bad field; [`DeliveryError::Store`] when it cannot be stored.
-    pub fn subscribe(&self, request: SubscriptionRequest) -> Result<Subscription, DeliveryError> {
+    pub async fn subscribe(&self, request: SubscriptionRequest) -> Result<Subscription, DeliveryError> {
         let config = self.deliveries.config();
         validate_name("group", &request.group)?;
         validate_name("topic", &request.topic)?;
+        let implicit = request.implicit
+            && self.deliveries.subscription(&request.group, &request.topic).is_none_or(|existing| existing.implicit);
         let sub = Subscription {
             group: request.group,
             topic: request.topic,
@@ -286,6 +300,7 @@ impl Dispatcher {
             max_backoff_ms: request.max_backoff_ms.unwrap_or(config.max_backoff_ms),
             ordered: request.ordered.unwrap_or(false),
             push: request.push,
+            implicit,
         };
         if let Some(push) = &sub.push {
             push.validate()?;
@@ -307,7 +322,7 @@ impl Dispatcher {
             sub.max_attempts,
         )
         .map_err(|e| DeliveryError::Invalid("initialBackoffMs", e.to_string()))?;
-        if let Some(stop) = self.deliveries.put_subscription(sub.clone(), policy)? {
+        if let Some(stop) = self.deliveries.put_subscription(sub.clone(), policy).await? {
             self.spawn(popper::run(self.deliveries.clone(), sub.key(), stop));
         }
         self.restart_webhook(&sub);
@@ -319,8 +334,8 @@ impl Dispatcher {
     ///
     /// # Errors
     /// [`DeliveryError::Unknown`] when there is no such subscription; [`DeliveryError::Store`].
-    pub fn unsubscribe(&self, group: &str, topic: &str) -> Result<(), DeliveryError> {
-        self.deliveries.remove_subscription(group, topic)?;
+    pub async fn unsubscribe(&self, group: &str, topic: &str) -> Result<(), DeliveryError> {
+        self.deliveries.remove_subscription(group, topic).await?;
         if let Some(stop) = self.webhooks.lock().remove(&Subscription::key_of(group, topic)) {
             stop.store(true, Ordering::Relaxed);
         }
@@ -331,11 +346,17 @@ impl Dispatcher {
     ///
     /// # Errors
     /// As [`Dispatcher::subscribe`].
-    pub fn ensure_subscription(&self, group: &str, topic: &str) -> Result<Subscription, DeliveryError> {
+    pub async fn ensure_subscription(&self, group: &str, topic: &str) -> Result<Subscription, DeliveryError> {
         if let Some(sub) = self.deliveries.subscription(group, topic) {
             return Ok(sub);
         }
-        self.subscribe(SubscriptionRequest { group: group.to_owned(), topic: topic.to_owned(), ..Default::default() })
+        self.subscribe(SubscriptionRequest {
+            group: group.to_owned(),
+            topic: topic.to_owned(),
+            implicit: true,
+            ..Default::default()
+        })
+        .await
     }
 
     /// The subscription of `group`/`topic`, if there is one.
@@ -363,16 +384,27 @@ impl Dispatcher {
     ///
     /// # Errors
     /// As [`Dispatcher::subscribe`].
-    pub fn ensure_filtered(&self, group: &str, topic: &str, filter: &str) -> Result<Subscription, DeliveryError> {
+    pub async fn ensure_filtered(&self, group: &str, topic: &str, filter: &str) -> Result<Subscription, DeliveryError> {
         let Some(sub) = self.deliveries.subscription(group, topic) else {
-            return self.subscribe(SubscriptionRequest {
-                group: group.to_owned(),
-                topic: topic.to_owned(),
-                filter: Some(filter.to_owned()),
-                ..Default::default()
-            });
+            return self
+                .subscribe(SubscriptionRequest {
+                    group: group.to_owned(),
+                    topic: topic.to_owned(),
+                    filter: Some(filter.to_owned()),
+                    implicit: true,
+                    ..Default::default()
+                })
+                .await;
         };
         if sub.filter == filter {
+            return Ok(sub);
+        }
+        // Consumers of one group asking for different filters would otherwise rewrite the stored
+        // subscription on every receive. As at a RocketMQ broker, the group has one subscription, and the
+        // filter in force is the latest change; changes are taken at most once per interval.
+        if !self.deliveries.may_change_filter(&sub.key()) {
+            metrics::counter!(crate::metrics::SUBSCRIPTION_FILTER_CONFLICTS).increment(1);
+            tracing::debug!(group, topic, filter, current = %sub.filter, "Filter change refused: changed too recently.");
             return Ok(sub);
         }
         self.subscribe(SubscriptionRequest {
@@ -383,9 +415,11 @@ impl Dispatcher {
             max_backoff_ms: Some(sub.max_backoff_ms),
             ordered: Some(sub.ordered),
             push: sub.push,
+            implicit: sub.implicit,
             group: sub.group,
             topic: sub.topic,
         })
+        .await
     }
 
     /// Long-polls up to `max` deliveries for `group`/`topic`, waiting at most `wait` when none is ready.
@@ -399,7 +433,7 @@ impl Dispatcher {
         max: usize,
         wait: Duration,
     ) -> Result<Vec<Dispatched>, DeliveryError> {
-        let key = self.ensure_subscription(group, topic)?.key();
+        let key = self.ensure_subscription(group, topic).await?.key();
         self.poll_key(&key, max, wait, &HandOut::long_poll()).await
     }
 
@@ -433,7 +467,7 @@ impl Dispatcher {
             let notified = bells.polls.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let taken = self.deliveries.hand_out(&key, max, to, None)?;
+            let taken = self.deliveries.hand_out(&key, max, to, None).await?;
             if !taken.is_empty() || tokio::time::Instant::now() >= deadline {
                 return Ok(taken);
             }
@@ -449,7 +483,7 @@ impl Dispatcher {
     ///
     /// # Errors
     /// As [`Dispatcher::subscribe`]; [`DeliveryError::Invalid`] for a prefetch out of bounds.
-    pub fn attach(
+    pub async fn attach(
         &self,
         group: &str,
         topic: &str,
@@ -461,7 +495,7 @@ impl Dispatcher {
             let (low, high) = (bounds::PREFETCH.start(), bounds::PREFETCH.end());
             return Err(DeliveryError::Invalid("prefetch", format!("must be in {low}..={high}")));
         }
-        let key = self.ensure_subscription(group, topic)?.key();
+        let key = self.ensure_subscription(group, topic).await?.key();
         Ok(Subscriber::new(self.deliveries.clone(), key, prefetch, transport))
     }
 
@@ -517,13 +551,13 @@ impl Dispatcher {
     ///
     /// # Errors
     /// [`DeliveryError::Store`] when the new deadlines cannot be stored (nothing changes then).
-    pub fn keep_held(
+    pub async fn keep_held(
         &self,
         clients: &std::collections::HashSet<String>,
         hold: Duration,
         max_hold: Duration,
     ) -> Result<usize, DeliveryError> {
-        self.deliveries.keep_held(clients, hold, max_hold)
+        self.deliveries.keep_held(clients, hold, max_hold).await
     }
 
     /// `client_id` ended (NotifyClientTermination): what it held and did not settle is NACKed, so its next
@@ -569,9 +603,9 @@ async fn group_commit_loop(deliveries: Arc<Deliveries>, interval: Duration) {
     let mut tick = tokio::time::interval(interval);
     while !deliveries.is_shutting_down() {
         tick.tick().await;
-        deliveries.sync_wal();
+        deliveries.sync_wal().await;
     }
-    deliveries.sync_wal();
+    deliveries.sync_wal().await;
 }
 
 /// A waiting subscriber's demand on its subscription, withdrawn when the wait ends (or its client goes away).

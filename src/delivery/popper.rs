@@ -133,7 +133,7 @@ async fn admit(
     if popped.is_empty() {
         return true;
     }
-    match deliveries.admit(key, popped) {
+    match deliveries.admit(key, popped).await {
         Admission::Admitted => true,
         Admission::Refused(back) => {
             *unadmitted = back;

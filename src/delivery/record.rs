@@ -108,6 +108,10 @@ pub struct Subscription {
     /// Push every delivery to a webhook instead of waiting for subscribers to connect.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub push: Option<super::webhook::WebhookPush>,
+    /// Created by a receive on its own (a long poll, a push stream, a gRPC receive), not by
+    /// `POST /events/subscribe`: removed once idle (`delivery.idle_subscription_expiry_secs`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub implicit: bool,
 }
 
 impl Subscription {

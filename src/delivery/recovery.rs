@@ -55,7 +55,7 @@ pub(super) type PopLoop = (String, Arc<AtomicBool>);
 ///
 /// # Errors
 /// [`StoreError`] when the store cannot be read.
-pub(super) fn recover(deliveries: &Deliveries) -> Result<(RecoveryReport, Vec<PopLoop>), StoreError> {
+pub(super) async fn recover(deliveries: &Deliveries) -> Result<(RecoveryReport, Vec<PopLoop>), StoreError> {
     let mut report = RecoveryReport::default();
     let mut poppers = Vec::new();
     for (_, sub) in deliveries.store().list::<Subscription>(Family::Subscriptions)?.records {
@@ -76,7 +76,7 @@ pub(super) fn recover(deliveries: &Deliveries) -> Result<(RecoveryReport, Vec<Po
     })?;
     for key in &undecodable {
         tracing::warn!(record = %key, "Undecodable delivery record retired without a broker ACK.");
-        deliveries.discard_undecodable(key);
+        deliveries.discard_undecodable(key).await;
         counter!(m::RECOVERED_DELIVERIES, "outcome" => "corrupt").increment(1);
         report.corrupt += 1;
     }
@@ -162,6 +162,7 @@ mod tests {
                 // A lease far in the future: the sweeper neither renews nor gives it up during the test.
                 pop_time_ms: now_millis(),
                 invisible_ms: 3_600_000,
+                lease_until_ms: now_millis() + 3_600_000,
             },
             attempt,
             phase,
@@ -174,7 +175,7 @@ mod tests {
     /// A dispatcher over `store` with no reachable broker: recovery itself must not need one.
     async fn start_offline(store: StateStore) -> (Arc<Dispatcher>, RecoveryReport) {
         let (broker, publisher, config) = offline_parts().await;
-        Dispatcher::start(Arc::new(store), broker, publisher, config, None).expect("start")
+        Dispatcher::start(Arc::new(store), broker, publisher, config, None).await.expect("start")
     }
 
     #[tokio::test]
@@ -182,7 +183,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let store = StateStore::open(dir.path(), true).expect("open");
         let sub = subscription();
-        store.put(Family::Subscriptions, &sub.key(), &sub).expect("put sub");
+        store.put(Family::Subscriptions, &sub.key(), &sub).await.expect("put sub");
         let soon = now_millis() + 5_000;
         let holder = Holder { client_id: "app@1".into(), auto_renew: true };
         let held = record(
@@ -190,7 +191,7 @@ mod tests {
             Phase::AwaitingAck { deadline_ms: soon, dispatched_ms: now_millis(), holder: Some(holder) },
             2,
         );
-        store.put(Family::Deliveries, &held.id, &held).expect("put");
+        store.put(Family::Deliveries, &held.id, &held).await.expect("put");
 
         let (dispatcher, report) = start_offline(store).await;
         assert_eq!(report.redispatched, 1, "counted as in flight");
@@ -199,10 +200,10 @@ mod tests {
 
         let clients = |id: &str| std::collections::HashSet::from([id.to_owned()]);
         let hold = Duration::from_secs(30);
-        assert_eq!(dispatcher.keep_held(&clients("other@2"), hold, Duration::from_secs(3600)).ok(), Some(0));
-        assert_eq!(dispatcher.keep_held(&clients("app@1"), hold, Duration::from_secs(3600)).ok(), Some(1));
+        assert_eq!(dispatcher.keep_held(&clients("other@2"), hold, Duration::from_secs(3600)).await.ok(), Some(0));
+        assert_eq!(dispatcher.keep_held(&clients("app@1"), hold, Duration::from_secs(3600)).await.ok(), Some(1));
         assert_eq!(
-            dispatcher.keep_held(&clients("app@1"), hold, Duration::from_secs(3600)).ok(),
+            dispatcher.keep_held(&clients("app@1"), hold, Duration::from_secs(3600)).await.ok(),
             Some(0),
             "not due yet"
         );
@@ -217,7 +218,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let store = StateStore::open(dir.path(), true).expect("open");
         let sub = subscription();
-        store.put(Family::Subscriptions, &sub.key(), &sub).expect("put sub");
+        store.put(Family::Subscriptions, &sub.key(), &sub).await.expect("put sub");
         let planted = [
             record("awaiting", Phase::AwaitingAck { deadline_ms: 0, dispatched_ms: 0, holder: None }, 3),
             record("ready", Phase::Ready { due_ms: 0 }, 2),
@@ -225,9 +226,9 @@ mod tests {
             record("dead", Phase::DeadLetter { reason: "r".into() }, 6),
         ];
         for r in &planted {
-            store.put(Family::Deliveries, &r.id, r).expect("put");
+            store.put(Family::Deliveries, &r.id, r).await.expect("put");
         }
-        store.put_raw(Family::Deliveries, "garbage", b"\xff not json").expect("put raw");
+        store.put_raw(Family::Deliveries, "garbage", b"\xff not json").await.expect("put raw");
 
         let (dispatcher, report) = start_offline(store).await;
         assert_eq!(
@@ -243,7 +244,7 @@ mod tests {
         );
         assert_eq!(dispatcher.subscriptions(), vec![sub]);
 
-        let again = dispatcher.recover_again().expect("second pass");
+        let again = dispatcher.recover_again().await.expect("second pass");
         assert_eq!(again, RecoveryReport { skipped: 4, ..RecoveryReport::default() }, "a second pass changes nothing");
 
         // The redispatched deliveries keep their ids and attempt counters.
@@ -251,6 +252,24 @@ mod tests {
         let mut seen: Vec<(String, u32)> = polled.iter().map(|d| (d.id.clone(), d.attempt)).collect();
         seen.sort();
         assert_eq!(seen, vec![("awaiting".to_owned(), 3), ("ready".to_owned(), 2)]);
+        dispatcher.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn stopped_pop_loops_are_not_kept_for_ever() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (dispatcher, _) = start_offline(StateStore::open(dir.path(), true).expect("open")).await;
+        let request =
+            |group: String| crate::delivery::SubscriptionRequest { group, topic: "t".into(), ..Default::default() };
+        for n in 0..20 {
+            dispatcher.subscribe(request(format!("g{n}"))).await.expect("subscribe");
+            dispatcher.unsubscribe(&format!("g{n}"), "t").await.expect("unsubscribe");
+        }
+        // Each stopped loop ends within its pause (1 s); the next start drops the finished ones.
+        tokio::time::sleep(Duration::from_millis(2_500)).await;
+        dispatcher.subscribe(request("last".into())).await.expect("subscribe");
+        let kept = dispatcher.background_tasks();
+        assert!(kept <= 3, "{kept} tasks kept: the sweeper, the last POP loop, and no stopped one");
         dispatcher.shutdown().await;
     }
 }

@@ -99,6 +99,27 @@ impl RetryPolicy {
     }
 }
 
+/// Broker work popgate owes (a broker ACK, a DLQ write): retried after 1 s, doubling to 30 s, ±20 %, for as
+/// long as it takes. After a broker outage the owed work of many deliveries is then spread out instead of
+/// all of it being tried again every second.
+pub const OWED_WORK_BACKOFF: RetryPolicy =
+    RetryPolicy { initial: Duration::from_secs(1), max: Duration::from_secs(30), jitter: 0.2, max_attempts: u32::MAX };
+
+/// Lease renewals that failed: 1 s doubling to 4 s, ±20 %. Capped low because the lease runs out meanwhile
+/// (a renewal starts with half the lease left, 30 s by default): a few tries must fit before it lapses.
+pub const RENEWAL_BACKOFF: RetryPolicy =
+    RetryPolicy { initial: Duration::from_secs(1), max: Duration::from_secs(4), jitter: 0.2, max_attempts: u32::MAX };
+
+impl RetryPolicy {
+    /// The jittered delay after the `failures`-th failure in a row of work that is never abandoned.
+    pub fn delay_after(&self, failures: u32, rng: &mut impl Rng) -> Duration {
+        match self.next(failures.max(1), rng) {
+            NextStep::RetryAfter(delay, _) => delay,
+            NextStep::DeadLetter => self.max,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -147,6 +168,18 @@ mod tests {
         assert!(RetryPolicy::try_new(s, s, 1.0, 6).is_err());
         assert!(RetryPolicy::try_new(s, s, 0.2, 0).is_err());
         assert!(RetryPolicy::try_new(s, s, 0.0, 1).is_ok());
+    }
+
+    #[test]
+    fn owed_broker_work_backs_off_exponentially_with_jitter_up_to_thirty_seconds() {
+        let mut rng = StdRng::seed_from_u64(7);
+        for (failures, base_ms) in [(1u32, 1_000u128), (2, 2_000), (3, 4_000), (5, 16_000), (6, 30_000), (1000, 30_000)]
+        {
+            let ms = OWED_WORK_BACKOFF.delay_after(failures, &mut rng).as_millis();
+            assert!((base_ms * 8 / 10..=base_ms * 12 / 10).contains(&ms), "failure {failures}: {ms} ms");
+        }
+        let ms = RENEWAL_BACKOFF.delay_after(10, &mut rng).as_millis();
+        assert!((3_200..=4_800).contains(&ms), "renewals cap at 4 s: {ms} ms");
     }
 
     #[test]

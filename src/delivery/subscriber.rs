@@ -94,7 +94,7 @@ impl Subscriber {
                     demand = Some((room, Demand::register(&self.deliveries, &self.key, room)));
                 }
                 let to = HandOut { transport: self.transport, ack_timeout: None, holder: None };
-                let taken = match self.deliveries.hand_out(&self.key, room, &to, Some(self.id)) {
+                let taken = match self.deliveries.hand_out(&self.key, room, &to, Some(self.id)).await {
                     Ok(taken) => taken,
                     Err(error) => {
                         self.paused_until = Some(tokio::time::Instant::now() + STORE_PAUSE);
@@ -147,6 +147,6 @@ impl Drop for Subscriber {
                 return;
             }
         }
-        deliveries.forget_holder(id);
+        deliveries.forget_holder(id, &held);
     }
 }

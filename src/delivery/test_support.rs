@@ -34,5 +34,6 @@ pub(crate) fn subscription() -> Subscription {
         max_backoff_ms: 16_000,
         ordered: false,
         push: None,
+        implicit: false,
     }
 }

@@ -99,7 +99,7 @@ pub async fn run(dispatcher: Arc<Dispatcher>, group: String, topic: String, push
             return;
         }
     };
-    let mut subscriber = match dispatcher.attach(&group, &topic, Some(push.max_concurrency), "webhook") {
+    let mut subscriber = match dispatcher.attach(&group, &topic, Some(push.max_concurrency), "webhook").await {
         Ok(subscriber) => subscriber,
         Err(error) => {
             tracing::error!(%error, %group, %topic, "Cannot attach the webhook pusher.");

@@ -149,14 +149,14 @@ impl DlqAdmin {
             started_ms: now_millis(),
             replayed_ms: None,
         };
-        self.record(&key, &record)?;
+        self.record(&key, &record).await?;
         let replayed = replay_message(message, origin_topic);
         let event_id = replayed.properties.get(PROPERTY_UNIQ_KEY).cloned();
         match self.publisher.publish(&replayed, SendMode::Sync).await {
             Ok(_) => {
                 record.state = ReplayState::Replayed;
                 record.replayed_ms = Some(now_millis());
-                self.record(&key, &record)?;
+                self.record(&key, &record).await?;
                 counter!(m::DLQ_REPLAYS, "result" => "replayed").increment(1);
                 tracing::info!(dlq = dlq_topic, message_id = %message.message_id, event_id = ?event_id, "DLQ event replayed.");
                 outcome.status = "replayed";
@@ -175,9 +175,9 @@ impl DlqAdmin {
     }
 
     /// Writes a ledger entry and syncs it, so progress survives a power loss as well as a crash.
-    fn record(&self, key: &str, record: &ReplayRecord) -> Result<(), DlqError> {
-        self.store.put(Family::DlqReplays, key, record)?;
-        self.store.sync_wal()?;
+    async fn record(&self, key: &str, record: &ReplayRecord) -> Result<(), DlqError> {
+        self.store.put(Family::DlqReplays, key, record).await?;
+        self.store.sync_wal().await?;
         Ok(())
     }
 }

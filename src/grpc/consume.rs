@@ -173,7 +173,7 @@ pub(super) async fn prepare_receive(
             }
         }
     }
-    let sub = front.dispatcher.ensure_filtered(&group, &topic, &filter).map_err(delivery_status)?;
+    let sub = front.dispatcher.ensure_filtered(&group, &topic, &filter).await.map_err(delivery_status)?;
     let holder = Holder { client_id: client_id.to_owned(), auto_renew: request.auto_renew };
     Ok(Receive {
         sub,

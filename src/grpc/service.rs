@@ -76,20 +76,33 @@ impl Front {
             .ok_or_else(|| refused("unknown access key or bad signature"))
     }
 
-    /// Notes that the calling client is alive (its kind, when known), and refreshes the gauge.
+    /// Notes that the calling client is alive (its kind, when known). Constant time: expiry and the gauge
+    /// are the keep-alive loop's ([`Front::prune_clients`]), not every call's.
     fn saw_client(&self, metadata: &MetadataMap, kind: Option<&'static str>) {
         let Some(id) = client_id(metadata) else { return };
         let mut clients = self.clients.lock();
         let now = Instant::now();
-        let known = clients.get(id).map(|(k, _)| *k);
-        clients.insert(id.to_owned(), (kind.or(known).unwrap_or("other"), now));
-        clients.retain(|_, (_, seen)| now.duration_since(*seen) < CLIENT_EXPIRY);
-        publish_client_gauge(&clients);
+        match clients.get_mut(id) {
+            Some((known, seen)) => {
+                *known = kind.unwrap_or(known);
+                *seen = now;
+            }
+            None => {
+                clients.insert(id.to_owned(), (kind.unwrap_or("other"), now));
+            }
+        }
     }
 
     fn forget_client(&self, id: &str) {
+        self.clients.lock().remove(id);
+    }
+
+    /// Forgets the clients not seen for [`CLIENT_EXPIRY`] and refreshes the gauge: one pass per keep-alive tick,
+    /// so a hundred thousand clients coming and going cost one pass every few seconds, not one per call.
+    fn prune_clients(&self) {
+        let now = Instant::now();
         let mut clients = self.clients.lock();
-        clients.remove(id);
+        clients.retain(|_, (_, seen)| now.duration_since(*seen) < CLIENT_EXPIRY);
         publish_client_gauge(&clients);
     }
 
@@ -131,20 +144,27 @@ pub(super) async fn keep_alive_loop(front: std::sync::Weak<Front>) {
     loop {
         tick.tick().await;
         let Some(front) = front.upgrade() else { return };
+        front.prune_clients();
         let live = front.live_clients();
         if live.is_empty() {
             continue;
         }
-        if let Err(error) = front.dispatcher.keep_held(&live, AUTO_RENEW_HOLD, AUTO_RENEW_MAX) {
+        if let Err(error) = front.dispatcher.keep_held(&live, AUTO_RENEW_HOLD, AUTO_RENEW_MAX).await {
             tracing::warn!(%error, "Could not extend the deliveries live gRPC clients hold; will retry.");
         }
     }
 }
 
 fn publish_client_gauge(clients: &HashMap<String, (&'static str, Instant)>) {
-    for kind in ["producer", "push_consumer", "simple_consumer", "other"] {
-        let count = clients.values().filter(|(k, _)| *k == kind).count();
-        gauge!(m::GRPC_CLIENTS, "kind" => kind).set(count as f64);
+    const KINDS: [&str; 4] = ["producer", "push_consumer", "simple_consumer", "other"];
+    let mut counts = [0usize; KINDS.len()];
+    for (kind, _) in clients.values() {
+        if let Some(index) = KINDS.iter().position(|k| k == kind) {
+            counts[index] += 1;
+        }
+    }
+    for (kind, count) in KINDS.iter().zip(counts) {
+        gauge!(m::GRPC_CLIENTS, "kind" => *kind).set(count as f64);
     }
 }
 

@@ -3,17 +3,26 @@
 //! ```text
 //! deliveries     deliveryId (32 hex chars)  -> in-flight delivery record (JSON)
 //! subscriptions  "<group>\n<topic>"          -> subscription (JSON)
+//! dlq_replays    "<dlq topic>\n<message id>"  -> replay progress (JSON)
+//! payloads       deliveryId                  -> the event body (raw bytes)
 //! ```
 //!
 //! Records are JSON so an operator can read them with `ldb`; the types belong to their owners (the delivery
-//! module), and this module only stores and lists them. No RocksDB type leaves it. Every write is synced to
-//! the WAL before it returns when `sync_writes` is on, so a `kill -9` (or power loss) keeps what was
-//! acknowledged. A record that no longer decodes is listed apart, for recovery to retire.
+//! module), and this module only stores and lists them. No RocksDB type leaves it. A record that no longer
+//! decodes is listed apart, for recovery to retire.
+//!
+//! **Writes** go through one writer thread, never a Tokio worker, and are group-committed: the writer takes
+//! every write queued while it was busy and commits them as one RocksDB batch. With `sync_writes` on
+//! (`durable` and `financial` profiles) that batch is synced to the WAL before any of its callers is
+//! answered, so a `kill -9` (or power loss) keeps what was acknowledged, at one fsync per group rather than
+//! per write. With it off (the other profiles) writes reach the WAL unsynced and the delivery layer syncs the
+//! WAL every `group_commit` interval ([`StateStore::sync_wal`]): a power loss may lose that interval, a
+//! process kill loses nothing (the WAL is in the page cache).
 //!
 //! After a failed write (disk full, I/O error) RocksDB refuses every later write, even once space is free.
-//! The store then reopens the database before its next operation (at most once a second): opening replays
-//! the WAL, so everything that was acknowledged is still there, and writing works again as soon as the
-//! disk has room.
+//! The writer then reopens the database before its next group (at most once a second, also when no write
+//! comes): opening replays the WAL, so everything that was acknowledged is still there, and writing works
+//! again as soon as the disk has room. Reads meanwhile fail at once (`Closed`) rather than wait for it.
 //!
 //! The store keeps its own health: every failed write or WAL sync, whoever asked for it (deliveries,
 //! subscriptions, the DLQ replay ledger), is counted in `popgate_offset_write_failures_total` and makes
@@ -21,12 +30,16 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use parking_lot::{Mutex, RwLock, RwLockReadGuard};
+#[cfg(test)]
+use parking_lot::Mutex;
+use parking_lot::{RwLock, RwLockReadGuard};
 use rocksdb::{ColumnFamilyDescriptor, IteratorMode, Options, WriteBatch, WriteOptions, DB};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
+use tokio::sync::oneshot;
 
 /// Which kind of record; each has its own column family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -102,10 +115,16 @@ pub enum StoreError {
     /// The database is closed after a failure and could not be reopened yet.
     #[error("state store unavailable until it can be reopened")]
     Closed,
+    /// The writer thread could not be started.
+    #[error("cannot start the state store's writer thread: {0}")]
+    Writer(#[source] std::io::Error),
 }
 
 /// The shortest pause between two attempts to reopen a failed database.
 const REOPEN_PAUSE: Duration = Duration::from_secs(1);
+/// The most callers' writes one group commit takes: enough to turn a burst into a few synced batches, few
+/// enough that one batch (and the callers waiting on it) never grows without bound.
+const MAX_GROUP_WRITES: usize = 1024;
 
 /// One change in an atomic batch.
 #[derive(Debug)]
@@ -116,17 +135,53 @@ pub enum Change<'a> {
     Delete(Family, &'a str),
 }
 
+/// A change as the writer thread takes it: owned, so the caller's borrow ends when it is queued.
+struct OwnedChange {
+    family: Family,
+    key: Box<[u8]>,
+    /// `None`: delete.
+    value: Option<Vec<u8>>,
+}
+
+/// What a caller asks the writer thread for.
+enum Job {
+    /// Apply these changes atomically (with the other jobs of the same group commit).
+    Write(Vec<OwnedChange>, oneshot::Sender<Result<(), StoreError>>),
+    /// Sync the WAL to disk (the group commit of async-flush profiles).
+    SyncWal(oneshot::Sender<Result<(), StoreError>>),
+}
+
 /// The open state store.
+///
+/// Every write goes through one writer thread, never a Tokio worker: RocksDB writes block (a synced write
+/// waits for fsync, a full disk for RocksDB's error, a reopen for the WAL replay), and one slow fsync on a
+/// worker would stall every front with it. The writer takes all the writes queued while it was busy and
+/// commits them as **one** batch with one sync (group commit); each caller's changes stay atomic, since they
+/// are all in that batch or none are. Callers await their answer. Reads run on the caller: they come from
+/// memtables and the block cache and do not wait for a sync.
 pub struct StateStore {
+    shared: Arc<Shared>,
+    /// `None` once dropped (which ends the writer).
+    jobs: Option<std::sync::mpsc::Sender<Job>>,
+    writer: Option<std::thread::JoinHandle<()>>,
+}
+
+/// What the writer thread and the readers share.
+struct Shared {
     dir: PathBuf,
     sync_writes: bool,
     /// `None` while closed after a failure.
     db: RwLock<Option<DB>>,
-    /// A write failed: reopen before the next operation.
+    /// A write failed: the writer reopens the database before its next group.
     failed: AtomicBool,
     /// False from a failed write (or WAL sync) until the next one that succeeds.
     healthy: AtomicBool,
-    last_reopen: Mutex<Option<Instant>>,
+    /// Test hook: how long each group commit takes on top of RocksDB's own time (a slow disk).
+    #[cfg(test)]
+    commit_delay: Mutex<Duration>,
+    /// Group commits made, for tests.
+    #[cfg(test)]
+    commits: std::sync::atomic::AtomicUsize,
 }
 
 /// Records listed from a family: those that decode, and the keys of those that do not.
@@ -154,130 +209,100 @@ fn open_db(dir: &Path) -> Result<DB, StoreError> {
 }
 
 impl StateStore {
-    /// Opens (creating if needed) the store in `dir`.
+    /// Opens (creating if needed) the store in `dir` and starts its writer thread.
     ///
     /// # Errors
-    /// [`StoreError::Open`] when RocksDB cannot open the directory.
+    /// [`StoreError::Open`] when RocksDB cannot open the directory; [`StoreError::Writer`] when the writer
+    /// thread cannot be started.
     pub fn open(dir: &Path, sync_writes: bool) -> Result<StateStore, StoreError> {
         let db = open_db(dir)?;
-        Ok(StateStore {
+        let shared = Arc::new(Shared {
             dir: dir.to_path_buf(),
             sync_writes,
             db: RwLock::new(Some(db)),
             failed: AtomicBool::new(false),
             healthy: AtomicBool::new(true),
-            last_reopen: Mutex::new(None),
-        })
+            #[cfg(test)]
+            commit_delay: Mutex::new(Duration::ZERO),
+            #[cfg(test)]
+            commits: std::sync::atomic::AtomicUsize::new(0),
+        });
+        let (jobs, queue) = std::sync::mpsc::channel();
+        let writer = std::thread::Builder::new()
+            .name("popgate-store-writer".into())
+            .spawn({
+                let shared = shared.clone();
+                move || shared.run_writer(&queue)
+            })
+            .map_err(StoreError::Writer)?;
+        Ok(StateStore { shared, jobs: Some(jobs), writer: Some(writer) })
     }
 
-    fn write_options(&self) -> WriteOptions {
-        let mut options = WriteOptions::default();
-        options.set_sync(self.sync_writes);
-        options
-    }
-
-    /// The database, reopened first if a write failed (rate-limited).
+    /// The database for a read (`Closed` while it is being reopened after a failure).
     fn db(&self) -> Result<RwLockReadGuard<'_, Option<DB>>, StoreError> {
-        if self.failed.load(Ordering::Relaxed) {
-            self.reopen();
-        }
-        let guard = self.db.read();
+        let guard = self.shared.db.read();
         if guard.is_none() {
             return Err(StoreError::Closed);
         }
         Ok(guard)
     }
 
-    fn reopen(&self) {
-        {
-            let mut last = self.last_reopen.lock();
-            if last.is_some_and(|at| at.elapsed() < REOPEN_PAUSE) {
-                return;
-            }
-            *last = Some(Instant::now());
-        }
-        let mut slot = self.db.write();
-        // Close first: RocksDB holds a lock on the directory.
-        *slot = None;
-        match open_db(&self.dir) {
-            Ok(db) => {
-                *slot = Some(db);
-                self.failed.store(false, Ordering::Relaxed);
-                tracing::info!(dir = %self.dir.display(), "State store reopened after a failure.");
-            }
-            Err(error) => tracing::warn!(%error, "State store still cannot be reopened."),
-        }
-    }
-
     /// False after a failed write or WAL sync, until a write succeeds again.
     pub fn is_healthy(&self) -> bool {
-        self.healthy.load(Ordering::Relaxed)
+        self.shared.healthy.load(Ordering::Relaxed)
     }
 
-    /// Keeps the health flag and the failure counter true to a write's outcome.
-    fn account<T>(&self, what: &'static str, result: Result<T, StoreError>) -> Result<T, StoreError> {
-        match &result {
-            Ok(_) => self.healthy.store(true, Ordering::Relaxed),
-            Err(error) => {
-                self.healthy.store(false, Ordering::Relaxed);
-                metrics::counter!(crate::metrics::OFFSET_WRITE_FAILURES).increment(1);
-                tracing::warn!(%error, what, "State store write failed.");
-            }
+    /// Hands `job` to the writer thread and waits (without blocking the runtime) for its answer.
+    async fn submit(&self, job: impl FnOnce(oneshot::Sender<Result<(), StoreError>>) -> Job) -> Result<(), StoreError> {
+        let (reply, answer) = oneshot::channel();
+        let queued = self.jobs.as_ref().is_some_and(|jobs| jobs.send(job(reply)).is_ok());
+        if !queued {
+            return Err(StoreError::Closed);
         }
-        result
+        answer.await.unwrap_or(Err(StoreError::Closed))
     }
 
-    /// Applies every change or none.
+    /// Applies every change or none, synced as the store is configured, on the writer thread (group commit
+    /// with whatever other writes are queued).
     ///
     /// # Errors
     /// [`StoreError::Write`] when the batch could not be made durable; nothing of it is visible then.
-    pub fn apply(&self, changes: &[Change<'_>]) -> Result<(), StoreError> {
-        let result = self.db().and_then(|guard| {
-            let db = guard.as_ref().ok_or(StoreError::Closed)?;
-            let mut batch = WriteBatch::default();
-            for change in changes {
-                match change {
-                    Change::Put(family, key, value) => batch.put_cf(family_handle(db, *family), key.as_bytes(), value),
-                    Change::Delete(family, key) => batch.delete_cf(family_handle(db, *family), key.as_bytes()),
+    pub async fn apply(&self, changes: &[Change<'_>]) -> Result<(), StoreError> {
+        let owned = changes
+            .iter()
+            .map(|change| match change {
+                Change::Put(family, key, value) => {
+                    OwnedChange { family: *family, key: key.as_bytes().into(), value: Some(value.clone()) }
                 }
-            }
-            db.write_opt(batch, &self.write_options()).map_err(|error| {
-                self.failed.store(true, Ordering::Relaxed);
-                StoreError::Write(error)
+                Change::Delete(family, key) => OwnedChange { family: *family, key: key.as_bytes().into(), value: None },
             })
-        });
-        self.account("batch", result)
+            .collect();
+        self.submit(|reply| Job::Write(owned, reply)).await
     }
 
     /// Stores one record.
     ///
     /// # Errors
     /// [`StoreError`] when it cannot be encoded or written.
-    pub fn put<T: Serialize>(&self, family: Family, key: &str, value: &T) -> Result<(), StoreError> {
-        self.apply(&[Change::Put(family, key, serde_json::to_vec(value)?)])
+    pub async fn put<T: Serialize>(&self, family: Family, key: &str, value: &T) -> Result<(), StoreError> {
+        let value = serde_json::to_vec(value)?;
+        self.apply(&[Change::Put(family, key, value)]).await
     }
 
     /// Removes one record (a no-op when absent).
     ///
     /// # Errors
     /// [`StoreError::Write`].
-    pub fn delete(&self, family: Family, key: &str) -> Result<(), StoreError> {
-        self.apply(&[Change::Delete(family, key)])
+    pub async fn delete(&self, family: Family, key: &str) -> Result<(), StoreError> {
+        self.apply(&[Change::Delete(family, key)]).await
     }
 
     /// Syncs the WAL to disk: the group commit of async-flush profiles, whose writes are not synced one by one.
     ///
     /// # Errors
     /// [`StoreError::Write`] when the sync fails (the store is reopened before its next use).
-    pub fn sync_wal(&self) -> Result<(), StoreError> {
-        let result = self.db().and_then(|guard| {
-            let db = guard.as_ref().ok_or(StoreError::Closed)?;
-            db.flush_wal(true).map_err(|error| {
-                self.failed.store(true, Ordering::Relaxed);
-                StoreError::Write(error)
-            })
-        });
-        self.account("wal sync", result)
+    pub async fn sync_wal(&self) -> Result<(), StoreError> {
+        self.submit(Job::SyncWal).await
     }
 
     /// One record, if present.
@@ -352,8 +377,157 @@ impl StateStore {
     ///
     /// # Errors
     /// [`StoreError::Write`].
-    pub fn put_raw(&self, family: Family, key: &str, value: &[u8]) -> Result<(), StoreError> {
-        self.apply(&[Change::Put(family, key, value.to_vec())])
+    pub async fn put_raw(&self, family: Family, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        self.apply(&[Change::Put(family, key, value.to_vec())]).await
+    }
+
+    /// Test hook: every group commit takes `delay` longer, as on a slow disk.
+    #[cfg(test)]
+    pub(crate) fn slow_down_commits(&self, delay: Duration) {
+        *self.shared.commit_delay.lock() = delay;
+    }
+
+    /// Test hook: the group commits made so far.
+    #[cfg(test)]
+    pub(crate) fn commits(&self) -> usize {
+        self.shared.commits.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for StateStore {
+    /// Ends the writer once it has answered what is queued, so the directory is free for the next open.
+    fn drop(&mut self) {
+        self.jobs = None;
+        if let Some(writer) = self.writer.take() {
+            let _ = writer.join();
+        }
+    }
+}
+
+// === the writer thread ===
+
+impl Shared {
+    /// Commits queued jobs, a group at a time, until every sender is gone.
+    fn run_writer(&self, queue: &std::sync::mpsc::Receiver<Job>) {
+        let mut last_reopen: Option<Instant> = None;
+        loop {
+            // While failed, wake up to retry the reopen even when no write comes.
+            let first = if self.failed.load(Ordering::Relaxed) {
+                match queue.recv_timeout(REOPEN_PAUSE) {
+                    Ok(job) => Some(job),
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => None,
+                    Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
+                }
+            } else {
+                match queue.recv() {
+                    Ok(job) => Some(job),
+                    Err(_) => return,
+                }
+            };
+            if self.failed.load(Ordering::Relaxed) && last_reopen.is_none_or(|at| at.elapsed() >= REOPEN_PAUSE) {
+                last_reopen = Some(Instant::now());
+                self.reopen();
+            }
+            let Some(first) = first else { continue };
+            let mut group = vec![first];
+            while group.len() < MAX_GROUP_WRITES {
+                match queue.try_recv() {
+                    Ok(job) => group.push(job),
+                    Err(_) => break,
+                }
+            }
+            self.commit_group(group);
+        }
+    }
+
+    /// Writes every job's changes as one batch, synced once (and the WAL synced for those that asked), then
+    /// answers each job.
+    fn commit_group(&self, group: Vec<Job>) {
+        let started = Instant::now();
+        #[cfg(test)]
+        {
+            std::thread::sleep(*self.commit_delay.lock());
+            self.commits.fetch_add(1, Ordering::Relaxed);
+        }
+        let writes = group.iter().filter(|job| matches!(job, Job::Write(..))).count();
+        let wal_syncs = group.len() - writes;
+        let guard = self.db.read();
+        let result = match guard.as_ref() {
+            None => Err(None),
+            Some(db) => self.write_group(db, &group).map_err(Some),
+        };
+        // A synced write also syncs the WAL; otherwise a sync asked for is done after the writes.
+        let wal_result = match guard.as_ref() {
+            Some(db) if wal_syncs > 0 && !(self.sync_writes && writes > 0) => db.flush_wal(true).map_err(Some),
+            Some(_) => Ok(()),
+            None => Err(None),
+        };
+        drop(guard);
+        metrics::histogram!(crate::metrics::STORE_GROUP_COMMIT_WRITES).record(writes as f64);
+        metrics::histogram!(crate::metrics::STORE_COMMIT_DURATION).record(started.elapsed().as_secs_f64());
+        for job in group {
+            let (what, outcome, reply) = match job {
+                Job::Write(_, reply) => ("batch", &result, reply),
+                Job::SyncWal(reply) => ("wal sync", &wal_result, reply),
+            };
+            let answer = match outcome {
+                Ok(()) => Ok(()),
+                Err(Some(error)) => Err(StoreError::Write(error.clone())),
+                Err(None) => Err(StoreError::Closed),
+            };
+            let _ = reply.send(self.account(what, answer));
+        }
+    }
+
+    fn write_group(&self, db: &DB, group: &[Job]) -> Result<(), rocksdb::Error> {
+        let mut batch = WriteBatch::default();
+        for change in group.iter().flat_map(|job| match job {
+            Job::Write(changes, _) => changes.as_slice(),
+            Job::SyncWal(_) => &[],
+        }) {
+            let handle = family_handle(db, change.family);
+            match &change.value {
+                Some(value) => batch.put_cf(handle, &change.key, value),
+                None => batch.delete_cf(handle, &change.key),
+            }
+        }
+        if batch.is_empty() {
+            return Ok(());
+        }
+        let mut options = WriteOptions::default();
+        options.set_sync(self.sync_writes);
+        db.write_opt(batch, &options)
+    }
+
+    /// Keeps the health flag, the failure counter and the reopen flag true to a job's outcome.
+    fn account(&self, what: &'static str, result: Result<(), StoreError>) -> Result<(), StoreError> {
+        match &result {
+            Ok(()) => self.healthy.store(true, Ordering::Relaxed),
+            Err(error) => {
+                // After a failed write RocksDB refuses every later one: reopen before the next group.
+                self.failed.store(true, Ordering::Relaxed);
+                self.healthy.store(false, Ordering::Relaxed);
+                metrics::counter!(crate::metrics::OFFSET_WRITE_FAILURES).increment(1);
+                tracing::warn!(%error, what, "State store write failed.");
+            }
+        }
+        result
+    }
+
+    /// Closes the failed database and opens it again (the WAL replay brings back everything acknowledged).
+    /// The lock is held only to swap: readers meanwhile get `Closed` at once instead of waiting out the replay.
+    fn reopen(&self) {
+        // Closed first: RocksDB holds a lock on the directory.
+        let old = self.db.write().take();
+        drop(old);
+        match open_db(&self.dir) {
+            Ok(db) => {
+                *self.db.write() = Some(db);
+                self.failed.store(false, Ordering::Relaxed);
+                tracing::info!(dir = %self.dir.display(), "State store reopened after a failure.");
+            }
+            Err(error) => tracing::warn!(%error, "State store still cannot be reopened."),
+        }
     }
 }
 
@@ -372,16 +546,16 @@ mod tests {
         n: u32,
     }
 
-    #[test]
-    fn records_survive_a_reopen_and_corrupt_ones_are_listed_apart() {
+    #[tokio::test]
+    async fn records_survive_a_reopen_and_corrupt_ones_are_listed_apart() {
         let dir = tempfile::tempdir().expect("tempdir");
         {
             let store = StateStore::open(dir.path(), true).expect("open");
-            store.put(Family::Deliveries, "a", &Rec { n: 1 }).expect("put");
-            store.put(Family::Deliveries, "b", &Rec { n: 2 }).expect("put");
-            store.put_raw(Family::Deliveries, "c", b"{not json").expect("put raw");
-            store.put(Family::Subscriptions, "g\nt", &Rec { n: 9 }).expect("put");
-            store.delete(Family::Deliveries, "b").expect("delete");
+            store.put(Family::Deliveries, "a", &Rec { n: 1 }).await.expect("put");
+            store.put(Family::Deliveries, "b", &Rec { n: 2 }).await.expect("put");
+            store.put_raw(Family::Deliveries, "c", b"{not json").await.expect("put raw");
+            store.put(Family::Subscriptions, "g\nt", &Rec { n: 9 }).await.expect("put");
+            store.delete(Family::Deliveries, "b").await.expect("delete");
         }
         let store = StateStore::open(dir.path(), true).expect("reopen");
         let listing = store.list::<Rec>(Family::Deliveries).expect("list");
@@ -390,27 +564,84 @@ mod tests {
         assert_eq!(store.list::<Rec>(Family::Subscriptions).expect("list").records.len(), 1);
     }
 
-    #[test]
-    fn an_undecodable_record_is_an_error_not_an_absent_one() {
+    #[tokio::test]
+    async fn an_undecodable_record_is_an_error_not_an_absent_one() {
         let dir = tempfile::tempdir().expect("tempdir");
         let store = StateStore::open(dir.path(), false).expect("open");
-        store.put_raw(Family::DlqReplays, "k", b"{not json").expect("put raw");
+        store.put_raw(Family::DlqReplays, "k", b"{not json").await.expect("put raw");
         assert!(matches!(store.get::<Rec>(Family::DlqReplays, "k"), Err(StoreError::Decode { .. })));
         assert!(store.get::<Rec>(Family::DlqReplays, "absent").expect("read").is_none());
         assert!(store.is_healthy());
     }
 
-    #[test]
-    fn a_batch_applies_every_change_together() {
+    #[tokio::test]
+    async fn a_batch_applies_every_change_together() {
         let dir = tempfile::tempdir().expect("tempdir");
         let store = StateStore::open(dir.path(), false).expect("open");
-        store.put(Family::Deliveries, "x", &Rec { n: 1 }).expect("put");
+        store.put(Family::Deliveries, "x", &Rec { n: 1 }).await.expect("put");
         let value = serde_json::to_vec(&Rec { n: 2 }).expect("encode");
         store
             .apply(&[Change::Delete(Family::Deliveries, "x"), Change::Put(Family::Deliveries, "y", value)])
+            .await
             .expect("batch");
         let keys: Vec<String> =
             store.list::<Rec>(Family::Deliveries).expect("list").records.into_iter().map(|(k, _)| k).collect();
         assert_eq!(keys, vec!["y".to_owned()]);
+    }
+
+    /// A multi-threaded runtime with one worker: what a loaded machine looks like to a task.
+    fn one_worker() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().expect("runtime")
+    }
+
+    #[test]
+    fn a_slow_synced_write_never_stalls_the_runtime() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Arc::new(StateStore::open(dir.path(), true).expect("open"));
+        store.slow_down_commits(Duration::from_millis(800));
+        one_worker().block_on(async {
+            let writing = tokio::spawn({
+                let store = store.clone();
+                async move { store.put(Family::Deliveries, "a", &Rec { n: 1 }).await }
+            });
+            // The only worker must stay free for everything else while the write waits for its "disk".
+            let started = Instant::now();
+            let timer = tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                started.elapsed()
+            });
+            let took = timer.await.expect("timer task");
+            assert!(took < Duration::from_millis(600), "a 20 ms timer took {took:?} behind a slow write");
+            writing.await.expect("task").expect("put");
+        });
+        assert_eq!(store.get::<Rec>(Family::Deliveries, "a").expect("read"), Some(Rec { n: 1 }));
+    }
+
+    #[test]
+    fn concurrent_writes_share_a_group_commit_and_each_stays_atomic() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Arc::new(StateStore::open(dir.path(), true).expect("open"));
+        store.slow_down_commits(Duration::from_millis(200));
+        one_worker().block_on(async {
+            let writes = (0..50).map(|n| {
+                let store = store.clone();
+                tokio::spawn(async move {
+                    let (a, b) = (format!("a{n}"), format!("b{n}"));
+                    let value = serde_json::to_vec(&Rec { n }).expect("encode");
+                    store
+                        .apply(&[
+                            Change::Put(Family::Deliveries, &a, value.clone()),
+                            Change::Put(Family::Payloads, &b, value),
+                        ])
+                        .await
+                })
+            });
+            for write in futures::future::join_all(writes).await {
+                write.expect("task").expect("write");
+            }
+        });
+        assert!(store.commits() <= 3, "50 writes in {} group commits", store.commits());
+        assert_eq!(store.list::<Rec>(Family::Deliveries).expect("list").records.len(), 50);
+        assert_eq!(store.list::<Rec>(Family::Payloads).expect("list").records.len(), 50);
     }
 }

@@ -16,6 +16,11 @@
 //!   there. Owed work (broker ACK, DLQ write) keeps its lease renewed until it is done.
 //! - **FIFO groups.** In an ordered subscription only the head of a message group is handed out.
 
+mod cluster;
+#[cfg(test)]
+mod fake_cluster;
+#[cfg(test)]
+mod model;
 mod table;
 
 use std::collections::{HashMap, HashSet};
@@ -28,10 +33,11 @@ use parking_lot::Mutex;
 use rand::RngCore;
 use tokio::sync::Notify;
 
+use self::cluster::{BrokerCluster, Cluster};
 use self::table::{ActiveSubscription, Id, Table, Tracked};
 use super::record::{DeliveryRecord, Holder, Phase, Subscription};
 use super::retry::{NextStep, RetryPolicy};
-use super::{dlq, DeliveryError, Dispatched, HandOut, InFlight, NackOutcome};
+use super::{DeliveryError, Dispatched, HandOut, InFlight, NackOutcome};
 use crate::broker::client::now_millis;
 use crate::broker::consumer::{AckEntry, Popped};
 use crate::broker::{BrokerClient, BrokerError};
@@ -42,28 +48,40 @@ use crate::store::{Change, Family, StateStore, StoreError};
 
 /// How long an id whose lease was lost is remembered, to answer its late ACK with 409 rather than 404.
 const STALE_MEMORY_MS: i64 = 10 * 60 * 1000;
-/// Pause before retrying a broker ACK, a DLQ write or a lease renewal that failed.
-const RETRY_PAUSE_MS: i64 = 1_000;
 /// How long a client request waits for a delivery another task is acting on.
 const CLAIM_WAIT: Duration = Duration::from_secs(10);
 /// How long a given-back message stays invisible at the broker: long enough for the change to land, short
 /// enough that the next consumer gets it at once instead of after the whole lease.
 const GIVE_BACK_INVISIBLE_MS: u64 = 1_000;
+/// Filter changes made by receives (consumers of one group with different filters) are taken at most this
+/// often per subscription, so they cannot rewrite it on every receive.
+const FILTER_CHANGE_INTERVAL_MS: i64 = 10_000;
 /// How many ready events an ordered subscription may hold beyond its demand, so events blocked behind their
 /// message group's head do not stop other groups.
 const ORDERED_LOOKAHEAD: usize = 256;
 
+/// Whether owed broker work (a broker ACK, a DLQ write) failed when a claim on it ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OwedWork {
+    /// Nothing owed failed: no change to its schedule.
+    NotFailed,
+    /// It failed again: tried after its backoff ([`super::retry::OWED_WORK_BACKOFF`]).
+    Failed,
+}
+
 /// Broker work the sweeper found due; it runs each through [`Deliveries::perform`].
 #[derive(Debug)]
 pub(super) enum Owed {
-    /// The subscriber ACKed (the intent is stored): ACK the broker, then retire.
-    BrokerAck(Id),
+    /// The subscribers ACKed (the intents are stored): ACK the broker, then retire. All the ACKs one sweep
+    /// finds due travel together, as one batch request per broker.
+    BrokerAcks(Vec<Id>),
     /// Write the event to `%DLQ%<group>`, then ACK the broker, then retire.
     DeadLetter(Id),
     /// Extend the lease (ChangeInvisibleTime) and store the new handle.
     Renew(Id),
-    /// The subscription is gone: hand the message back to the broker unACKed, then forget it.
-    GiveBack(Id),
+    /// Hand the message back to the broker unACKed, then forget it: its subscription is gone
+    /// (`"unsubscribed"`), or an earlier event of its FIFO group lost its lease (`"fifo_head_lost"`).
+    GiveBack(Id, &'static str),
 }
 
 /// What became of a batch of popped messages.
@@ -127,8 +145,10 @@ impl Bells {
 pub(super) struct Deliveries {
     table: Mutex<Table>,
     store: Arc<StateStore>,
+    /// For the POP loop (routes, POP handles); the state itself reaches the cluster through `cluster`.
     broker: Arc<BrokerClient>,
-    publisher: Arc<Publisher>,
+    /// Broker ACKs, lease renewals, DLQ writes.
+    cluster: Arc<dyn Cluster>,
     config: DeliveryConfig,
     /// The bells of each subscription, rung when its deliveries become ready or are settled, or its demand
     /// changes. Per subscription, so a change wakes only the waiters it concerns.
@@ -147,11 +167,22 @@ impl Deliveries {
         publisher: Arc<Publisher>,
         config: DeliveryConfig,
     ) -> Deliveries {
+        let cluster = Arc::new(BrokerCluster { broker: broker.clone(), publisher });
+        Self::with_cluster(store, broker, cluster, config)
+    }
+
+    /// As [`Deliveries::new`], reaching the cluster through `cluster` (a fake, in unit tests).
+    pub(super) fn with_cluster(
+        store: Arc<StateStore>,
+        broker: Arc<BrokerClient>,
+        cluster: Arc<dyn Cluster>,
+        config: DeliveryConfig,
+    ) -> Deliveries {
         Deliveries {
             table: Mutex::new(Table::default()),
             store,
             broker,
-            publisher,
+            cluster,
             config,
             bells: Mutex::new(HashMap::new()),
             next_seq: AtomicU64::new(1),
@@ -214,25 +245,25 @@ impl Deliveries {
     }
 
     /// The one way delivery state reaches the store: every change of the batch, or none.
-    fn persist(&self, records: &[&DeliveryRecord]) -> Result<(), StoreError> {
+    async fn persist(&self, records: &[&DeliveryRecord]) -> Result<(), StoreError> {
         let encoded = records.iter().map(serde_json::to_vec).collect::<Result<Vec<_>, _>>()?;
         let changes: Vec<Change<'_>> =
             records.iter().zip(encoded).map(|(r, value)| Change::Put(Family::Deliveries, &r.id, value)).collect();
-        self.store.apply(&changes)
+        self.store.apply(&changes).await
     }
 
     /// Stores newly admitted records and, apart, their bodies, in one atomic batch.
-    fn persist_admitted(&self, records: &[DeliveryRecord], bodies: &[Vec<u8>]) -> Result<(), StoreError> {
+    async fn persist_admitted(&self, records: &[DeliveryRecord], bodies: &[Vec<u8>]) -> Result<(), StoreError> {
         let encoded = records.iter().map(serde_json::to_vec).collect::<Result<Vec<_>, _>>()?;
         let mut changes: Vec<Change<'_>> =
             records.iter().zip(encoded).map(|(r, value)| Change::Put(Family::Deliveries, &r.id, value)).collect();
         changes.extend(records.iter().zip(bodies).map(|(r, body)| Change::Put(Family::Payloads, &r.id, body.clone())));
-        self.store.apply(&changes)
+        self.store.apply(&changes).await
     }
 
     /// Syncs the store's WAL (group commit of async-flush profiles); a failure is counted by the store.
-    pub(super) fn sync_wal(&self) {
-        let _ = self.store.sync_wal();
+    pub(super) async fn sync_wal(&self) {
+        let _ = self.store.sync_wal().await;
     }
 
     fn set_pending_gauge(table: &Table) {
@@ -245,14 +276,14 @@ impl Deliveries {
 impl Deliveries {
     /// Stores `sub` and serves it. Returns the new POP loop's stop flag when the subscription is new (the
     /// caller starts the loop), `None` when an existing one was updated.
-    pub(super) fn put_subscription(
+    pub(super) async fn put_subscription(
         &self,
         sub: Subscription,
         policy: RetryPolicy,
     ) -> Result<Option<Arc<AtomicBool>>, DeliveryError> {
         let key = sub.key();
         let value = serde_json::to_vec(&sub).map_err(StoreError::from)?;
-        self.store.apply(&[Change::Put(Family::Subscriptions, &key, value)])?;
+        self.store.apply(&[Change::Put(Family::Subscriptions, &key, value)]).await?;
         Ok(self.serve_subscription(sub, policy))
     }
 
@@ -268,11 +299,14 @@ impl Deliveries {
         let key = sub.key();
         let mut table = self.table.lock();
         if let Some(active) = table.subs.get_mut(&key) {
+            if active.sub.filter != sub.filter {
+                active.filter_changed_ms = now_millis();
+            }
             active.sub = sub;
             active.policy = policy;
             return None;
         }
-        let active = ActiveSubscription::new(sub, policy);
+        let active = ActiveSubscription::new(sub, policy, now_millis());
         let stop = active.stop.clone();
         table.subs.insert(key.clone(), active);
         // Deliveries left from an earlier subscription of the same key are queued here again.
@@ -282,12 +316,12 @@ impl Deliveries {
 
     /// Stops serving `group`/`topic`. Its unsettled deliveries are given back to the broker (unACKed) by the
     /// sweeper; owed broker ACKs and DLQ writes are finished.
-    pub(super) fn remove_subscription(&self, group: &str, topic: &str) -> Result<(), DeliveryError> {
+    pub(super) async fn remove_subscription(&self, group: &str, topic: &str) -> Result<(), DeliveryError> {
         let key = Subscription::key_of(group, topic);
         if !self.table.lock().subs.contains_key(&key) {
             return Err(DeliveryError::Unknown);
         }
-        self.store.apply(&[Change::Delete(Family::Subscriptions, &key)])?;
+        self.store.apply(&[Change::Delete(Family::Subscriptions, &key)]).await?;
         let mut table = self.table.lock();
         if let Some(active) = table.subs.remove(&key) {
             active.stop.store(true, Ordering::Relaxed);
@@ -313,8 +347,44 @@ impl Deliveries {
     pub(super) fn add_demand(&self, key: &str, count: usize) {
         if let Some(active) = self.table.lock().subs.get_mut(key) {
             active.demand += count;
+            active.last_used_ms = now_millis();
         }
         self.ring(key);
+    }
+
+    /// Whether a receive may change `key`'s filter now: at most one change per [`FILTER_CHANGE_INTERVAL_MS`].
+    pub(super) fn may_change_filter(&self, key: &str) -> bool {
+        self.table.lock().subs.get(key).is_none_or(|active| {
+            active.filter_changed_ms == 0 || now_millis() - active.filter_changed_ms >= FILTER_CHANGE_INTERVAL_MS
+        })
+    }
+
+    /// Removes the implicit subscriptions (made by a receive, not asked for) idle since `idle_since_ms`: nobody
+    /// waiting on them, nothing held for them. Their POP loops stop; the next receive creates them again.
+    /// Returns how many were removed.
+    pub(super) async fn expire_idle_subscriptions(&self, idle_since_ms: i64) -> usize {
+        let expired: Vec<ActiveSubscription> = {
+            let mut table = self.table.lock();
+            let keys: Vec<String> = table
+                .subs
+                .iter()
+                .filter(|(key, active)| active.idle_implicit(table.held_by(key), idle_since_ms))
+                .map(|(key, _)| key.clone())
+                .collect();
+            keys.iter().filter_map(|key| table.subs.remove(key)).collect()
+        };
+        for active in &expired {
+            active.stop.store(true, Ordering::Relaxed);
+            let key = active.sub.key();
+            // A failed delete leaves it stored: restored after a restart, it expires again.
+            let _ = self.store.apply(&[Change::Delete(Family::Subscriptions, &key)]).await;
+            if let Some(bells) = self.bells.lock().remove(&key) {
+                bells.wake_everyone();
+            }
+            tracing::debug!(group = %active.sub.group, topic = %active.sub.topic, "Idle implicit subscription removed.");
+        }
+        counter!(m::SUBSCRIPTIONS_EXPIRED).increment(expired.len() as u64);
+        expired.len()
     }
 
     /// A wait ended: its demand is withdrawn.
@@ -348,7 +418,7 @@ impl Deliveries {
 
     /// Records popped messages before anyone sees them, then queues them. The attempt counter starts at
     /// the broker's own `reconsumeTimes + 1`, so a crash loop cannot reset the budget.
-    pub(super) fn admit(&self, key: &str, popped: Vec<Popped>) -> Admission {
+    pub(super) async fn admit(&self, key: &str, popped: Vec<Popped>) -> Admission {
         let Some((sub, policy)) = self.table.lock().subs.get(key).map(|a| (a.sub.clone(), a.policy)) else {
             return Admission::NoSubscription(popped);
         };
@@ -378,7 +448,7 @@ impl Deliveries {
                 }
             })
             .collect();
-        if self.persist_admitted(&records, &bodies).is_err() {
+        if self.persist_admitted(&records, &bodies).await.is_err() {
             let back = records
                 .into_iter()
                 .zip(bodies)
@@ -418,7 +488,7 @@ impl Deliveries {
         reason: &'static str,
     ) {
         counter!(m::DELIVERIES_GIVEN_BACK, "reason" => reason).increment(1);
-        if let Err(error) = self.broker.renew(group, handle, GIVE_BACK_INVISIBLE_MS).await {
+        if let Err(error) = self.cluster.renew(group, handle, GIVE_BACK_INVISIBLE_MS).await {
             counter!(m::CONSUME_REQUEST_FAILURES, "op" => "give_back").increment(1);
             tracing::debug!(%error, "Giving a message back failed; its lease running out gives it back.");
         }
@@ -434,7 +504,7 @@ impl Deliveries {
     ///
     /// Only one long poll is woken per change, so when this leaves ready deliveries behind (or puts back what
     /// it could not hand out) it wakes the next one.
-    pub(super) fn hand_out(
+    pub(super) async fn hand_out(
         &self,
         key: &str,
         max: usize,
@@ -449,30 +519,35 @@ impl Deliveries {
             let table = &mut *guard;
             let Some(active) = table.subs.get(key) else { return Ok(Vec::new()) };
             let ack_timeout = to.ack_timeout.map_or(active.sub.ack_timeout_ms as i64, |t| t.as_millis() as i64);
-            let heads = active.sub.ordered.then(|| table.group_heads(&active.sub));
-            let Table { subs, deliveries, timers, .. } = table;
+            let ordered = active.sub.ordered;
+            let Table { subs, deliveries, timers, fifo, .. } = table;
             let Some(active) = subs.get_mut(key) else { return Ok(Vec::new()) };
             let mut blocked = Vec::new();
             while taken.len() < max {
                 let Some(id) = active.ready.pop_front() else { break };
-                let Some(tracked) = deliveries.get_mut(&id) else { continue };
-                tracked.queued = false;
+                let Some(tracked) = deliveries.get(&id) else { continue };
                 // A lapsed lease (popgate was hung) means the broker may have handed the event to someone
                 // else already: it is not handed out, and the sweeper gives it up.
                 let lapsed = tracked.record.handle.lease_deadline_ms() <= now;
-                if tracked.claimed || !tracked.dispatchable(now) || lapsed {
+                let unavailable = tracked.claimed || !tracked.dispatchable(now) || lapsed;
+                // An earlier event of its message group still unsettled: it waits its turn.
+                let behind_its_head = ordered
+                    && !unavailable
+                    && tracked.record.event.message_group.as_deref().is_some_and(|group| {
+                        Table::fifo_view(fifo, deliveries).head(key, group) != Some(tracked.record.seq)
+                    });
+                let Some(tracked) = deliveries.get_mut(&id) else { continue };
+                if unavailable {
                     // Out of the queue: the sweeper queues it again when it is due.
+                    tracked.queued = false;
                     timers.push(std::cmp::Reverse((0, id)));
                     continue;
                 }
-                if let (Some(heads), Some(group)) = (&heads, &tracked.record.event.message_group) {
-                    if heads.get(group).is_some_and(|head| *head != tracked.record.seq) {
-                        // An earlier event of its message group is still unsettled: it waits its turn.
-                        tracked.queued = true;
-                        blocked.push(id);
-                        continue;
-                    }
+                if behind_its_head {
+                    blocked.push(id);
+                    continue;
                 }
+                tracked.queued = false;
                 tracked.claimed = true;
                 let mut record = tracked.record.clone();
                 record.phase = Phase::AwaitingAck {
@@ -498,8 +573,8 @@ impl Deliveries {
                 return Err(error.into());
             }
         };
-        let (taken, bodies) = self.drop_bodiless(taken, bodies);
-        if let Err(error) = self.persist(&taken.iter().collect::<Vec<_>>()) {
+        let (taken, bodies) = self.drop_bodiless(taken, bodies).await;
+        if let Err(error) = self.persist(&taken.iter().collect::<Vec<_>>()).await {
             self.put_back(key, &taken);
             return Err(error.into());
         }
@@ -518,8 +593,8 @@ impl Deliveries {
                 event,
             });
             let id = record.id.clone();
+            table.set_record(record);
             if let Some(tracked) = table.deliveries.get_mut(&*id) {
-                tracked.record = record;
                 tracked.claimed = false;
                 tracked.redispatch = false;
                 tracked.holder = holder;
@@ -564,7 +639,7 @@ impl Deliveries {
     /// Leaves out (and retires, without a broker ACK) the records whose kept-apart body is missing from the
     /// store: handing out an empty event would lose it, while the broker redelivers a retired one once its
     /// lease lapses. Returns the rest with their bodies (`None`: inline).
-    fn drop_bodiless(
+    async fn drop_bodiless(
         &self,
         taken: Vec<DeliveryRecord>,
         bodies: Vec<Option<Option<Vec<u8>>>>,
@@ -577,7 +652,7 @@ impl Deliveries {
                 Some(None) => {
                     tracing::warn!(delivery = %record.id, "Stored body missing; the broker will redeliver the event.");
                     counter!(m::STORE_UNDECODABLE, "family" => "payloads").increment(1);
-                    self.retire(&record.id);
+                    self.retire(&record.id).await;
                     continue;
                 }
             };
@@ -612,12 +687,15 @@ impl Deliveries {
         ids.len()
     }
 
-    /// A push subscriber left: its deliveries stay in flight (their ACK timeout brings them back) but no
-    /// longer count against it.
-    pub(super) fn forget_holder(&self, holder: u64) {
-        for tracked in self.table.lock().deliveries.values_mut() {
-            if tracked.holder == Some(holder) {
-                tracked.holder = None;
+    /// A push subscriber left: the deliveries it held (`ids`, its own record of them) stay in flight (their
+    /// ACK timeout brings them back) but no longer count against it. Only those are looked at, not the table.
+    pub(super) fn forget_holder(&self, holder: u64, ids: &[String]) {
+        let mut table = self.table.lock();
+        for id in ids {
+            if let Some(tracked) = table.deliveries.get_mut(id.as_str()) {
+                if tracked.holder == Some(holder) {
+                    tracked.holder = None;
+                }
             }
         }
     }
@@ -629,7 +707,7 @@ impl Deliveries {
     /// Extends to `now + hold` the ACK deadline of every delivery one of `clients` holds with `auto_renew`,
     /// handed out less than `max_hold` ago; stored first, as every change. One pass over the table for all
     /// clients. Returns how many were extended.
-    pub(super) fn keep_held(
+    pub(super) async fn keep_held(
         &self,
         clients: &std::collections::HashSet<String>,
         hold: Duration,
@@ -642,14 +720,17 @@ impl Deliveries {
         let mut extended: Vec<DeliveryRecord> = Vec::new();
         {
             let mut table = self.table.lock();
-            for tracked in table.deliveries.values_mut() {
+            // Only what the live clients hold (the holder index), not the whole table.
+            let held: Vec<Id> = clients.iter().flat_map(|client| table.held_by_client(client)).collect();
+            for id in held {
+                let Some(tracked) = table.deliveries.get_mut(&id) else { continue };
                 let Phase::AwaitingAck { deadline_ms, dispatched_ms, holder: Some(holder) } = &tracked.record.phase
                 else {
                     continue;
                 };
                 // Rewritten only once half the hold is used up, so a live client costs a write per delivery
                 // every hold/2, not every keep-alive tick.
-                let due = holder.auto_renew && *deadline_ms < now + hold_half && clients.contains(&holder.client_id);
+                let due = holder.auto_renew && *deadline_ms < now + hold_half;
                 if !due || tracked.claimed || *dispatched_ms < oldest {
                     continue;
                 }
@@ -664,14 +745,14 @@ impl Deliveries {
         if extended.is_empty() {
             return Ok(0);
         }
-        let stored = self.persist(&extended.iter().collect::<Vec<_>>());
+        let stored = self.persist(&extended.iter().collect::<Vec<_>>()).await;
         let mut table = self.table.lock();
         for record in &extended {
+            if stored.is_ok() {
+                table.set_record(record.clone());
+            }
             if let Some(tracked) = table.deliveries.get_mut(&*record.id) {
                 tracked.claimed = false;
-                if stored.is_ok() {
-                    tracked.record = record.clone();
-                }
             }
         }
         for record in &extended {
@@ -682,15 +763,7 @@ impl Deliveries {
 
     /// The ids of the deliveries `client_id` holds.
     pub(super) fn held_by_client(&self, client_id: &str) -> Vec<String> {
-        self.table
-            .lock()
-            .deliveries
-            .values()
-            .filter(
-                |t| matches!(&t.record.phase, Phase::AwaitingAck { holder: Some(h), .. } if h.client_id == client_id),
-            )
-            .map(|t| t.record.id.to_string())
-            .collect()
+        self.table.lock().held_by_client(client_id).iter().map(|id| id.to_string()).collect()
     }
 
     /// Sets the ACK deadline of a handed-out delivery to `now + by` (a SimpleConsumer's
@@ -698,14 +771,14 @@ impl Deliveries {
     pub(super) async fn extend(&self, id: &str, by: Duration) -> Result<i64, DeliveryError> {
         let mut record = self.claim(id).await?;
         if let Err(refused) = self.check_settleable(&record) {
-            self.release(id, None);
+            self.release(id, OwedWork::NotFailed);
             return Err(refused);
         }
         let new_deadline = now_millis() + by.as_millis() as i64;
         if let Phase::AwaitingAck { deadline_ms, .. } = &mut record.phase {
             *deadline_ms = new_deadline;
         }
-        self.commit(record, None)?;
+        self.commit(record, OwedWork::NotFailed).await?;
         Ok(new_deadline)
     }
 
@@ -738,6 +811,8 @@ impl Deliveries {
                             DeliveryError::Unknown
                         });
                     }
+                    // Surrendered to the broker with its FIFO group's lost head: popgate no longer owns it.
+                    Some(tracked) if tracked.surrender => return Err(DeliveryError::Stale),
                     Some(tracked) if !tracked.claimed => {
                         tracked.claimed = true;
                         return Ok(tracked.record.clone());
@@ -752,13 +827,14 @@ impl Deliveries {
         }
     }
 
-    /// Ends a claim without a change; `owed_retry_at` sets when failed owed work may be tried again.
-    fn release(&self, id: &str, owed_retry_at: Option<i64>) {
+    /// Ends a claim without a change; `owed` tells whether owed broker work failed (it is tried again after
+    /// its backoff).
+    fn release(&self, id: &str, owed: OwedWork) {
         let mut table = self.table.lock();
         if let Some(tracked) = table.deliveries.get_mut(id) {
             tracked.claimed = false;
-            if let Some(at) = owed_retry_at {
-                tracked.owed_retry_ms = at;
+            if owed == OwedWork::Failed {
+                tracked.owed_work_failed(now_millis());
             }
             table.wake(id, 0);
         }
@@ -766,19 +842,19 @@ impl Deliveries {
 
     /// Persists `record` and makes it the tracked one, ending the claim; on a store failure nothing changes
     /// (the claim ends all the same, so the next tick or request can try again).
-    fn commit(&self, mut record: DeliveryRecord, owed_retry_at: Option<i64>) -> Result<(), DeliveryError> {
+    async fn commit(&self, mut record: DeliveryRecord, owed: OwedWork) -> Result<(), DeliveryError> {
         let id = record.id.clone();
-        if let Err(error) = self.persist(&[&record]) {
-            self.release(&id, owed_retry_at);
+        if let Err(error) = self.persist(&[&record]).await {
+            self.release(&id, owed);
             return Err(error.into());
         }
         let mut table = self.table.lock();
         table.intern(&mut record);
+        table.set_record(record);
         if let Some(tracked) = table.deliveries.get_mut(&*id) {
-            tracked.record = record;
             tracked.claimed = false;
-            if let Some(at) = owed_retry_at {
-                tracked.owed_retry_ms = at;
+            if owed == OwedWork::Failed {
+                tracked.owed_work_failed(now_millis());
             }
         }
         table.wake(&id, 0);
@@ -836,7 +912,7 @@ impl Deliveries {
             let checked = claim.and_then(|record| match self.check_settleable(&record) {
                 Ok(()) => Ok(record),
                 Err(refused) => {
-                    self.release(id, None);
+                    self.release(id, OwedWork::NotFailed);
                     Err(refused)
                 }
             });
@@ -848,17 +924,20 @@ impl Deliveries {
                 acked.push((index, record));
             }));
         }
-        if let Err(error) = self.persist(&acked.iter().map(|(_, r)| r).collect::<Vec<_>>()) {
+        if let Err(error) = self.persist(&acked.iter().map(|(_, r)| r).collect::<Vec<_>>()).await {
             // Nothing of the batch was stored: each intent is stored alone, so each gets its own answer.
             tracing::debug!(%error, "Storing a batch of ACK intents failed; storing them one by one.");
-            acked.retain(|(index, record)| match self.persist(&[record]) {
-                Ok(()) => true,
-                Err(error) => {
-                    self.release(&record.id, None);
-                    answers[*index] = Err(error.into());
-                    false
+            let mut stored = Vec::with_capacity(acked.len());
+            for (index, record) in acked {
+                match self.persist(&[&record]).await {
+                    Ok(()) => stored.push((index, record)),
+                    Err(error) => {
+                        self.release(&record.id, OwedWork::NotFailed);
+                        answers[index] = Err(error.into());
+                    }
                 }
-            });
+            }
+            acked = stored;
         }
         // Counted where the intents are stored, before the broker ACKs they allow.
         for answer in &answers {
@@ -868,8 +947,8 @@ impl Deliveries {
         {
             let mut table = self.table.lock();
             for record in &acked {
+                table.set_record(record.clone());
                 if let Some(tracked) = table.deliveries.get_mut(&*record.id) {
-                    tracked.record = record.clone();
                     tracked.redispatch = false;
                 }
             }
@@ -891,13 +970,13 @@ impl Deliveries {
         }
         let entries: Vec<AckEntry<'_>> =
             records.iter().map(|r| AckEntry { group: &r.group, topic: &r.topic, handle: &r.handle }).collect();
-        let answers = self.broker.ack_batch(&entries).await;
+        let answers = self.cluster.ack_batch(&entries).await;
         let mut alone = Vec::new();
         for (record, answer) in records.iter().zip(answers) {
             match answer {
-                Ok(true) => self.broker_acked(record, Ok(())),
+                Ok(true) => self.broker_acked(record, Ok(())).await,
                 Ok(false) => alone.push(record),
-                Err(error) => self.broker_acked(record, Err(error)),
+                Err(error) => self.broker_acked(record, Err(error)).await,
             }
         }
         futures::future::join_all(alone.into_iter().map(|r| self.broker_ack(r))).await;
@@ -906,22 +985,22 @@ impl Deliveries {
     /// ACKs the broker for a claimed delivery whose ACK intent (or DLQ write) is done, and retires it; on
     /// failure the claim ends and the sweeper retries after a pause.
     async fn broker_ack(&self, record: &DeliveryRecord) {
-        let result = self.broker.ack(&record.group, &record.handle).await;
-        self.broker_acked(record, result);
+        let result = self.cluster.ack(&record.group, &record.handle).await;
+        self.broker_acked(record, result).await;
     }
 
     /// The end of a broker ACK: retired when the broker took it; otherwise the claim ends and the sweeper
     /// retries from the ACK intent after a pause.
-    fn broker_acked(&self, record: &DeliveryRecord, result: Result<(), BrokerError>) {
+    async fn broker_acked(&self, record: &DeliveryRecord, result: Result<(), BrokerError>) {
         match result {
             Ok(()) => {
                 counter!(m::BROKER_ACKS).increment(1);
-                self.retire(&record.id);
+                self.retire(&record.id).await;
             }
             Err(error) => {
                 counter!(m::BROKER_ACK_FAILURES).increment(1);
                 tracing::warn!(%error, delivery = %record.id, "Broker ACK failed; retrying from the ACK intent.");
-                self.release(&record.id, Some(now_millis() + RETRY_PAUSE_MS));
+                self.release(&record.id, OwedWork::Failed);
             }
         }
     }
@@ -930,11 +1009,11 @@ impl Deliveries {
     pub(super) async fn nack(&self, id: &str, delay: Option<Duration>) -> Result<NackOutcome, DeliveryError> {
         let mut record = self.claim(id).await?;
         if let Err(refused) = self.check_settleable(&record) {
-            self.release(id, None);
+            self.release(id, OwedWork::NotFailed);
             return Err(refused);
         }
         let outcome = self.spend_attempt(&mut record, "nack", delay);
-        self.commit(record, None)?;
+        self.commit(record, OwedWork::NotFailed).await?;
         self.after_spent(id, &outcome, "nack");
         Ok(outcome)
     }
@@ -943,12 +1022,12 @@ impl Deliveries {
     pub(super) async fn term(&self, id: &str, reason: &str) -> Result<(), DeliveryError> {
         let mut record = self.claim(id).await?;
         if let Err(refused) = self.check_settleable(&record) {
-            self.release(id, None);
+            self.release(id, OwedWork::NotFailed);
             return Err(refused);
         }
         record.last_failure = Some(format!("terminated: {reason}"));
         record.phase = Phase::DeadLetter { reason: format!("terminated by the subscriber: {reason}") };
-        self.commit(record, None)?;
+        self.commit(record, OwedWork::NotFailed).await?;
         self.after_spent(id, &NackOutcome::DeadLetter, "term");
         Ok(())
     }
@@ -997,11 +1076,11 @@ impl Deliveries {
         for id in ids {
             let Ok(mut record) = self.claim(id).await else { continue };
             if !matches!(record.phase, Phase::AwaitingAck { .. }) {
-                self.release(id, None);
+                self.release(id, OwedWork::NotFailed);
                 continue;
             }
             record.phase = Phase::Ready { due_ms: now_millis() };
-            if self.commit(record, None).is_err() {
+            if self.commit(record, OwedWork::NotFailed).await.is_err() {
                 continue;
             }
             if reason == "push_failure" {
@@ -1045,9 +1124,10 @@ impl Deliveries {
 
     /// One sweeper tick over the deliveries filed as due: queues what is ready, spends the attempt of what
     /// missed its ACK deadline, gives up what lost its lease, and returns the broker work that is owed.
-    pub(super) fn sweep(&self, now: i64) -> Vec<Owed> {
+    pub(super) async fn sweep(&self, now: i64) -> Vec<Owed> {
         let half_lease = (self.config.lease_ms / 2) as i64;
         let mut owed = Vec::new();
+        let mut broker_acks = Vec::new();
         let mut expired = Vec::new();
         let mut lapsed = Vec::new();
         let mut newly_ready: Vec<String> = Vec::new();
@@ -1074,7 +1154,12 @@ impl Deliveries {
                 let lease_deadline = tracked.record.handle.lease_deadline_ms();
                 if tracked.unsettled() && !subscribed {
                     tracked.claimed = true;
-                    owed.push(Owed::GiveBack(id));
+                    owed.push(Owed::GiveBack(id, "unsubscribed"));
+                    continue;
+                }
+                if tracked.surrender {
+                    tracked.claimed = true;
+                    owed.push(Owed::GiveBack(id, "fifo_head_lost"));
                     continue;
                 }
                 if tracked.unsettled() && lease_deadline <= now {
@@ -1093,7 +1178,7 @@ impl Deliveries {
                     Phase::AwaitingAck { deadline_ms, .. } if !tracked.redispatch => next = next.min(*deadline_ms),
                     Phase::Acked if owed_due => {
                         tracked.claimed = true;
-                        owed.push(Owed::BrokerAck(id));
+                        broker_acks.push(id);
                         continue;
                     }
                     // A DLQ write runs unclaimed and wakes its delivery when it ends; until then the sweeper
@@ -1124,13 +1209,13 @@ impl Deliveries {
             }
             Self::set_pending_gauge(table);
         }
-        for id in lapsed {
-            self.give_up_lease(&id);
+        if !broker_acks.is_empty() {
+            owed.push(Owed::BrokerAcks(broker_acks));
         }
+        // Each is its own write; together they share the store's group commits.
+        futures::future::join_all(lapsed.iter().map(|id| self.give_up_lease(id))).await;
         let spent: Vec<String> = expired.iter().map(|r| Subscription::key_of(&r.group, &r.topic)).collect();
-        for record in expired {
-            self.expire(record);
-        }
+        futures::future::join_all(expired.into_iter().map(|record| self.expire(record))).await;
         if !newly_ready.is_empty() || !spent.is_empty() {
             self.ring_each(newly_ready.into_iter().chain(spent));
         }
@@ -1139,28 +1224,51 @@ impl Deliveries {
 
     /// An unACKed delivery past its deadline: the attempt is spent. A failed write leaves it as it was
     /// (still awaiting ACK, past its deadline), so the next tick tries again.
-    fn expire(&self, mut record: DeliveryRecord) {
+    async fn expire(&self, mut record: DeliveryRecord) {
         let id = record.id.clone();
         let outcome = self.spend_attempt(&mut record, "ack timeout", None);
-        if self.commit(record, None).is_ok() {
+        if self.commit(record, OwedWork::NotFailed).await.is_ok() {
             self.after_spent(&id, &outcome, "timeout");
         }
     }
 
     /// The lease lapsed (popgate was down, hung, or could not renew): the broker may already have handed
     /// the message to someone else and will redeliver it, so popgate stops claiming it.
-    fn give_up_lease(&self, id: &str) {
+    ///
+    /// In an ordered subscription the later events of its message group go with it: the broker redelivers
+    /// the lapsed one, and any of them handed out meanwhile would overtake it. They are marked to surrender
+    /// (never handed out or settled again) and filed, so the next sweep gives each back to the broker as
+    /// soon as nobody acts on it, and the broker's orderly POP brings the group back in order.
+    async fn give_up_lease(&self, id: &str) {
         tracing::warn!(delivery = %id, "Broker lease lapsed; the broker will redeliver the event.");
         counter!(m::LEASES_LOST).increment(1);
-        self.retire(id);
+        {
+            let mut table = self.table.lock();
+            let followers = match table.deliveries.get(id) {
+                Some(head) if table.subs.get(&head.key()).is_some_and(|a| a.sub.ordered) => table.followers(head),
+                _ => Vec::new(),
+            };
+            for follower in followers {
+                if let Some(tracked) = table.deliveries.get_mut(&follower) {
+                    tracked.surrender = true;
+                }
+                table.wake(&follower, 0);
+            }
+        }
+        self.retire(id).await;
+        self.remember_stale(id);
+    }
+
+    /// A late ACK of `id` is answered "stale" (409) rather than "unknown" for a while.
+    fn remember_stale(&self, id: &str) {
         self.table.lock().stale.insert(id.to_owned(), now_millis() + STALE_MEMORY_MS);
     }
 
     /// Forgets a delivery everywhere: ACKed at the broker, dead-lettered, given back, or given up.
-    fn retire(&self, id: &str) {
+    async fn retire(&self, id: &str) {
         // A failed delete leaves a record that boot recovery settles again (its lease will have lapsed, or
         // its ACK intent is replayed): harmless, and the store counts the failure.
-        let _ = self.store.apply(&[Change::Delete(Family::Deliveries, id), Change::Delete(Family::Payloads, id)]);
+        let _ = self.store.apply(&[Change::Delete(Family::Deliveries, id), Change::Delete(Family::Payloads, id)]).await;
         let mut table = self.table.lock();
         table.remove(id);
         Self::set_pending_gauge(&table);
@@ -1169,10 +1277,9 @@ impl Deliveries {
     /// Runs one piece of owed broker work found by [`Deliveries::sweep`].
     pub(super) async fn perform(&self, owed: Owed) {
         match owed {
-            Owed::BrokerAck(id) => {
-                if let Some(record) = self.tracked_record(&id) {
-                    self.broker_ack(&record).await;
-                }
+            Owed::BrokerAcks(ids) => {
+                let records: Vec<DeliveryRecord> = ids.iter().filter_map(|id| self.tracked_record(id)).collect();
+                self.broker_ack_many(&records).await;
             }
             Owed::DeadLetter(id) => {
                 if let Some(record) = self.tracked_record(&id) {
@@ -1180,10 +1287,13 @@ impl Deliveries {
                 }
             }
             Owed::Renew(id) => self.renew(&id).await,
-            Owed::GiveBack(id) => {
+            Owed::GiveBack(id, reason) => {
                 if let Some(record) = self.tracked_record(&id) {
-                    self.give_back_at_broker(&record.group, &record.handle, "unsubscribed").await;
-                    self.retire(&id);
+                    self.give_back_at_broker(&record.group, &record.handle, reason).await;
+                    self.retire(&id).await;
+                    if reason == "fifo_head_lost" {
+                        self.remember_stale(&id);
+                    }
                     self.ring(&Subscription::key_of(&record.group, &record.topic));
                 }
             }
@@ -1208,37 +1318,37 @@ impl Deliveries {
                 // Nothing to write: retired without a broker ACK, so the broker redelivers the event.
                 tracing::warn!(delivery = %id, "Stored body missing; the broker will redeliver the event.");
                 counter!(m::STORE_UNDECODABLE, "family" => "payloads").increment(1);
-                self.end_dlq_write(&id, None);
-                self.retire(&id);
+                self.end_dlq_write(&id, OwedWork::NotFailed);
+                self.retire(&id).await;
                 return;
             }
             Err(error) => {
                 counter!(m::DLQ_RECORD_FAILURES).increment(1);
                 tracing::warn!(%error, delivery = %id, "Could not read the body for the DLQ write; will retry.");
-                self.end_dlq_write(&id, Some(now_millis() + RETRY_PAUSE_MS));
+                self.end_dlq_write(&id, OwedWork::Failed);
                 return;
             }
         };
-        if let Err(error) = dlq::send(&self.publisher, &record).await {
+        if let Err(error) = self.cluster.dead_letter(&record).await {
             counter!(m::DLQ_RECORD_FAILURES).increment(1);
             tracing::warn!(%error, delivery = %id, "DLQ write failed; the delivery stays in flight and will retry.");
-            self.end_dlq_write(&id, Some(now_millis() + RETRY_PAUSE_MS));
+            self.end_dlq_write(&id, OwedWork::Failed);
             return;
         }
         counter!(m::DLQ_MESSAGES, "group" => record.group.clone()).increment(1);
         // Claimed before the in-flight mark is cleared, so the sweeper never starts a second write between.
         let claimed = self.claim(&id).await;
-        self.end_dlq_write(&id, None);
+        self.end_dlq_write(&id, OwedWork::NotFailed);
         let Ok(mut record) = claimed else {
             // Held by a renewal for longer than a claim waits: the next sweep writes the DLQ again, a
             // duplicate there and never a loss.
             tracing::warn!(delivery = %id, "Could not claim a dead-lettered delivery for its broker ACK.");
             return;
         };
-        match self.broker.ack(&record.group, &record.handle).await {
+        match self.cluster.ack(&record.group, &record.handle).await {
             Ok(()) => {
                 counter!(m::BROKER_ACKS).increment(1);
-                self.retire(&record.id);
+                self.retire(&record.id).await;
                 self.ring(&Subscription::key_of(&record.group, &record.topic));
             }
             Err(error) => {
@@ -1247,18 +1357,18 @@ impl Deliveries {
                 // The DLQ has the event: from here only the broker ACK is owed, never a second DLQ write. If
                 // this write fails too, the next try writes the DLQ again: a duplicate there, never a loss.
                 record.phase = Phase::Acked;
-                let _ = self.commit(record, Some(now_millis() + RETRY_PAUSE_MS));
+                let _ = self.commit(record, OwedWork::Failed).await;
             }
         }
     }
 
-    /// Ends a DLQ write: on failure (`retry_at` set) the next try waits until then.
-    fn end_dlq_write(&self, id: &str, retry_at: Option<i64>) {
+    /// Ends a DLQ write: on failure the next try waits for its backoff.
+    fn end_dlq_write(&self, id: &str, owed: OwedWork) {
         let mut table = self.table.lock();
         if let Some(tracked) = table.deliveries.get_mut(id) {
             tracked.dlq_write_in_flight = false;
-            if let Some(at) = retry_at {
-                tracked.owed_retry_ms = at;
+            if owed == OwedWork::Failed {
+                tracked.owed_work_failed(now_millis());
             }
             table.wake(id, 0);
         }
@@ -1284,11 +1394,14 @@ impl Deliveries {
             tracked.claimed = true;
             tracked.record.clone()
         };
-        match self.broker.renew(&record.group, &record.handle, self.config.lease_ms).await {
+        match self.cluster.renew(&record.group, &record.handle, self.config.lease_ms).await {
             Ok(handle) => {
+                if let Some(tracked) = self.table.lock().deliveries.get_mut(id) {
+                    tracked.renew_failures = 0;
+                }
                 let mut renewed = record;
                 renewed.handle = handle.clone();
-                if self.commit(renewed, None).is_err() {
+                if self.commit(renewed, OwedWork::NotFailed).await.is_err() {
                     // The old handle is dead whatever the store says: memory must hold the new one. After a
                     // crash the stored (dead) handle only means the broker redelivers: a duplicate, no loss.
                     if let Some(tracked) = self.table.lock().deliveries.get_mut(id) {
@@ -1302,7 +1415,7 @@ impl Deliveries {
                 let mut table = self.table.lock();
                 if let Some(tracked) = table.deliveries.get_mut(id) {
                     tracked.claimed = false;
-                    tracked.renew_retry_ms = now_millis() + RETRY_PAUSE_MS;
+                    tracked.renewal_failed(now_millis());
                 }
                 table.wake(id, 0);
             }
@@ -1338,8 +1451,9 @@ impl Deliveries {
     }
 
     /// Removes a stored record that no longer decodes, without any broker ACK.
-    pub(super) fn discard_undecodable(&self, key: &str) {
-        let _ = self.store.apply(&[Change::Delete(Family::Deliveries, key), Change::Delete(Family::Payloads, key)]);
+    pub(super) async fn discard_undecodable(&self, key: &str) {
+        let _ =
+            self.store.apply(&[Change::Delete(Family::Deliveries, key), Change::Delete(Family::Payloads, key)]).await;
     }
 
     /// The consumer group of a tracked delivery (to authorize its ACK, NACK or TERM).
@@ -1423,8 +1537,185 @@ mod tests {
             queue_offset: 0,
             pop_time_ms: now_millis(),
             invisible_ms: 3_600_000,
+            lease_until_ms: now_millis() + 3_600_000,
         };
         Popped { event, handle }
+    }
+
+    /// A popped event of FIFO message group `group`.
+    fn popped_in_group(body: &[u8], group: &str) -> Popped {
+        let mut popped = popped(body);
+        popped.event.message_group = Some(group.to_owned());
+        popped
+    }
+
+    fn long_poll() -> HandOut {
+        HandOut { transport: "poll", ack_timeout: None, holder: None }
+    }
+
+    /// The tracked id of the delivery whose body is `body`.
+    fn id_of(deliveries: &Deliveries, body: &[u8]) -> Id {
+        let table = deliveries.table.lock();
+        let ids: Vec<Id> = table.deliveries.keys().cloned().collect();
+        drop(table);
+        let bodies = ids.iter().map(|id| deliveries.store.get_raw_many(Family::Payloads, &[id]).expect("read"));
+        ids.iter()
+            .zip(bodies)
+            .find(|(_, b)| b.first().cloned().flatten().as_deref() == Some(body))
+            .expect("found")
+            .0
+            .clone()
+    }
+
+    #[tokio::test]
+    async fn a_lost_fifo_head_takes_the_later_events_of_its_group_with_it() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let deliveries = offline(dir.path()).await;
+        let sub = Subscription { ordered: true, ..subscription() };
+        deliveries.put_subscription(sub.clone(), RetryPolicy::SEED_DEFAULT).await.expect("subscribe");
+        let events = vec![
+            popped_in_group(b"g1", "g"),
+            popped_in_group(b"g2", "g"),
+            popped_in_group(b"g3", "g"),
+            popped_in_group(b"h1", "h"),
+        ];
+        assert!(matches!(deliveries.admit(&sub.key(), events).await, Admission::Admitted));
+        let first = deliveries.hand_out(&sub.key(), 10, &long_poll(), None).await.expect("hand out");
+        let mut bodies: Vec<Vec<u8>> = first.iter().map(|d| d.event.body.clone()).collect();
+        bodies.sort();
+        assert_eq!(bodies, vec![b"g1".to_vec(), b"h1".to_vec()], "only each group's head");
+
+        // g1's lease lapses (popgate could not renew it): the broker will redeliver g1.
+        let head = id_of(&deliveries, b"g1");
+        let (g2, g3) = (id_of(&deliveries, b"g2"), id_of(&deliveries, b"g3"));
+        let now = now_millis();
+        if let Some(tracked) = deliveries.table.lock().deliveries.get_mut(&head) {
+            tracked.record.handle.lease_until_ms = now - 1;
+        }
+        let owed = deliveries.sweep(now).await;
+        assert!(owed.iter().all(|o| !matches!(o, Owed::GiveBack(..))), "the lapsed head is given up, not given back");
+        assert!(deliveries.tracked_record(&head).is_none());
+
+        // g2 must not overtake the redelivery of g1.
+        assert!(deliveries.hand_out(&sub.key(), 10, &long_poll(), None).await.expect("hand out").is_empty());
+        assert!(matches!(deliveries.ack(&g2).await, Err(DeliveryError::Stale)));
+        let owed = deliveries.sweep(now_millis()).await;
+        let mut given_back: Vec<Id> = owed
+            .iter()
+            .filter_map(|o| match o {
+                Owed::GiveBack(id, "fifo_head_lost") => Some(id.clone()),
+                _ => None,
+            })
+            .collect();
+        given_back.sort();
+        let mut expected = vec![g2.clone(), g3.clone()];
+        expected.sort();
+        assert_eq!(given_back, expected, "the rest of g goes back to the broker, and nothing of h");
+    }
+
+    /// How long from now each tracked delivery's owed work waits, in ms.
+    fn owed_waits(deliveries: &Deliveries) -> Vec<i64> {
+        let now = now_millis();
+        deliveries.table.lock().deliveries.values().map(|t| t.owed_retry_ms - now).collect()
+    }
+
+    #[tokio::test]
+    async fn owed_broker_acks_travel_together_and_back_off_exponentially_while_the_broker_is_down() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let deliveries = offline(dir.path()).await;
+        let sub = subscription();
+        deliveries.put_subscription(sub.clone(), RetryPolicy::SEED_DEFAULT).await.expect("subscribe");
+        assert!(matches!(
+            deliveries.admit(&sub.key(), vec![popped(b"a"), popped(b"b"), popped(b"c")]).await,
+            Admission::Admitted
+        ));
+        let handed = deliveries.hand_out(&sub.key(), 10, &long_poll(), None).await.expect("hand out");
+        let ids: Vec<&str> = handed.iter().map(|d| d.id.as_str()).collect();
+        // The intents are stored (the subscribers' answers), the broker cannot be reached.
+        assert!(deliveries.ack_many(&ids).await.iter().all(Result::is_ok));
+        for wait in owed_waits(&deliveries) {
+            assert!((700..=1_200).contains(&wait), "first retry after 1 s ± 20 %: {wait} ms");
+        }
+
+        // One sweep finds all three due: one piece of work, one batch request per broker.
+        let owed = deliveries.sweep(now_millis() + 1_300).await;
+        assert_eq!(owed.len(), 1, "{owed:?}");
+        assert!(matches!(&owed[0], Owed::BrokerAcks(batch) if batch.len() == 3));
+        for work in owed {
+            deliveries.perform(work).await;
+        }
+        for wait in owed_waits(&deliveries) {
+            assert!((1_500..=2_400).contains(&wait), "second retry after 2 s ± 20 %: {wait} ms");
+        }
+    }
+
+    /// Runs one sweep at popgate's `now` and all the owed work it finds.
+    async fn sweep_and_perform(deliveries: &Deliveries) {
+        for owed in deliveries.sweep(now_millis()).await {
+            deliveries.perform(owed).await;
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_unacked_delivery_returns_on_the_seed_backoff_and_its_sixth_miss_goes_to_the_dlq() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Arc::new(StateStore::open(dir.path(), true).expect("open"));
+        let cluster = Arc::new(super::fake_cluster::FakeCluster::new(store.clone()));
+        let (broker, _publisher, config) = offline_parts().await;
+        let deliveries = Deliveries::with_cluster(store, broker, cluster.clone(), config);
+        let sub = Subscription { ack_timeout_ms: 1_000, ..subscription() };
+        deliveries.put_subscription(sub.clone(), RetryPolicy::SEED_DEFAULT).await.expect("subscribe");
+        assert!(matches!(deliveries.admit(&sub.key(), vec![popped(b"x")]).await, Admission::Admitted));
+
+        let mut waits = Vec::new();
+        for attempt in 1..=6 {
+            sweep_and_perform(&deliveries).await;
+            let handed = deliveries.hand_out(&sub.key(), 10, &long_poll(), None).await.expect("hand out");
+            assert_eq!(handed.iter().map(|d| d.attempt).collect::<Vec<_>>(), vec![attempt]);
+            assert!(deliveries.hand_out(&sub.key(), 10, &long_poll(), None).await.expect("again").is_empty());
+            // Its ACK deadline passes on paused time: the attempt is spent.
+            tokio::time::advance(Duration::from_millis(1_001)).await;
+            sweep_and_perform(&deliveries).await;
+            let Some(record) = deliveries.tracked_record(&handed[0].id) else { panic!("still tracked") };
+            match record.phase {
+                Phase::Ready { due_ms } if attempt < 6 => {
+                    let wait = due_ms - now_millis();
+                    waits.push(wait);
+                    tokio::time::advance(Duration::from_millis(u64::try_from(wait + 1).unwrap_or(0))).await;
+                }
+                Phase::DeadLetter { .. } if attempt == 6 => {}
+                other => panic!("after attempt {attempt}: {other:?}"),
+            }
+        }
+        for (wait, base) in waits.iter().zip([1_000, 2_000, 4_000, 8_000, 16_000]) {
+            assert!((base * 8 / 10..=base * 12 / 10).contains(wait), "{wait} ms is not {base} ms ± 20 %: {waits:?}");
+        }
+        // The sixth miss: written to the DLQ, then ACKed at the broker, then forgotten.
+        sweep_and_perform(&deliveries).await;
+        assert!(cluster.dead_lettered.lock().contains("msg-1"), "in the DLQ");
+        assert_eq!(cluster.acked.lock().values().cloned().collect::<Vec<_>>(), vec!["msg-1".to_owned()]);
+        assert!(cluster.violations.lock().is_empty(), "{:?}", cluster.violations.lock());
+        assert!(deliveries.table.lock().deliveries.is_empty(), "retired");
+    }
+
+    #[tokio::test]
+    async fn a_broker_clock_a_minute_behind_does_not_make_fresh_leases_look_lapsed() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let deliveries = offline(dir.path()).await;
+        let sub = subscription();
+        deliveries.put_subscription(sub.clone(), RetryPolicy::SEED_DEFAULT).await.expect("subscribe");
+        let mut event = popped(b"x");
+        // As the POP path records it: the broker's popTime a minute behind, the lease from the send time.
+        event.handle.pop_time_ms = now_millis() - 60_000;
+        event.handle.invisible_ms = 60_000;
+        event.handle.lease_until_ms = now_millis() + 60_000;
+        assert!(matches!(deliveries.admit(&sub.key(), vec![event]).await, Admission::Admitted));
+        let handed = deliveries.hand_out(&sub.key(), 10, &long_poll(), None).await.expect("hand out");
+        assert_eq!(handed.len(), 1, "not judged lapsed");
+        assert!(
+            deliveries.sweep(now_millis()).await.iter().all(|o| !matches!(o, Owed::Renew(_))),
+            "nor due for renewal"
+        );
     }
 
     #[tokio::test]
@@ -1432,8 +1723,8 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let deliveries = offline(dir.path()).await;
         let sub = subscription();
-        deliveries.put_subscription(sub.clone(), RetryPolicy::SEED_DEFAULT).expect("subscribe");
-        assert!(matches!(deliveries.admit(&sub.key(), vec![popped(b"the body")]), Admission::Admitted));
+        deliveries.put_subscription(sub.clone(), RetryPolicy::SEED_DEFAULT).await.expect("subscribe");
+        assert!(matches!(deliveries.admit(&sub.key(), vec![popped(b"the body")]).await, Admission::Admitted));
 
         let id = deliveries.table.lock().deliveries.keys().next().cloned().expect("tracked");
         let in_memory = deliveries.tracked_record(&id).expect("record");
@@ -1442,11 +1733,11 @@ mod tests {
         assert!(stored.event.body.is_empty(), "nor does the stored record");
 
         let to = HandOut { transport: "poll", ack_timeout: None, holder: None };
-        let handed = deliveries.hand_out(&sub.key(), 10, &to, None).expect("hand out");
+        let handed = deliveries.hand_out(&sub.key(), 10, &to, None).await.expect("hand out");
         assert_eq!(handed.len(), 1);
         assert_eq!(handed[0].event.body, b"the body");
 
-        deliveries.retire(&id);
+        deliveries.retire(&id).await;
         let left = deliveries.store.get_raw_many(Family::Payloads, &[&id]).expect("read");
         assert_eq!(left, vec![None], "the body goes with its delivery");
     }
@@ -1456,8 +1747,8 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let deliveries = offline(dir.path()).await;
         let sub = subscription();
-        deliveries.put_subscription(sub.clone(), RetryPolicy::SEED_DEFAULT).expect("subscribe");
-        assert!(matches!(deliveries.admit(&sub.key(), vec![popped(b"a"), popped(b"b")]), Admission::Admitted));
+        deliveries.put_subscription(sub.clone(), RetryPolicy::SEED_DEFAULT).await.expect("subscribe");
+        assert!(matches!(deliveries.admit(&sub.key(), vec![popped(b"a"), popped(b"b")]).await, Admission::Admitted));
         let table = deliveries.table.lock();
         let records: Vec<&DeliveryRecord> = table.deliveries.values().map(|t| &t.record).collect();
         assert_eq!(records.len(), 2);
@@ -1472,13 +1763,13 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let deliveries = offline(dir.path()).await;
         let sub = subscription();
-        deliveries.put_subscription(sub.clone(), RetryPolicy::SEED_DEFAULT).expect("subscribe");
-        assert!(matches!(deliveries.admit(&sub.key(), vec![popped(b"x")]), Admission::Admitted));
+        deliveries.put_subscription(sub.clone(), RetryPolicy::SEED_DEFAULT).await.expect("subscribe");
+        assert!(matches!(deliveries.admit(&sub.key(), vec![popped(b"x")]).await, Admission::Admitted));
         let id = deliveries.table.lock().deliveries.keys().next().cloned().expect("tracked");
-        deliveries.store.delete(Family::Payloads, &id).expect("delete");
+        deliveries.store.delete(Family::Payloads, &id).await.expect("delete");
 
         let to = HandOut { transport: "poll", ack_timeout: None, holder: None };
-        assert!(deliveries.hand_out(&sub.key(), 10, &to, None).expect("hand out").is_empty());
+        assert!(deliveries.hand_out(&sub.key(), 10, &to, None).await.expect("hand out").is_empty());
         assert!(deliveries.tracked_record(&id).is_none(), "retired; the broker redelivers it");
     }
 }

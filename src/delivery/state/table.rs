@@ -3,12 +3,16 @@
 //! fields are visible to that module alone.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use crate::delivery::record::{DeliveryRecord, Phase, Subscription};
-use crate::delivery::retry::RetryPolicy;
+use crate::delivery::retry::{RetryPolicy, OWED_WORK_BACKOFF, RENEWAL_BACKOFF};
+
+fn delay_ms(policy: &RetryPolicy, failures: u32) -> i64 {
+    i64::try_from(policy.delay_after(failures, &mut rand::rng()).as_millis()).unwrap_or(i64::MAX)
+}
 
 /// A delivery id as memory holds it: one allocation shared by the table's key, the ready queue and every
 /// timer entry (a million held deliveries would otherwise carry a copy of the id in each).
@@ -27,14 +31,22 @@ pub(super) struct Tracked {
     pub(super) redispatch: bool,
     /// Earliest retry of an owed broker ACK or DLQ write that failed (epoch ms).
     pub(super) owed_retry_ms: i64,
+    /// Failures in a row of that owed work, for its backoff.
+    pub(super) owed_failures: u32,
     /// Its DLQ write is under way. That write runs unclaimed (its send attempts may outlast a lease), so
     /// renewals go on meanwhile; this flag alone keeps a second write from starting.
     pub(super) dlq_write_in_flight: bool,
     /// Earliest retry of a lease renewal that failed (epoch ms); kept apart from owed work so a failing
     /// broker ACK never holds a renewal back.
     pub(super) renew_retry_ms: i64,
+    /// Failed renewals in a row, for their backoff.
+    pub(super) renew_failures: u32,
     /// The push subscriber it is handed to (memory only: a restart hands everything out anew).
     pub(super) holder: Option<u64>,
+    /// An earlier event of its FIFO message group lost its lease: the broker will redeliver that one, and
+    /// this one must not overtake it, so it is never handed out or settled again and the sweeper gives it
+    /// back to the broker (which then redelivers the group in order) as soon as nobody acts on it.
+    pub(super) surrender: bool,
 }
 
 impl Tracked {
@@ -45,10 +57,26 @@ impl Tracked {
             queued: false,
             redispatch: false,
             owed_retry_ms: 0,
+            owed_failures: 0,
             dlq_write_in_flight: false,
             renew_retry_ms: 0,
+            renew_failures: 0,
             holder: None,
+            surrender: false,
         }
+    }
+
+    /// Its owed broker work (ACK, DLQ write) failed again: the next try waits longer
+    /// ([`OWED_WORK_BACKOFF`]).
+    pub(super) fn owed_work_failed(&mut self, now_ms: i64) {
+        self.owed_failures = self.owed_failures.saturating_add(1);
+        self.owed_retry_ms = now_ms + delay_ms(&OWED_WORK_BACKOFF, self.owed_failures);
+    }
+
+    /// Its lease renewal failed again ([`RENEWAL_BACKOFF`]).
+    pub(super) fn renewal_failed(&mut self, now_ms: i64) {
+        self.renew_failures = self.renew_failures.saturating_add(1);
+        self.renew_retry_ms = now_ms + delay_ms(&RENEWAL_BACKOFF, self.renew_failures);
     }
 
     pub(super) fn key(&self) -> String {
@@ -57,6 +85,9 @@ impl Tracked {
 
     /// Can be handed to a subscriber now.
     pub(super) fn dispatchable(&self, now_ms: i64) -> bool {
+        if self.surrender {
+            return false;
+        }
         match self.record.phase {
             Phase::Ready { due_ms } => due_ms <= now_ms,
             Phase::AwaitingAck { .. } => self.redispatch,
@@ -81,11 +112,29 @@ pub(super) struct ActiveSubscription {
     pub(super) demand: usize,
     /// Tells this subscription's POP loop to stop.
     pub(super) stop: Arc<AtomicBool>,
+    /// When a receive last waited on it (epoch ms): an implicit subscription idle for long is removed.
+    pub(super) last_used_ms: i64,
+    /// When a receive last changed its filter (epoch ms; 0: never), to take such changes at most once per
+    /// interval.
+    pub(super) filter_changed_ms: i64,
 }
 
 impl ActiveSubscription {
-    pub(super) fn new(sub: Subscription, policy: RetryPolicy) -> ActiveSubscription {
-        ActiveSubscription { sub, policy, ready: VecDeque::new(), demand: 0, stop: Arc::new(AtomicBool::new(false)) }
+    pub(super) fn new(sub: Subscription, policy: RetryPolicy, now_ms: i64) -> ActiveSubscription {
+        ActiveSubscription {
+            sub,
+            policy,
+            ready: VecDeque::new(),
+            demand: 0,
+            stop: Arc::new(AtomicBool::new(false)),
+            last_used_ms: now_ms,
+            filter_changed_ms: 0,
+        }
+    }
+
+    /// Created by a receive, with nobody waiting on it and nothing held for it since `idle_since_ms`.
+    pub(super) fn idle_implicit(&self, held: usize, idle_since_ms: i64) -> bool {
+        self.sub.implicit && self.demand == 0 && held == 0 && self.last_used_ms <= idle_since_ms
     }
 }
 
@@ -104,6 +153,31 @@ pub(super) struct Table {
     /// Group, topic and broker names, one copy each, shared by every record that carries them (a million
     /// deliveries of one subscription would otherwise hold a million copies of each).
     names: std::collections::HashSet<Arc<str>>,
+    /// The deliveries of each FIFO message group: subscription key, then message group, then admission order
+    /// (`seq`). Kept with every insert and removal, so finding a group's head looks at that group alone, not
+    /// the whole table.
+    pub(super) fifo: HashMap<String, HashMap<String, BTreeMap<u64, Id>>>,
+    /// The deliveries each gRPC client holds (handed out to it, awaiting its ACK), kept with every record
+    /// change: a client's departure and the keep-alive of live clients look at what those clients hold, not
+    /// at the whole table.
+    holders: HashMap<String, HashSet<Id>>,
+}
+
+/// The FIFO index and the deliveries it points into, borrowed together so a hand-out can read both while it
+/// holds a subscription's ready queue.
+pub(super) struct FifoView<'a> {
+    fifo: &'a HashMap<String, HashMap<String, BTreeMap<u64, Id>>>,
+    deliveries: &'a HashMap<Id, Box<Tracked>>,
+}
+
+impl FifoView<'_> {
+    /// The `seq` of message group `group`'s head in subscription `key`: its earliest unsettled delivery. Only
+    /// the head may be handed out; settled ones (ACKed, dead-lettering) no longer block, and are soon retired,
+    /// so the walk stops at the first entry or close to it.
+    pub(super) fn head(&self, key: &str, group: &str) -> Option<u64> {
+        let members = self.fifo.get(key)?.get(group)?;
+        members.iter().find(|(_, id)| self.deliveries.get(&**id).is_some_and(|t| t.unsettled())).map(|(seq, _)| *seq)
+    }
 }
 
 impl Table {
@@ -145,25 +219,107 @@ impl Table {
         let key = tracked.key();
         let id: Id = tracked.record.id.clone();
         self.timers.push(Reverse((0, id.clone())));
-        if let Some(old) = self.deliveries.insert(id, Box::new(tracked)) {
-            self.uncount(&old.key());
+        let fifo_entry = tracked.record.event.message_group.clone().map(|group| (group, tracked.record.seq));
+        if let Some(old) = self.deliveries.insert(id.clone(), Box::new(tracked)) {
+            self.uncount(&old);
+        }
+        if let Some((group, seq)) = fifo_entry {
+            self.fifo.entry(key.clone()).or_default().entry(group).or_default().insert(seq, id.clone());
+        }
+        if let Some(client) = grpc_holder(&self.deliveries[&id].record) {
+            self.holders.entry(client.to_owned()).or_default().insert(id);
         }
         *self.held.entry(key).or_default() += 1;
+    }
+
+    /// Makes `record` the tracked record of its delivery (memory follows the store), keeping the holder index
+    /// true; the caller ends any claim. False when the delivery is no longer tracked.
+    pub(super) fn set_record(&mut self, record: DeliveryRecord) -> bool {
+        let Some(id) = self.id(&record.id) else { return false };
+        let Some(tracked) = self.deliveries.get_mut(&id) else { return false };
+        let before = grpc_holder(&tracked.record).map(str::to_owned);
+        tracked.record = record;
+        let after = grpc_holder(&tracked.record).map(str::to_owned);
+        if before != after {
+            if let Some(client) = before {
+                self.forget_held(&client, &id);
+            }
+            if let Some(client) = after {
+                self.holders.entry(client).or_default().insert(id);
+            }
+        }
+        true
+    }
+
+    /// The ids of the deliveries gRPC client `client_id` holds.
+    pub(super) fn held_by_client(&self, client_id: &str) -> Vec<Id> {
+        self.holders.get(client_id).map(|ids| ids.iter().cloned().collect()).unwrap_or_default()
+    }
+
+    fn forget_held(&mut self, client: &str, id: &Id) {
+        if let Some(ids) = self.holders.get_mut(client) {
+            ids.remove(id);
+            if ids.is_empty() {
+                self.holders.remove(client);
+            }
+        }
     }
 
     /// Removes a delivery.
     pub(super) fn remove(&mut self, id: &str) -> Option<Tracked> {
         let tracked = self.deliveries.remove(id)?;
-        self.uncount(&tracked.key());
+        self.uncount(&tracked);
         Some(*tracked)
     }
 
-    fn uncount(&mut self, key: &str) {
-        if let Some(count) = self.held.get_mut(key) {
+    /// The FIFO index, to be read with the deliveries while a ready queue is borrowed.
+    pub(super) fn fifo_view<'a>(
+        fifo: &'a HashMap<String, HashMap<String, BTreeMap<u64, Id>>>,
+        deliveries: &'a HashMap<Id, Box<Tracked>>,
+    ) -> FifoView<'a> {
+        FifoView { fifo, deliveries }
+    }
+
+    /// The unsettled deliveries of `tracked`'s message group admitted after it, in order: what must not
+    /// overtake it.
+    pub(super) fn followers(&self, tracked: &Tracked) -> Vec<Id> {
+        let Some(group) = &tracked.record.event.message_group else { return Vec::new() };
+        let Some(members) = self.fifo.get(&tracked.key()).and_then(|groups| groups.get(group)) else {
+            return Vec::new();
+        };
+        members
+            .range(tracked.record.seq + 1..)
+            .filter(|(_, id)| self.deliveries.get(&**id).is_some_and(|t| t.unsettled()))
+            .map(|(_, id)| id.clone())
+            .collect()
+    }
+
+    /// Takes a delivery that left the table out of the per-subscription count and the FIFO and holder indexes.
+    fn uncount(&mut self, tracked: &Tracked) {
+        if let Some(client) = grpc_holder(&tracked.record) {
+            // A replacement of the same id (`insert`) is indexed again after this.
+            self.forget_held(client, &tracked.record.id);
+        }
+        let key = tracked.key();
+        if let Some(count) = self.held.get_mut(&key) {
             *count = count.saturating_sub(1);
             if *count == 0 {
-                self.held.remove(key);
+                self.held.remove(&key);
             }
+        }
+        let Some(group) = &tracked.record.event.message_group else { return };
+        let Some(groups) = self.fifo.get_mut(&key) else { return };
+        if let Some(members) = groups.get_mut(group) {
+            // Only its own entry: a replacement of the same id may sit under another seq.
+            if members.get(&tracked.record.seq).is_some_and(|id| *id == tracked.record.id) {
+                members.remove(&tracked.record.seq);
+            }
+            if members.is_empty() {
+                groups.remove(group);
+            }
+        }
+        if groups.is_empty() {
+            self.fifo.remove(&key);
         }
     }
 
@@ -175,6 +331,13 @@ impl Table {
     /// Takes every delivery of `key` out of any ready queue and files it for the next tick: after a
     /// subscription is created, replaced or removed, the sweeper decides again where each one belongs.
     pub(super) fn refile_subscription(&mut self, key: &str) {
+        if let Some(active) = self.subs.get_mut(key) {
+            active.ready.clear();
+        }
+        // Most subscriptions come and go holding nothing: no need to look through the table then.
+        if self.held_by(key) == 0 {
+            return;
+        }
         let ids: Vec<Id> = self
             .deliveries
             .iter_mut()
@@ -184,28 +347,16 @@ impl Table {
                 id.clone()
             })
             .collect();
-        if let Some(active) = self.subs.get_mut(key) {
-            active.ready.clear();
-        }
         for id in ids {
             self.timers.push(Reverse((0, id)));
         }
     }
+}
 
-    /// For an ordered subscription: each message group's head, the lowest `seq` among its unsettled
-    /// deliveries. Only the head may be handed out; settled ones (ACKed, dead-lettering) no longer block.
-    pub(super) fn group_heads(&self, sub: &Subscription) -> HashMap<String, u64> {
-        let mut heads: HashMap<String, u64> = HashMap::new();
-        for tracked in self.deliveries.values() {
-            let record = &tracked.record;
-            if *record.group != *sub.group || *record.topic != *sub.topic || !tracked.unsettled() {
-                continue;
-            }
-            if let Some(group) = &record.event.message_group {
-                let head = heads.entry(group.clone()).or_insert(record.seq);
-                *head = (*head).min(record.seq);
-            }
-        }
-        heads
+/// The gRPC client a record is handed to, if it is.
+fn grpc_holder(record: &DeliveryRecord) -> Option<&str> {
+    match &record.phase {
+        Phase::AwaitingAck { holder: Some(holder), .. } => Some(&holder.client_id),
+        _ => None,
     }
 }
