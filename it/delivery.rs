@@ -211,6 +211,38 @@ async fn nack_term_double_ack_and_unknown_ids_behave_as_documented() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nack_delay_past_an_hour_is_a_400_naming_delay_ms_and_the_delivery_can_still_be_settled() {
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, FAST_LEASE).await;
+    let (topic, group) = (unique_topic("nack_bound"), unique_topic("g_nack_bound"));
+    subscribe(&popgate, json!({"group": group, "topic": topic, "ackTimeoutMs": 30000})).await;
+    publish_all(&popgate, &topic, &["held"]).await;
+    let delivery = popgate.poll_until(&group, &topic, 1, Duration::from_secs(30)).await.pop().expect("delivered");
+    let held = id(&delivery);
+
+    // i64::MAX overflowed the due time (a panic while the delivery was claimed, so it stayed claimed for
+    // good); u64::MAX wrapped to a due time in the past; 10^15 ms scheduled the retry 30 000 years ahead.
+    for delay in [i64::MAX as u64, u64::MAX, 1_000_000_000_000_000, 3_600_001] {
+        let (status, answer) = popgate.post_json("/events/nack", &json!({"deliveryId": held, "delayMs": delay})).await;
+        assert_eq!((status, answer["error"]["field"].as_str()), (400, Some("delayMs")), "{delay}: {answer}");
+        assert!(answer["error"]["message"].as_str().is_some_and(|m| m.contains("3600000")), "{answer}");
+    }
+
+    // Refused before the delivery was touched: still handed out, as attempt 1, and neither NACK nor ACK waits
+    // for a claim someone left behind.
+    let (status, answer) = popgate.post_json("/events/nack", &json!({"deliveryId": held, "delayMs": 0})).await;
+    assert_eq!(
+        (status, answer["status"].as_str(), answer["attempt"].as_i64()),
+        (200, Some("retry"), Some(2)),
+        "{answer}"
+    );
+    let again = popgate.poll_until(&group, &topic, 1, Duration::from_secs(10)).await;
+    assert_eq!(again.iter().map(id).collect::<Vec<_>>(), vec![held.clone()], "redelivered at once");
+    let (status, answer) = popgate.ack(&held).await;
+    assert_eq!((status, answer["status"].as_str()), (200, Some("acked")), "{answer}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill9_keeps_attempts_and_ids_finishes_acks_and_retires_corrupt_records() {
     let cluster = shared_cluster();
     let mut popgate = Popgate::start(&cluster.namesrv_addr, "[delivery]\nlease_ms = 30000\npop_poll_ms = 1000\n").await;

@@ -62,6 +62,15 @@ async fn websocket_delivers_every_event_once_and_settles_in_band() {
     while seen.len() < published.len() {
         let delivery = ws.next(Duration::from_secs(30)).await.expect("every event is pushed");
         if !nacked {
+            // A delay that is no integer, or longer than an hour, is refused naming it; the delivery stays held.
+            for delay in [json!(u64::MAX), json!(1_000_000_000_000_000u64), json!(-1), json!("soon")] {
+                let result = ws.settle(json!({"nack": id(&delivery), "delayMs": delay})).await;
+                assert_eq!(
+                    (result["status"].as_str(), result["field"].as_str()),
+                    (Some("invalid_field"), Some("delayMs")),
+                    "{result}"
+                );
+            }
             // One NACK in band: the same event comes back as attempt 2.
             let result = ws.settle(json!({"nack": id(&delivery), "delayMs": 100})).await;
             assert_eq!((result["op"].as_str(), result["status"].as_str()), (Some("nack"), Some("retry")), "{result}");

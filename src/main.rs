@@ -8,6 +8,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use popgate::cli::Endpoint;
+use popgate::config::LoadedConfig;
 use popgate::Config;
 use tracing_subscriber::EnvFilter;
 
@@ -129,8 +130,12 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Serve { config } => serve(config),
         Command::CheckConfig { config } => match load(config) {
-            Ok(config) => {
-                println!("{}", toml::to_string_pretty(&config).unwrap_or_default());
+            Ok(loaded) => {
+                // On stderr: stdout is the effective config, which a script may keep as a file.
+                if let Some(warning) = loaded.ignored_env_warning() {
+                    eprintln!("popgate: warning: {warning}");
+                }
+                println!("{}", toml::to_string_pretty(&loaded.config).unwrap_or_default());
                 ExitCode::SUCCESS
             }
             Err(code) => code,
@@ -186,7 +191,7 @@ fn admin_call((endpoint, method, path, query): AdminCall) -> ExitCode {
     }
 }
 
-fn load(path: Option<PathBuf>) -> Result<Config, ExitCode> {
+fn load(path: Option<PathBuf>) -> Result<LoadedConfig, ExitCode> {
     Config::load(path.as_deref()).map_err(|error| {
         eprintln!("popgate: {error}");
         ExitCode::from(EXIT_CONFIG)
@@ -195,7 +200,13 @@ fn load(path: Option<PathBuf>) -> Result<Config, ExitCode> {
 
 fn serve(path: Option<PathBuf>) -> ExitCode {
     let config = match load(path) {
-        Ok(config) => config,
+        Ok(loaded) => {
+            // Logged here, not while loading: tracing is set up by now, so the warning is seen.
+            if let Some(warning) = loaded.ignored_env_warning() {
+                tracing::warn!("{warning}");
+            }
+            loaded.config
+        }
         Err(code) => return code,
     };
     let runtime = match tokio::runtime::Runtime::new() {

@@ -23,6 +23,8 @@ pub struct Popgate {
     pub state_dir: PathBuf,
     child: Child,
     log: PathBuf,
+    /// Variables added to the inherited environment, at every (re)start.
+    env: Vec<(String, String)>,
     _dir: TempDir,
 }
 
@@ -30,6 +32,11 @@ impl Popgate {
     /// Starts popgate against `namesrv_addr` with `extra_toml` appended to a minimal config, and waits for
     /// `/healthz`.
     pub async fn start(namesrv_addr: &str, extra_toml: &str) -> Popgate {
+        Popgate::start_with_env(namesrv_addr, extra_toml, &[]).await
+    }
+
+    /// [`Popgate::start`] with `env` added to the environment popgate inherits.
+    pub async fn start_with_env(namesrv_addr: &str, extra_toml: &str, env: &[(&str, &str)]) -> Popgate {
         let dir = tempfile::Builder::new().prefix("popgate-it-").tempdir().expect("tempdir");
         let config_path = dir.path().join("popgate.toml");
         let state_dir = dir.path().join("state");
@@ -52,9 +59,10 @@ impl Popgate {
             if config.contains("[grpc]") { config } else { format!("{config}\n[grpc]\nlisten = \"127.0.0.1:0\"\n") };
         fs::write(&config_path, merge_sections(&with_auth_default(&config))).expect("write config");
         let log = dir.path().join("popgate.log");
-        let child = spawn(&config_path, &log);
+        let env: Vec<(String, String)> = env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+        let child = spawn(&config_path, &log, &env);
         let mut popgate =
-            Popgate { base: String::new(), grpc: String::new(), config_path, state_dir, child, log, _dir: dir };
+            Popgate { base: String::new(), grpc: String::new(), config_path, state_dir, child, log, env, _dir: dir };
         popgate.wait_healthy(0).await;
         popgate
     }
@@ -75,6 +83,15 @@ impl Popgate {
 
     /// Runs popgate with a config it must refuse: returns its exit code and what it printed.
     pub async fn expect_exit(namesrv_addr: &str, extra_toml: &str) -> (Option<i32>, String) {
+        Popgate::expect_exit_with_env(namesrv_addr, extra_toml, &[]).await
+    }
+
+    /// [`Popgate::expect_exit`] with `env` added to the environment popgate inherits.
+    pub async fn expect_exit_with_env(
+        namesrv_addr: &str,
+        extra_toml: &str,
+        env: &[(&str, &str)],
+    ) -> (Option<i32>, String) {
         let dir = tempfile::Builder::new().prefix("popgate-it-").tempdir().expect("tempdir");
         let config_path = dir.path().join("popgate.toml");
         let config = format!(
@@ -87,6 +104,7 @@ impl Popgate {
         let run = Command::new(env!("CARGO_BIN_EXE_popgate"))
             .args(["serve", "--config"])
             .arg(&config_path)
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .output();
         let output = tokio::time::timeout(Duration::from_secs(60), tokio::task::spawn_blocking(move || run))
@@ -144,7 +162,7 @@ impl Popgate {
             self.set_section_line("grpc", "listen", &format!("\"{}\"", self.grpc));
         }
         let logged = fs::metadata(&self.log).map(|m| m.len() as usize).unwrap_or(0);
-        self.child = spawn(&self.config_path, &self.log);
+        self.child = spawn(&self.config_path, &self.log, &self.env);
         self.wait_healthy(logged).await;
     }
 
@@ -293,13 +311,15 @@ impl Drop for Popgate {
     }
 }
 
-/// Spawns the binary; output is appended to `log` (and `log.err`), so a restart keeps the earlier output.
-fn spawn(config_path: &std::path::Path, log: &std::path::Path) -> Child {
+/// Spawns the binary with `env` added; output is appended to `log` (and `log.err`), so a restart keeps the
+/// earlier output.
+fn spawn(config_path: &std::path::Path, log: &std::path::Path, env: &[(String, String)]) -> Child {
     let append = |path: PathBuf| fs::OpenOptions::new().create(true).append(true).open(path).expect("log file");
     Command::new(env!("CARGO_BIN_EXE_popgate"))
         .args(["serve", "--config"])
         .arg(config_path)
         .env("RUST_LOG", "info,rocketmq_client_rust=warn,rocketmq_transport=warn")
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .stdout(append(log.to_path_buf()))
         .stderr(append(log.with_extension("err")))

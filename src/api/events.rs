@@ -11,6 +11,8 @@
 //!                                                            | 409 {"status":"stale"}
 //!                          {"deliveryIds":[...]}             200 {"results":[{"deliveryId","status"}]}
 //! POST /events/nack        {"deliveryId","delayMs"?}         200 {"status":"retry","attempt","dueAt"} | {"status":"dead_letter"}
+//!                          delayMs <= 3600000 (the longest    | 400 naming `delayMs`
+//!                          ackTimeoutMs)
 //! POST /events/term        {"deliveryId","reason"}           200 {"status":"terminated"}
 //! ```
 

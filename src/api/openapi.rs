@@ -59,4 +59,13 @@ mod tests {
             assert!(error.get(field).is_some(), "Error schema lacks {field}");
         }
     }
+
+    #[test]
+    fn the_nack_delay_maximum_is_the_one_bound_the_dispatcher_enforces() {
+        let doc = document();
+        let body = &doc["paths"]["/events/nack"]["post"]["requestBody"]["content"]["application/json"]["schema"];
+        let delay = &body["properties"]["delayMs"];
+        assert_eq!(delay["maximum"].as_u64(), Some(crate::config::bounds::MAX_NACK_DELAY_MS), "{delay}");
+        assert_eq!(delay["minimum"].as_u64(), Some(0), "{delay}");
+    }
 }

@@ -8,7 +8,8 @@
 //! GET /events/ws?group=&topic=[&prefetch=]       WebSocket: deliveries as text frames {"type":"delivery",...};
 //!                                                the client settles in band:
 //!                                                  {"ack":"<id>"} | {"nack":"<id>","delayMs":n} | {"term":"<id>","reason":"..."}
-//!                                                each answered {"type":"result","op","deliveryId","status"};
+//!                                                each answered {"type":"result","op","deliveryId","status"}
+//!                                                (and "field","message" for a bad value, e.g. `delayMs`);
 //!                                                a ping every 15 s, and no pong for 45 s closes the connection.
 //! ```
 //!
@@ -198,11 +199,13 @@ async fn settle_in_band(state: &AppState, caller: &Caller, text: &str) -> Value 
         let result = dispatcher.ack(&id).await.map(|()| "acked".to_owned());
         ("ack", id, result)
     } else if let Some(id) = id_of("nack") {
-        let delay = command.get("delayMs").and_then(Value::as_u64).map(Duration::from_millis);
-        let result = dispatcher.nack(&id, delay).await.map(|outcome| match outcome {
-            NackOutcome::Retry { .. } => "retry".to_owned(),
-            NackOutcome::DeadLetter => "dead_letter".to_owned(),
-        });
+        let result = match in_band_delay(&command) {
+            Ok(delay) => dispatcher.nack(&id, delay).await.map(|outcome| match outcome {
+                NackOutcome::Retry { .. } => "retry".to_owned(),
+                NackOutcome::DeadLetter => "dead_letter".to_owned(),
+            }),
+            Err(refused) => Err(refused),
+        };
         ("nack", id, result)
     } else if let Some(id) = id_of("term") {
         let reason = command.get("reason").and_then(Value::as_str).unwrap_or("terminated").to_owned();
@@ -212,8 +215,8 @@ async fn settle_in_band(state: &AppState, caller: &Caller, text: &str) -> Value 
         return json!({"type": "error", "error": {"code": "invalid_field", "field": "ack",
             "message": "expected {\"ack\":id}, {\"nack\":id,\"delayMs\":n} or {\"term\":id,\"reason\":text}"}});
     };
-    let status = match result {
-        Ok(status) => status,
+    let status = match &result {
+        Ok(status) => status.clone(),
         Err(error) => {
             if matches!(error, DeliveryError::Store(_) | DeliveryError::Busy) {
                 tracing::warn!(%error, "In-band settlement failed.");
@@ -221,5 +224,20 @@ async fn settle_in_band(state: &AppState, caller: &Caller, text: &str) -> Value 
             error.code().to_owned()
         }
     };
-    json!({"type": "result", "op": op, "deliveryId": id, "status": status})
+    let mut answer = json!({"type": "result", "op": op, "deliveryId": id, "status": status});
+    if let Err(DeliveryError::Invalid(field, message)) = result {
+        answer["field"] = Value::from(field);
+        answer["message"] = Value::from(message);
+    }
+    answer
+}
+
+/// A NACK frame's `delayMs`: absent, or milliseconds as a non-negative integer (the dispatcher bounds it).
+fn in_band_delay(command: &Value) -> Result<Option<Duration>, DeliveryError> {
+    match command.get("delayMs") {
+        None | Some(Value::Null) => Ok(None),
+        Some(ms) => ms.as_u64().map(|ms| Some(Duration::from_millis(ms))).ok_or_else(|| {
+            DeliveryError::Invalid("delayMs", "must be a non-negative integer (milliseconds)".to_owned())
+        }),
+    }
 }

@@ -12,6 +12,10 @@ pub const MAX_ATTEMPTS: RangeInclusive<u32> = 1..=100;
 pub const BACKOFF_MS: RangeInclusive<u64> = 1..=3_600_000;
 /// Unacknowledged deliveries in flight to one push subscriber.
 pub const PREFETCH: RangeInclusive<usize> = 1..=1024;
+/// The longest delay a NACK may ask for before the next attempt: the longest ACK timeout. The broker lease is
+/// renewed while the retry waits, so a longer delay would pin the message for as long; and the delay is added
+/// to a clock in epoch milliseconds, where an unbounded one overflows.
+pub const MAX_NACK_DELAY_MS: u64 = *ACK_TIMEOUT_MS.end();
 
 /// A subscription setting, named as the API and the config file name it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

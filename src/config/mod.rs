@@ -5,6 +5,11 @@
 //! `publish.send_timeout_ms`. Unknown keys are rejected, and [`Config::load`] validates everything before
 //! anything is bound, so popgate never starts half-configured: the error names the key and the reason.
 //!
+//! A `POPGATE_*` variable that names no config section is not config at all: Kubernetes gives every pod of a
+//! namespace with a Service named `popgate` the variables `POPGATE_SERVICE_HOST`, `POPGATE_PORT_8080_TCP`, ….
+//! Those are left out and returned in [`LoadedConfig::ignored_env`], for the caller to warn about once its
+//! logging is up. A variable that does name a section is config, so a typo in its key stays an error.
+//!
 //! Field names carry their unit (`_ms`, `_secs`, `_bytes`); the accessors that return [`Duration`] convert at
 //! the edge.
 
@@ -415,21 +420,47 @@ pub enum ConfigError {
     Invalid(Vec<String>),
 }
 
+/// A validated configuration, and the environment variables that were left out of it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadedConfig {
+    /// The configuration.
+    pub config: Config,
+    /// The `POPGATE_*` variables that name no config section (Kubernetes' service links), sorted; not config,
+    /// so not applied, and worth one warning.
+    pub ignored_env: Vec<String>,
+}
+
+impl LoadedConfig {
+    /// The one warning about [`Self::ignored_env`], or `None` when every variable was config.
+    pub fn ignored_env_warning(&self) -> Option<String> {
+        (!self.ignored_env.is_empty()).then(|| {
+            format!(
+                "ignoring {} environment variable(s) that name no config section (not config, e.g. Kubernetes \
+                 service links): {}",
+                self.ignored_env.len(),
+                self.ignored_env.join(", ")
+            )
+        })
+    }
+}
+
 impl Config {
     /// Reads `file` (when given) and then the `POPGATE_*` environment, and validates the result.
     ///
     /// # Errors
     /// [`ConfigError`] naming the offending key when the file is missing or malformed, a key is unknown or has
     /// the wrong type, or a value is out of range.
-    pub fn load(file: Option<&Path>) -> Result<Config, ConfigError> {
+    pub fn load(file: Option<&Path>) -> Result<LoadedConfig, ConfigError> {
         Self::load_from(file, Env::prefixed(ENV_PREFIX).split("__"))
     }
 
     /// Like [`Config::load`] with an explicit environment provider, so tests never touch the real environment.
+    /// `env` is expected to map `POPGATE_A__B` to the key `a.b`, as [`Config::load`]'s does: the ignored
+    /// variables are named back that way.
     ///
     /// # Errors
     /// As [`Config::load`].
-    pub fn load_from(file: Option<&Path>, env: Env) -> Result<Config, ConfigError> {
+    pub fn load_from(file: Option<&Path>, env: Env) -> Result<LoadedConfig, ConfigError> {
         let mut figment = Figment::new();
         if let Some(path) = file {
             if !path.is_file() {
@@ -437,9 +468,12 @@ impl Config {
             }
             figment = figment.merge(Toml::file(path));
         }
+        let sections = section_names();
+        let ignored_env = env_outside(&env, &sections);
+        let env = env.filter(move |key| names_a_section(key.as_str(), &sections));
         let config: Config = figment.merge(env).extract().map_err(|e| ConfigError::Parse(describe_figment_error(e)))?;
         config.validate()?;
-        Ok(config)
+        Ok(LoadedConfig { config, ignored_env })
     }
 
     /// Parses a TOML string (no environment), validating it: for tests and tools.
@@ -467,6 +501,33 @@ impl Config {
             Err(ConfigError::Invalid(problems))
         }
     }
+}
+
+/// The top-level sections of the config file (`server`, `broker`, …), read off [`Config`] itself so that a
+/// new section is known here without a second list to keep.
+fn section_names() -> Vec<String> {
+    match serde_json::to_value(Config::default()) {
+        Ok(serde_json::Value::Object(sections)) => sections.keys().cloned().collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// Whether an environment key (`publish.send_timeout_ms`, `service_host`) starts with a config section; the
+/// provider's keys are not yet lowercased when its filter sees them.
+fn names_a_section(key: &str, sections: &[String]) -> bool {
+    let first = key.split('.').next().unwrap_or_default();
+    sections.iter().any(|section| section.eq_ignore_ascii_case(first))
+}
+
+/// The variables of `env` that start with no config section, named as set (`POPGATE_SERVICE_HOST`), sorted.
+fn env_outside(env: &Env, sections: &[String]) -> Vec<String> {
+    let mut names: Vec<String> = env
+        .iter()
+        .filter(|(key, _)| !names_a_section(key.as_str(), sections))
+        .map(|(key, _)| format!("{ENV_PREFIX}{}", key.as_str().replace('.', "__").to_ascii_uppercase()))
+        .collect();
+    names.sort();
+    names
 }
 
 /// Figment's errors name the key path (`publish.send_timeout_ms`); keep every one of them, one per line.

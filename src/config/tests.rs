@@ -73,11 +73,80 @@ fn environment_overrides_the_file_with_double_underscore_nesting() {
         jail.create_file("popgate.toml", "[auth]\nenabled = false\n[publish]\nsend_timeout_ms = 1000\n")?;
         jail.set_env("POPGATE_PUBLISH__SEND_TIMEOUT_MS", "2500");
         jail.set_env("POPGATE_BROKER__NAMESRV_ADDR", "127.0.0.1:9999");
-        let config = Config::load(Some(Path::new("popgate.toml"))).expect("valid");
+        let config = Config::load(Some(Path::new("popgate.toml"))).expect("valid").config;
         assert_eq!(config.publish.send_timeout_ms, 2500);
         assert_eq!(config.broker.namesrv_addrs(), vec!["127.0.0.1:9999".to_owned()]);
         Ok(())
     });
+}
+
+/// What Kubernetes sets in every pod of a namespace that has a Service named `popgate`.
+const KUBERNETES_SERVICE_LINKS: [(&str, &str); 7] = [
+    ("POPGATE_SERVICE_HOST", "10.96.0.12"),
+    ("POPGATE_SERVICE_PORT", "8080"),
+    ("POPGATE_PORT", "tcp://10.96.0.12:8080"),
+    ("POPGATE_PORT_8080_TCP", "tcp://10.96.0.12:8080"),
+    ("POPGATE_PORT_8080_TCP_ADDR", "10.96.0.12"),
+    ("POPGATE_PORT_8080_TCP_PORT", "8080"),
+    ("POPGATE_PORT_8080_TCP_PROTO", "tcp"),
+];
+
+#[test]
+#[allow(clippy::result_large_err)]
+fn kubernetes_service_links_are_not_config_and_are_named_in_one_warning() {
+    figment::Jail::expect_with(|jail| {
+        jail.create_file("popgate.toml", AUTH_OFF)?;
+        for (name, value) in KUBERNETES_SERVICE_LINKS {
+            jail.set_env(name, value);
+        }
+        jail.set_env("POPGATE_PUBLISH__SEND_TIMEOUT_MS", "2500");
+        let loaded = Config::load(Some(Path::new("popgate.toml"))).expect("service links do not stop popgate");
+        assert_eq!(loaded.config.publish.send_timeout_ms, 2500, "real overrides still apply");
+        assert_eq!(loaded.config.server, ServerConfig::default(), "`POPGATE_PORT` is not `server.*`");
+        let mut expected: Vec<String> = KUBERNETES_SERVICE_LINKS.iter().map(|(name, _)| (*name).to_owned()).collect();
+        expected.sort();
+        assert_eq!(loaded.ignored_env, expected);
+        let warning = loaded.ignored_env_warning().expect("one warning");
+        for name in &expected {
+            assert!(warning.contains(name.as_str()), "{name} missing in {warning}");
+        }
+        Ok(())
+    });
+}
+
+#[test]
+#[allow(clippy::result_large_err)]
+fn a_typo_in_a_known_section_is_still_an_error_beside_the_service_links() {
+    figment::Jail::expect_with(|jail| {
+        jail.create_file("popgate.toml", AUTH_OFF)?;
+        for (name, value) in KUBERNETES_SERVICE_LINKS {
+            jail.set_env(name, value);
+        }
+        jail.set_env("POPGATE_PUBLISH__SEND_TIMEOUT_MZ", "2500");
+        let err = Config::load(Some(Path::new("popgate.toml"))).unwrap_err().to_string();
+        assert!(err.contains("send_timeout_mz") && err.contains("publish"), "{err}");
+        assert!(!err.contains("service_host") && !err.contains("port_8080"), "only the typo is reported: {err}");
+        Ok(())
+    });
+    figment::Jail::expect_with(|jail| {
+        jail.create_file("popgate.toml", AUTH_OFF)?;
+        // A section's name alone is the section, not a variable to ignore.
+        jail.set_env("POPGATE_DELIVERY", "fast");
+        let err = Config::load(Some(Path::new("popgate.toml"))).unwrap_err().to_string();
+        assert!(err.contains("delivery"), "{err}");
+        Ok(())
+    });
+}
+
+#[test]
+fn every_section_of_the_file_is_a_section_the_environment_may_set() {
+    let mut sections = section_names();
+    sections.sort();
+    let expected =
+        ["admin", "auth", "broker", "delivery", "fault_avoidance", "grpc", "publish", "reliability", "server"];
+    assert_eq!(sections, expected);
+    assert!(names_a_section("PUBLISH.SEND_TIMEOUT_MS", &sections), "the filter sees keys before lowercasing");
+    assert!(!names_a_section("PORT_8080_TCP", &sections));
 }
 
 #[test]

@@ -519,8 +519,10 @@ impl Dispatcher {
     /// NACK: the attempt is spent; the next is scheduled after `delay` (or the backoff), or the DLQ.
     ///
     /// # Errors
-    /// As [`Dispatcher::ack`].
+    /// [`DeliveryError::Invalid`] naming `delayMs` for a delay past [`bounds::MAX_NACK_DELAY_MS`], refused
+    /// before the delivery is touched; otherwise as [`Dispatcher::ack`].
     pub async fn nack(&self, id: &str, delay: Option<Duration>) -> Result<NackOutcome, DeliveryError> {
+        check_nack_delay(delay)?;
         self.deliveries.nack(id, delay).await
     }
 
@@ -628,11 +630,44 @@ impl Drop for Demand {
     }
 }
 
+/// A NACK delay is at most the longest ACK timeout. Checked here, the one entry every transport's NACK takes
+/// (HTTP, WebSocket, webhook), so each answers it as the bad `delayMs` it is.
+fn check_nack_delay(delay: Option<Duration>) -> Result<(), DeliveryError> {
+    match delay {
+        Some(delay) if delay > Duration::from_millis(bounds::MAX_NACK_DELAY_MS) => Err(DeliveryError::Invalid(
+            "delayMs",
+            format!("must be at most {} ms (the longest ACK timeout)", bounds::MAX_NACK_DELAY_MS),
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// Group and topic names: RocketMQ's character set, at most 127 characters.
 fn validate_name(field: &'static str, name: &str) -> Result<(), DeliveryError> {
     if crate::broker::message::is_valid_name(name) {
         Ok(())
     } else {
         Err(DeliveryError::Invalid(field, format!("`{name}` must be 1..=127 letters, digits, `_`, `-`, `%`, `|`")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_nack_delay_is_bounded_by_the_longest_ack_timeout_and_refusals_name_delay_ms() {
+        for accepted in [None, Some(0), Some(1_000), Some(3_600_000)] {
+            assert!(check_nack_delay(accepted.map(Duration::from_millis)).is_ok(), "{accepted:?}");
+        }
+        for refused in [3_600_001, 1_000_000_000_000_000, i64::MAX as u64, u64::MAX] {
+            match check_nack_delay(Some(Duration::from_millis(refused))) {
+                Err(DeliveryError::Invalid(field, reason)) => {
+                    assert_eq!(field, "delayMs");
+                    assert!(reason.contains("3600000"), "{reason}");
+                }
+                other => panic!("{refused} ms: {other:?}"),
+            }
+        }
     }
 }

@@ -36,7 +36,7 @@ use tokio::sync::Notify;
 use self::cluster::{BrokerCluster, Cluster};
 use self::table::{ActiveSubscription, Id, Table, Tracked};
 use super::record::{DeliveryRecord, Holder, Phase, Subscription};
-use super::retry::{NextStep, RetryPolicy};
+use super::retry::{epoch_ms_after, NextStep, RetryPolicy};
 use super::{DeliveryError, Dispatched, HandOut, InFlight, NackOutcome};
 use crate::broker::client::now_millis;
 use crate::broker::consumer::{AckEntry, Popped};
@@ -774,7 +774,7 @@ impl Deliveries {
             self.release(id, OwedWork::NotFailed);
             return Err(refused);
         }
-        let new_deadline = now_millis() + by.as_millis() as i64;
+        let new_deadline = epoch_ms_after(now_millis(), by);
         if let Phase::AwaitingAck { deadline_ms, .. } = &mut record.phase {
             *deadline_ms = new_deadline;
         }
@@ -1044,7 +1044,7 @@ impl Deliveries {
             .unwrap_or_else(|| RetryPolicy::from_config(&self.config).unwrap_or(RetryPolicy::SEED_DEFAULT));
         match policy.next(record.attempt, &mut rand::rng()) {
             NextStep::RetryAfter(backoff, next) => {
-                let due_ms = now_millis() + delay.unwrap_or(backoff).as_millis() as i64;
+                let due_ms = epoch_ms_after(now_millis(), delay.unwrap_or(backoff));
                 record.attempt = next;
                 record.phase = Phase::Ready { due_ms };
                 NackOutcome::Retry { attempt: next, due_ms }
