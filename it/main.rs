@@ -4,6 +4,7 @@
 // The async state machines of the longer tests nest deeply enough to pass the default limit of 128.
 #![recursion_limit = "256"]
 
+mod apache_parity;
 mod config;
 mod dashboards;
 mod delivery;

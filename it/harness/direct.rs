@@ -14,6 +14,8 @@ use rocketmq_runtime::RuntimeOwner;
 pub struct StoredMessage {
     /// Broker that stores it.
     pub broker: String,
+    /// Its queue on that broker.
+    pub queue_id: i32,
     /// Body bytes.
     pub body: Vec<u8>,
     /// Every property (TAGS, KEYS, UNIQ_KEY and the user's).
@@ -24,6 +26,7 @@ impl StoredMessage {
     fn from_ext(broker: &str, m: &MessageExt) -> StoredMessage {
         StoredMessage {
             broker: broker.to_owned(),
+            queue_id: m.queue_id(),
             body: m.body().map(|b| b.to_vec()).unwrap_or_default(),
             properties: m.properties().iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
         }
@@ -54,9 +57,21 @@ impl Direct {
     /// Creates `topic` with 4 queues on each broker address given (the way an operator pre-creates topics
     /// when auto-creation is off), so its route names all of them from the start.
     pub async fn create_topic(&self, topic: &str, broker_addrs: &[String]) {
+        let config = rocketmq_model::common::config::TopicConfig::with_queues(topic, 4, 4);
+        self.create_topic_as(config, broker_addrs).await;
+    }
+
+    /// As [`Direct::create_topic`], typed for FIFO messages (`+message.type=FIFO`, as `mqadmin updateTopic -a`
+    /// sets it): Apache's proxy refuses a message with a group on a topic of another type.
+    pub async fn create_fifo_topic(&self, topic: &str, broker_addrs: &[String]) {
+        let mut config = rocketmq_model::common::config::TopicConfig::with_queues(topic, 4, 4);
+        config.attributes.insert(CheetahString::from("+message.type"), CheetahString::from("FIFO"));
+        self.create_topic_as(config, broker_addrs).await;
+    }
+
+    async fn create_topic_as(&self, config: rocketmq_model::common::config::TopicConfig, broker_addrs: &[String]) {
         for addr in broker_addrs {
-            let config = rocketmq_model::common::config::TopicConfig::with_queues(topic, 4, 4);
-            TopicAdmin::create_and_update_topic_config(&self.admin, CheetahString::from(addr.as_str()), config)
+            TopicAdmin::create_and_update_topic_config(&self.admin, CheetahString::from(addr.as_str()), config.clone())
                 .await
                 .expect("create topic");
         }

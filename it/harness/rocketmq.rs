@@ -129,8 +129,9 @@ impl Broker {
 }
 
 /// Apache's own RocketMQ 5 gRPC proxy (`rocketmq-proxy` of the broker's version, cluster mode) in front of a
-/// [`Cluster`]: what the benchmark compares popgate's gRPC front with. Killed on drop.
-#[allow(dead_code)] // only the benchmark runs it
+/// [`Cluster`]: what the benchmark compares popgate's gRPC front with, and what `it/apache_parity.rs` checks
+/// popgate's choices against. Killed on drop.
+#[allow(dead_code)] // `pid` only the benchmark uses
 pub struct ApacheProxy {
     /// `127.0.0.1:port` of its gRPC endpoint (TLS and plaintext on one port, like popgate's).
     pub endpoint: String,

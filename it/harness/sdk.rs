@@ -43,7 +43,7 @@ impl Scenario {
             .arg("-jar")
             .arg(driver_jar())
             .arg(scenario)
-            .arg(args.to_string())
+            .arg(ascii_json(args))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -99,6 +99,23 @@ impl Drop for Scenario {
             let _ = child.wait();
         }
     }
+}
+
+/// `args` as JSON text in ASCII, anything else as `\uXXXX` escapes (which only occur inside strings): the JVM
+/// decodes its command line with the locale's charset, so under a non-UTF-8 locale a message group such as
+/// `订单-1` would reach the SDK as `??-1`.
+fn ascii_json(args: &Value) -> String {
+    let mut text = String::new();
+    for c in args.to_string().chars() {
+        if c.is_ascii() {
+            text.push(c);
+        } else {
+            for unit in c.encode_utf16(&mut [0; 2]) {
+                text.push_str(&format!("\\u{unit:04x}"));
+            }
+        }
+    }
+    text
 }
 
 /// Runs `scenario` to its end and returns its result (see [`Scenario::finish`]).

@@ -9,6 +9,7 @@
 //! `mode=async` keeps its retries on the broker it started with (the seed's async semantics); `mode=oneway`
 //! makes one attempt and does not wait for the broker.
 
+pub mod message_group;
 pub mod request;
 
 // The message a front builds and hands to [`Publisher::publish`], with the property names fronts set.
@@ -17,6 +18,7 @@ pub use crate::broker::message::{
     PROPERTY_TIMER_DELIVER_MS as DELIVER_AT_PROPERTY, PROPERTY_UNIQ_KEY as MESSAGE_ID_PROPERTY,
 };
 pub use crate::broker::{OutgoingMessage, TopicRoute};
+pub use message_group::group_queue;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -196,7 +198,9 @@ impl Publisher {
             SendMode::Async => 1 + self.config.retry_times_when_send_async_failed,
             SendMode::Oneway => 1,
         };
-        // A FIFO message group always goes to the same queue, retries included: order over availability.
+        // A FIFO message group always goes to the queue Apache's proxy picks for it, retries included and whatever
+        // the fault table says: order over availability, as in Apache's proxy (one attempt on that queue; the
+        // SDK's retries come back to the same queue).
         let pinned = message.properties.get(PROPERTY_SHARDING_KEY).and_then(|group| group_queue(&route, group));
         let mut attempts = Vec::new();
         let mut last_failed: Option<String> = None;
@@ -323,20 +327,6 @@ impl Publisher {
     }
 }
 
-/// The queue of a FIFO message group: a stable hash of the group over every writable queue of the topic
-/// (brokers in name order), like RocketMQ's `SelectMessageQueueByHash`.
-pub fn group_queue(route: &TopicRoute, group: &str) -> Option<(String, i32)> {
-    let queues: Vec<(&str, u32)> =
-        route.writable().flat_map(|b| (0..b.write_queues).map(move |q| (b.name.as_str(), q))).collect();
-    if queues.is_empty() {
-        return None;
-    }
-    // FNV-1a: stable across processes and versions, unlike the std hasher's seeds.
-    let hash = group.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
-    let (broker, queue) = queues[(hash % queues.len() as u64) as usize];
-    Some((broker.to_owned(), i32::try_from(queue).unwrap_or(0)))
-}
-
 enum AttemptError {
     /// Another attempt may succeed (the broker was unreachable, slow to store, or busy).
     Retriable(String),
@@ -353,18 +343,6 @@ fn note_isolation(broker: &str, cause: IsolationCause) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_message_group_maps_to_one_stable_queue_and_groups_spread() {
-        let broker =
-            |name: &str| BrokerRoute { name: name.into(), addr: String::new(), write_queues: 4, read_queues: 4 };
-        let route = TopicRoute { brokers: vec![broker("broker-a"), broker("broker-b")] };
-        assert_eq!(group_queue(&route, "order-7"), group_queue(&route, "order-7"), "stable");
-        let spread: std::collections::HashSet<_> =
-            (0..64).filter_map(|i| group_queue(&route, &format!("group-{i}"))).collect();
-        assert!(spread.len() >= 6, "groups spread over the 8 queues: {spread:?}");
-        assert_eq!(group_queue(&TopicRoute { brokers: vec![] }, "g"), None);
-    }
 
     #[test]
     fn each_profile_accepts_exactly_the_guarantees_it_does_not_demand() {

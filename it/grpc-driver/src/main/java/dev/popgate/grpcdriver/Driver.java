@@ -150,6 +150,11 @@ public final class Driver {
         String tag = a.string("tag", null);
         List<String> keys = a.list("keys");
         String messageGroup = a.string("messageGroup", null);
+        // Message i gets messageGroups[i % size]: many groups, several messages each, in one producer.
+        List<String> messageGroups = a.list("messageGroups");
+        if (messageGroup != null && !messageGroups.isEmpty()) {
+            throw new BadArgs("give either messageGroup or messageGroups, not both");
+        }
         long deliveryDelayMs = a.longValue("deliveryDelayMs", 0);
         boolean async = a.bool("async", false);
         ClientConfiguration config = clientConfiguration(a, endpoint);
@@ -185,6 +190,9 @@ public final class Driver {
             }
             if (messageGroup != null) {
                 mb.setMessageGroup(subst(messageGroup, i));
+            }
+            if (!messageGroups.isEmpty()) {
+                mb.setMessageGroup(messageGroups.get(i % messageGroups.size()));
             }
             if (deliveryDelayMs > 0) {
                 mb.setDeliveryTimestamp(System.currentTimeMillis() + deliveryDelayMs);
