@@ -71,17 +71,29 @@ impl Settings {
     }
 }
 
-/// Errors the calls met, shared by all their tasks.
+/// Errors the calls met, shared by all their tasks: how many, and per kind (the call and its answer) how many
+/// and the first one in full.
 #[derive(Default)]
 struct Errors {
     count: AtomicU64,
-    first: parking_lot::Mutex<Option<String>>,
+    kinds: parking_lot::Mutex<std::collections::BTreeMap<String, (u64, String)>>,
 }
 
 impl Errors {
-    fn error(&self, what: String) {
+    fn error(&self, kind: String, what: String) {
         self.count.fetch_add(1, Ordering::Relaxed);
-        self.first.lock().get_or_insert(what);
+        let mut kinds = self.kinds.lock();
+        let entry = kinds.entry(kind).or_insert_with(|| (0, what));
+        entry.0 += 1;
+    }
+
+    fn first(&self) -> Option<String> {
+        self.kinds.lock().values().next().map(|(_, what)| what.clone())
+    }
+
+    fn by_kind(&self) -> Value {
+        let kinds = self.kinds.lock();
+        kinds.iter().map(|(kind, (count, first))| (kind.clone(), json!({"count": count, "first": first}))).collect()
     }
 }
 
@@ -188,7 +200,13 @@ pub async fn churn(params: &Params, namesrv: &str, topics: [&str; 2], only_this:
 
     // Nothing is sent now until the expiry in force (if any) should have run. The smoke run stops waiting as
     // soon as only the explicit subscriptions are left; the full run waits it out, to measure the idle CPU.
-    let settle = Duration::from_secs(env_or("BENCH_CHURN_SETTLE_SECS", expiry.unwrap_or(0) + settings.margin_secs));
+    // Without an expiry the smoke run has nothing to wait for.
+    let default_settle = match expiry {
+        Some(secs) => secs + settings.margin_secs,
+        None if params.full => settings.margin_secs,
+        None => 1,
+    };
+    let settle = Duration::from_secs(env_or("BENCH_CHURN_SETTLE_SECS", default_settle));
     let (cpu_before, started) = (cpu_time(pid), Instant::now());
     while started.elapsed() < settle {
         tokio::time::sleep(Duration::from_millis(500)).await;
@@ -225,7 +243,8 @@ pub async fn churn(params: &Params, namesrv: &str, topics: [&str; 2], only_this:
         },
         "calls": total_calls,
         "errors": errors.count.load(Ordering::Relaxed),
-        "firstError": errors.first.lock().clone(),
+        "firstError": errors.first(),
+        "errorsByKind": errors.by_kind(),
         "rounds": samples,
         "final": last,
         "expiryChecked": expiry_checked,
@@ -303,9 +322,13 @@ async fn run_job(
                 Ok(Ok(resp)) if resp.status().as_u16() == 200 => {
                     let _ = resp.bytes().await;
                 }
-                Ok(Ok(resp)) => errors.error(format!("poll {group} answered {}", resp.status())),
-                Ok(Err(error)) => errors.error(format!("poll {group} failed: {error}")),
-                Err(_) => errors.error(format!("poll {group} took over {CALL_TIMEOUT:?}")),
+                Ok(Ok(resp)) => {
+                    let status = resp.status();
+                    let body = resp.text().await.unwrap_or_default();
+                    errors.error(format!("poll: HTTP {}", status.as_u16()), format!("poll {group}: {status} {body}"));
+                }
+                Ok(Err(error)) => errors.error("poll: failed".into(), format!("poll {group} failed: {error}")),
+                Err(_) => errors.error("poll: timeout".into(), format!("poll {group} took over {CALL_TIMEOUT:?}")),
             }
             1
         }
@@ -329,28 +352,23 @@ fn code_name(code: i32) -> String {
 async fn heartbeat(client: &mut MessagingServiceClient<Channel>, id: &str, group: &str, errors: &Errors) {
     let beat = pb::HeartbeatRequest { group: resource(group), client_type: pb::ClientType::SimpleConsumer as i32 };
     match tokio::time::timeout(CALL_TIMEOUT, client.heartbeat(request(beat, id))).await {
-        Ok(Ok(answer)) => {
-            let code = answer.into_inner().status.map_or(0, |s| s.code);
-            if code != Code::Ok as i32 {
-                errors.error(format!("Heartbeat of {id} answered {}", code_name(code)));
-            }
-        }
-        Ok(Err(status)) => errors.error(format!("Heartbeat of {id} failed: {status}")),
-        Err(_) => errors.error(format!("Heartbeat of {id} took over {CALL_TIMEOUT:?}")),
+        Ok(Ok(answer)) => answered(errors, "Heartbeat", id, answer.into_inner().status),
+        Ok(Err(status)) => errors.error("Heartbeat: failed".into(), format!("Heartbeat of {id} failed: {status}")),
+        Err(_) => errors.error("Heartbeat: timeout".into(), format!("Heartbeat of {id} took over {CALL_TIMEOUT:?}")),
     }
 }
 
 async fn terminate(client: &mut MessagingServiceClient<Channel>, id: &str, group: &str, errors: &Errors) {
     let bye = pb::NotifyClientTerminationRequest { group: resource(group) };
     match tokio::time::timeout(CALL_TIMEOUT, client.notify_client_termination(request(bye, id))).await {
-        Ok(Ok(answer)) => {
-            let code = answer.into_inner().status.map_or(0, |s| s.code);
-            if code != Code::Ok as i32 {
-                errors.error(format!("NotifyClientTermination of {id} answered {}", code_name(code)));
-            }
+        Ok(Ok(answer)) => answered(errors, "NotifyClientTermination", id, answer.into_inner().status),
+        Ok(Err(status)) => {
+            errors.error("NotifyClientTermination: failed".into(), format!("termination of {id} failed: {status}"));
         }
-        Ok(Err(status)) => errors.error(format!("NotifyClientTermination of {id} failed: {status}")),
-        Err(_) => errors.error(format!("NotifyClientTermination of {id} took over {CALL_TIMEOUT:?}")),
+        Err(_) => {
+            let what = format!("termination of {id} took over {CALL_TIMEOUT:?}");
+            errors.error("NotifyClientTermination: timeout".into(), what);
+        }
     }
 }
 
@@ -378,17 +396,33 @@ async fn receive(
         let mut first = None;
         while let Some(item) = stream.message().await? {
             if let Some(pb::receive_message_response::Content::Status(status)) = item.content {
-                first.get_or_insert(status.code);
+                first.get_or_insert(status);
             }
         }
         Ok::<_, tonic::Status>(first)
     };
     match tokio::time::timeout(CALL_TIMEOUT, call).await {
-        Ok(Ok(Some(code))) if code == Code::Ok as i32 || code == Code::MessageNotFound as i32 => {}
-        Ok(Ok(Some(code))) => errors.error(format!("ReceiveMessage of {id} ({group}) answered {}", code_name(code))),
-        Ok(Ok(None)) => errors.error(format!("ReceiveMessage of {id} ({group}) answered no status")),
-        Ok(Err(status)) => errors.error(format!("ReceiveMessage of {id} ({group}) failed: {status}")),
-        Err(_) => errors.error(format!("ReceiveMessage of {id} ({group}) took over {CALL_TIMEOUT:?}")),
+        Ok(Ok(Some(status))) if status.code == Code::MessageNotFound as i32 => {}
+        Ok(Ok(status)) => answered(errors, "ReceiveMessage", &format!("{id} ({group})"), status),
+        Ok(Err(status)) => {
+            errors.error("ReceiveMessage: failed".into(), format!("receive of {id} ({group}) failed: {status}"));
+        }
+        Err(_) => {
+            let what = format!("receive of {id} ({group}) took over {CALL_TIMEOUT:?}");
+            errors.error("ReceiveMessage: timeout".into(), what);
+        }
+    }
+}
+
+/// Counts an answer other than OK as an error (a missing status too).
+fn answered(errors: &Errors, rpc: &str, who: &str, status: Option<pb::Status>) {
+    match status {
+        Some(status) if status.code == Code::Ok as i32 => {}
+        Some(status) => {
+            let code = code_name(status.code);
+            errors.error(format!("{rpc}: {code}"), format!("{rpc} of {who} answered {code}: {}", status.message));
+        }
+        None => errors.error(format!("{rpc}: no status"), format!("{rpc} of {who} answered no status")),
     }
 }
 
