@@ -22,6 +22,7 @@
 mod harness;
 
 mod apache_proxy;
+mod churn;
 mod fan_in;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -685,6 +686,7 @@ fn print_table(report: &Value) {
     println!("recovery: {}", report["recovery"]);
     println!("fan-in: {}", report["fanIn"]);
     apache_proxy::print_table(&report["againstApacheProxy"]);
+    churn::print_table(&report["churn"]);
 }
 
 fn main() {
@@ -716,16 +718,22 @@ fn main() {
                 assert_eq!(run["lost"].as_u64(), Some(0), "smoke: {what} lost messages: {run}");
             }
         }
+        // `BENCH_ONLY` runs one part: only the parts in the report are checked.
         let fan_in = &report["fanIn"];
-        assert_eq!(fan_in["errors"].as_u64(), Some(0), "smoke: fan-in errors: {fan_in}");
-        assert_eq!(fan_in["lost"].as_u64(), Some(0), "smoke: fan-in lost messages: {fan_in}");
-        assert_eq!(fan_in["sseStreamsOpen"], fan_in["sseStreams"], "smoke: every SSE stream opened: {fan_in}");
-        assert_eq!(report["inFlight"]["inFlight"].as_u64(), Some(params.in_flight as u64), "smoke: in-flight run");
-        assert_eq!(
-            report["recovery"]["recordsRecovered"].as_f64(),
-            Some(params.recovery_records as f64),
-            "smoke: recovery"
-        );
+        if !fan_in.is_null() {
+            assert_eq!(fan_in["errors"].as_u64(), Some(0), "smoke: fan-in errors: {fan_in}");
+            assert_eq!(fan_in["lost"].as_u64(), Some(0), "smoke: fan-in lost messages: {fan_in}");
+            assert_eq!(fan_in["sseStreamsOpen"], fan_in["sseStreams"], "smoke: every SSE stream opened: {fan_in}");
+        }
+        if !report["inFlight"].is_null() {
+            let held = report["inFlight"]["inFlight"].as_u64();
+            assert_eq!(held, Some(params.in_flight as u64), "smoke: in-flight run");
+        }
+        if !report["recovery"].is_null() {
+            let recovered = report["recovery"]["recordsRecovered"].as_f64();
+            assert_eq!(recovered, Some(params.recovery_records as f64), "smoke: recovery");
+        }
+        churn::check_smoke(&report["churn"]);
         println!("popgate-bench: smoke run passed (run `cargo bench --bench popgate-bench` for figures)");
     }
 }
@@ -735,15 +743,20 @@ async fn bench(params: Params) -> Value {
     let namesrv = cluster.namesrv_addr.clone();
     let addrs = vec![format!("127.0.0.1:{}", cluster.broker("broker-a").port)];
     let admin = Direct::connect(&namesrv).await;
-    let topics: Vec<String> = (0..9).map(|i| unique_topic(&format!("bench{i}"))).collect();
+    let topics: Vec<String> = (0..11).map(|i| unique_topic(&format!("bench{i}"))).collect();
     for topic in &topics {
         admin.create_topic(topic, &addrs).await;
     }
     let direct = DirectPath::connect(&namesrv).await;
     // `BENCH_ONLY=state` skips the throughput runs (for iterating on memory and recovery); `BENCH_ONLY=sdk` runs
-    // only the comparison with Apache's proxy, `BENCH_ONLY=fanin` only the fan-in, `BENCH_ONLY=throughput` only
-    // the runs against the direct client (for before/after figures of one change).
+    // only the comparison with Apache's proxy, `BENCH_ONLY=fanin` only the fan-in, `BENCH_ONLY=churn` only the
+    // soak with clients coming and going, `BENCH_ONLY=throughput` only the runs against the direct client (for
+    // before/after figures of one change).
     let only = std::env::var("BENCH_ONLY").unwrap_or_default();
+    if only == "churn" {
+        let churn = churn::churn(&params, &namesrv, [&topics[9], &topics[10]], true).await;
+        return json!({"parameters": {"full": params.full}, "runs": [], "churn": churn});
+    }
     if only == "sdk" {
         drop((direct, admin, cluster));
         let sdk = against_apache_proxy(&params).await;
@@ -812,6 +825,7 @@ async fn bench(params: Params) -> Value {
     println!("recovery: {recovered}");
     let fan_in = fan_in::fan_in(&params, &namesrv, [&topics[7], &topics[8]]).await;
     println!("fan-in: {fan_in}");
+    let churn = churn::churn(&params, &namesrv, [&topics[9], &topics[10]], false).await;
     // Its own brokers: stop these first so they take no CPU from it.
     drop((direct, admin, cluster));
     let sdk = against_apache_proxy(&params).await;
@@ -826,6 +840,7 @@ async fn bench(params: Params) -> Value {
         "inFlight": in_flight,
         "recovery": recovered,
         "fanIn": fan_in,
+        "churn": churn,
         "againstApacheProxy": sdk,
     })
 }
