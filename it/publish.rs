@@ -208,9 +208,13 @@ async fn unknown_topic_is_404_when_the_broker_does_not_auto_create() {
 }
 
 /// popgate with short timeouts so a hung broker is noticed quickly and its isolation ends within the test.
+/// A slow send isolates no broker here (`not_available_ms` all 0): on a loaded machine a warm-up send can
+/// take a second, and latency isolation of broker-a before the pause would keep the test's sends off it.
+/// The test is about the hung broker's network-error isolation alone.
 const FAILOVER_CONFIG: &str =
-    "[publish]\nsend_timeout_ms = 1000\n\n[fault_avoidance]\nnetwork_error_isolation_ms = 8000\n\n\
-                               [broker]\nroute_ttl_ms = 300000\n";
+    "[publish]\nsend_timeout_ms = 1000\n\n[fault_avoidance]\nnetwork_error_isolation_ms = 8000\n\
+     latency_max_ms = [50, 100, 550, 1000, 2000, 3000, 15000]\nnot_available_ms = [0, 0, 0, 0, 0, 0, 0]\n\n\
+     [broker]\nroute_ttl_ms = 300000\n";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_broker_is_retried_around_isolated_and_restored_after_sigcont() {

@@ -189,6 +189,9 @@ struct CachedRoute {
     fetched: Instant,
 }
 
+/// How long "no such topic" is remembered by [`BrokerClient::existing_route_cached`].
+const NO_ROUTE_TTL: Duration = Duration::from_secs(1);
+
 /// The process's connection to the RocketMQ cluster. Cheap to share behind an `Arc`.
 pub struct BrokerClient {
     config: BrokerConfig,
@@ -198,6 +201,10 @@ pub struct BrokerClient {
     next_handle: std::sync::atomic::AtomicUsize,
     runtime: Arc<ClientRuntime>,
     routes: Mutex<HashMap<String, CachedRoute>>,
+    /// What the name server said of exactly one topic (no auto-create fallback), for the checks a receive or
+    /// a gRPC route query makes: one name-server request per topic and TTL, not one per call, so thousands of
+    /// groups coming and going never saturate the client's requests to the name server.
+    exact_routes: Mutex<HashMap<String, (Option<TopicRoute>, Instant)>>,
     /// The client crate runs its own Tokio runtime; it lives as long as the client and is dropped last.
     _owner: RuntimeOwner,
 }
@@ -220,6 +227,7 @@ impl BrokerClient {
             next_handle: std::sync::atomic::AtomicUsize::new(0),
             runtime,
             routes: Mutex::new(HashMap::new()),
+            exact_routes: Mutex::new(HashMap::new()),
             _owner: owner,
         })
     }
@@ -267,6 +275,24 @@ impl BrokerClient {
     /// Forgets a cached route, so the next send asks the name server again (after a broker failure).
     pub fn invalidate_route(&self, topic: &str) {
         self.routes.lock().remove(topic);
+        self.exact_routes.lock().remove(topic);
+    }
+
+    /// [`BrokerClient::existing_route`], answered from a cache: a route for `broker.route_ttl_ms`, the
+    /// absence of one for a second (a topic created just now is seen soon).
+    ///
+    /// # Errors
+    /// The failure when no name server answered.
+    pub async fn existing_route_cached(&self, topic: &str) -> Result<Option<TopicRoute>, BrokerError> {
+        if let Some((route, fetched)) = self.exact_routes.lock().get(topic) {
+            let ttl = if route.is_some() { self.config.route_ttl() } else { NO_ROUTE_TTL };
+            if fetched.elapsed() < ttl {
+                return Ok(route.clone());
+            }
+        }
+        let route = self.existing_route(topic).await?;
+        self.exact_routes.lock().insert(topic.to_owned(), (route.clone(), Instant::now()));
+        Ok(route)
     }
 
     /// The route the name server has for exactly `topic` (no auto-create fallback, no cache), or `None`.

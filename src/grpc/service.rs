@@ -40,7 +40,67 @@ pub struct Front {
     pub(super) dispatcher: Arc<Dispatcher>,
     pub(super) tokens: Arc<TokenTable>,
     pub(super) config: Arc<Config>,
-    clients: Mutex<HashMap<String, (&'static str, Instant)>>,
+    clients: Mutex<Liveness>,
+}
+
+/// The client kinds of the `popgate_grpc_clients{kind}` gauge.
+const CLIENT_KINDS: [&str; 4] = ["producer", "push_consumer", "simple_consumer", "other"];
+
+/// Which clients were seen when, with a count per kind kept at every change: a call costs a map update and
+/// four gauge sets, never a pass over the clients.
+#[derive(Default)]
+struct Liveness {
+    seen: HashMap<String, (&'static str, Instant)>,
+    per_kind: [usize; CLIENT_KINDS.len()],
+}
+
+impl Liveness {
+    fn kind_index(kind: &str) -> usize {
+        CLIENT_KINDS.iter().position(|k| *k == kind).unwrap_or(CLIENT_KINDS.len() - 1)
+    }
+
+    /// `id` was seen now; its kind is updated when the call tells it.
+    fn saw(&mut self, id: &str, kind: Option<&'static str>, now: Instant) {
+        match self.seen.get_mut(id) {
+            Some((known, seen)) => {
+                *seen = now;
+                if let Some(kind) = kind.filter(|k| k != known) {
+                    self.per_kind[Self::kind_index(known)] -= 1;
+                    self.per_kind[Self::kind_index(kind)] += 1;
+                    *known = kind;
+                }
+            }
+            None => {
+                let kind = kind.unwrap_or("other");
+                self.per_kind[Self::kind_index(kind)] += 1;
+                self.seen.insert(id.to_owned(), (kind, now));
+            }
+        }
+    }
+
+    fn forget(&mut self, id: &str) {
+        if let Some((kind, _)) = self.seen.remove(id) {
+            self.per_kind[Self::kind_index(kind)] -= 1;
+        }
+    }
+
+    /// Forgets the clients not seen for [`CLIENT_EXPIRY`].
+    fn expire(&mut self, now: Instant) {
+        let per_kind = &mut self.per_kind;
+        self.seen.retain(|_, (kind, seen)| {
+            let keep = now.duration_since(*seen) < CLIENT_EXPIRY;
+            if !keep {
+                per_kind[Self::kind_index(kind)] -= 1;
+            }
+            keep
+        });
+    }
+
+    fn publish_gauge(&self) {
+        for (kind, count) in CLIENT_KINDS.iter().zip(self.per_kind) {
+            gauge!(m::GRPC_CLIENTS, "kind" => *kind).set(count as f64);
+        }
+    }
 }
 
 impl Front {
@@ -50,7 +110,7 @@ impl Front {
         tokens: Arc<TokenTable>,
         config: Arc<Config>,
     ) -> Front {
-        Front { publisher, dispatcher, tokens, config, clients: Mutex::new(HashMap::new()) }
+        Front { publisher, dispatcher, tokens, config, clients: Mutex::new(Liveness::default()) }
     }
 
     /// The caller of a request, from the SDK's signature (`authorization: MQv2-HMAC-SHA1 Credential=<AK>,
@@ -76,34 +136,27 @@ impl Front {
             .ok_or_else(|| refused("unknown access key or bad signature"))
     }
 
-    /// Notes that the calling client is alive (its kind, when known). Constant time: expiry and the gauge
-    /// are the keep-alive loop's ([`Front::prune_clients`]), not every call's.
+    /// Notes that the calling client is alive (its kind, when known). Constant time: expiry is the keep-alive
+    /// loop's ([`Front::prune_clients`]), not every call's.
     fn saw_client(&self, metadata: &MetadataMap, kind: Option<&'static str>) {
         let Some(id) = client_id(metadata) else { return };
         let mut clients = self.clients.lock();
-        let now = Instant::now();
-        match clients.get_mut(id) {
-            Some((known, seen)) => {
-                *known = kind.unwrap_or(known);
-                *seen = now;
-            }
-            None => {
-                clients.insert(id.to_owned(), (kind.unwrap_or("other"), now));
-            }
-        }
+        clients.saw(id, kind, Instant::now());
+        clients.publish_gauge();
     }
 
     fn forget_client(&self, id: &str) {
-        self.clients.lock().remove(id);
+        let mut clients = self.clients.lock();
+        clients.forget(id);
+        clients.publish_gauge();
     }
 
-    /// Forgets the clients not seen for [`CLIENT_EXPIRY`] and refreshes the gauge: one pass per keep-alive tick,
-    /// so a hundred thousand clients coming and going cost one pass every few seconds, not one per call.
+    /// Forgets the clients not seen for [`CLIENT_EXPIRY`]: one pass per keep-alive tick, so a hundred thousand
+    /// clients coming and going cost one pass every few seconds, not one per call.
     fn prune_clients(&self) {
-        let now = Instant::now();
         let mut clients = self.clients.lock();
-        clients.retain(|_, (_, seen)| now.duration_since(*seen) < CLIENT_EXPIRY);
-        publish_client_gauge(&clients);
+        clients.expire(Instant::now());
+        clients.publish_gauge();
     }
 
     /// The ids of the clients seen within [`ALIVE_WINDOW`].
@@ -111,6 +164,7 @@ impl Front {
         let now = Instant::now();
         let clients = self.clients.lock();
         clients
+            .seen
             .iter()
             .filter(|(_, (_, seen))| now.duration_since(*seen) < ALIVE_WINDOW)
             .map(|(id, _)| id.clone())
@@ -152,19 +206,6 @@ pub(super) async fn keep_alive_loop(front: std::sync::Weak<Front>) {
         if let Err(error) = front.dispatcher.keep_held(&live, AUTO_RENEW_HOLD, AUTO_RENEW_MAX).await {
             tracing::warn!(%error, "Could not extend the deliveries live gRPC clients hold; will retry.");
         }
-    }
-}
-
-fn publish_client_gauge(clients: &HashMap<String, (&'static str, Instant)>) {
-    const KINDS: [&str; 4] = ["producer", "push_consumer", "simple_consumer", "other"];
-    let mut counts = [0usize; KINDS.len()];
-    for (kind, _) in clients.values() {
-        if let Some(index) = KINDS.iter().position(|k| k == kind) {
-            counts[index] += 1;
-        }
-    }
-    for (kind, count) in KINDS.iter().zip(counts) {
-        gauge!(m::GRPC_CLIENTS, "kind" => *kind).set(count as f64);
     }
 }
 

@@ -162,12 +162,13 @@ impl Publisher {
     }
 
     /// The brokers of `topic` as the name server knows it (no auto-creation), or `None` when the cluster does
-    /// not have the topic.
+    /// not have the topic. Cached (a route for `broker.route_ttl_ms`, its absence for a second), since every
+    /// gRPC route query and every receive of a new group asks.
     ///
     /// # Errors
     /// What went wrong when no name server answered.
     pub async fn existing_topic(&self, topic: &str) -> Result<Option<TopicRoute>, String> {
-        self.broker.existing_route(topic).await.map_err(|e| e.to_string())
+        self.broker.existing_route_cached(topic).await.map_err(|e| e.to_string())
     }
 
     /// The reliability profile sends are judged by.
