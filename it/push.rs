@@ -130,7 +130,7 @@ async fn wait_until_writes_block(popgate: &Popgate, transport: &str) {
     let series = format!("popgate_deliveries_dispatched_total{{transport=\"{transport}\"}}");
     let mut last = popgate.metric(&series).await;
     let mut still_since = Instant::now();
-    let deadline = Instant::now() + Duration::from_secs(60);
+    let deadline = Instant::now() + Duration::from_secs(120);
     while still_since.elapsed() < Duration::from_secs(2) {
         assert!(Instant::now() < deadline, "dispatches never settled");
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -159,21 +159,29 @@ async fn a_killed_sse_or_websocket_connection_hands_its_events_to_another_subscr
             popgate.metric(&format!("popgate_push_write_failures_total{{transport=\"{transport}\"}}")).await;
         let held = kill_while_writing(&popgate, transport, &group, &topic, 2).await;
         assert_eq!(held.len(), 2);
-        // popgate notices the dead connection on its blocked write and hands the unwritten events back, long
-        // before the 8 s ACK timeout brings back what the connection took but never ACKed.
+        // popgate notices the dead connection on its blocked write and hands the unwritten events back. (Only
+        // the failed write moves this counter, whatever the ACK timeout does, so the bound is for a loaded
+        // machine, not a measure of how fast it is.)
         let series = format!("popgate_push_write_failures_total{{transport=\"{transport}\"}}");
-        eventually(Duration::from_secs(6), "the failed write is counted", || async {
+        eventually(Duration::from_secs(60), "the failed write is counted", || async {
             popgate.metric(&series).await > failures_before
         })
         .await;
 
         // Another subscriber gets everything: the unwritten events at once, the ones the dead connection took
-        // (written, never ACKed) after their ACK timeout.
+        // (written, never ACKed) after their ACK timeout. Each poll waits at most a second; the bound is for a
+        // loaded machine, where a POP round can wait seconds for a slow broker. Small batches, so each is ACKed
+        // soon after it is handed out; an ACK that still comes after the 8 s ACK timeout is stale, and that event
+        // comes back once more (it counts only once it is ACKed).
         let mut received = BTreeSet::new();
-        let deadline = Instant::now() + Duration::from_secs(60);
+        let deadline = Instant::now() + Duration::from_secs(180);
         while received.len() < published.len() && Instant::now() < deadline {
-            for d in popgate.poll(&group, &topic, 16, 1_000).await {
-                assert_eq!(popgate.ack(&id(&d)).await.0, 200);
+            for d in popgate.poll(&group, &topic, 4, 1_000).await {
+                let (status, answer) = popgate.ack(&id(&d)).await;
+                if status == 409 && answer["status"] == "stale" {
+                    continue;
+                }
+                assert_eq!(status, 200, "{answer}");
                 received.insert(data(&d));
             }
         }

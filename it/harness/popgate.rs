@@ -318,7 +318,12 @@ fn spawn(config_path: &std::path::Path, log: &std::path::Path, env: &[(String, S
     Command::new(env!("CARGO_BIN_EXE_popgate"))
         .args(["serve", "--config"])
         .arg(config_path)
-        .env("RUST_LOG", "info,rocketmq_client_rust=warn,rocketmq_transport=warn")
+        // IT_RUST_LOG replaces the filter when a run needs more (the crate's transport at debug, say).
+        .env(
+            "RUST_LOG",
+            std::env::var("IT_RUST_LOG")
+                .unwrap_or_else(|_| "info,rocketmq_client_rust=warn,rocketmq_transport=warn".to_owned()),
+        )
         .envs(env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .stdout(append(log.to_path_buf()))

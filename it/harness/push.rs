@@ -116,8 +116,13 @@ pub async fn tight_stream(addr: &str) -> TcpStream {
     TcpStream::from_std(std::net::TcpStream::from(socket)).expect("tokio stream")
 }
 
-/// Opens an SSE stream over a [`tight_stream`], reads `keep` deliveries, then stops reading; returns them
-/// with the connection, which the caller drops to kill it.
+/// How long a tight connection may take to bring its first `keep` deliveries. Generous: through a 4 KiB
+/// receive buffer a 1 MiB event takes many round trips, and a POP round on a loaded machine waits for the
+/// slowest broker (a POP that times out takes its poll time plus 3 s, then a 1 s pause).
+pub const TIGHT_READ_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// Opens an SSE stream over a [`tight_stream`], reads `keep` deliveries (within [`TIGHT_READ_TIMEOUT`]), then
+/// stops reading; returns them with the connection, which the caller drops to kill it.
 pub async fn tight_sse(base: &str, query: &str, keep: usize) -> (Vec<Value>, TcpStream) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let host = base.trim_start_matches("http://");
@@ -127,9 +132,12 @@ pub async fn tight_sse(base: &str, query: &str, keep: usize) -> (Vec<Value>, Tcp
     let mut text = String::new();
     let mut deliveries = Vec::new();
     let mut buf = vec![0u8; 64 * 1024];
+    let deadline = tokio::time::Instant::now() + TIGHT_READ_TIMEOUT;
     while deliveries.len() < keep {
-        let n =
-            tokio::time::timeout(Duration::from_secs(30), stream.read(&mut buf)).await.expect("read").expect("read");
+        let n = tokio::time::timeout_at(deadline, stream.read(&mut buf))
+            .await
+            .unwrap_or_else(|_| panic!("{} of {keep} SSE deliveries within {TIGHT_READ_TIMEOUT:?}", deliveries.len()))
+            .expect("read");
         assert!(n > 0, "stream closed early");
         text.push_str(&String::from_utf8_lossy(&buf[..n]));
         // Chunked encoding frames the events; each data line holds one whole delivery.
@@ -146,7 +154,8 @@ pub async fn tight_sse(base: &str, query: &str, keep: usize) -> (Vec<Value>, Tcp
     (deliveries, stream)
 }
 
-/// Opens a WebSocket over a [`tight_stream`] and reads `keep` delivery frames; the caller drops the client.
+/// Opens a WebSocket over a [`tight_stream`] and reads `keep` delivery frames (within [`TIGHT_READ_TIMEOUT`]);
+/// the caller drops the client.
 pub async fn tight_ws(base: &str, query: &str, keep: usize) -> (Vec<Value>, WsClient) {
     let host = base.trim_start_matches("http://");
     let stream = MaybeTlsStream::Plain(tight_stream(host).await);
@@ -155,8 +164,14 @@ pub async fn tight_ws(base: &str, query: &str, keep: usize) -> (Vec<Value>, WsCl
         .expect("WebSocket handshake");
     let mut client = WsClient { socket, deliveries: VecDeque::new(), others: VecDeque::new() };
     let mut deliveries = Vec::new();
+    let deadline = tokio::time::Instant::now() + TIGHT_READ_TIMEOUT;
     while deliveries.len() < keep {
-        deliveries.push(client.next(Duration::from_secs(30)).await.expect("a delivery frame"));
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let frame = client.next(left).await;
+        let got = deliveries.len();
+        deliveries.push(
+            frame.unwrap_or_else(|| panic!("{got} of {keep} WebSocket deliveries within {TIGHT_READ_TIMEOUT:?}")),
+        );
     }
     (deliveries, client)
 }

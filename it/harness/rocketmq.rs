@@ -108,6 +108,11 @@ pub struct Broker {
 /// What the broker logs each time it has registered with the name server (its routes are then served).
 const REGISTERED: &str = "Registering current broker to name server completed";
 
+/// How long a name server or broker may take to boot (and a broker to register). A JVM's boot is mostly JIT
+/// work: on 2 cores shared with builds and other tests it has taken over 90 s. Each wait polls the process's
+/// log and fails at once when the process died, so the bound costs nothing when all is well.
+const BOOT_TIMEOUT: Duration = Duration::from_secs(300);
+
 impl Broker {
     fn broker_log(&self) -> PathBuf {
         self.home.join("logs/rocketmqlogs/broker.log")
@@ -120,7 +125,7 @@ impl Broker {
 
     /// Waits until the broker logged at least `count` registrations, so the name server routes to it.
     fn wait_registered(&self, count: usize) {
-        let deadline = Instant::now() + Duration::from_secs(60);
+        let deadline = Instant::now() + BOOT_TIMEOUT;
         while self.registrations() < count {
             assert!(Instant::now() < deadline, "{} never registered with the name server", self.name);
             std::thread::sleep(Duration::from_millis(100));
@@ -274,7 +279,7 @@ impl Cluster {
             &["-c", &ns_conf.to_string_lossy()],
         );
         let namesrv_addr = format!("127.0.0.1:{ns_port}");
-        wait_for(&namesrv.log, "boot success", Duration::from_secs(60));
+        wait_for(&namesrv.log, "boot success", BOOT_TIMEOUT);
 
         // Masters first, each booted and registered before anything else starts: a slave learns its master's
         // HA address from its own registration with the name server, and the next one is 30 s away.
@@ -301,7 +306,7 @@ impl Cluster {
     /// Waits until each broker booted and registered with the name server.
     fn wait_started(brokers: &[Broker]) {
         for broker in brokers {
-            wait_for(&broker.process.as_ref().expect("started").log, "boot success", Duration::from_secs(90));
+            wait_for(&broker.process.as_ref().expect("started").log, "boot success", BOOT_TIMEOUT);
             broker.wait_registered(1);
         }
     }
@@ -405,7 +410,7 @@ impl Cluster {
         let log = process.log.clone();
         broker.process = Some(process);
         // The console log is recreated by each spawn, so "boot success" in it is this start's.
-        wait_for(&log, "boot success", Duration::from_secs(90));
+        wait_for(&log, "boot success", BOOT_TIMEOUT);
         broker.wait_registered(registrations + 1);
         self.arm_watchdog();
     }

@@ -8,6 +8,16 @@
 //! Requests go through a small pool of client handles on one client instance: the crate runs the calls of
 //! one handle one at a time, so the pool is what lets concurrent publishes proceed in parallel.
 //!
+//! POP long-polls run on a second client instance, so they travel on connections of their own. The crate
+//! keeps one connection per broker address and client instance, shared by every handle of the instance. A
+//! request that times out once written (or while being written) makes the crate close that connection, and
+//! the next request opens a new one, so a connection whose answers stopped is never used again; but every
+//! other request in flight on it fails too, as "connection failed". On one shared connection a POP that
+//! outlived its timeout would fail the sends, ACKs and renewals beside it, and a send failed that way isolates
+//! its broker for `network_error_isolation_ms`. The broker also stops reading a connection while the answers
+//! it owes on it exceed Netty's write high-water mark (64 KiB; it logs `auto-read is disabled`), so a large
+//! POP answer still being read would hold back every request queued behind it.
+//!
 //! An unknown topic is handled as the Java producer does: when the name server has no route for it, the
 //! route of the auto-create key topic `TBW102` is used, and the broker creates the topic on first send if its
 //! `autoCreateTopicEnable` is on. When neither route exists, the topic is reported as not found.
@@ -38,8 +48,12 @@ const AUTO_CREATE_TOPIC_KEY: &str = "TBW102";
 const PERM_WRITE: u32 = 0x1 << 1;
 /// Broker permission bit: the queue serves reads (`PermName.PERM_READ`).
 const PERM_READ: u32 = 0x1 << 2;
-/// Managed-domain id shared by popgate's client handles (one client instance per process).
+/// Managed-domain id shared by popgate's client handles.
 const CLIENT_DOMAIN: u64 = 7;
+/// The client instance of the request pool (routes, sends, ACKs, renewals, admin, PULL).
+const REQUEST_INSTANCE: &str = "popgate";
+/// The client instance of the POP long-polls ([`BrokerClient::dedicated_handle`]): connections of their own.
+const POP_INSTANCE: &str = "popgate-pop";
 /// Handles in the request pool: how many broker requests can be in flight at once.
 const HANDLE_POOL_SIZE: usize = 32;
 /// The broker's answers to SEND_MESSAGE that mean "stored", by store status (`ResponseCode`).
@@ -198,6 +212,8 @@ pub struct BrokerClient {
     producer_group: String,
     /// Handles on one started client instance; requests take them round-robin.
     handles: Vec<ClientInstanceHandle>,
+    /// A handle on the started POP instance, held so the instance lives while no POP loop holds one.
+    pop_instance: ClientInstanceHandle,
     next_handle: std::sync::atomic::AtomicUsize,
     runtime: Arc<ClientRuntime>,
     routes: Mutex<HashMap<String, CachedRoute>>,
@@ -217,13 +233,18 @@ impl BrokerClient {
     /// [`BrokerError::Client`] when the client runtime cannot be created.
     pub async fn connect(config: &BrokerConfig, producer_group: &str) -> Result<BrokerClient, BrokerError> {
         let (owner, runtime) = start_client_runtime()?;
-        let handles = (0..HANDLE_POOL_SIZE).map(|_| Self::handle(&runtime, config)).collect::<Result<Vec<_>, _>>()?;
+        let handles = (0..HANDLE_POOL_SIZE)
+            .map(|_| Self::handle(&runtime, config, REQUEST_INSTANCE))
+            .collect::<Result<Vec<_>, _>>()?;
         // All handles share one client instance: starting it once starts it for all.
         handles[0].start().await.map_err(|e| BrokerError::Client(e.to_string()))?;
+        let pop_instance = Self::handle(&runtime, config, POP_INSTANCE)?;
+        pop_instance.start().await.map_err(|e| BrokerError::Client(e.to_string()))?;
         Ok(BrokerClient {
             config: config.clone(),
             producer_group: producer_group.to_owned(),
             handles,
+            pop_instance,
             next_handle: std::sync::atomic::AtomicUsize::new(0),
             runtime,
             routes: Mutex::new(HashMap::new()),
@@ -243,15 +264,21 @@ impl BrokerClient {
         self.config.request_timeout()
     }
 
-    /// A new handle on the shared client instance.
-    pub(crate) fn new_handle(&self) -> Result<ClientInstanceHandle, BrokerError> {
-        Self::handle(&self.runtime, &self.config)
+    /// A new handle on the (started) POP client instance, whose connections carry nothing but POPs.
+    pub(crate) fn new_pop_handle(&self) -> Result<ClientInstanceHandle, BrokerError> {
+        Self::handle(&self.runtime, &self.config, POP_INSTANCE)
     }
 
-    fn handle(runtime: &ClientRuntime, config: &BrokerConfig) -> Result<ClientInstanceHandle, BrokerError> {
+    /// A handle on the client instance named `instance`: the crate gives every handle of one instance the
+    /// same instance, and so the same connections.
+    fn handle(
+        runtime: &ClientRuntime,
+        config: &BrokerConfig,
+        instance: &str,
+    ) -> Result<ClientInstanceHandle, BrokerError> {
         let mut client_config = ClientConfig::new();
         client_config.set_namesrv_addr(CheetahString::from(config.namesrv_addr.as_str()));
-        client_config.set_instance_name(CheetahString::from("popgate"));
+        client_config.set_instance_name(CheetahString::from(instance));
         ClientInstanceHandle::get_or_create(runtime, CLIENT_DOMAIN, client_config, None)
             .map_err(|e| BrokerError::Client(e.to_string()))
     }
@@ -429,6 +456,7 @@ impl BrokerClient {
         for handle in &self.handles {
             handle.shutdown_owned().await;
         }
+        self.pop_instance.shutdown_owned().await;
         self.runtime.shutdown().await;
     }
 }
@@ -499,4 +527,82 @@ fn brokers_with_master(data: &rocketmq_protocol::protocol::route::topic_route_da
         .collect();
     brokers.sort_by(|a, b| a.name.cmp(&b.name));
     TopicRoute { brokers }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::broker::consumer::PopRequest;
+    use crate::broker::fake_peer::FakePeer;
+
+    async fn client(request_timeout_ms: u64) -> BrokerClient {
+        let config = BrokerConfig { namesrv_addr: "127.0.0.1:1".into(), request_timeout_ms, ..BrokerConfig::default() };
+        BrokerClient::connect(&config, "test").await.expect("client")
+    }
+
+    /// What popgate relies on the crate for: a connection whose answers stopped is not used again. The request
+    /// that timed out closed it, the next one opens a new connection, and once the broker answers again the
+    /// next request is answered at once (no backoff, no circuit breaker in the way).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_connection_whose_answers_stop_is_replaced_by_the_next_request() {
+        let peer = FakePeer::start().await;
+        let client = client(500).await;
+        assert!(client.broker_config(&peer.addr).await.is_ok());
+        assert_eq!(peer.accepted(), 1);
+
+        peer.set_silent(true);
+        for attempt in 1..=3 {
+            let error = client.broker_config(&peer.addr).await.expect_err("no answer");
+            assert!(matches!(error, BrokerError::Timeout(_)), "{error}");
+            // Each attempt after a timeout goes out on a new connection, not on the one that went quiet.
+            assert_eq!(peer.accepted(), attempt, "attempt {attempt}");
+        }
+
+        peer.set_silent(false);
+        let started = Instant::now();
+        assert!(client.broker_config(&peer.addr).await.is_ok(), "answered again at once");
+        assert!(started.elapsed() < Duration::from_millis(400), "took {:?}", started.elapsed());
+        assert!(client.broker_config(&peer.addr).await.is_ok());
+        assert_eq!(peer.accepted(), 4, "the new connection is kept");
+        client.shutdown().await;
+    }
+
+    /// A POP that outlives its timeout closes its connection (see above). On the connection of the request
+    /// pool that would fail a send in flight to the same broker as "connection failed", and isolate the broker.
+    /// POPs have connections of their own, so the request beside it is answered.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_pop_that_times_out_fails_no_request_in_flight_beside_it() {
+        let peer = FakePeer::start().await;
+        peer.ignore_pops();
+        let client = Arc::new(client(20_000).await);
+        let handle = client.dedicated_handle().expect("POP handle");
+        let broker = BrokerRoute { name: "b".into(), addr: peer.addr.clone(), write_queues: 1, read_queues: 1 };
+        let request = PopRequest {
+            group: "g",
+            topic: "t",
+            filter: "*",
+            max: 1,
+            invisible_ms: 1_000,
+            poll_ms: 100,
+            orderly: false,
+        };
+        // Answered 5 s after it is sent: still in flight when the POP times out (3.1 s after it was sent).
+        peer.set_delay(Duration::from_secs(5));
+        let beside = {
+            let (client, addr) = (client.clone(), peer.addr.clone());
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                client.broker_config(&addr).await
+            })
+        };
+        let popped = client.pop(&handle, &broker, &request).await;
+        assert!(matches!(popped, Err(BrokerError::Timeout(_))), "{popped:?}");
+        let answered = beside.await.expect("join");
+        assert!(answered.is_ok(), "the request beside the POP was answered: {answered:?}");
+        assert_eq!(peer.accepted(), 2, "one connection for the POP, one for the request pool");
+        handle.shutdown_owned().await;
+        if let Ok(client) = Arc::try_unwrap(client) {
+            client.shutdown().await;
+        }
+    }
 }

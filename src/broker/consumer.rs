@@ -148,12 +148,14 @@ pub struct PopRequest<'a> {
 
 impl BrokerClient {
     /// A handle of its own for a caller whose requests are slow (a long-polling POP), so it never waits
-    /// behind the shared pool or makes others wait.
+    /// behind the shared pool or makes others wait. It is a handle on the POP client instance: its requests
+    /// travel on the POP connections, never on those of sends, ACKs and renewals (see [`super::client`]).
+    /// The caller shuts it down (`shutdown_owned`) when done.
     ///
     /// # Errors
     /// [`BrokerError::Client`] when the handle cannot be made.
     pub fn dedicated_handle(&self) -> Result<ClientInstanceHandle, BrokerError> {
-        self.new_handle()
+        self.new_pop_handle()
     }
 
     /// POPs up to `request.max` messages from `broker`, across all its queues (retry queue included).

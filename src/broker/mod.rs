@@ -10,6 +10,8 @@
 pub mod admin;
 pub mod client;
 pub mod consumer;
+#[cfg(test)]
+mod fake_peer;
 pub mod fault;
 pub mod message;
 pub mod pull;
