@@ -7,6 +7,7 @@ use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
+use crate::broker::client::now_millis;
 use crate::delivery::record::{DeliveryRecord, Phase, Subscription};
 use crate::delivery::retry::RetryPolicy;
 
@@ -35,12 +36,13 @@ pub(super) struct Tracked {
     pub(super) renew_retry_ms: i64,
     /// The push subscriber it is handed to (memory only: a restart hands everything out anew).
     pub(super) holder: Option<u64>,
+    /// When popgate popped it (epoch ms), for the oldest-unacknowledged-age gauge; see [`admission_time`].
+    pub(super) admitted_ms: i64,
 }
 
 impl Tracked {
     pub(super) fn new(record: DeliveryRecord) -> Tracked {
         Tracked {
-            record,
             claimed: false,
             queued: false,
             redispatch: false,
@@ -48,6 +50,8 @@ impl Tracked {
             dlq_write_in_flight: false,
             renew_retry_ms: 0,
             holder: None,
+            admitted_ms: admission_time(&record),
+            record,
         }
     }
 
@@ -68,6 +72,19 @@ impl Tracked {
     /// subscription gives back to the broker.
     pub(super) fn unsettled(&self) -> bool {
         matches!(self.record.phase, Phase::Ready { .. } | Phase::AwaitingAck { .. })
+    }
+}
+
+/// When a delivery being tracked was popped: the record's lease checkpoint time (`pop_time_ms`, the broker's
+/// clock), never later than popgate's now. For a new delivery that is its POP. For one recovered after a restart
+/// it is the checkpoint it held then: its POP if its lease was never renewed, else its last renewal (which moves
+/// the checkpoint), so a restart can make a long-held delivery look younger, down to under one lease old, but not
+/// new. Memory only: the stored record's format is unchanged.
+fn admission_time(record: &DeliveryRecord) -> i64 {
+    let now = now_millis();
+    match record.handle.pop_time_ms {
+        checkpoint if checkpoint > 0 => checkpoint.min(now),
+        _ => now,
     }
 }
 
