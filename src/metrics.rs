@@ -92,7 +92,7 @@ pub const OLDEST_UNACKED_AGE: &str = "popgate_subscription_oldest_unacked_age_se
 pub const DLQ_DEPTH: &str = "popgate_dlq_depth_messages";
 /// Counter (`op`: backlog, dlq_depth): gauge refreshes that could not ask the brokers; the gauge keeps its
 /// last value.
-pub const GAUGE_REFRESH_FAILURES: &str = "popgate_gauge_refresh_failures_total";
+pub const STATS_REFRESH_FAILURES: &str = "popgate_stats_refresh_failures_total";
 
 /// Buckets for [`ACK_LATENCY`]: a fast in-process consumer (5 ms) up to the 30 s default ACK timeout.
 pub const ACK_LATENCY_BUCKETS: &[f64] = &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
@@ -158,11 +158,11 @@ const ZERO_SERIES: &[(&str, &str, &[&str])] = &[
     ),
     (DLQ_REPLAYS, "result", &["replayed", "failed"]),
     (BROKER_ACK_REQUESTS, "kind", &["single", "batch"]),
-    (GAUGE_REFRESH_FAILURES, "op", GAUGE_REFRESH_OPS),
+    (STATS_REFRESH_FAILURES, "op", STATS_REFRESH_OPS),
 ];
 
-/// The `op` label values of [`GAUGE_REFRESH_FAILURES`].
-pub const GAUGE_REFRESH_OPS: &[&str] = &["backlog", "dlq_depth"];
+/// The `op` label values of [`STATS_REFRESH_FAILURES`].
+pub const STATS_REFRESH_OPS: &[&str] = &["backlog", "dlq_depth"];
 
 /// Counters without labels, registered at 0 at start for the same reason.
 const ZERO_COUNTERS: &[&str] = &[
@@ -282,7 +282,7 @@ fn describe_all() {
         "Messages in %DLQ%<group> (max offset minus min offset per queue), by group."
     );
     describe_counter!(
-        GAUGE_REFRESH_FAILURES,
+        STATS_REFRESH_FAILURES,
         Unit::Count,
         "Gauge refreshes that could not ask the brokers, by op (the gauge keeps its last value)."
     );
@@ -320,18 +320,19 @@ mod tests {
             (SUBSCRIPTION_BACKLOG, "gauge"),
             (OLDEST_UNACKED_AGE, "gauge"),
             (DLQ_DEPTH, "gauge"),
-            (GAUGE_REFRESH_FAILURES, "counter"),
+            (STATS_REFRESH_FAILURES, "counter"),
         ] {
             assert!(name.starts_with("popgate_"), "{name}");
+            assert!(!name.contains("gauge") && !name.contains("counter"), "{name}: promtool refuses a type in a name");
             assert_eq!(name.ends_with("_total"), kind == "counter", "{name}: `_total` on counters only");
             assert!(text.contains(&format!("# HELP {name} ")), "{name} has help text:\n{text}");
             assert!(text.contains(&format!("# TYPE {name} {kind}")), "{name} is a {kind}:\n{text}");
         }
         assert!(SUBSCRIPTION_BACKLOG.ends_with("_messages") && DLQ_DEPTH.ends_with("_messages"));
         assert!(OLDEST_UNACKED_AGE.ends_with("_seconds"));
-        for op in GAUGE_REFRESH_OPS {
+        for op in STATS_REFRESH_OPS {
             assert!(
-                text.contains(&format!("{GAUGE_REFRESH_FAILURES}{{op=\"{op}\"}} 0")),
+                text.contains(&format!("{STATS_REFRESH_FAILURES}{{op=\"{op}\"}} 0")),
                 "{op} registered at 0:\n{text}"
             );
         }

@@ -6,7 +6,7 @@
 //!   holds unsettled (ready, or handed out and not yet ACKed, NACKed or TERMed) was popped; 0 when none;
 //! - `popgate_dlq_depth_messages{group}`: messages in `%DLQ%<group>`; 0 while that topic does not exist.
 //!
-//! A refresh that cannot ask the brokers is counted (`popgate_gauge_refresh_failures_total{op}`) and logged,
+//! A refresh that cannot ask the brokers is counted (`popgate_stats_refresh_failures_total{op}`) and logged,
 //! and that gauge keeps its last value: a dashboard goes on showing the last known figure, and the failure
 //! counter (and the log) says it is stale. When a subscription is removed, its series (and its group's DLQ
 //! depth, once no subscription of the group is left) are set to 0: popgate stops watching them, and the
@@ -105,7 +105,7 @@ impl Watched {
                 Some(messages)
             }
             Err(error) => {
-                counter!(m::GAUGE_REFRESH_FAILURES, "op" => op).increment(1);
+                counter!(m::STATS_REFRESH_FAILURES, "op" => op).increment(1);
                 if failed_before {
                     tracing::debug!(op, series, %error, "Gauge refresh failed again.");
                 } else {
@@ -231,7 +231,7 @@ mod tests {
         });
         assert_eq!(outcomes, (None, None, Some(4)));
         assert!(watched.failed_before.contains(&("backlog", "g/t".to_owned())), "still failed as of the last finish");
-        assert!(handle.render().contains("popgate_gauge_refresh_failures_total{op=\"backlog\"} 2"));
+        assert!(handle.render().contains("popgate_stats_refresh_failures_total{op=\"backlog\"} 2"));
     }
 
     #[test]
