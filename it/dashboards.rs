@@ -1,7 +1,9 @@
 //! The Grafana dashboards, proven against reality: a real Prometheus (Debian's `prometheus`) scrapes a real
 //! popgate under a short real load, and every panel's query is evaluated through Prometheus' HTTP API. A
-//! query that does not parse, or that returns nothing, fails the test. Also: the shipped Prometheus config
-//! passes `promtool check config`, and every compose mount exists in the repo.
+//! query that does not parse, or that returns nothing, fails the test. The same Prometheus loads the shipped
+//! alert rules (docker/alerts.yml) and must evaluate every one without error. Also: the shipped Prometheus
+//! config passes `promtool check config`, the alert rules pass `promtool check rules` and their own unit tests
+//! (`promtool test rules`), and every compose mount exists in the repo.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -21,7 +23,7 @@ fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// A Prometheus server scraping `target` every second, killed on drop.
+/// A Prometheus server scraping `target` every second and evaluating the shipped alert rules, killed on drop.
 struct Prometheus {
     child: Child,
     base: String,
@@ -35,8 +37,9 @@ impl Prometheus {
         std::fs::write(
             &config,
             format!(
-                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n  - job_name: popgate\n    \
-                 static_configs:\n      - targets: ['{target}']\n"
+                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files:\n  - '{rules}'\n\
+                 scrape_configs:\n  - job_name: popgate\n    static_configs:\n      - targets: ['{target}']\n",
+                rules = repo().join("docker/alerts.yml").display()
             ),
         )
         .expect("write prometheus.yml");
@@ -51,6 +54,14 @@ impl Prometheus {
             .spawn()
             .expect("prometheus is installed by docker/setup.sh (Debian package prometheus)");
         Prometheus { child, base: format!("http://127.0.0.1:{port}"), _dir: dir }
+    }
+
+    /// The answer of a GET on the API (`/api/v1/...`); `Null` while Prometheus is not up yet.
+    async fn get(&self, path: &str) -> Value {
+        match reqwest::get(format!("{}{path}", self.base)).await {
+            Ok(resp) => resp.json::<Value>().await.unwrap_or(Value::Null),
+            Err(_) => Value::Null,
+        }
     }
 
     /// The API's answer; `Null` while Prometheus is not up yet.
@@ -79,7 +90,7 @@ fn panel_queries() -> Vec<(String, String, String)> {
         .filter(|p| p.extension().is_some_and(|x| x == "json"))
         .collect();
     files.sort();
-    assert_eq!(files.len(), 3, "Overview, Failure matrix and Brokers");
+    assert_eq!(files.len(), 4, "Overview, Failure matrix, Brokers and Subscriptions");
     for file in files {
         let dashboard: Value =
             serde_json::from_str(&std::fs::read_to_string(&file).expect("read")).expect("valid JSON");
@@ -135,7 +146,8 @@ async fn load(popgate: &Popgate) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_dashboard_panel_query_returns_data_from_a_real_prometheus() {
     let cluster = shared_cluster();
-    let popgate = Popgate::start(&cluster.namesrv_addr, "[delivery]\nlease_ms = 10000\npop_poll_ms = 500\n").await;
+    let config = "[delivery]\nlease_ms = 10000\npop_poll_ms = 500\ngauge_refresh_ms = 500\n";
+    let popgate = Popgate::start(&cluster.namesrv_addr, config).await;
     let target = popgate.base.trim_start_matches("http://").to_owned();
     let prometheus = Prometheus::start(&target);
     eventually(Duration::from_secs(30), "prometheus scrapes popgate", || async {
@@ -167,6 +179,62 @@ async fn every_dashboard_panel_query_returns_data_from_a_real_prometheus() {
         queries.len(),
         failures.join("\n")
     );
+    every_alert_rule_evaluates_without_error(&prometheus).await;
+}
+
+/// The alert names of docker/alerts.yml.
+fn shipped_alerts() -> BTreeSet<String> {
+    let text = std::fs::read_to_string(repo().join("docker/alerts.yml")).expect("docker/alerts.yml");
+    let rules: serde_norway::Value = serde_norway::from_str(&text).expect("valid YAML");
+    let groups = rules.get("groups").and_then(|g| g.as_sequence()).expect("groups");
+    groups
+        .iter()
+        .filter_map(|g| g.get("rules").and_then(|r| r.as_sequence()))
+        .flatten()
+        .filter_map(|rule| rule.get("alert").and_then(|a| a.as_str()).map(str::to_owned))
+        .collect()
+}
+
+/// Prometheus loaded every shipped alert and evaluated each against popgate's real series without error.
+async fn every_alert_rule_evaluates_without_error(prometheus: &Prometheus) {
+    let expected = shipped_alerts();
+    assert!(expected.len() >= 3, "backlog, oldest unacked age and DLQ depth each have an alert: {expected:?}");
+    let mut last = Value::Null;
+    let evaluated = |answer: &Value| -> BTreeSet<String> {
+        let groups = answer["data"]["groups"].as_array().cloned().unwrap_or_default();
+        groups
+            .iter()
+            .flat_map(|g| g["rules"].as_array().cloned().unwrap_or_default())
+            .filter(|r| r["health"] == "ok" && r["lastEvaluation"].as_str().is_some_and(|t| !t.starts_with("0001")))
+            .filter_map(|r| r["name"].as_str().map(str::to_owned))
+            .collect()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while std::time::Instant::now() < deadline {
+        last = prometheus.get("/api/v1/rules").await;
+        if evaluated(&last) == expected {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    panic!("alert rules not all evaluated with health ok; expected {expected:?}, Prometheus says {last}");
+}
+
+#[test]
+fn the_alert_rules_pass_promtool_check_and_their_unit_tests() {
+    for args in [["check", "rules", "alerts.yml"], ["test", "rules", "alerts.test.yml"]] {
+        let output = Command::new("promtool")
+            .args(args)
+            .current_dir(repo().join("docker"))
+            .output()
+            .expect("promtool is installed by docker/setup.sh");
+        assert!(
+            output.status.success(),
+            "promtool {args:?}: {}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
 }
 
 #[test]

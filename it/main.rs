@@ -11,6 +11,7 @@ mod delivery;
 mod delivery_core;
 mod dlq;
 mod fuzz;
+mod gauges;
 mod grpc;
 mod grpc_raw;
 mod harness;

@@ -15,7 +15,8 @@ use crate::publish::shared_cluster;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_pass_promtool_and_describe_every_family() {
     let cluster = shared_cluster();
-    let popgate = Popgate::start(&cluster.namesrv_addr, "[delivery]\nlease_ms = 10000\npop_poll_ms = 500\n").await;
+    let config = "[delivery]\nlease_ms = 10000\npop_poll_ms = 500\ngauge_refresh_ms = 500\n";
+    let popgate = Popgate::start(&cluster.namesrv_addr, config).await;
     let (topic, group) = (unique_topic("metrics"), unique_topic("g_metrics"));
     let (status, _) = popgate.publish(&json!({"topic": topic, "data": "m"})).await;
     assert_eq!(status, 200);
@@ -32,6 +33,11 @@ async fn metrics_pass_promtool_and_describe_every_family() {
     assert_eq!(popgate.post_json("/events/term", &json!({"deliveryId": id, "reason": "metrics"})).await.0, 200);
     crate::harness::eventually(Duration::from_secs(30), "the DLQ write", || async {
         popgate.metric(&format!("popgate_dlq_messages_total{{group=\"{group}\"}}")).await == 1.0
+    })
+    .await;
+    // The subscription's gauges follow at their next refresh.
+    crate::harness::eventually(Duration::from_secs(30), "the DLQ depth gauge", || async {
+        popgate.metric(&format!("popgate_dlq_depth_messages{{group=\"{group}\"}}")).await == 1.0
     })
     .await;
     let _sse = crate::harness::push::SseClient::connect(&popgate.base, &format!("group={group}&topic={topic}")).await;

@@ -91,6 +91,17 @@ pub const TLS_HANDSHAKE_FAILURES: &str = "popgate_tls_handshake_failures_total";
 pub const DLQ_REPLAYS: &str = "popgate_dlq_replays_total";
 /// Time from dispatch to the subscriber's ACK.
 pub const ACK_LATENCY: &str = "popgate_ack_latency_seconds";
+/// Gauge (`group`, `topic`): messages at the brokers the group has not consumed yet (popped), the topic's and
+/// its POP retry topics', from the brokers' GET_CONSUME_STATS; as of the last refresh.
+pub const SUBSCRIPTION_BACKLOG: &str = "popgate_subscription_backlog_messages";
+/// Gauge (`group`, `topic`): seconds since the oldest unsettled delivery popgate holds for the subscription
+/// (ready, or handed out and not yet ACKed, NACKed or TERMed) was popped; 0 when it holds none.
+pub const OLDEST_UNACKED_AGE: &str = "popgate_subscription_oldest_unacked_age_seconds";
+/// Gauge (`group`): messages in `%DLQ%<group>` (per queue, max offset minus min offset, summed).
+pub const DLQ_DEPTH: &str = "popgate_dlq_depth_messages";
+/// Counter (`op`: backlog, dlq_depth): gauge refreshes that could not ask the brokers; the gauge keeps its
+/// last value.
+pub const STATS_REFRESH_FAILURES: &str = "popgate_stats_refresh_failures_total";
 
 /// Buckets for [`ACK_LATENCY`]: a fast in-process consumer (5 ms) up to the 30 s default ACK timeout.
 pub const ACK_LATENCY_BUCKETS: &[f64] = &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
@@ -167,7 +178,11 @@ const ZERO_SERIES: &[(&str, &str, &[&str])] = &[
     ),
     (DLQ_REPLAYS, "result", &["replayed", "failed"]),
     (BROKER_ACK_REQUESTS, "kind", &["single", "batch"]),
+    (STATS_REFRESH_FAILURES, "op", STATS_REFRESH_OPS),
 ];
+
+/// The `op` label values of [`STATS_REFRESH_FAILURES`].
+pub const STATS_REFRESH_OPS: &[&str] = &["backlog", "dlq_depth"];
 
 /// Counters without labels, registered at 0 at start for the same reason.
 const ZERO_COUNTERS: &[&str] = &[
@@ -283,4 +298,77 @@ fn describe_all() {
     describe_counter!(DLQ_REPLAYS, Unit::Count, "DLQ events replayed to their origin topic, by result.");
     describe_histogram!(ACK_LATENCY, Unit::Seconds, "Time from dispatch to the subscriber's ACK.");
     describe_gauge!(PROFILE_MISMATCH, "1 while the broker is weaker than the reliability profile, else 0.");
+    describe_gauge!(
+        SUBSCRIPTION_BACKLOG,
+        Unit::Count,
+        "Messages at the brokers the group has not popped yet (topic and its POP retry topics, max offset minus \
+         the group's committed offset per queue), by group and topic; as of the last refresh."
+    );
+    describe_gauge!(
+        OLDEST_UNACKED_AGE,
+        Unit::Seconds,
+        "Age of the oldest delivery held unsettled (ready or handed out, not yet ACKed, NACKed or TERMed), since \
+         it was popped from the broker, by group and topic; 0 when none is held."
+    );
+    describe_gauge!(
+        DLQ_DEPTH,
+        Unit::Count,
+        "Messages in %DLQ%<group> (max offset minus min offset per queue), by group."
+    );
+    describe_counter!(
+        STATS_REFRESH_FAILURES,
+        Unit::Count,
+        "Gauge refreshes that could not ask the brokers, by op (the gauge keeps its last value)."
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `/metrics` as a fresh recorder renders it once every metric is described, the fixed sets are registered
+    /// and each labelled gauge of `touched` has one series.
+    fn rendered(touched: &[(&'static str, &[(&'static str, &'static str)])]) -> String {
+        let recorder = PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        metrics::with_local_recorder(&recorder, || {
+            describe_all();
+            register_zeroes();
+            for (name, labels) in touched {
+                let labels: Vec<metrics::Label> = labels.iter().map(|(k, v)| metrics::Label::new(*k, *v)).collect();
+                metrics::gauge!(*name, labels).set(1.0);
+            }
+        });
+        handle.render()
+    }
+
+    #[test]
+    fn the_operators_gauges_are_described_and_named_by_the_conventions() {
+        let subscription: &[(&str, &str)] = &[("group", "g"), ("topic", "t")];
+        let text = rendered(&[
+            (SUBSCRIPTION_BACKLOG, subscription),
+            (OLDEST_UNACKED_AGE, subscription),
+            (DLQ_DEPTH, &[("group", "g")]),
+        ]);
+        for (name, kind) in [
+            (SUBSCRIPTION_BACKLOG, "gauge"),
+            (OLDEST_UNACKED_AGE, "gauge"),
+            (DLQ_DEPTH, "gauge"),
+            (STATS_REFRESH_FAILURES, "counter"),
+        ] {
+            assert!(name.starts_with("popgate_"), "{name}");
+            assert!(!name.contains("gauge") && !name.contains("counter"), "{name}: promtool refuses a type in a name");
+            assert_eq!(name.ends_with("_total"), kind == "counter", "{name}: `_total` on counters only");
+            assert!(text.contains(&format!("# HELP {name} ")), "{name} has help text:\n{text}");
+            assert!(text.contains(&format!("# TYPE {name} {kind}")), "{name} is a {kind}:\n{text}");
+        }
+        assert!(SUBSCRIPTION_BACKLOG.ends_with("_messages") && DLQ_DEPTH.ends_with("_messages"));
+        assert!(OLDEST_UNACKED_AGE.ends_with("_seconds"));
+        for op in STATS_REFRESH_OPS {
+            assert!(
+                text.contains(&format!("{STATS_REFRESH_FAILURES}{{op=\"{op}\"}} 0")),
+                "{op} registered at 0:\n{text}"
+            );
+        }
+    }
 }

@@ -264,6 +264,11 @@ impl BrokerClient {
         self.config.request_timeout()
     }
 
+    /// The configured name server addresses, in order.
+    pub(crate) fn namesrv_addrs(&self) -> Vec<String> {
+        self.config.namesrv_addrs()
+    }
+
     /// A new handle on the (started) POP client instance, whose connections carry nothing but POPs.
     pub(crate) fn new_pop_handle(&self) -> Result<ClientInstanceHandle, BrokerError> {
         Self::handle(&self.runtime, &self.config, POP_INSTANCE)
@@ -510,7 +515,9 @@ pub fn start_client_runtime() -> Result<(RuntimeOwner, Arc<ClientRuntime>), Brok
 
 /// The brokers of a route that have a master, with the queues each may be written and read, sorted by
 /// name for a stable rotation.
-fn brokers_with_master(data: &rocketmq_protocol::protocol::route::topic_route_data::TopicRouteData) -> TopicRoute {
+pub(super) fn brokers_with_master(
+    data: &rocketmq_protocol::protocol::route::topic_route_data::TopicRouteData,
+) -> TopicRoute {
     let mut brokers: Vec<BrokerRoute> = data
         .queue_datas
         .iter()

@@ -5,6 +5,7 @@
 //! - [`fault`]: the latency fault-avoidance table (MQFaultStrategy) and the broker choice for one attempt.
 //! - [`consumer`]: POP, ACK and ChangeInvisibleTime, and the receipt handle they use.
 //! - [`pull`]: reading a queue by offset without consuming it (DLQ browsing).
+//! - [`stats`]: the broker's figures behind the operators' gauges (a group's backlog, a topic's depth).
 //! - [`message`]: popgate's message type, free of client-crate types.
 
 pub mod admin;
@@ -15,6 +16,7 @@ mod fake_peer;
 pub mod fault;
 pub mod message;
 pub mod pull;
+pub mod stats;
 
 pub use client::{BrokerClient, BrokerError, BrokerRoute, SendReceipt, StoreStatus, TopicRoute};
 pub use message::OutgoingMessage;

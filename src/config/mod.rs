@@ -43,6 +43,12 @@ pub const DEFAULT_NOT_AVAILABLE_MS: [u64; 7] = [0, 0, 30_000, 60_000, 120_000, 1
 /// A network error or timeout isolates a broker for 10 minutes (seed 004).
 pub const DEFAULT_NETWORK_ERROR_ISOLATION_MS: u64 = 600_000;
 
+/// How often the operators' gauges ask the brokers: about a scrape's worth of freshness for a dashboard, one
+/// GET_CONSUME_STATS per broker per subscription and one GET_TOPIC_STATS_INFO per broker per group.
+pub const DEFAULT_GAUGE_REFRESH_MS: u64 = 15_000;
+/// The shortest refresh period allowed: tests use a short one; below this the broker requests are a load.
+pub const MIN_GAUGE_REFRESH_MS: u64 = 100;
+
 /// The whole configuration of one popgate process.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
@@ -386,6 +392,9 @@ pub struct DeliveryConfig {
     /// `POST /events/subscribe` stay until removed. Bounds the POP loops and stored subscriptions that
     /// clients coming and going leave behind.
     pub idle_subscription_expiry_secs: u64,
+    /// How often the operators' gauges are refreshed: each subscription's backlog and its group's DLQ depth
+    /// (broker requests), and the age of its oldest unacknowledged delivery.
+    pub gauge_refresh_ms: u64,
 }
 
 impl Default for DeliveryConfig {
@@ -405,6 +414,7 @@ impl Default for DeliveryConfig {
             max_in_flight: 100_000,
             max_in_flight_per_subscription: 10_000,
             idle_subscription_expiry_secs: 600,
+            gauge_refresh_ms: DEFAULT_GAUGE_REFRESH_MS,
         }
     }
 }

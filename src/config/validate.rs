@@ -88,6 +88,11 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
         "delivery.max_in_flight_per_subscription",
         "must be in 1..=delivery.max_in_flight",
     );
+    check(
+        delivery.gauge_refresh_ms >= super::MIN_GAUGE_REFRESH_MS,
+        "delivery.gauge_refresh_ms",
+        &format!("must be >= {}", super::MIN_GAUGE_REFRESH_MS),
+    );
 
     let reliability = &config.reliability;
     check(

@@ -26,6 +26,7 @@
 //! - [`recovery`]: boot replay of the stored state. [`dlq`]: the dead-letter message. [`retry`]: the backoff.
 
 pub mod dlq;
+mod gauges;
 mod popper;
 pub mod record;
 pub mod recovery;
@@ -231,6 +232,7 @@ impl Dispatcher {
             webhooks: parking_lot::Mutex::new(std::collections::HashMap::new()),
         });
         dispatcher.spawn(sweeper::run(deliveries.clone()));
+        dispatcher.spawn(gauges::run(deliveries.clone()));
         if let Some(interval) = group_commit {
             dispatcher.spawn(group_commit_loop(deliveries.clone(), interval));
         }

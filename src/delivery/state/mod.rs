@@ -1461,6 +1461,19 @@ impl Deliveries {
         self.table.lock().deliveries.get(id).map(|t| t.record.group.to_string())
     }
 
+    /// When the oldest unsettled delivery (ready or handed out) of each subscription key was popped (epoch
+    /// ms), for the oldest-unacknowledged-age gauge; keys with none are absent. Read-only.
+    pub(super) fn oldest_unsettled_ms(&self) -> HashMap<String, i64> {
+        let table = self.table.lock();
+        let mut oldest: HashMap<(Arc<str>, Arc<str>), i64> = HashMap::new();
+        for tracked in table.deliveries.values().filter(|t| t.unsettled()) {
+            let (record, at) = (&tracked.record, tracked.admitted_ms);
+            oldest.entry((record.group.clone(), record.topic.clone())).and_modify(|o| *o = (*o).min(at)).or_insert(at);
+        }
+        drop(table);
+        oldest.into_iter().map(|((group, topic), at)| (Subscription::key_of(&group, &topic), at)).collect()
+    }
+
     /// Up to `max` tracked deliveries (of `group`, when given), oldest admission first.
     pub(super) fn in_flight(&self, group: Option<&str>, max: usize) -> Vec<InFlight> {
         let table = self.table.lock();

@@ -7,6 +7,7 @@ use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
+use crate::broker::client::now_millis;
 use crate::delivery::record::{DeliveryRecord, Phase, Subscription};
 use crate::delivery::retry::{RetryPolicy, OWED_WORK_BACKOFF, RENEWAL_BACKOFF};
 
@@ -47,12 +48,13 @@ pub(super) struct Tracked {
     /// this one must not overtake it, so it is never handed out or settled again and the sweeper gives it
     /// back to the broker (which then redelivers the group in order) as soon as nobody acts on it.
     pub(super) surrender: bool,
+    /// When popgate popped it (epoch ms), for the oldest-unacknowledged-age gauge; see [`admission_time`].
+    pub(super) admitted_ms: i64,
 }
 
 impl Tracked {
     pub(super) fn new(record: DeliveryRecord) -> Tracked {
         Tracked {
-            record,
             claimed: false,
             queued: false,
             redispatch: false,
@@ -63,6 +65,8 @@ impl Tracked {
             renew_failures: 0,
             holder: None,
             surrender: false,
+            admitted_ms: admission_time(&record),
+            record,
         }
     }
 
@@ -99,6 +103,28 @@ impl Tracked {
     /// subscription gives back to the broker.
     pub(super) fn unsettled(&self) -> bool {
         matches!(self.record.phase, Phase::Ready { .. } | Phase::AwaitingAck { .. })
+    }
+}
+
+/// When a delivery being tracked was popped: the record's lease checkpoint time (`pop_time_ms`, the broker's
+/// clock), never later than popgate's now. For a new delivery that is its POP. For one recovered after a restart
+/// it is the checkpoint it held then: its POP if its lease was never renewed, else its last renewal (which moves
+/// the checkpoint), so a restart can make a long-held delivery look younger, down to under one lease old, but not
+/// new. Memory only: the stored record's format is unchanged.
+fn admission_time(record: &DeliveryRecord) -> i64 {
+    let now = now_millis();
+    // When the last POP or renewal was sent, on popgate's own clock (never the broker's `popTime`); records
+    // stored before popgate kept that fall back to the broker's figure.
+    let handle = &record.handle;
+    let checkpoint = if handle.lease_until_ms > 0 {
+        handle.lease_until_ms.saturating_sub(handle.invisible_ms)
+    } else {
+        handle.pop_time_ms
+    };
+    if checkpoint > 0 {
+        checkpoint.min(now)
+    } else {
+        now
     }
 }
 
