@@ -177,6 +177,8 @@ mod tests {
             queue_offset: 0,
             pop_time_ms: now_millis() - ago_ms,
             invisible_ms: 3_600_000,
+            // As the POP path records it: sent `ago_ms` ago, on popgate's clock.
+            lease_until_ms: now_millis() - ago_ms + 3_600_000,
         };
         Popped { event, handle }
     }
@@ -195,7 +197,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let deliveries = offline(dir.path()).await;
         let sub = subscription();
-        deliveries.put_subscription(sub.clone(), RetryPolicy::SEED_DEFAULT).expect("subscribe");
+        deliveries.put_subscription(sub.clone(), RetryPolicy::SEED_DEFAULT).await.expect("subscribe");
         let key = sub.key();
         let subscriptions: BTreeSet<(String, String)> =
             [("g".to_owned(), "t".to_owned()), ("idle".to_owned(), "t".to_owned())].into();
@@ -203,14 +205,14 @@ mod tests {
         let idle = "popgate_subscription_oldest_unacked_age_seconds{group=\"idle\",topic=\"t\"}";
         assert_eq!(rendered_age(&deliveries, &subscriptions, series), Some(0.0), "nothing held");
 
-        deliveries.admit(&key, vec![popped("young", 2_000), popped("old", 7_000)]);
+        deliveries.admit(&key, vec![popped("young", 2_000), popped("old", 7_000)]).await;
         let oldest = deliveries.oldest_unsettled_ms().get(&key).copied().expect("held");
         assert!((now_millis() - oldest - 7_000).abs() < 1_000, "the older of the two counts");
         let age = rendered_age(&deliveries, &subscriptions, series).expect("exported");
         assert!((7.0..8.0).contains(&age), "ready deliveries count: {age}");
         assert_eq!(rendered_age(&deliveries, &subscriptions, idle), Some(0.0));
 
-        let handed = deliveries.hand_out(&key, 10, &HandOut::long_poll(), None).expect("hand out");
+        let handed = deliveries.hand_out(&key, 10, &HandOut::long_poll(), None).await.expect("hand out");
         assert_eq!(handed.len(), 2);
         let age = rendered_age(&deliveries, &subscriptions, series).expect("exported");
         assert!((7.0..8.0).contains(&age), "handed-out, unACKed deliveries count: {age}");
