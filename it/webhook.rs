@@ -221,3 +221,62 @@ async fn without_allowed_networks_loopback_webhooks_are_refused_at_subscribe_and
     assert!(popgate.output().contains("Webhook target refused"), "and it is logged");
     server.abort();
 }
+
+/// `ce_*` properties come from any producer: a value with CR/LF or non-ASCII is percent-encoded as the
+/// CloudEvents HTTP binding says, a name that is no CloudEvents attribute is skipped (and counted), and the
+/// event is delivered all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_ce_properties_are_encoded_or_skipped_and_the_event_is_still_delivered() {
+    let (receiver, port, server) = loopback_receiver().await;
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, "[delivery]\nlease_ms = 20000\npop_poll_ms = 500\n").await;
+    let (topic, group) = (unique_topic("hook_props"), unique_topic("g_hook_props"));
+    let (status, answer) = popgate
+        .post_json(
+            "/events/subscribe",
+            &json!({"group": group, "topic": topic, "maxAttempts": 2, "initialBackoffMs": 100, "maxBackoffMs": 100,
+                "push": {"url": format!("http://127.0.0.1:{port}/hook"), "secret": SECRET, "timeoutMs": 2000}}),
+        )
+        .await;
+    assert_eq!(status, 200, "{answer}");
+    let properties = json!({
+        "ce_tenant": "acme",
+        "ce_note": "line 1\r\nX-Popgate-Signature: forged",
+        "ce_city": "Zürich",
+        "ce_Evil": "uppercase is no attribute name",
+        "ce_x-popgate-attempt": "99",
+        "ce_data": "reserved",
+        "ce_source": "/shop\nHost: evil",
+        "ce_datacontenttype": "text/plain\r\nX-Injected: 1",
+    });
+    let (status, answer) = popgate.publish(&json!({"topic": topic, "data": "hostile", "properties": properties})).await;
+    assert_eq!(status, 200, "{answer}");
+
+    eventually(Duration::from_secs(30), "the event is delivered despite its properties", || async {
+        !receiver.for_body("hostile").is_empty()
+    })
+    .await;
+    let request = &receiver.for_body("hostile")[0];
+    let header = |name: &str| request.headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
+    assert_eq!(header("ce-tenant").as_deref(), Some("acme"));
+    assert_eq!(header("ce-note").as_deref(), Some("line%201%0D%0AX-Popgate-Signature:%20forged"));
+    assert_eq!(header("ce-city").as_deref(), Some("Z%C3%BCrich"));
+    assert_eq!(header("ce-source").as_deref(), Some("/shop%0AHost:%20evil"));
+    assert_eq!(header("content-type").as_deref(), Some("application/octet-stream"), "not a media type");
+    for absent in ["ce-evil", "ce-x-popgate-attempt", "ce-data", "x-injected", "ce-datacontenttype"] {
+        assert_eq!(header(absent), None, "{absent}");
+    }
+    assert_eq!(header("x-popgate-attempt").as_deref(), Some("1"), "popgate's own headers are untouched");
+    assert_eq!(
+        header("x-popgate-signature").as_deref(),
+        Some(expected_signature(&request.headers, "hostile").as_str())
+    );
+    assert!(popgate.metric("popgate_webhook_headers_skipped_total{reason=\"name\"}").await >= 2.0);
+    assert!(popgate.metric("popgate_webhook_headers_skipped_total{reason=\"reserved\"}").await >= 1.0);
+    assert!(popgate.metric("popgate_webhook_headers_skipped_total{reason=\"value\"}").await >= 1.0);
+    eventually(Duration::from_secs(10), "the delivery is ACKed", || async {
+        popgate.metric("popgate_pending_deliveries").await == 0.0
+    })
+    .await;
+    server.abort();
+}

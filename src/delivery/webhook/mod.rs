@@ -6,7 +6,7 @@
 //! ```text
 //! POST <url>
 //! ce-specversion: 1.0            ce-id: <event id>      ce-source: <the producer's, or /popgate/<topic>>
-//! ce-type: <the producer's, or popgate.event>           (every other ce_* property of the event as ce-*)
+//! ce-type: <the producer's, or popgate.event>           (each extension attribute of the event as ce-*)
 //! content-type: <the producer's datacontenttype, or application/octet-stream>
 //! X-Popgate-Delivery-Id: <deliveryId>    X-Popgate-Attempt: <n>    X-Popgate-Timestamp: <unix seconds>
 //! X-Popgate-Signature: sha256=<hex HMAC-SHA256(secret, "<timestamp>.<deliveryId>.<body>")>
@@ -19,7 +19,9 @@
 //! the guard refuses is a failed attempt (backoff, then the DLQ).
 //!
 //! - [`target`]: which addresses a webhook may connect to (the SSRF guard, `webhook.allowed_networks`).
+//! - [`headers`]: which `ce_*` properties become headers, and how their values are encoded.
 
+pub mod headers;
 pub mod target;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -126,7 +128,7 @@ pub async fn run(
             return;
         }
     };
-    let pusher = Arc::new(Pusher { client, dispatcher, push, targets });
+    let pusher = Arc::new(Pusher { client, dispatcher, push, targets, warned_of_skips: AtomicBool::new(false) });
     while !stop.load(Ordering::Relaxed) {
         let batch = match subscriber.next(Duration::from_secs(1)).await {
             Ok(batch) => batch,
@@ -161,6 +163,8 @@ struct Pusher {
     dispatcher: Arc<Dispatcher>,
     push: WebhookPush,
     targets: Arc<TargetPolicy>,
+    /// Whether skipped `ce_*` properties were logged at warn level yet (once per pusher; then debug).
+    warned_of_skips: AtomicBool,
 }
 
 impl Pusher {
@@ -192,28 +196,22 @@ impl Pusher {
             return refused(delivery, "literal", &forbidden.to_string());
         }
         let timestamp = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        let ce = headers::cloudevent_headers(&event.properties, &event.topic);
+        self.report_skips(delivery, &ce.skipped);
         let mut request = self
             .client
             .post(url)
             .header("ce-specversion", "1.0")
             .header("ce-id", event.id.as_str())
+            .header("ce-source", ce.source)
+            .header("ce-type", ce.event_type)
+            .header("content-type", ce.content_type)
             .header("X-Popgate-Delivery-Id", delivery.id.as_str())
             .header("X-Popgate-Attempt", delivery.attempt.to_string())
             .header("X-Popgate-Timestamp", timestamp.to_string())
             .header("X-Popgate-Signature", signature(&push.secret, timestamp, &delivery.id, &event.body));
-        let attribute = |name: &str| event.properties.get(&format!("ce_{name}")).cloned();
-        request = request
-            .header("ce-source", attribute("source").unwrap_or_else(|| format!("/popgate/{}", event.topic)))
-            .header("ce-type", attribute("type").unwrap_or_else(|| "popgate.event".to_owned()))
-            .header(
-                "content-type",
-                attribute("datacontenttype").unwrap_or_else(|| "application/octet-stream".to_owned()),
-            );
-        for (name, value) in &event.properties {
-            let Some(attr) = name.strip_prefix("ce_") else { continue };
-            if !matches!(attr, "id" | "source" | "type" | "specversion" | "datacontenttype") {
-                request = request.header(format!("ce-{attr}"), value.as_str());
-            }
+        for (name, value) in ce.extensions {
+            request = request.header(name, value);
         }
         let response = match request.body(event.body.clone()).send().await {
             Ok(response) => response,
@@ -230,6 +228,29 @@ impl Pusher {
             }
         };
         outcome_of(&response)
+    }
+
+    /// Counts each skipped property; logs them at warn level the first time, at debug level after.
+    fn report_skips(&self, delivery: &Dispatched, skipped: &[headers::Skipped]) {
+        if skipped.is_empty() {
+            return;
+        }
+        for (_, skip) in skipped {
+            counter!(m::WEBHOOK_HEADERS_SKIPPED, "reason" => skip.label()).increment(1);
+        }
+        // `?`: property names are producer input; Debug escapes control characters.
+        let listed: Vec<String> = skipped.iter().map(|(name, skip)| format!("{name:?} ({})", skip.label())).collect();
+        let skipped = listed.join(", ");
+        if self.warned_of_skips.swap(true, Ordering::Relaxed) {
+            tracing::debug!(delivery = %delivery.id, %skipped, "Event properties not sent as webhook headers.");
+        } else {
+            tracing::warn!(
+                delivery = %delivery.id,
+                %skipped,
+                "Event properties that cannot be CloudEvents headers are not sent (logged once per subscription; \
+                 counted in popgate_webhook_headers_skipped_total)."
+            );
+        }
     }
 }
 
