@@ -337,6 +337,7 @@ mod tests {
         let port = listener.local_addr().expect("addr").port();
         let client = reqwest::Client::builder()
             .dns_resolver(Arc::new(GuardedResolver::new(Arc::new(TargetPolicy::default()))))
+            .timeout(std::time::Duration::from_secs(2))
             .build()
             .expect("client");
         let error = client.get(format!("http://localhost:{port}/")).send().await.expect_err("refused");
