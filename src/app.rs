@@ -13,6 +13,7 @@ use crate::api::{self, AppState};
 use crate::auth::TokenTable;
 use crate::broker::{BrokerClient, BrokerError};
 use crate::config::Config;
+use crate::delivery::webhook::TargetPolicy;
 use crate::delivery::{DeliveryError, Dispatcher};
 use crate::dlq::DlqAdmin;
 use crate::publish::Publisher;
@@ -80,9 +81,16 @@ pub async fn serve(
     let sync_writes = profile.sync_flush();
     let store = Arc::new(StateStore::open(&config.delivery.state_dir, sync_writes)?);
     let group_commit = (!sync_writes).then(|| Duration::from_millis(config.reliability.group_commit_interval_ms));
-    let (dispatcher, recovered) =
-        Dispatcher::start(store.clone(), broker.clone(), publisher.clone(), config.delivery.clone(), group_commit)
-            .await?;
+    let webhook_targets = TargetPolicy::new(config.webhook.allowed_networks.clone());
+    let (dispatcher, recovered) = Dispatcher::start(
+        store.clone(),
+        broker.clone(),
+        publisher.clone(),
+        config.delivery.clone(),
+        webhook_targets,
+        group_commit,
+    )
+    .await?;
     tracing::info!(?recovered, state_dir = %config.delivery.state_dir.display(), "Delivery state recovered.");
     let grace = Duration::from_secs(config.server.shutdown_grace_secs);
     let monitor = Arc::new(ProfileMonitor::new(profile, broker.clone()));

@@ -34,6 +34,12 @@ pub const PENDING_DELIVERIES: &str = "popgate_pending_deliveries";
 pub const DELIVERIES_DISPATCHED: &str = "popgate_deliveries_dispatched_total";
 /// Deliveries a push transport could not write to its subscriber, by `transport` (sse, websocket).
 pub const PUSH_WRITE_FAILURES: &str = "popgate_push_write_failures_total";
+/// Webhook deliveries refused before connecting because the target is not a permitted address, by `reason`
+/// (`literal`: the URL's host is an address in a refused range; `dns`: the host name resolved only to such
+/// addresses). Each is a failed attempt.
+pub const WEBHOOK_TARGETS_REFUSED: &str = "popgate_webhook_targets_refused_total";
+/// Event `ce_*` properties not sent as webhook headers, by `reason` (name, reserved, value, limit).
+pub const WEBHOOK_HEADERS_SKIPPED: &str = "popgate_webhook_headers_skipped_total";
 /// Push subscribers connected now, by `transport`.
 pub const PUSH_SUBSCRIBERS: &str = "popgate_push_subscribers";
 /// Subscriber ACKs by `result` (acked, unknown, stale, store_error).
@@ -156,6 +162,8 @@ const ZERO_SERIES: &[(&str, &str, &[&str])] = &[
     (SEND_DEGRADED, "status", &["FLUSH_DISK_TIMEOUT", "FLUSH_SLAVE_TIMEOUT", "SLAVE_NOT_AVAILABLE"]),
     (DELIVERIES_DISPATCHED, "transport", &["poll", "sse", "websocket", "webhook", "grpc"]),
     (PUSH_WRITE_FAILURES, "transport", &["sse", "websocket", "webhook"]),
+    (WEBHOOK_TARGETS_REFUSED, "reason", &["literal", "dns"]),
+    (WEBHOOK_HEADERS_SKIPPED, "reason", &crate::delivery::webhook::headers::Skip::LABELS),
     (ACKS, "result", &["acked", "unknown", "stale", "not_in_flight", "busy", "store_error"]),
     (REDELIVERIES, "reason", &["timeout", "nack", "push_failure", "recovery"]),
     (RECOVERED_DELIVERIES, "outcome", &["redispatched", "ack_pending", "dead_letter_pending", "corrupt"]),
@@ -255,6 +263,16 @@ fn describe_all() {
     describe_counter!(DELIVERIES_DISPATCHED, Unit::Count, "Deliveries handed to a subscriber, by transport.");
     describe_counter!(ACKS, Unit::Count, "Subscriber ACKs, by result.");
     describe_counter!(PUSH_WRITE_FAILURES, Unit::Count, "Deliveries a push transport could not write, by transport.");
+    describe_counter!(
+        WEBHOOK_TARGETS_REFUSED,
+        Unit::Count,
+        "Webhook deliveries refused before connecting: the target is not a permitted address, by reason."
+    );
+    describe_counter!(
+        WEBHOOK_HEADERS_SKIPPED,
+        Unit::Count,
+        "Event ce_* properties not sent as webhook headers, by reason."
+    );
     describe_gauge!(PUSH_SUBSCRIBERS, "Push subscribers connected now, by transport.");
     describe_counter!(REDELIVERIES, Unit::Count, "Redeliveries scheduled, by reason.");
     describe_counter!(DLQ_MESSAGES, Unit::Count, "Events dead-lettered to %DLQ%<group>, by group.");

@@ -57,7 +57,8 @@ impl Popgate {
         );
         let config =
             if config.contains("[grpc]") { config } else { format!("{config}\n[grpc]\nlisten = \"127.0.0.1:0\"\n") };
-        fs::write(&config_path, merge_sections(&with_auth_default(&config))).expect("write config");
+        fs::write(&config_path, merge_sections(&with_webhook_default(&with_auth_default(&config))))
+            .expect("write config");
         let log = dir.path().join("popgate.log");
         let env: Vec<(String, String)> = env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
         let child = spawn(&config_path, &log, &env);
@@ -100,7 +101,8 @@ impl Popgate {
             free_port(),
             dir.path().join("state").display()
         );
-        fs::write(&config_path, merge_sections(&with_auth_default(&config))).expect("write config");
+        fs::write(&config_path, merge_sections(&with_webhook_default(&with_auth_default(&config))))
+            .expect("write config");
         let run = Command::new(env!("CARGO_BIN_EXE_popgate"))
             .args(["serve", "--config"])
             .arg(&config_path)
@@ -384,6 +386,16 @@ fn with_auth_default(config: &str) -> String {
         config.to_owned()
     } else {
         format!("{config}\n[auth]\nenabled = false\n")
+    }
+}
+
+/// The tests' webhook receivers listen on 127.0.0.1, which popgate refuses by default (SSRF guard), so tests
+/// allow the loopback networks; a test that configures `[webhook]` gets exactly what it wrote.
+fn with_webhook_default(config: &str) -> String {
+    if config.contains("[webhook]") {
+        config.to_owned()
+    } else {
+        format!("{config}\n[webhook]\nallowed_networks = [\"127.0.0.0/8\", \"::1/128\"]\n")
     }
 }
 

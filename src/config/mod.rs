@@ -72,6 +72,53 @@ pub struct Config {
     pub admin: AdminConfig,
     /// The RocketMQ 5 gRPC front, for apps built on the official SDKs.
     pub grpc: GrpcConfig,
+    /// Which addresses webhook pushes may reach.
+    pub webhook: WebhookConfig,
+}
+
+/// Which addresses webhook pushes may reach.
+///
+/// A webhook URL is chosen by whoever may subscribe, and popgate POSTs to it from inside the network it runs
+/// in. Without a guard, a subscriber could make popgate reach what only popgate can: its own host
+/// (127.0.0.1), the cloud metadata service (169.254.169.254), internal services on private addresses. So a
+/// webhook may only connect to public unicast addresses: loopback, link-local, private (10/8, 172.16/12,
+/// 192.168/16, fc00::/7), CGNAT (100.64/10), unspecified, multicast, broadcast and reserved addresses are
+/// refused, in IPv4-mapped IPv6 form too. A literal address in a refused range is a 400 at subscribe time; a
+/// host name is resolved at every connection and only its permitted addresses are used.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct WebhookConfig {
+    /// Networks that webhooks may reach although they are not public: the internal networks your receivers
+    /// live in, in CIDR notation (`"10.1.0.0/16"`, `"fd00:1::/64"`) or as single addresses (`"10.1.2.3"`).
+    /// Allow as little as you can: every address listed here is reachable by anyone who may subscribe.
+    /// Empty by default: public addresses only.
+    #[serde(with = "networks")]
+    pub allowed_networks: Vec<ipnet::IpNet>,
+}
+
+/// `webhook.allowed_networks` as written in the file: strings, each a CIDR network or a single address.
+mod networks {
+    use serde::{de::Error, Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(networks: &[ipnet::IpNet], serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_seq(networks.iter().map(ToString::to_string))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<ipnet::IpNet>, D::Error> {
+        let written = Vec::<String>::deserialize(deserializer)?;
+        written.iter().map(|text| parse(text).map_err(D::Error::custom)).collect()
+    }
+
+    /// A network in CIDR notation, or one address (a /32 or /128).
+    pub fn parse(text: &str) -> Result<ipnet::IpNet, String> {
+        let text = text.trim();
+        text.parse::<ipnet::IpNet>()
+            .map(|net| net.trunc())
+            .or_else(|_| text.parse::<std::net::IpAddr>().map(ipnet::IpNet::from))
+            .map_err(|_| {
+                format!("`{text}` is not a network: write CIDR notation such as \"10.1.0.0/16\", or one address")
+            })
+    }
 }
 
 /// The RocketMQ 5 gRPC front (`apache.rocketmq.v2.MessagingService`). TLS and plaintext are served on the

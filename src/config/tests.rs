@@ -220,3 +220,24 @@ fn tls_needs_both_files() {
     let err = parse("[server]\ntls_cert_path = \"/nonexistent/cert.pem\"\n").unwrap_err().to_string();
     assert!(err.contains("server.tls_key_path") && err.contains("server.tls_cert_path"), "{err}");
 }
+
+#[test]
+fn webhooks_reach_public_addresses_only_unless_networks_are_allowed() {
+    assert!(parse("").expect("defaults").webhook.allowed_networks.is_empty(), "nothing internal by default");
+    let config =
+        parse("[webhook]\nallowed_networks = [\"10.1.0.0/16\", \"127.0.0.1\", \"fd00:1::/64\", \"10.2.3.4/8\"]\n")
+            .expect("CIDRs and single addresses");
+    let written: Vec<String> = config.webhook.allowed_networks.iter().map(ToString::to_string).collect();
+    assert_eq!(written, ["10.1.0.0/16", "127.0.0.1/32", "fd00:1::/64", "10.0.0.0/8"], "host bits cut off");
+    for bad in ["10.1.0.0/33", "localhost", "", "10.1.0.0/16 "] {
+        let text = format!("[webhook]\nallowed_networks = [\"{bad}\"]\n");
+        match parse(&text) {
+            Err(err) => {
+                let err = err.to_string();
+                assert!(err.contains("webhook.allowed_networks") && err.contains("not a network"), "{bad}: {err}");
+            }
+            // A trailing space is trimmed, not an error.
+            Ok(config) => assert_eq!(bad.trim(), "10.1.0.0/16", "{bad:?} accepted: {:?}", config.webhook),
+        }
+    }
+}

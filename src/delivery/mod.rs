@@ -206,6 +206,8 @@ pub struct Dispatcher {
     me: std::sync::Weak<Dispatcher>,
     /// Stop flags of the running webhook pushers, by subscription key.
     webhooks: parking_lot::Mutex<std::collections::HashMap<String, Arc<AtomicBool>>>,
+    /// Which addresses webhooks may reach (`webhook.allowed_networks`): checked at subscribe and connect.
+    webhook_targets: Arc<webhook::TargetPolicy>,
 }
 
 impl Dispatcher {
@@ -216,11 +218,13 @@ impl Dispatcher {
     /// [`DeliveryError::Store`] when the store cannot be read.
     ///
     /// `group_commit` is the WAL sync interval when the store does not sync each write (async-flush profiles).
+    /// `webhook_targets` says which addresses webhook pushes may reach.
     pub async fn start(
         store: Arc<StateStore>,
         broker: Arc<BrokerClient>,
         publisher: Arc<Publisher>,
         config: DeliveryConfig,
+        webhook_targets: webhook::TargetPolicy,
         group_commit: Option<Duration>,
     ) -> Result<(Arc<Dispatcher>, RecoveryReport), DeliveryError> {
         let deliveries = Arc::new(Deliveries::new(store, broker, publisher, config));
@@ -230,6 +234,7 @@ impl Dispatcher {
             tasks: parking_lot::Mutex::new(Vec::new()),
             me: me.clone(),
             webhooks: parking_lot::Mutex::new(std::collections::HashMap::new()),
+            webhook_targets: Arc::new(webhook_targets),
         });
         dispatcher.spawn(sweeper::run(deliveries.clone()));
         dispatcher.spawn(gauges::run(deliveries.clone()));
@@ -279,7 +284,8 @@ impl Dispatcher {
         let (Some(push), Some(me)) = (sub.push.clone(), self.me.upgrade()) else { return };
         let stop = Arc::new(AtomicBool::new(false));
         self.webhooks.lock().insert(key, stop.clone());
-        self.spawn(webhook::run(me, sub.group.clone(), sub.topic.clone(), push, stop));
+        let targets = self.webhook_targets.clone();
+        self.spawn(webhook::run(me, sub.group.clone(), sub.topic.clone(), push, targets, stop));
     }
 
     /// Creates or updates a subscription (persisted) and starts its POP loop.
@@ -305,7 +311,7 @@ impl Dispatcher {
             implicit,
         };
         if let Some(push) = &sub.push {
-            push.validate()?;
+            push.validate(&self.webhook_targets)?;
         }
         if sub.filter.trim().is_empty() {
             return Err(DeliveryError::Invalid("filter", "must be a tag expression such as `*` or `a || b`".into()));

@@ -175,7 +175,8 @@ mod tests {
     /// A dispatcher over `store` with no reachable broker: recovery itself must not need one.
     async fn start_offline(store: StateStore) -> (Arc<Dispatcher>, RecoveryReport) {
         let (broker, publisher, config) = offline_parts().await;
-        Dispatcher::start(Arc::new(store), broker, publisher, config, None).await.expect("start")
+        let targets = crate::delivery::webhook::TargetPolicy::default();
+        Dispatcher::start(Arc::new(store), broker, publisher, config, targets, None).await.expect("start")
     }
 
     #[tokio::test]
