@@ -142,8 +142,18 @@ fn a_typo_in_a_known_section_is_still_an_error_beside_the_service_links() {
 fn every_section_of_the_file_is_a_section_the_environment_may_set() {
     let mut sections = section_names();
     sections.sort();
-    let expected =
-        ["admin", "auth", "broker", "delivery", "fault_avoidance", "grpc", "publish", "reliability", "server"];
+    let expected = [
+        "admin",
+        "auth",
+        "broker",
+        "delivery",
+        "fault_avoidance",
+        "grpc",
+        "publish",
+        "reliability",
+        "server",
+        "webhook",
+    ];
     assert_eq!(sections, expected);
     assert!(names_a_section("PUBLISH.SEND_TIMEOUT_MS", &sections), "the filter sees keys before lowercasing");
     assert!(!names_a_section("PORT_8080_TCP", &sections));
