@@ -142,7 +142,7 @@ async fn pause_until(deliveries: &Deliveries, deadline: Instant) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::broker::consumer::{Popped, PoppedEvent, ReceiptHandle};
+    use crate::broker::consumer::Popped;
     use crate::delivery::retry::RetryPolicy;
     use crate::delivery::test_support::{offline_parts, subscription};
     use crate::delivery::HandOut;
@@ -156,31 +156,7 @@ mod tests {
 
     /// A message the broker handed out `ago_ms` ago.
     fn popped(id: &str, ago_ms: i64) -> Popped {
-        let event = PoppedEvent {
-            id: id.into(),
-            topic: "t".into(),
-            tags: None,
-            keys: Vec::new(),
-            properties: Default::default(),
-            body: b"b".to_vec(),
-            born_timestamp: 0,
-            reconsume_times: 0,
-            retry_topic: None,
-            message_group: None,
-        };
-        let handle = ReceiptHandle {
-            broker_name: "broker-a".into(),
-            broker_addr: "127.0.0.1:1".into(),
-            extra_info: "0 0 0 0 0 broker-a 0 0".into(),
-            ack_topic: "t".into(),
-            queue_id: 0,
-            queue_offset: 0,
-            pop_time_ms: now_millis() - ago_ms,
-            invisible_ms: 3_600_000,
-            // As the POP path records it: sent `ago_ms` ago, on popgate's clock.
-            lease_until_ms: now_millis() - ago_ms + 3_600_000,
-        };
-        Popped { event, handle }
+        crate::delivery::test_support::popped(id, b"b", ago_ms)
     }
 
     /// The value of `series` in what `deliveries`' ages render to, through a recorder of the test's own.

@@ -4,6 +4,8 @@
 use std::sync::Arc;
 
 use super::record::Subscription;
+use crate::broker::client::now_millis;
+use crate::broker::consumer::{Popped, PoppedEvent, ReceiptHandle};
 use crate::broker::BrokerClient;
 use crate::config::{BrokerConfig, Config, DeliveryConfig};
 use crate::publish::Publisher;
@@ -36,4 +38,34 @@ pub(crate) fn subscription() -> Subscription {
         push: None,
         implicit: false,
     }
+}
+
+/// A message as the POP path records it: event `id` carrying `body`, its POP sent `ago_ms` ago (popgate's
+/// clock, and the broker's), leased for an hour from then.
+pub(crate) fn popped(id: &str, body: &[u8], ago_ms: i64) -> Popped {
+    let popped_at = now_millis() - ago_ms;
+    let event = PoppedEvent {
+        id: id.into(),
+        topic: "t".into(),
+        tags: None,
+        keys: Vec::new(),
+        properties: Default::default(),
+        body: body.to_vec(),
+        born_timestamp: 0,
+        reconsume_times: 0,
+        retry_topic: None,
+        message_group: None,
+    };
+    let handle = ReceiptHandle {
+        broker_name: "broker-a".into(),
+        broker_addr: "127.0.0.1:1".into(),
+        extra_info: "0 0 0 0 0 broker-a 0 0".into(),
+        ack_topic: "t".into(),
+        queue_id: 0,
+        queue_offset: 0,
+        pop_time_ms: popped_at,
+        invisible_ms: 3_600_000,
+        lease_until_ms: popped_at + 3_600_000,
+    };
+    Popped { event, handle }
 }

@@ -1518,7 +1518,6 @@ pub fn new_delivery_id() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::broker::consumer::{PoppedEvent, ReceiptHandle};
     use crate::delivery::test_support::{offline_parts, subscription};
 
     /// Deliveries over a fresh store, with a broker client that reaches nothing (none of this needs one).
@@ -1529,30 +1528,7 @@ mod tests {
     }
 
     fn popped(body: &[u8]) -> Popped {
-        let event = PoppedEvent {
-            id: "msg-1".into(),
-            topic: "t".into(),
-            tags: None,
-            keys: Vec::new(),
-            properties: Default::default(),
-            body: body.to_vec(),
-            born_timestamp: 0,
-            reconsume_times: 0,
-            retry_topic: None,
-            message_group: None,
-        };
-        let handle = ReceiptHandle {
-            broker_name: "broker-a".into(),
-            broker_addr: "127.0.0.1:1".into(),
-            extra_info: "0 0 0 0 0 broker-a 0 0".into(),
-            ack_topic: "t".into(),
-            queue_id: 0,
-            queue_offset: 0,
-            pop_time_ms: now_millis(),
-            invisible_ms: 3_600_000,
-            lease_until_ms: now_millis() + 3_600_000,
-        };
-        Popped { event, handle }
+        crate::delivery::test_support::popped("msg-1", body, 0)
     }
 
     /// A popped event of FIFO message group `group`.

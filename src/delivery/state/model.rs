@@ -379,6 +379,20 @@ impl Run {
         Ok(())
     }
 
+    /// With `MODEL_DEBUG` set, prints what a step left: the subscriber's holdings, the table, the redeliveries.
+    fn trace(&self, step: &Step) {
+        if std::env::var("MODEL_DEBUG").is_err() {
+            return;
+        }
+        let table = self.d().table.lock();
+        let view: Vec<String> = table
+            .deliveries
+            .values()
+            .map(|t| format!("{}:{}:{:?}", t.record.event.id, &t.record.id[..6], t.record.phase))
+            .collect();
+        eprintln!("{step:?} -> held {:?} table {view:?} redeliveries {:?}", self.held, self.redeliveries);
+    }
+
     /// The broker comes back and the subscriber ACKs everything it is given until nothing is left.
     async fn drain(&mut self) -> Result<(), TestCaseError> {
         self.cluster.down.store(false, Ordering::Relaxed);
@@ -438,15 +452,7 @@ fn random_operation_sequences_keep_every_delivery_promise() {
             let mut run = Run::new().await;
             for step in &steps {
                 run.apply(step).await?;
-                if std::env::var("MODEL_DEBUG").is_ok() {
-                    let table = run.d().table.lock();
-                    let view: Vec<String> = table
-                        .deliveries
-                        .values()
-                        .map(|t| format!("{}:{}:{:?}", t.record.event.id, &t.record.id[..6], t.record.phase))
-                        .collect();
-                    eprintln!("{step:?} -> held {:?} table {view:?} redeliveries {:?}", run.held, run.redeliveries);
-                }
+                run.trace(step);
             }
             run.drain().await
         })
@@ -463,15 +469,7 @@ fn replay(steps: Vec<Step>) {
         let mut run = Run::new().await;
         for step in &steps {
             run.apply(step).await?;
-            if std::env::var("MODEL_DEBUG").is_ok() {
-                let table = run.d().table.lock();
-                let view: Vec<String> = table
-                    .deliveries
-                    .values()
-                    .map(|t| format!("{}:{}:{:?}", t.record.event.id, &t.record.id[..6], t.record.phase))
-                    .collect();
-                eprintln!("{step:?} -> held {:?} table {view:?} redeliveries {:?}", run.held, run.redeliveries);
-            }
+            run.trace(step);
         }
         run.drain().await
     });
