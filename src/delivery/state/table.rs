@@ -106,8 +106,9 @@ impl Tracked {
     }
 }
 
-/// When a delivery being tracked was popped: the record's lease checkpoint time (`pop_time_ms`, the broker's
-/// clock), never later than popgate's now. For a new delivery that is its POP. For one recovered after a restart
+/// When a delivery being tracked was popped: when the request behind its current lease was sent, on popgate's
+/// clock (`lease_until_ms - invisible_ms`; the broker's `pop_time_ms` for records from before popgate kept
+/// that), never later than popgate's now. For a new delivery that is its POP. For one recovered after a restart
 /// it is the checkpoint it held then: its POP if its lease was never renewed, else its last renewal (which moves
 /// the checkpoint), so a restart can make a long-held delivery look younger, down to under one lease old, but not
 /// new. Memory only: the stored record's format is unchanged.
