@@ -3,7 +3,6 @@
 
 use std::collections::BTreeMap;
 
-use cheetah_string::CheetahString;
 use rocketmq_protocol::code::request_code::RequestCode;
 use rocketmq_protocol::protocol::header::empty_header::EmptyHeader;
 use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
@@ -49,19 +48,9 @@ impl BrokerClient {
     /// # Errors
     /// [`BrokerError`] when the broker cannot be asked or refuses.
     pub async fn broker_config(&self, addr: &str) -> Result<BTreeMap<String, String>, BrokerError> {
-        let timeout = self.request_timeout();
         let request = RemotingCommand::create_request_command(RequestCode::GetBrokerConfig, EmptyHeader {});
-        let response = self
-            .pooled()
-            .invoke_remoting(&CheetahString::from(addr), request, timeout.as_millis() as u64)
-            .await
-            .map_err(|e| BrokerError::from_client(e, timeout))?;
-        if response.code() != 0 {
-            let detail = response.remark().map(ToString::to_string).unwrap_or_default();
-            return Err(BrokerError::Response { code: response.code(), detail });
-        }
-        let body = response.body().map(|b| String::from_utf8_lossy(b).into_owned()).unwrap_or_default();
-        Ok(parse_properties(&body))
+        let body = self.admin_request(addr, request).await?;
+        Ok(parse_properties(&String::from_utf8_lossy(&body)))
     }
 }
 

@@ -121,7 +121,7 @@ impl BrokerClient {
     }
 
     /// Sends one request to the broker (or name server) at `addr` and returns the body of its successful answer.
-    async fn admin_request(&self, addr: &str, request: RemotingCommand) -> Result<Vec<u8>, BrokerError> {
+    pub(super) async fn admin_request(&self, addr: &str, request: RemotingCommand) -> Result<Vec<u8>, BrokerError> {
         let timeout = self.request_timeout();
         let response = self
             .pooled()
