@@ -161,7 +161,6 @@ impl Run {
     }
 
     fn d(&self) -> &Deliveries {
-        #[allow(clippy::expect_used)]
         self.deliveries.as_ref().expect("deliveries are replaced only inside a crash step")
     }
 
@@ -447,16 +446,7 @@ fn random_operation_sequences_keep_every_delivery_promise() {
     let config = Config { cases, failure_persistence: None, ..Config::default() };
     let mut runner = TestRunner::new_with_rng(config, TestRng::from_seed(RngAlgorithm::ChaCha, &seed_bytes));
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-    let outcome = runner.run(&prop::collection::vec(step(), 1..40), |steps| {
-        runtime.block_on(async {
-            let mut run = Run::new().await;
-            for step in &steps {
-                run.apply(step).await?;
-                run.trace(step);
-            }
-            run.drain().await
-        })
-    });
+    let outcome = runner.run(&prop::collection::vec(step(), 1..40), |steps| runtime.block_on(run_steps(&steps)));
     if let Err(failure) = outcome {
         panic!("delivery model failed with seed {seed}: {failure}");
     }
@@ -465,17 +455,19 @@ fn random_operation_sequences_keep_every_delivery_promise() {
 /// Runs one fixed sequence (a shrunk failure the random runs found, kept as a regression test).
 fn replay(steps: Vec<Step>) {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-    let outcome: Result<(), TestCaseError> = runtime.block_on(async {
-        let mut run = Run::new().await;
-        for step in &steps {
-            run.apply(step).await?;
-            run.trace(step);
-        }
-        run.drain().await
-    });
-    if let Err(failure) = outcome {
+    if let Err(failure) = runtime.block_on(run_steps(&steps)) {
         panic!("{failure}");
     }
+}
+
+/// One run: `steps` on a fresh store, the invariants after each, then the drain.
+async fn run_steps(steps: &[Step]) -> Result<(), TestCaseError> {
+    let mut run = Run::new().await;
+    for step in steps {
+        run.apply(step).await?;
+        run.trace(step);
+    }
+    run.drain().await
 }
 
 #[test]
