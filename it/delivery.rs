@@ -355,20 +355,28 @@ async fn a_broker_restart_with_deliveries_in_flight_loses_nothing_and_the_dlq_wr
     assert!(popgate.metric("popgate_broker_ack_failures_total").await >= 1.0, "the owed broker ACK failed");
     cluster.restart_broker("broker-a");
 
+    // The subscriber ACKs whatever it is handed until popgate holds nothing: the unACKed events come back, and
+    // so may copies of any of the four. A broker killed within its consumer-offset flush interval (5 s) of
+    // the POP forgets it and hands the same messages out again as new deliveries: duplicates, never losses.
     let mut acked: BTreeSet<String> = BTreeSet::from(["b0".to_owned()]);
-    let deadline = Instant::now() + Duration::from_secs(90);
-    while acked.len() < 3 && Instant::now() < deadline {
-        for d in popgate.poll(&group, &topic, 3, 1_000).await {
-            if popgate.ack(&id(&d)).await.0 == 200 {
-                acked.insert(data(&d));
+    let mut duplicates = 0;
+    let deadline = Instant::now() + Duration::from_secs(150);
+    loop {
+        for d in popgate.poll(&group, &topic, 4, 1_000).await {
+            if popgate.ack(&id(&d)).await.0 == 200 && !acked.insert(data(&d)) {
+                duplicates += 1;
             }
         }
+        let all_in = ["b0", "b1", "b2"].iter().all(|b| acked.contains(*b));
+        if all_in && popgate.metric("popgate_pending_deliveries").await == 0.0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the owed DLQ write and broker ACKs never completed, or an event was lost: acked {acked:?}"
+        );
     }
-    assert_eq!(acked, ["b0", "b1", "b2"].iter().map(|s| (*s).to_owned()).collect::<BTreeSet<_>>(), "no event lost");
-    eventually(Duration::from_secs(60), "the DLQ write and the owed broker ACKs complete", || async {
-        popgate.metric("popgate_pending_deliveries").await == 0.0
-    })
-    .await;
+    eprintln!("copies the restarted broker handed out again: {duplicates}, events acked: {acked:?}");
     assert_eq!(popgate.metric("popgate_leases_lost_total").await, 0.0, "popgate owned every delivery throughout");
     assert_eq!(popgate.metric(&format!("popgate_dlq_messages_total{{group=\"{group}\"}}")).await, 1.0);
     let dead = Direct::connect(&cluster.namesrv_addr).await.read_all(&format!("%DLQ%{group}")).await;

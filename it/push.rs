@@ -14,6 +14,12 @@ use crate::publish::shared_cluster;
 
 const CONFIG: &str = "[delivery]\nlease_ms = 20000\npop_poll_ms = 500\n";
 
+/// [`CONFIG`] for a test that publishes megabyte bodies: on a loaded machine a broker took longer than the
+/// default 3 s (RocketMQ's `sendMsgTimeout`) to store one, on both brokers, and the publish failed before the
+/// test reached what it checks. The longer send timeout is the operator's setting for such a machine.
+const CONFIG_LARGE_BODIES: &str =
+    "[delivery]\nlease_ms = 20000\npop_poll_ms = 500\n[publish]\nsend_timeout_ms = 15000\n";
+
 async fn publish_n(popgate: &Popgate, topic: &str, n: usize) -> BTreeSet<String> {
     publish_sized(popgate, topic, n, 0).await
 }
@@ -145,7 +151,7 @@ async fn wait_until_writes_block(popgate: &Popgate, transport: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_sse_or_websocket_connection_hands_its_events_to_another_subscriber() {
     let cluster = shared_cluster();
-    let popgate = Popgate::start(&cluster.namesrv_addr, CONFIG).await;
+    let popgate = Popgate::start(&cluster.namesrv_addr, CONFIG_LARGE_BODIES).await;
     for transport in ["sse", "websocket"] {
         let (topic, group) = (unique_topic(&format!("kill_{transport}")), unique_topic("g_kill"));
         let (status, _) = popgate
