@@ -1,7 +1,8 @@
-//! The RocketMQ 5 gRPC front, driven by Apache's official Java SDK 5.2.0 with a stock `ClientConfiguration`
-//! (only the endpoint, and credentials in the auth test): producer, SimpleConsumer, PushConsumer, the retry
-//! schedule and the DLQ, FIFO, durability across `kill -9`, HTTP and gRPC together. Each test checks what
-//! the SDK saw and what the broker holds. `grpc_raw` covers what the SDK never sends (foreign handles).
+//! The RocketMQ 5 gRPC front, driven by Apache's official Java SDK (5.0.3 and 5.2.0, see `on_every_sdk!`)
+//! with a stock `ClientConfiguration` (only the endpoint, and credentials in the auth test): producer,
+//! SimpleConsumer, PushConsumer, the retry schedule and the DLQ, FIFO, durability across `kill -9`, HTTP and
+//! gRPC together, the client's deadline. Each test checks what the SDK saw and what the broker holds.
+//! `grpc_raw` covers what the SDK never sends (foreign handles).
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -11,9 +12,40 @@ use serde_json::{json, Value};
 use crate::harness::direct::{Direct, DirectConsumer};
 use crate::harness::popgate::Popgate;
 use crate::harness::rocketmq::{Cluster, ClusterSpec};
-use crate::harness::sdk::{self, bodies, Scenario};
+use crate::harness::sdk::{bodies, Sdk};
 use crate::harness::{eventually, unique_topic};
 use crate::publish::shared_cluster;
+
+/// Each scenario below runs as two tests, `<scenario>::sdk_5_0_3` and `<scenario>::sdk_5_2_0`: apps run every
+/// SDK version since 5.0, and the oldest and the newest differ in what they send.
+macro_rules! on_every_sdk {
+    ($($scenario:ident),* $(,)?) => {$(
+        mod $scenario {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn sdk_5_0_3() {
+                super::$scenario(crate::harness::sdk::Sdk::OLDEST).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn sdk_5_2_0() {
+                super::$scenario(crate::harness::sdk::Sdk::NEWEST).await;
+            }
+        }
+    )*};
+}
+
+on_every_sdk!(
+    sdk_producer_sends_normal_fifo_delayed_and_tagged_messages_that_the_broker_stores_as_sent,
+    sdk_producer_is_served_past_a_stopped_broker_by_popgates_retry_policy,
+    a_receive_on_an_empty_topic_long_polls_and_answers_before_the_clients_deadline,
+    simple_consumer_receives_what_its_tag_filter_selects_and_acks_it_at_the_broker,
+    simple_consumer_changes_the_invisible_duration_then_acks_and_an_unacked_message_returns_as_attempt_2,
+    push_consumer_failures_are_retried_on_popgates_schedule_then_dead_lettered_with_origin_properties,
+    push_consumer_of_an_ordered_group_keeps_each_message_group_in_order_through_a_failure,
+    push_consumer_acks_with_handles_issued_before_popgate_was_killed_and_nothing_is_delivered_twice,
+    http_publishes_reach_grpc_consumers_and_grpc_publishes_reach_http_subscribers,
+    sdk_credentials_map_onto_popgates_tokens_and_a_bad_secret_or_scope_is_refused,
+);
 
 /// How long one driver run may take on a loaded machine (JVM start, SDK start, the scenario).
 const DRIVER_TIMEOUT: Duration = Duration::from_secs(180);
@@ -43,8 +75,7 @@ fn received_by_body(result: &Value) -> HashMap<String, Vec<Value>> {
     by_body
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sdk_producer_sends_normal_fifo_delayed_and_tagged_messages_that_the_broker_stores_as_sent() {
+async fn sdk_producer_sends_normal_fifo_delayed_and_tagged_messages_that_the_broker_stores_as_sent(sdk: Sdk) {
     let cluster = shared_cluster();
     let popgate = Popgate::start(&cluster.namesrv_addr, "").await;
     let topic = unique_topic("grpc_produce");
@@ -56,7 +87,7 @@ async fn sdk_producer_sends_normal_fifo_delayed_and_tagged_messages_that_the_bro
     let delayed = json!({"topic": topic, "count": 1, "prefix": "delayed", "deliveryDelayMs": 4000});
     let mut sent: HashMap<String, String> = HashMap::new();
     for scenario in [tagged, fifo, delayed] {
-        let result = sdk::run("produce", &args(&popgate, scenario), DRIVER_TIMEOUT).await;
+        let result = sdk.run("produce", &args(&popgate, scenario), DRIVER_TIMEOUT).await;
         assert_eq!(result["errors"], json!([]), "{result}");
         for entry in result["sent"].as_array().cloned().unwrap_or_default() {
             sent.insert(
@@ -106,8 +137,7 @@ async fn sdk_producer_sends_normal_fifo_delayed_and_tagged_messages_that_the_bro
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sdk_producer_is_served_past_a_stopped_broker_by_popgates_retry_policy() {
+async fn sdk_producer_is_served_past_a_stopped_broker_by_popgates_retry_policy(sdk: Sdk) {
     let cluster = Cluster::start(&ClusterSpec::brokers(&["broker-a", "broker-b"]));
     let popgate = Popgate::start(&cluster.namesrv_addr, "[publish]\nsend_timeout_ms = 1500\n").await;
     let topic = unique_topic("grpc_failover");
@@ -115,7 +145,7 @@ async fn sdk_producer_is_served_past_a_stopped_broker_by_popgates_retry_policy()
     cluster.pause_broker("broker-a");
 
     let result =
-        sdk::run("produce", &args(&popgate, json!({"topic": topic, "count": 6, "prefix": "f"})), DRIVER_TIMEOUT).await;
+        sdk.run("produce", &args(&popgate, json!({"topic": topic, "count": 6, "prefix": "f"})), DRIVER_TIMEOUT).await;
     cluster.resume_broker("broker-a");
     assert_eq!(result["errors"], json!([]), "every send was stored despite the stopped broker: {result}");
 
@@ -131,8 +161,27 @@ async fn sdk_producer_is_served_past_a_stopped_broker_by_popgates_retry_policy()
     assert!(popgate.metric("popgate_send_retries_total").await >= 1.0, "the stopped broker cost retries");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn simple_consumer_receives_what_its_tag_filter_selects_and_acks_it_at_the_broker() {
+/// Java SDK 5.0.x sends no `long_polling_timeout`, and its call deadline is its request timeout plus its await
+/// duration (here 10 s + 10 s). popgate takes the long poll from that deadline as Apache's proxy does (the time
+/// left less half the request timeout, within 5 s ..= 20 s), so every empty receive is a long poll that ends
+/// before the client gives up: no DEADLINE_EXCEEDED. 5.2.0 asks for its await duration, which fits.
+async fn a_receive_on_an_empty_topic_long_polls_and_answers_before_the_clients_deadline(sdk: Sdk) {
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, "").await;
+    let topic = unique_topic("grpc_deadline");
+    create_topic(cluster, &topic).await;
+    let consume = json!({"group": format!("g_{topic}"), "topic": topic, "requestTimeoutMs": 10000, "awaitSeconds": 10,
+        "timeoutSeconds": 25});
+    let result = sdk.run("simple-consume", &args(&popgate, consume), DRIVER_TIMEOUT).await;
+    assert_eq!(result["receiveErrors"], json!([]), "SDK {}: {result}", sdk.0);
+    let took: Vec<i64> = result["receiveMs"].as_array().into_iter().flatten().filter_map(Value::as_i64).collect();
+    assert!(!took.is_empty(), "{result}");
+    for ms in &took {
+        assert!((4_500..20_000).contains(ms), "SDK {}: a long poll, ended before the 20 s deadline: {took:?}", sdk.0);
+    }
+}
+
+async fn simple_consumer_receives_what_its_tag_filter_selects_and_acks_it_at_the_broker(sdk: Sdk) {
     let cluster = shared_cluster();
     let popgate = Popgate::start(&cluster.namesrv_addr, "").await;
     let topic = unique_topic("grpc_simple");
@@ -145,7 +194,7 @@ async fn simple_consumer_receives_what_its_tag_filter_selects_and_acks_it_at_the
 
     let consume = json!({"group": group, "topic": topic, "tag": "keep", "expect": 3, "invisibleSeconds": 30,
         "awaitSeconds": 3, "timeoutSeconds": 60});
-    let result = sdk::run("simple-consume", &args(&popgate, consume), DRIVER_TIMEOUT).await;
+    let result = sdk.run("simple-consume", &args(&popgate, consume), DRIVER_TIMEOUT).await;
     assert_eq!(result["ackErrors"], json!([]), "{result}");
     let mut got = bodies(&result, "received");
     got.sort();
@@ -173,8 +222,9 @@ async fn simple_consumer_receives_what_its_tag_filter_selects_and_acks_it_at_the
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn simple_consumer_changes_the_invisible_duration_then_acks_and_an_unacked_message_returns_as_attempt_2() {
+async fn simple_consumer_changes_the_invisible_duration_then_acks_and_an_unacked_message_returns_as_attempt_2(
+    sdk: Sdk,
+) {
     let cluster = shared_cluster();
     let popgate = Popgate::start(&cluster.namesrv_addr, "").await;
     let topic = unique_topic("grpc_invisible");
@@ -184,7 +234,7 @@ async fn simple_consumer_changes_the_invisible_duration_then_acks_and_an_unacked
     // changeInvisibleDuration, then ack: the handle stays valid (popgate's never changes).
     let changed = json!({"group": format!("g1_{topic}"), "topic": topic, "expect": 1, "changeInvisibleFirst": 20,
         "awaitSeconds": 3, "timeoutSeconds": 60});
-    let result = sdk::run("simple-consume", &args(&popgate, changed), DRIVER_TIMEOUT).await;
+    let result = sdk.run("simple-consume", &args(&popgate, changed), DRIVER_TIMEOUT).await;
     assert_eq!(result["changeInvisibleErrors"], json!([]), "{result}");
     assert_eq!(result["ackErrors"], json!([]), "{result}");
     assert_eq!(result["received"][0]["changedInvisible"], true, "{result}");
@@ -193,7 +243,7 @@ async fn simple_consumer_changes_the_invisible_duration_then_acks_and_an_unacked
     let group = format!("g2_{topic}");
     let unacked = json!({"group": group, "topic": topic, "expect": 2, "ack": false, "invisibleSeconds": 2,
         "awaitSeconds": 3, "timeoutSeconds": 60});
-    let result = sdk::run("simple-consume", &args(&popgate, unacked), DRIVER_TIMEOUT).await;
+    let result = sdk.run("simple-consume", &args(&popgate, unacked), DRIVER_TIMEOUT).await;
     let received = result["received"].as_array().cloned().unwrap_or_default();
     assert_eq!(received.len(), 2, "{result}");
     assert_eq!(received[0]["body"], "c-0");
@@ -205,8 +255,7 @@ async fn simple_consumer_changes_the_invisible_duration_then_acks_and_an_unacked
     assert!(popgate.metric("popgate_redeliveries_total{reason=\"timeout\"}").await >= 1.0);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn push_consumer_failures_are_retried_on_popgates_schedule_then_dead_lettered_with_origin_properties() {
+async fn push_consumer_failures_are_retried_on_popgates_schedule_then_dead_lettered_with_origin_properties(sdk: Sdk) {
     let cluster = shared_cluster();
     let popgate = Popgate::start(&cluster.namesrv_addr, "").await;
     let topic = unique_topic("grpc_push_dlq");
@@ -216,7 +265,7 @@ async fn push_consumer_failures_are_retried_on_popgates_schedule_then_dead_lette
 
     let consume = json!({"group": group, "topic": topic, "failBodies": ["bad"], "expect": 8, "timeoutSeconds": 120,
         "settleMillis": 500});
-    let result = sdk::run("push-consume", &args(&popgate, consume), DRIVER_TIMEOUT).await;
+    let result = sdk.run("push-consume", &args(&popgate, consume), DRIVER_TIMEOUT).await;
     assert_eq!(result["timedOut"], false, "{result}");
     let by_body = received_by_body(&result);
     assert_eq!(by_body["ok-0"].len(), 1, "{result}");
@@ -247,8 +296,7 @@ async fn push_consumer_failures_are_retried_on_popgates_schedule_then_dead_lette
     assert!(popgate.metric(&format!("popgate_dlq_messages_total{{group=\"{group}\"}}")).await >= 1.0);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn push_consumer_of_an_ordered_group_keeps_each_message_group_in_order_through_a_failure() {
+async fn push_consumer_of_an_ordered_group_keeps_each_message_group_in_order_through_a_failure(sdk: Sdk) {
     let cluster = shared_cluster();
     let popgate = Popgate::start(&cluster.namesrv_addr, "").await;
     let topic = unique_topic("grpc_fifo");
@@ -272,13 +320,13 @@ async fn push_consumer_of_an_ordered_group_keeps_each_message_group_in_order_thr
     // Sent in index order, each its own send, so the broker holds each group in index order.
     produced.sort_by_key(|one| one["startIndex"].as_i64());
     for one in produced {
-        let result = sdk::run("produce", &args(&popgate, one), DRIVER_TIMEOUT).await;
+        let result = sdk.run("produce", &args(&popgate, one), DRIVER_TIMEOUT).await;
         assert_eq!(result["errors"], json!([]), "{result}");
     }
 
     let consume = json!({"group": group, "topic": topic, "failOnce": ["o-2"], "expectSuccess": 8, "timeoutSeconds": 90,
         "settleMillis": 1000});
-    let result = sdk::run("push-consume", &args(&popgate, consume), DRIVER_TIMEOUT).await;
+    let result = sdk.run("push-consume", &args(&popgate, consume), DRIVER_TIMEOUT).await;
     assert_eq!(result["timedOut"], false, "{result}");
     let mut per_group: HashMap<String, Vec<(String, String)>> = HashMap::new();
     let mut calls = result["received"].as_array().cloned().unwrap_or_default();
@@ -296,8 +344,7 @@ async fn push_consumer_of_an_ordered_group_keeps_each_message_group_in_order_thr
     assert_eq!(odd, ["o-1", "o-3", "o-5", "o-7"], "{per_group:?}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn push_consumer_acks_with_handles_issued_before_popgate_was_killed_and_nothing_is_delivered_twice() {
+async fn push_consumer_acks_with_handles_issued_before_popgate_was_killed_and_nothing_is_delivered_twice(sdk: Sdk) {
     let cluster = shared_cluster();
     // A short broker lease: a message whose ACK were lost would come back from the broker within seconds.
     let mut popgate = Popgate::start(&cluster.namesrv_addr, "lease_ms = 5000\n").await;
@@ -312,7 +359,7 @@ async fn push_consumer_acks_with_handles_issued_before_popgate_was_killed_and_no
     // Apache's proxy, past which the same scenario against the proxy delivers every message twice.
     let consume = json!({"group": group, "topic": topic, "holdMillis": 75_000, "expect": 4, "timeoutSeconds": 150,
         "settleMillis": 3000});
-    let consumer = Scenario::start("push-consume", &args(&popgate, consume));
+    let consumer = sdk.start("push-consume", &args(&popgate, consume));
     eventually(Duration::from_secs(90), "the listener holds all four", || async {
         let (_, body) = popgate.get_json(&format!("/admin/deliveries?group={group}")).await;
         body["deliveries"].as_array().is_some_and(|d| d.len() == 4 && d.iter().all(|d| d["phase"] == "awaiting_ack"))
@@ -342,8 +389,7 @@ async fn push_consumer_acks_with_handles_issued_before_popgate_was_killed_and_no
     assert_eq!(again, Vec::<String>::new(), "nothing comes back from the broker");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn http_publishes_reach_grpc_consumers_and_grpc_publishes_reach_http_subscribers() {
+async fn http_publishes_reach_grpc_consumers_and_grpc_publishes_reach_http_subscribers(sdk: Sdk) {
     let cluster = shared_cluster();
     let popgate = Popgate::start(&cluster.namesrv_addr, "").await;
     let topic = unique_topic("grpc_mixed");
@@ -352,12 +398,12 @@ async fn http_publishes_reach_grpc_consumers_and_grpc_publishes_reach_http_subsc
     popgate.publish(&json!({"topic": topic, "data": "from-http", "properties": {"origin": "http"}})).await;
     let consume =
         json!({"group": format!("g1_{topic}"), "topic": topic, "expect": 1, "awaitSeconds": 3, "timeoutSeconds": 60});
-    let result = sdk::run("simple-consume", &args(&popgate, consume), DRIVER_TIMEOUT).await;
+    let result = sdk.run("simple-consume", &args(&popgate, consume), DRIVER_TIMEOUT).await;
     assert_eq!(bodies(&result, "received"), ["from-http"], "{result}");
     assert_eq!(result["received"][0]["properties"]["origin"], "http");
 
     let produce = json!({"topic": topic, "count": 1, "prefix": "from-grpc", "tag": "sdk"});
-    let sent = sdk::run("produce", &args(&popgate, produce), DRIVER_TIMEOUT).await;
+    let sent = sdk.run("produce", &args(&popgate, produce), DRIVER_TIMEOUT).await;
     let group = format!("g2_{topic}");
     // A new group starts at the queue's beginning, so both messages are there; the SDK's is the one tagged.
     let polled = popgate.poll_until(&group, &topic, 2, Duration::from_secs(30)).await;
@@ -369,8 +415,7 @@ async fn http_publishes_reach_grpc_consumers_and_grpc_publishes_reach_http_subsc
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sdk_credentials_map_onto_popgates_tokens_and_a_bad_secret_or_scope_is_refused() {
+async fn sdk_credentials_map_onto_popgates_tokens_and_a_bad_secret_or_scope_is_refused(sdk: Sdk) {
     let cluster = shared_cluster();
     let tokens = "[auth]\nenabled = true\n[[auth.tokens]]\nname = \"app\"\ntoken = \"app-secret-0123456789\"\n\
                   publish = [\"grpc_auth_*\"]\nconsume = [\"g_grpc_auth_*\"]\n";
@@ -382,13 +427,13 @@ async fn sdk_credentials_map_onto_popgates_tokens_and_a_bad_secret_or_scope_is_r
     let mut good = creds("app-secret-0123456789");
     good["topic"] = json!(topic);
     good["count"] = json!(1);
-    let result = sdk::run("produce", &args(&popgate, good), DRIVER_TIMEOUT).await;
+    let result = sdk.run("produce", &args(&popgate, good), DRIVER_TIMEOUT).await;
     assert_eq!(result["errors"], json!([]), "{result}");
 
     let mut bad = creds("wrong-secret-0123456789");
     bad["topic"] = json!(topic);
     bad["prefix"] = json!("forged");
-    let refused = sdk::Scenario::start("produce", &args(&popgate, bad));
+    let refused = sdk.start("produce", &args(&popgate, bad));
     let refused = refused.finish_allowing_error(DRIVER_TIMEOUT).await;
     assert!(refused.to_string().contains("Unauthorized"), "a bad signature is refused: {refused}");
 
@@ -396,7 +441,7 @@ async fn sdk_credentials_map_onto_popgates_tokens_and_a_bad_secret_or_scope_is_r
     create_topic(cluster, &other).await;
     let mut out_of_scope = creds("app-secret-0123456789");
     out_of_scope["topic"] = json!(other);
-    let result = sdk::run("produce", &args(&popgate, out_of_scope), DRIVER_TIMEOUT).await;
+    let result = sdk.run("produce", &args(&popgate, out_of_scope), DRIVER_TIMEOUT).await;
     assert!(result["errors"].to_string().contains("Forbidden"), "out of scope is forbidden: {result}");
 
     let stored = Direct::connect(&cluster.namesrv_addr).await.read_all(&topic).await;

@@ -16,7 +16,7 @@ use crate::harness::direct::Direct;
 use crate::harness::env_or;
 use crate::harness::popgate::{proc_status_kib, Popgate};
 use crate::harness::rocketmq::{ApacheProxy, Cluster, ClusterSpec};
-use crate::harness::sdk::Scenario;
+use crate::harness::sdk::{Scenario, Sdk};
 use crate::harness::unique_topic;
 use crate::{cpu_time, Params};
 
@@ -92,7 +92,7 @@ async fn load(params: &Params, front: &Front, topic: &str, mode: &str, rate: Opt
     });
     let cpu_before = cpu_time(front.pid);
     // The optimising compiler and a heap that never limits the load program: it must not be the bottleneck.
-    let scenario = Scenario::start_in(&["-Xms512m", "-Xmx512m"], "load", &args);
+    let scenario = Scenario::start_in(Sdk::NEWEST, &["-Xms512m", "-Xmx512m"], "load", &args);
     let result = scenario.finish(Duration::from_secs_f64(params.secs + 120.0)).await;
     let cpu = cpu_time(front.pid).saturating_sub(cpu_before);
     let consumed = result["consumed"].as_u64().unwrap_or(0);

@@ -302,8 +302,10 @@ impl Drop for Popgate {
         if std::thread::panicking() {
             let output = self.output();
             let lines: Vec<&str> = output.lines().collect();
-            eprintln!("--- popgate {} output (last 60 lines) ---", self.base);
-            eprintln!("{}", lines[lines.len().saturating_sub(60)..].join("\n"));
+            // IT_LOG_LINES shows more when a failure needs it.
+            let shown: usize = super::env_or("IT_LOG_LINES", 60);
+            eprintln!("--- popgate {} output (last {shown} lines) ---", self.base);
+            eprintln!("{}", lines[lines.len().saturating_sub(shown)..].join("\n"));
         }
         // A stopped process must be continued before it can die.
         if let Ok(None) = self.child.try_wait() {

@@ -1,6 +1,10 @@
-//! Apache's official RocketMQ 5 Java SDK (`rocketmq-client-java` 5.2.0), run through the test driver in
+//! Apache's official RocketMQ 5 Java SDK (`rocketmq-client-java`), run through the test driver in
 //! `it/grpc-driver`: one scenario per process, its JSON result on stdout. No SDK behaviour is re-implemented
 //! here; the tests only start scenarios and read what the SDK saw.
+//!
+//! Apps in production run every SDK version since 5.0, and the versions differ in what they send (5.0.x sends
+//! no `long_polling_timeout`, for one), so each scenario runs under [`Sdk::ALL`]: the oldest 5.0.x that
+//! resolves from Maven Central here, and the newest.
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -9,19 +13,42 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-/// The driver jar: `SDK_DRIVER_JAR` (set by `docker/test.sh`), or built now by `it/grpc-driver/build.sh`
-/// (idempotent, cached under `$HOME`).
-pub fn driver_jar() -> &'static PathBuf {
-    static JAR: OnceLock<PathBuf> = OnceLock::new();
-    JAR.get_or_init(|| {
-        if let Some(jar) = std::env::var_os("SDK_DRIVER_JAR").map(PathBuf::from).filter(|p| p.exists()) {
-            return jar;
-        }
+/// One version of the Java SDK the driver is built against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sdk(pub &'static str);
+
+impl Sdk {
+    /// The oldest 5.0.x SDK that resolves here.
+    pub const OLDEST: Sdk = Sdk("5.0.3");
+    /// The newest SDK that resolves here.
+    pub const NEWEST: Sdk = Sdk("5.2.0");
+    /// Every version each scenario runs under.
+    pub const ALL: [Sdk; 2] = [Sdk::OLDEST, Sdk::NEWEST];
+
+    /// The driver jar for this version, built by `it/grpc-driver/build.sh <version>` when missing or stale
+    /// (idempotent, cached under `$HOME`; `docker/test.sh` builds both up front).
+    pub fn driver_jar(self) -> &'static PathBuf {
+        static JARS: OnceLock<Vec<(Sdk, PathBuf)>> = OnceLock::new();
+        let jars = JARS.get_or_init(|| Sdk::ALL.iter().map(|sdk| (*sdk, sdk.build())).collect());
+        &jars.iter().find(|(sdk, _)| *sdk == self).expect("a tested SDK version").1
+    }
+
+    /// Starts `scenario` on this version (see [`Scenario::start_on`]).
+    pub fn start(self, scenario: &str, args: &Value) -> Scenario {
+        Scenario::start_on(self, scenario, args)
+    }
+
+    /// Runs `scenario` on this version to its end (see [`run`]).
+    pub async fn run(self, scenario: &str, args: &Value, timeout: Duration) -> Value {
+        self.start(scenario, args).finish(timeout).await
+    }
+
+    fn build(self) -> PathBuf {
         let script = concat!(env!("CARGO_MANIFEST_DIR"), "/it/grpc-driver/build.sh");
-        let out = Command::new("bash").arg(script).stderr(Stdio::inherit()).output().expect("run build.sh");
-        assert!(out.status.success(), "the gRPC driver did not build");
+        let out = Command::new("bash").arg(script).arg(self.0).stderr(Stdio::inherit()).output().expect("run build.sh");
+        assert!(out.status.success(), "the gRPC driver did not build against SDK {}", self.0);
         PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
-    })
+    }
 }
 
 /// One running scenario; killed on drop.
@@ -31,17 +58,23 @@ pub struct Scenario {
 }
 
 impl Scenario {
-    /// Starts `scenario` with `args` (the endpoint is the caller's to put in), in a JVM tuned to start fast.
+    /// Starts `scenario` with `args` (the endpoint is the caller's to put in) on the newest SDK, in a JVM tuned
+    /// to start fast.
     pub fn start(scenario: &str, args: &Value) -> Scenario {
-        Self::start_in(&["-Xmx256m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1"], scenario, args)
+        Self::start_on(Sdk::NEWEST, scenario, args)
     }
 
-    /// As [`Scenario::start`], with the JVM options `jvm` (a load program wants the optimising compiler).
-    pub fn start_in(jvm: &[&str], scenario: &str, args: &Value) -> Scenario {
+    /// As [`Scenario::start`], on the SDK version `sdk`.
+    pub fn start_on(sdk: Sdk, scenario: &str, args: &Value) -> Scenario {
+        Self::start_in(sdk, &["-Xmx256m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1"], scenario, args)
+    }
+
+    /// As [`Scenario::start_on`], with the JVM options `jvm` (a load program wants the optimising compiler).
+    pub fn start_in(sdk: Sdk, jvm: &[&str], scenario: &str, args: &Value) -> Scenario {
         let child = Command::new("java")
             .args(jvm)
             .arg("-jar")
-            .arg(driver_jar())
+            .arg(sdk.driver_jar())
             .arg(scenario)
             .arg(ascii_json(args))
             .stdin(Stdio::null())
@@ -49,7 +82,7 @@ impl Scenario {
             .stderr(Stdio::piped())
             .spawn()
             .expect("spawn the gRPC driver");
-        Scenario { child: Some(child), what: format!("{scenario} {args}") }
+        Scenario { child: Some(child), what: format!("{scenario} on SDK {} {args}", sdk.0) }
     }
 
     /// Waits (at most `timeout`) for the scenario's JSON result, which must not be an error. Panics with the
@@ -116,11 +149,6 @@ fn ascii_json(args: &Value) -> String {
         }
     }
     text
-}
-
-/// Runs `scenario` to its end and returns its result (see [`Scenario::finish`]).
-pub async fn run(scenario: &str, args: &Value, timeout: Duration) -> Value {
-    Scenario::start(scenario, args).finish(timeout).await
 }
 
 /// The bodies in a result list (`sent`, `received`).

@@ -15,6 +15,7 @@ use std::time::Duration;
 use sha1::{Digest as _, Sha1};
 use tokio::sync::mpsc;
 
+use super::deadline;
 use super::proto::{
     self as pb, receive_message_response::Content, Code, DigestType, Encoding, FilterType, MessageType,
 };
@@ -27,8 +28,6 @@ use crate::publish::is_valid_name;
 
 /// The prefix of popgate's receipt handles (its version, should their form ever change).
 const HANDLE_PREFIX: &str = "pg1:";
-/// A long poll waits this long when the client does not say.
-const DEFAULT_LONG_POLL: Duration = Duration::from_secs(20);
 /// The invisible durations a SimpleConsumer may ask for (Apache's proxy allows up to 12 h as well).
 const INVISIBLE_RANGE: std::ops::RangeInclusive<Duration> = Duration::from_secs(1)..=Duration::from_secs(12 * 3600);
 /// An auto-renewed delivery's ACK deadline is kept this far ahead while its client is alive (see
@@ -117,6 +116,15 @@ pub(super) async fn query_assignment(
     pb::QueryAssignmentResponse { status: Some(ok()), assignments }
 }
 
+/// Who makes a receive call, and by when it must be answered.
+pub(super) struct Call {
+    pub(super) client_id: String,
+    /// Before the client's deadline (`grpc-timeout`).
+    pub(super) time_left: Option<Duration>,
+    /// `x-mq-client-version`.
+    pub(super) client_version: Option<String>,
+}
+
 /// What a receive asks for, checked.
 pub(super) struct Receive {
     sub: Subscription,
@@ -130,7 +138,7 @@ pub(super) struct Receive {
 pub(super) async fn prepare_receive(
     front: &Front,
     caller: &Caller,
-    client_id: &str,
+    call: &Call,
     request: pb::ReceiveMessageRequest,
 ) -> Result<Receive, pb::Status> {
     let group = consumer_group(caller, request.group.as_ref())?;
@@ -150,9 +158,12 @@ pub(super) async fn prepare_receive(
         .filter(|n| *n > 0)
         .ok_or_else(|| status(Code::BadRequest, "batch_size must be greater than 0"))?
         .min(MAX_POLL_BATCH);
-    let wait = request.long_polling_timeout.map_or(Ok(DEFAULT_LONG_POLL), |d| {
-        to_std(d).ok_or_else(|| status(Code::IllegalPollingTime, "long_polling_timeout must not be negative"))
-    })?;
+    let asked = request
+        .long_polling_timeout
+        .map(|d| to_std(d).ok_or_else(|| status(Code::IllegalPollingTime, "long_polling_timeout must not be negative")))
+        .transpose()?;
+    let request_timeout = front.request_timeout_of(&call.client_id);
+    let wait = deadline::long_poll(asked, call.time_left, request_timeout, call.client_version.as_deref())?;
     let ack_timeout = if request.auto_renew {
         Some(AUTO_RENEW_HOLD)
     } else {
@@ -174,7 +185,7 @@ pub(super) async fn prepare_receive(
         }
     }
     let sub = front.dispatcher.ensure_filtered(&group, &topic, &filter).await.map_err(delivery_status)?;
-    let holder = Holder { client_id: client_id.to_owned(), auto_renew: request.auto_renew };
+    let holder = Holder { client_id: call.client_id.clone(), auto_renew: request.auto_renew };
     Ok(Receive {
         sub,
         batch,
@@ -381,7 +392,7 @@ fn now_ms() -> i64 {
     i64::try_from(since_epoch.as_millis()).unwrap_or(i64::MAX)
 }
 
-fn to_std(d: prost_types::Duration) -> Option<Duration> {
+pub(super) fn to_std(d: prost_types::Duration) -> Option<Duration> {
     let seconds = u64::try_from(d.seconds).ok()?;
     let nanos = u32::try_from(d.nanos).ok()?;
     Some(Duration::new(seconds, nanos))

@@ -10,6 +10,7 @@
 //! ```
 
 mod consume;
+mod deadline;
 mod listener;
 pub mod proto;
 mod route;

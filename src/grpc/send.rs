@@ -23,22 +23,28 @@ pub(super) async fn send_messages(
     front: &Front,
     caller: &Caller,
     request: pb::SendMessageRequest,
+    deadline: Option<std::time::Instant>,
 ) -> pb::SendMessageResponse {
     if request.messages.is_empty() {
         return pb::SendMessageResponse { status: Some(status(Code::BadRequest, "no messages")), entries: vec![] };
     }
     let mut entries = Vec::with_capacity(request.messages.len());
     for message in request.messages {
-        entries.push(send_one(front, caller, message).await);
+        entries.push(send_one(front, caller, message, deadline).await);
     }
     let statuses: Vec<pb::Status> = entries.iter().filter_map(|e| e.status.clone()).collect();
     pb::SendMessageResponse { status: Some(overall(&statuses)), entries }
 }
 
 /// Sends one message and counts it as the HTTP front counts a publish (`transport="grpc"`).
-async fn send_one(front: &Front, caller: &Caller, message: pb::Message) -> pb::SendResultEntry {
+async fn send_one(
+    front: &Front,
+    caller: &Caller,
+    message: pb::Message,
+    deadline: Option<std::time::Instant>,
+) -> pb::SendResultEntry {
     let started = std::time::Instant::now();
-    let entry = send_checked(front, caller, message).await;
+    let entry = send_checked(front, caller, message, deadline).await;
     let code = entry.status.as_ref().map_or(Code::Ok as i32, |s| s.code);
     let result = match Code::try_from(code) {
         Ok(Code::Ok) => "ok",
@@ -54,7 +60,12 @@ async fn send_one(front: &Front, caller: &Caller, message: pb::Message) -> pb::S
     entry
 }
 
-async fn send_checked(front: &Front, caller: &Caller, message: pb::Message) -> pb::SendResultEntry {
+async fn send_checked(
+    front: &Front,
+    caller: &Caller,
+    message: pb::Message,
+    deadline: Option<std::time::Instant>,
+) -> pb::SendResultEntry {
     let message_id = message.system_properties.as_ref().map(|p| p.message_id.clone()).unwrap_or_default();
     let refused = |status: pb::Status| pb::SendResultEntry {
         status: Some(status),
@@ -69,7 +80,7 @@ async fn send_checked(front: &Front, caller: &Caller, message: pb::Message) -> p
         counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
         return refused(status(Code::Forbidden, format!("may not publish to `{}`", outgoing.topic)));
     }
-    match front.publisher.publish(&outgoing, SendMode::Sync).await {
+    match front.publisher.publish_before(&outgoing, SendMode::Sync, deadline).await {
         Ok(published) => {
             let receipt = published.receipt;
             pb::SendResultEntry {

@@ -15,6 +15,7 @@ use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Streaming};
 
 use super::consume::{self, AUTO_RENEW_HOLD, AUTO_RENEW_MAX};
+use super::deadline;
 use super::proto::messaging_service_server::MessagingService;
 use super::proto::{self as pb, settings::PubSub as settings_pub_sub, telemetry_command, Code};
 use super::send;
@@ -52,6 +53,8 @@ const CLIENT_KINDS: [&str; 4] = ["producer", "push_consumer", "simple_consumer",
 struct Liveness {
     seen: HashMap<String, (&'static str, Instant)>,
     per_kind: [usize; CLIENT_KINDS.len()],
+    /// The request timeout each client's Settings gave: a long poll keeps half of it back (see `deadline`).
+    request_timeouts: HashMap<String, Duration>,
 }
 
 impl Liveness {
@@ -82,6 +85,7 @@ impl Liveness {
         if let Some((kind, _)) = self.seen.remove(id) {
             self.per_kind[Self::kind_index(kind)] -= 1;
         }
+        self.request_timeouts.remove(id);
     }
 
     /// Forgets the clients not seen for [`CLIENT_EXPIRY`].
@@ -94,6 +98,8 @@ impl Liveness {
             }
             keep
         });
+        let seen = &self.seen;
+        self.request_timeouts.retain(|id, _| seen.contains_key(id));
     }
 
     fn publish_gauge(&self) {
@@ -151,6 +157,21 @@ impl Front {
         clients.publish_gauge();
     }
 
+    /// Keeps the request timeout a client's Settings give (the SDK's default when they give none).
+    fn note_request_timeout(&self, metadata: &MetadataMap, settings: &pb::Settings) {
+        let Some(id) = client_id(metadata) else { return };
+        let timeout = settings.request_timeout.and_then(consume::to_std).unwrap_or(deadline::DEFAULT_REQUEST_TIMEOUT);
+        let mut clients = self.clients.lock();
+        if clients.seen.contains_key(id) {
+            clients.request_timeouts.insert(id.to_owned(), timeout);
+        }
+    }
+
+    /// The request timeout of a client, as its Settings gave it.
+    pub(super) fn request_timeout_of(&self, client_id: &str) -> Duration {
+        self.clients.lock().request_timeouts.get(client_id).copied().unwrap_or(deadline::DEFAULT_REQUEST_TIMEOUT)
+    }
+
     /// Forgets the clients not seen for [`CLIENT_EXPIRY`]: one pass per keep-alive tick, so a hundred thousand
     /// clients coming and going cost one pass every few seconds, not one per call.
     fn prune_clients(&self) {
@@ -183,6 +204,11 @@ impl Front {
             self.dispatcher.subscription(&group.name, &topic.name)
         })
     }
+}
+
+/// The SDK's version (`x-mq-client-version`), when it sent one.
+fn client_version(metadata: &MetadataMap) -> Option<&str> {
+    metadata.get("x-mq-client-version").and_then(|v| v.to_str().ok())
 }
 
 /// The SDK's client id (`x-mq-client-id`), when it sent a usable one.
@@ -274,7 +300,10 @@ impl MessagingService for Arc<Front> {
         self.saw_client(request.metadata(), Some("producer"));
         let answer = match self.caller(request.metadata()) {
             Err(refused) => pb::SendMessageResponse { status: Some(refused), entries: Vec::new() },
-            Ok(caller) => send::send_messages(self, &caller, request.into_inner()).await,
+            Ok(caller) => {
+                let deadline = deadline::answer_by(request.metadata());
+                send::send_messages(self, &caller, request.into_inner(), deadline).await
+            }
         };
         observe("SendMessage", answer.status.as_ref().map_or(0, |s| s.code), started);
         Ok(Response::new(answer))
@@ -327,8 +356,12 @@ impl MessagingService for Arc<Front> {
             (Err(refused), _) => Err(refused),
             (Ok(_), None) => Err(status(Code::ClientIdRequired, "the x-mq-client-id header is required")),
             (Ok(caller), Some(id)) => {
-                let id = id.to_owned();
-                consume::prepare_receive(self, &caller, &id, request.into_inner()).await
+                let call = consume::Call {
+                    client_id: id.to_owned(),
+                    time_left: deadline::time_left(request.metadata()),
+                    client_version: client_version(request.metadata()).map(str::to_owned),
+                };
+                consume::prepare_receive(self, &caller, &call, request.into_inner()).await
             }
         };
         match checked {
@@ -418,6 +451,7 @@ impl MessagingService for Arc<Front> {
                 let Some(telemetry_command::Command::Settings(client)) = command.command else { continue };
                 let started = Instant::now();
                 front.saw_client(&metadata, Some(settings::kind_label(client.client_type)));
+                front.note_request_timeout(&metadata, &client);
                 let group_sub = front.subscription_of(&client);
                 let reply = settings::reply(client, &front.config, group_sub.as_ref());
                 observe("Telemetry", Code::Ok as i32, started);

@@ -22,7 +22,7 @@ pub use message_group::group_queue;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use metrics::{counter, gauge, histogram};
 use parking_lot::Mutex;
@@ -33,6 +33,9 @@ use crate::broker::message::PROPERTY_SHARDING_KEY;
 use crate::broker::{BrokerClient, BrokerError, BrokerRoute, SendReceipt, StoreStatus};
 use crate::config::{FaultAvoidanceConfig, Profile, PublishConfig};
 use crate::metrics as m;
+
+/// The least time an attempt is started with: a send given less would only time out.
+const MIN_ATTEMPT: Duration = Duration::from_millis(200);
 
 /// How a publish request waits for the broker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -182,6 +185,20 @@ impl Publisher {
     /// [`PublishError::TopicNotFound`] for a topic that cannot exist; [`PublishError::Exhausted`] when no
     /// attempt was stored as required.
     pub async fn publish(&self, message: &OutgoingMessage, mode: SendMode) -> Result<Published, PublishError> {
+        self.publish_before(message, mode, None).await
+    }
+
+    /// [`Publisher::publish`] for a caller who stops listening at `deadline`: no attempt outlasts it, and no
+    /// retry starts once it is too near for one (a gRPC client's deadline: its SDK retries on its own).
+    ///
+    /// # Errors
+    /// As [`Publisher::publish`]; the attempts made before the deadline.
+    pub async fn publish_before(
+        &self,
+        message: &OutgoingMessage,
+        mode: SendMode,
+        deadline: Option<Instant>,
+    ) -> Result<Published, PublishError> {
         let route = self.broker.route(&message.topic).await.map_err(|e| match e {
             BrokerError::TopicNotFound(topic) => PublishError::TopicNotFound(topic),
             other => {
@@ -207,6 +224,12 @@ impl Publisher {
         let mut last_failed: Option<String> = None;
         let mut last_error = String::new();
         for attempt in 0..max_attempts {
+            let Some(timeout) = attempt_timeout(self.config.send_timeout(), deadline, Instant::now()) else {
+                if attempts.is_empty() {
+                    last_error = "no time left before the client's deadline".to_owned();
+                }
+                break;
+            };
             let chosen = match (&pinned, mode, attempts.first()) {
                 (Some((broker, _)), _, _) => broker.clone(),
                 (None, SendMode::Async, Some(Attempt { broker, .. })) => broker.clone(),
@@ -221,7 +244,7 @@ impl Publisher {
             if attempt > 0 {
                 counter!(m::SEND_RETRIES).increment(1);
             }
-            match self.attempt(message, broker, queue_id, mode).await {
+            match self.attempt(message, broker, queue_id, mode, timeout).await {
                 Ok(receipt) => {
                     attempts.push(Attempt { broker: broker.name.clone(), error: None });
                     return Ok(Published { receipt, topic: message.topic.clone(), attempts });
@@ -254,6 +277,7 @@ impl Publisher {
         route: &BrokerRoute,
         queue_id: i32,
         mode: SendMode,
+        timeout: Duration,
     ) -> Result<Option<SendReceipt>, AttemptError> {
         if mode == SendMode::Oneway {
             self.broker.send_oneway(message, route, queue_id);
@@ -262,7 +286,7 @@ impl Publisher {
         let broker = route.name.as_str();
         self.first_sight(broker);
         let started = Instant::now();
-        let result = self.broker.send(message, route, queue_id, self.config.send_timeout()).await;
+        let result = self.broker.send(message, route, queue_id, timeout).await;
         let latency = started.elapsed();
         histogram!(m::SEND_DURATION, "broker" => broker.to_owned()).record(latency.as_secs_f64());
         match result {
@@ -341,9 +365,30 @@ fn note_isolation(broker: &str, cause: IsolationCause) {
     tracing::warn!(broker, cause = cause.as_label(), "Broker isolated by fault avoidance.");
 }
 
+/// How long the next attempt may wait for the broker: the send timeout, or less when the caller's deadline is
+/// nearer; `None` when less than [`MIN_ATTEMPT`] is left.
+fn attempt_timeout(send_timeout: Duration, deadline: Option<Instant>, now: Instant) -> Option<Duration> {
+    let Some(deadline) = deadline else { return Some(send_timeout) };
+    let left = deadline.saturating_duration_since(now);
+    (left >= MIN_ATTEMPT).then(|| send_timeout.min(left))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_attempt_never_outlasts_the_callers_deadline_and_none_starts_too_close_to_it() {
+        let (now, send_timeout) = (Instant::now(), Duration::from_secs(3));
+        assert_eq!(attempt_timeout(send_timeout, None, now), Some(send_timeout), "no deadline: the send timeout");
+        let far = now + Duration::from_secs(10);
+        assert_eq!(attempt_timeout(send_timeout, Some(far), now), Some(send_timeout));
+        let near = now + Duration::from_millis(1_200);
+        assert_eq!(attempt_timeout(send_timeout, Some(near), now), Some(Duration::from_millis(1_200)));
+        let too_near = now + MIN_ATTEMPT - Duration::from_millis(1);
+        assert_eq!(attempt_timeout(send_timeout, Some(too_near), now), None);
+        assert_eq!(attempt_timeout(send_timeout, Some(now), now + Duration::from_secs(1)), None, "already past");
+    }
 
     #[test]
     fn each_profile_accepts_exactly_the_guarantees_it_does_not_demand() {
