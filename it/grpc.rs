@@ -38,6 +38,7 @@ on_every_sdk!(
     sdk_producer_sends_normal_fifo_delayed_and_tagged_messages_that_the_broker_stores_as_sent,
     sdk_producer_is_served_past_a_stopped_broker_by_popgates_retry_policy,
     a_receive_on_an_empty_topic_long_polls_and_answers_before_the_clients_deadline,
+    sigterm_answers_the_open_receives_then_the_grpc_front_drains_and_popgate_exits,
     simple_consumer_receives_what_its_tag_filter_selects_and_acks_it_at_the_broker,
     simple_consumer_changes_the_invisible_duration_then_acks_and_an_unacked_message_returns_as_attempt_2,
     push_consumer_failures_are_retried_on_popgates_schedule_then_dead_lettered_with_origin_properties,
@@ -179,6 +180,46 @@ async fn a_receive_on_an_empty_topic_long_polls_and_answers_before_the_clients_d
     for ms in &took {
         assert!((4_500..20_000).contains(ms), "SDK {}: a long poll, ended before the 20 s deadline: {took:?}", sdk.0);
     }
+}
+
+/// SIGTERM while a consumer long-polls: popgate answers the open receive at once (no message, as when the
+/// wait ends), sends GOAWAY and exits inside its grace period, instead of cutting the connection under the
+/// call.
+async fn sigterm_answers_the_open_receives_then_the_grpc_front_drains_and_popgate_exits(sdk: Sdk) {
+    let cluster = shared_cluster();
+    // The harness's grace period is 2 s: far shorter than the receive's 20 s long poll.
+    let mut popgate = Popgate::start(&cluster.namesrv_addr, "").await;
+    let topic = unique_topic("grpc_drain");
+    create_topic(cluster, &topic).await;
+    let consume = json!({"group": format!("g_{topic}"), "topic": topic, "awaitSeconds": 20, "timeoutSeconds": 20,
+        "stopOnRejection": false});
+    let consumer = sdk.start("simple-consume", &args(&popgate, consume));
+    eventually(Duration::from_secs(120), "the consumer is up", || async {
+        popgate.metric("popgate_grpc_clients{kind=\"simple_consumer\"}").await >= 1.0
+    })
+    .await;
+    // Its first receive (a 20 s long poll on an empty topic) is open by now.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let terminated_at = now_ms();
+    popgate.signal("TERM");
+    assert_eq!(popgate.wait_exit(Duration::from_secs(25)).await, Some(0), "popgate drains and exits on its own");
+    let exit_ms = now_ms() - terminated_at;
+
+    let result = consumer.finish(DRIVER_TIMEOUT).await;
+    let first_start = result["receiveStartedAtMs"][0].as_i64();
+    let first_took = result["receiveMs"][0].as_i64();
+    assert!(
+        first_start.is_some_and(|at| at < terminated_at),
+        "SDK {}: the first receive was answered: {result}",
+        sdk.0
+    );
+    let answered_after = first_start.unwrap_or(0) + first_took.unwrap_or(0) - terminated_at;
+    assert!(
+        answered_after < 10_000,
+        "SDK {}: answered {answered_after} ms after SIGTERM, not at the poll's end",
+        sdk.0
+    );
+    assert!(exit_ms < 15_000, "SDK {}: exited {exit_ms} ms after SIGTERM", sdk.0);
 }
 
 async fn simple_consumer_receives_what_its_tag_filter_selects_and_acks_it_at_the_broker(sdk: Sdk) {

@@ -145,16 +145,28 @@ pub async fn serve(
             None => axum::serve(listener, router).with_graceful_shutdown(stop_signal).await,
         }
     };
-    let result = tokio::select! {
-        result = server => result,
-        // The grace period starts when shutdown is asked for; a request still running after it is dropped.
-        () = grace_elapsed(stop_rx, grace) => Ok(()),
+    // The grace period starts when shutdown is asked for; a request still running after it is dropped.
+    let grace_over = grace_elapsed(stop_rx, grace);
+    tokio::pin!(grace_over);
+    let (result, mut grace_spent) = tokio::select! {
+        result = server => (result, false),
+        () = &mut grace_over => (Ok(()), true),
     };
+    if let Some(mut grpc_server) = grpc_server {
+        // The gRPC front drains within the same grace period: it answers its open receives at once, sends
+        // HTTP/2 GOAWAY and finishes the calls in flight; only what is left when the period is over is dropped.
+        if !grace_spent {
+            grace_spent = tokio::select! {
+                _ = &mut grpc_server => false,
+                () = &mut grace_over => true,
+            };
+        }
+        if grace_spent {
+            grpc_server.abort();
+        }
+    }
     gauges.abort();
     profile_checks.abort();
-    if let Some(grpc_server) = grpc_server {
-        grpc_server.abort();
-    }
     dispatcher.shutdown().await;
     drop(dispatcher);
     drop(publisher);

@@ -168,6 +168,19 @@ impl Popgate {
         self.wait_healthy(logged).await;
     }
 
+    /// Waits at most `timeout` for the process to exit by itself; its exit code, or `None` if it is still
+    /// running (or was killed by a signal).
+    pub async fn wait_exit(&mut self, timeout: Duration) -> Option<i32> {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return status.code();
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        None
+    }
+
     /// The OS process id (for `/proc/<pid>` readings).
     pub fn pid(&self) -> u32 {
         self.child.id()

@@ -207,6 +207,8 @@ pub(super) async fn run_receive(
     let polled = tokio::select! {
         polled = front.dispatcher.poll_as(&receive.sub, receive.batch, receive.wait, &receive.hand_out) => polled,
         () = out.closed() => return None,
+        // Shutting down: the wait ends now, with nothing (`MESSAGE_NOT_FOUND`), so the call finishes in time.
+        () = front.stopping() => Ok(Vec::new()),
     };
     let deliveries = match polled {
         Ok(deliveries) => deliveries,

@@ -47,10 +47,17 @@ pub async fn serve(
     config: Arc<Config>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
-    let front = Arc::new(service::Front::new(publisher, dispatcher, tokens, config));
+    let (stopping, stop_asked) = tokio::sync::watch::channel(false);
+    let front = Arc::new(service::Front::new(publisher, dispatcher, tokens, config, stop_asked));
     tokio::spawn(service::keep_alive_loop(Arc::downgrade(&front)));
     let service = proto::messaging_service_server::MessagingServiceServer::new(front)
         .max_decoding_message_size(MAX_DECODING_BYTES);
+    // On shutdown the open long polls are answered first (the front watches `stopping`), so tonic's graceful
+    // shutdown (GOAWAY, then the calls in flight) is not held up by receives waiting up to 20 s.
+    let shutdown = async move {
+        shutdown.await;
+        let _ = stopping.send(true);
+    };
     tonic::transport::Server::builder()
         .add_service(service)
         .serve_with_incoming_shutdown(listener::incoming(listener, tls), shutdown)

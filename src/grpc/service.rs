@@ -42,6 +42,8 @@ pub struct Front {
     pub(super) tokens: Arc<TokenTable>,
     pub(super) config: Arc<Config>,
     clients: Mutex<Liveness>,
+    /// True once popgate is shutting down: open receives are answered at once, new ones get nothing.
+    stop_asked: tokio::sync::watch::Receiver<bool>,
 }
 
 /// The client kinds of the `popgate_grpc_clients{kind}` gauge.
@@ -115,8 +117,18 @@ impl Front {
         dispatcher: Arc<Dispatcher>,
         tokens: Arc<TokenTable>,
         config: Arc<Config>,
+        stop_asked: tokio::sync::watch::Receiver<bool>,
     ) -> Front {
-        Front { publisher, dispatcher, tokens, config, clients: Mutex::new(Liveness::default()) }
+        Front { publisher, dispatcher, tokens, config, clients: Mutex::new(Liveness::default()), stop_asked }
+    }
+
+    /// Resolves once popgate is shutting down (at once when it already is).
+    pub(super) async fn stopping(&self) {
+        let mut stop_asked = self.stop_asked.clone();
+        if stop_asked.wait_for(|stop| *stop).await.is_err() {
+            // The server is gone without asking: nothing will ever stop this front.
+            std::future::pending::<()>().await;
+        }
     }
 
     /// The caller of a request, from the SDK's signature (`authorization: MQv2-HMAC-SHA1 Credential=<AK>,

@@ -565,19 +565,20 @@ impl Deliveries {
         if taken.is_empty() {
             return Ok(Vec::new());
         }
+        // From here the records are claimed; a caller that stops waiting (its client went away, popgate is
+        // shutting down) drops this future at an await below, and the guard puts them back for the next waiter.
+        let mut unclaim = PutBackOnDrop { deliveries: self, key, ids: taken.iter().map(|r| r.id.clone()).collect() };
         // The bodies are read before the hand-out is stored: a read that fails hands nothing out.
         let bodies = match self.read_bodies(&taken) {
             Ok(bodies) => bodies,
-            Err(error) => {
-                self.put_back(key, &taken);
-                return Err(error.into());
-            }
+            Err(error) => return Err(error.into()),
         };
         let (taken, bodies) = self.drop_bodiless(taken, bodies).await;
         if let Err(error) = self.persist(&taken.iter().collect::<Vec<_>>()).await {
-            self.put_back(key, &taken);
             return Err(error.into());
         }
+        // Stored: from here the hand-out happens, whatever the caller does.
+        unclaim.ids.clear();
         let mut table = self.table.lock();
         let mut out = Vec::with_capacity(taken.len());
         for (record, body) in taken.into_iter().zip(bodies) {
@@ -611,17 +612,16 @@ impl Deliveries {
     }
 
     /// Taken for a hand-out that did not happen: back at the head of the queue, unchanged, for the next
-    /// waiter (the caller may have been the one woken for them).
-    fn put_back(&self, key: &str, taken: &[DeliveryRecord]) {
+    /// waiter (the caller may have been the one woken for them). A record retired meanwhile (its body was
+    /// missing) is skipped.
+    fn put_back(&self, key: &str, taken: &[Id]) {
         let mut table = self.table.lock();
-        for record in taken.iter().rev() {
-            if let Some(tracked) = table.deliveries.get_mut(&*record.id) {
-                tracked.claimed = false;
-                tracked.queued = true;
-            }
-            let id = table.id(&record.id);
-            if let (Some(active), Some(id)) = (table.subs.get_mut(key), id) {
-                active.ready.push_front(id);
+        for id in taken.iter().rev() {
+            let Some(tracked) = table.deliveries.get_mut(id) else { continue };
+            tracked.claimed = false;
+            tracked.queued = true;
+            if let Some(active) = table.subs.get_mut(key) {
+                active.ready.push_front(id.clone());
             }
         }
         drop(table);
@@ -1508,6 +1508,22 @@ impl Deliveries {
     }
 }
 
+/// The records a hand-out claimed, put back in the queue if the hand-out ends early: by an error, or because
+/// its future was dropped (cancelled) before it stored them. A stored hand-out empties it.
+struct PutBackOnDrop<'a> {
+    deliveries: &'a Deliveries,
+    key: &'a str,
+    ids: Vec<Id>,
+}
+
+impl Drop for PutBackOnDrop<'_> {
+    fn drop(&mut self) {
+        if !self.ids.is_empty() {
+            self.deliveries.put_back(self.key, &self.ids);
+        }
+    }
+}
+
 /// A fresh 128-bit random delivery id (32 hex chars): unguessable and never reused across restarts.
 pub fn new_delivery_id() -> String {
     let mut bytes = [0u8; 16];
@@ -1554,6 +1570,24 @@ mod tests {
             .expect("found")
             .0
             .clone()
+    }
+
+    #[tokio::test]
+    async fn a_hand_out_cancelled_while_it_is_stored_puts_its_deliveries_back() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let deliveries = offline(dir.path()).await;
+        let sub = subscription();
+        deliveries.put_subscription(sub.clone(), RetryPolicy::SEED_DEFAULT).await.expect("subscribe");
+        assert!(matches!(deliveries.admit(&sub.key(), vec![popped(b"e")]).await, Admission::Admitted));
+        // The caller stops waiting (its client went away) while the hand-out is being stored.
+        deliveries.store.slow_down_commits(Duration::from_millis(500));
+        let (key, to) = (sub.key(), long_poll());
+        let cancelled = tokio::time::timeout(Duration::from_millis(100), deliveries.hand_out(&key, 1, &to, None));
+        assert!(cancelled.await.is_err(), "the hand-out was still being stored");
+        deliveries.store.slow_down_commits(Duration::ZERO);
+
+        let again = deliveries.hand_out(&sub.key(), 1, &long_poll(), None).await.expect("hand out");
+        assert_eq!(again.iter().map(|d| d.event.body.clone()).collect::<Vec<_>>(), vec![b"e".to_vec()]);
     }
 
     #[tokio::test]

@@ -264,6 +264,7 @@ public final class Driver {
         List<Object> changeInvisibleErrors = new ArrayList<>();
         List<Object> receiveErrors = new ArrayList<>();
         List<Object> receiveMs = new ArrayList<>(); // how long each successful receive call took
+        List<Object> receiveStartedAtMs = new ArrayList<>(); // and when it started
         long deadline = System.currentTimeMillis() + timeoutSeconds * 1000L; // from when the client is up
         int receiveCalls = 0;
         boolean stoppedOnError = false;
@@ -289,6 +290,7 @@ public final class Driver {
             }
             long at = System.currentTimeMillis();
             receiveMs.add(at - t0);
+            receiveStartedAtMs.add(t0);
             for (MessageView view : views) {
                 Map<String, Object> entry = viewEntry(view);
                 entry.put("receivedAtMs", at);
@@ -323,6 +325,7 @@ public final class Driver {
         out.put("changeInvisibleErrors", changeInvisibleErrors);
         out.put("receiveErrors", receiveErrors);
         out.put("receiveMs", receiveMs);
+        out.put("receiveStartedAtMs", receiveStartedAtMs);
         out.put("stoppedOnError", stoppedOnError);
         out.put("timedOut", !stoppedOnError && expect > 0 && received.size() < expect);
         out.put("closeMs", close(consumer, 5000));
