@@ -214,9 +214,18 @@ async fn a_bad_signature_is_unauthorized_and_a_group_out_of_scope_is_forbidden()
     let forged =
         client.heartbeat(request(heartbeat.clone(), Some(("app", "not-the-secret")))).await.expect("call").into_inner();
     assert_eq!(code(forged.status.as_ref()), Code::Unauthorized as i32);
+    let route = pb::QueryRouteRequest { topic: resource(&topic), endpoints: None };
+    let unsigned = client.query_route(request(route, None)).await.expect("call").into_inner();
+    assert_eq!(code(unsigned.status.as_ref()), Code::Unauthorized as i32);
+    // An unauthenticated peer is never counted as a live client (nor could it keep deliveries held as one).
+    for kind in ["producer", "push_consumer", "simple_consumer", "other"] {
+        let series = format!("popgate_grpc_clients{{kind=\"{kind}\"}}");
+        assert_eq!(popgate.metric(&series).await, 0.0, "{series} after unauthenticated calls only");
+    }
     let signed =
         client.heartbeat(request(heartbeat, Some(("app", "app-secret-0123456789")))).await.expect("call").into_inner();
     assert_eq!(code(signed.status.as_ref()), Code::Ok as i32);
+    assert_eq!(popgate.metric("popgate_grpc_clients{kind=\"producer\"}").await, 1.0, "the signed heartbeat counts");
 
     let req = pb::AckMessageRequest {
         group: resource("g_theirs"),

@@ -154,6 +154,15 @@ impl Front {
             .ok_or_else(|| refused("unknown access key or bad signature"))
     }
 
+    /// The caller of a request ([`Front::caller`]); only an authenticated call marks its client alive (with
+    /// its kind, when known), so an unauthenticated peer cannot insert client ids or keep another client's
+    /// auto-renewed deliveries held.
+    fn authenticated(&self, metadata: &MetadataMap, kind: Option<&'static str>) -> Result<Caller, pb::Status> {
+        let caller = self.caller(metadata)?;
+        self.saw_client(metadata, kind);
+        Ok(caller)
+    }
+
     /// Notes that the calling client is alive (its kind, when known). Constant time: expiry is the keep-alive
     /// loop's ([`Front::prune_clients`]), not every call's.
     fn saw_client(&self, metadata: &MetadataMap, kind: Option<&'static str>) {
@@ -277,8 +286,7 @@ impl MessagingService for Arc<Front> {
         request: Request<pb::QueryRouteRequest>,
     ) -> Result<Response<pb::QueryRouteResponse>, tonic::Status> {
         let started = Instant::now();
-        self.saw_client(request.metadata(), None);
-        let answer = match self.caller(request.metadata()) {
+        let answer = match self.authenticated(request.metadata(), None) {
             Err(refused) => pb::QueryRouteResponse { status: Some(refused), message_queues: Vec::new() },
             Ok(_) => super::route::query_route(self, request.into_inner()).await,
         };
@@ -293,12 +301,9 @@ impl MessagingService for Arc<Front> {
         let started = Instant::now();
         // The Go SDK heartbeats with an empty request while reconnecting: no field is required.
         let kind = settings::kind_label(Some(request.get_ref().client_type));
-        let answer = match self.caller(request.metadata()) {
+        let answer = match self.authenticated(request.metadata(), (kind != "other").then_some(kind)) {
             Err(refused) => refused,
-            Ok(_) => {
-                self.saw_client(request.metadata(), (kind != "other").then_some(kind));
-                ok()
-            }
+            Ok(_) => ok(),
         };
         observe("Heartbeat", answer.code, started);
         Ok(Response::new(pb::HeartbeatResponse { status: Some(answer) }))
@@ -309,8 +314,7 @@ impl MessagingService for Arc<Front> {
         request: Request<pb::SendMessageRequest>,
     ) -> Result<Response<pb::SendMessageResponse>, tonic::Status> {
         let started = Instant::now();
-        self.saw_client(request.metadata(), Some("producer"));
-        let answer = match self.caller(request.metadata()) {
+        let answer = match self.authenticated(request.metadata(), Some("producer")) {
             Err(refused) => pb::SendMessageResponse { status: Some(refused), entries: Vec::new() },
             Ok(caller) => {
                 let deadline = deadline::answer_by(request.metadata());
@@ -348,8 +352,7 @@ impl MessagingService for Arc<Front> {
         request: Request<pb::QueryAssignmentRequest>,
     ) -> Result<Response<pb::QueryAssignmentResponse>, tonic::Status> {
         let started = Instant::now();
-        self.saw_client(request.metadata(), Some("push_consumer"));
-        let answer = match self.caller(request.metadata()) {
+        let answer = match self.authenticated(request.metadata(), Some("push_consumer")) {
             Err(refused) => pb::QueryAssignmentResponse { status: Some(refused), assignments: Vec::new() },
             Ok(caller) => consume::query_assignment(self, &caller, request.into_inner()).await,
         };
@@ -362,9 +365,8 @@ impl MessagingService for Arc<Front> {
         request: Request<pb::ReceiveMessageRequest>,
     ) -> Result<Response<BoxStream<pb::ReceiveMessageResponse>>, tonic::Status> {
         let started = Instant::now();
-        self.saw_client(request.metadata(), None);
         let (out, stream) = tokio::sync::mpsc::channel(16);
-        let checked = match (self.caller(request.metadata()), client_id(request.metadata())) {
+        let checked = match (self.authenticated(request.metadata(), None), client_id(request.metadata())) {
             (Err(refused), _) => Err(refused),
             (Ok(_), None) => Err(status(Code::ClientIdRequired, "the x-mq-client-id header is required")),
             (Ok(caller), Some(id)) => {
@@ -401,8 +403,7 @@ impl MessagingService for Arc<Front> {
         request: Request<pb::AckMessageRequest>,
     ) -> Result<Response<pb::AckMessageResponse>, tonic::Status> {
         let started = Instant::now();
-        self.saw_client(request.metadata(), None);
-        let answer = match self.caller(request.metadata()) {
+        let answer = match self.authenticated(request.metadata(), None) {
             Err(refused) => pb::AckMessageResponse { status: Some(refused), entries: Vec::new() },
             Ok(caller) => consume::ack_messages(self, &caller, request.into_inner()).await,
         };
@@ -415,8 +416,7 @@ impl MessagingService for Arc<Front> {
         request: Request<pb::ChangeInvisibleDurationRequest>,
     ) -> Result<Response<pb::ChangeInvisibleDurationResponse>, tonic::Status> {
         let started = Instant::now();
-        self.saw_client(request.metadata(), None);
-        let answer = match self.caller(request.metadata()) {
+        let answer = match self.authenticated(request.metadata(), None) {
             Err(refused) => {
                 let handle = request.get_ref().receipt_handle.clone();
                 pb::ChangeInvisibleDurationResponse { status: Some(refused), receipt_handle: handle }
@@ -432,8 +432,7 @@ impl MessagingService for Arc<Front> {
         request: Request<pb::ForwardMessageToDeadLetterQueueRequest>,
     ) -> Result<Response<pb::ForwardMessageToDeadLetterQueueResponse>, tonic::Status> {
         let started = Instant::now();
-        self.saw_client(request.metadata(), None);
-        let answer = match self.caller(request.metadata()) {
+        let answer = match self.authenticated(request.metadata(), None) {
             Err(refused) => refused,
             Ok(caller) => consume::forward_to_dead_letter_queue(self, &caller, request.into_inner()).await,
         };
