@@ -573,10 +573,11 @@ public final class Driver {
     }
 
     /**
-     * Starts an SDK client. Its first RPC also opens the connection (TLS, on a cold JVM), and on a loaded machine
-     * that alone outlasted the SDK's request timeout: "DEADLINE_EXCEEDED ... waiting_for_connection", and the client
-     * failed to start. An app would start it again; so does the driver, at most twice more, and `startupRetries`
-     * in the result says how often. Any other failure is the scenario's.
+     * Starts an SDK client. Its start makes a few RPCs under the SDK's own short deadlines (the first also opens the
+     * connection: TLS, on a cold JVM), and on a loaded machine one of them outlasted its deadline: "DEADLINE_EXCEEDED
+     * ... waiting_for_connection", or "... buffered_nanos=935788635" (the call sat in the SDK's own executor), and
+     * the client failed to start. An app would start it again; so does the driver, at most twice more, and
+     * `startupRetries` in the result says how often. Any other failure is the scenario's.
      */
     static <T> T startClient(Map<String, Object> out, ClientStart<T> start) throws Exception {
         for (int retries = 0; ; retries++) {
@@ -585,17 +586,17 @@ public final class Driver {
                 out.put("startupRetries", retries);
                 return client;
             } catch (Exception e) {
-                if (retries >= 2 || !connectTimedOut(e)) {
+                if (retries >= 2 || !startTimedOut(e)) {
                     throw e;
                 }
-                System.err.println("driver: the client's first connection timed out; starting it again: " + e);
+                System.err.println("driver: the client's start outlasted an SDK deadline; starting it again: " + e);
             }
         }
     }
 
-    private static boolean connectTimedOut(Throwable t) {
+    private static boolean startTimedOut(Throwable t) {
         for (Throwable c = t; c != null; c = c.getCause()) {
-            if (String.valueOf(c.getMessage()).contains("waiting_for_connection")) {
+            if (String.valueOf(c.getMessage()).contains("DEADLINE_EXCEEDED")) {
                 return true;
             }
         }
