@@ -1543,6 +1543,13 @@ mod tests {
         Deliveries::new(store, broker, publisher, config)
     }
 
+    /// [`offline`] deliveries with `sub` in place (the seed's retry policy).
+    async fn subscribed(dir: &std::path::Path, sub: &Subscription) -> Deliveries {
+        let deliveries = offline(dir).await;
+        deliveries.put_subscription(sub.clone(), RetryPolicy::SEED_DEFAULT).await.expect("subscribe");
+        deliveries
+    }
+
     fn popped(body: &[u8]) -> Popped {
         crate::delivery::test_support::popped("msg-1", body, 0)
     }
@@ -1575,9 +1582,8 @@ mod tests {
     #[tokio::test]
     async fn a_hand_out_cancelled_while_it_is_stored_puts_its_deliveries_back() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let deliveries = offline(dir.path()).await;
         let sub = subscription();
-        deliveries.put_subscription(sub.clone(), RetryPolicy::SEED_DEFAULT).await.expect("subscribe");
+        let deliveries = subscribed(dir.path(), &sub).await;
         assert!(matches!(deliveries.admit(&sub.key(), vec![popped(b"e")]).await, Admission::Admitted));
         // The caller stops waiting (its client went away) while the hand-out is being stored.
         deliveries.store.slow_down_commits(Duration::from_millis(500));
@@ -1593,9 +1599,8 @@ mod tests {
     #[tokio::test]
     async fn a_lost_fifo_head_takes_the_later_events_of_its_group_with_it() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let deliveries = offline(dir.path()).await;
         let sub = Subscription { ordered: true, ..subscription() };
-        deliveries.put_subscription(sub.clone(), RetryPolicy::SEED_DEFAULT).await.expect("subscribe");
+        let deliveries = subscribed(dir.path(), &sub).await;
         let events = vec![
             popped_in_group(b"g1", "g"),
             popped_in_group(b"g2", "g"),
@@ -1645,9 +1650,8 @@ mod tests {
     #[tokio::test]
     async fn owed_broker_acks_travel_together_and_back_off_exponentially_while_the_broker_is_down() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let deliveries = offline(dir.path()).await;
         let sub = subscription();
-        deliveries.put_subscription(sub.clone(), RetryPolicy::SEED_DEFAULT).await.expect("subscribe");
+        let deliveries = subscribed(dir.path(), &sub).await;
         assert!(matches!(
             deliveries.admit(&sub.key(), vec![popped(b"a"), popped(b"b"), popped(b"c")]).await,
             Admission::Admitted
@@ -1724,9 +1728,8 @@ mod tests {
     #[tokio::test]
     async fn a_broker_clock_a_minute_behind_does_not_make_fresh_leases_look_lapsed() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let deliveries = offline(dir.path()).await;
         let sub = subscription();
-        deliveries.put_subscription(sub.clone(), RetryPolicy::SEED_DEFAULT).await.expect("subscribe");
+        let deliveries = subscribed(dir.path(), &sub).await;
         let mut event = popped(b"x");
         // As the POP path records it: the broker's popTime a minute behind, the lease from the send time.
         event.handle.pop_time_ms = now_millis() - 60_000;
@@ -1744,9 +1747,8 @@ mod tests {
     #[tokio::test]
     async fn a_body_is_stored_apart_kept_out_of_memory_and_read_back_at_hand_out() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let deliveries = offline(dir.path()).await;
         let sub = subscription();
-        deliveries.put_subscription(sub.clone(), RetryPolicy::SEED_DEFAULT).await.expect("subscribe");
+        let deliveries = subscribed(dir.path(), &sub).await;
         assert!(matches!(deliveries.admit(&sub.key(), vec![popped(b"the body")]).await, Admission::Admitted));
 
         let id = deliveries.table.lock().deliveries.keys().next().cloned().expect("tracked");
@@ -1768,9 +1770,8 @@ mod tests {
     #[tokio::test]
     async fn deliveries_share_one_copy_of_their_group_topic_and_broker_names() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let deliveries = offline(dir.path()).await;
         let sub = subscription();
-        deliveries.put_subscription(sub.clone(), RetryPolicy::SEED_DEFAULT).await.expect("subscribe");
+        let deliveries = subscribed(dir.path(), &sub).await;
         assert!(matches!(deliveries.admit(&sub.key(), vec![popped(b"a"), popped(b"b")]).await, Admission::Admitted));
         let table = deliveries.table.lock();
         let records: Vec<&DeliveryRecord> = table.deliveries.values().map(|t| &t.record).collect();
@@ -1784,9 +1785,8 @@ mod tests {
     #[tokio::test]
     async fn a_delivery_whose_stored_body_is_gone_is_not_handed_out_empty() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let deliveries = offline(dir.path()).await;
         let sub = subscription();
-        deliveries.put_subscription(sub.clone(), RetryPolicy::SEED_DEFAULT).await.expect("subscribe");
+        let deliveries = subscribed(dir.path(), &sub).await;
         assert!(matches!(deliveries.admit(&sub.key(), vec![popped(b"x")]).await, Admission::Admitted));
         let id = deliveries.table.lock().deliveries.keys().next().cloned().expect("tracked");
         deliveries.store.delete(Family::Payloads, &id).await.expect("delete");
