@@ -5,8 +5,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
+use popgate::grpc::proto::{self as pb, messaging_service_client::MessagingServiceClient, Code};
 use serde_json::json;
 
+use crate::grpc_raw::request;
 use crate::harness::direct::{Direct, StoredMessage};
 use crate::harness::rocketmq::ApacheProxy;
 use crate::harness::sdk::Scenario;
@@ -107,4 +109,299 @@ fn queues_by_group_and_front(stored: &[StoredMessage]) -> BTreeMap<String, BTree
 
 fn distinct_queues(by_front: &BTreeMap<String, BTreeSet<(String, i32)>>) -> BTreeSet<(String, i32)> {
     by_front.values().flatten().cloned().collect()
+}
+
+/// One message Apache's proxy refuses, and the code it answers.
+struct Refused {
+    what: &'static str,
+    message: pb::Message,
+    code: Code,
+}
+
+fn message_to(topic: &str, body: &str) -> pb::Message {
+    pb::Message {
+        topic: Some(pb::Resource { resource_namespace: String::new(), name: topic.to_owned() }),
+        user_properties: Default::default(),
+        system_properties: Some(pb::SystemProperties {
+            message_id: format!("01{:030X}", rand::random::<u128>() >> 8),
+            ..Default::default()
+        }),
+        body: body.as_bytes().to_vec().into(),
+    }
+}
+
+fn refused_sends(topic: &str) -> Vec<Refused> {
+    let with = |what, code, change: &dyn Fn(&mut pb::Message)| {
+        let mut message = message_to(topic, what);
+        change(&mut message);
+        Refused { what, message, code }
+    };
+    fn system(m: &mut pb::Message) -> &mut pb::SystemProperties {
+        m.system_properties.get_or_insert_with(Default::default)
+    }
+    let in_two_days = prost_types::Timestamp {
+        seconds: (std::time::SystemTime::now() + Duration::from_secs(2 * 86_400))
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs() as i64),
+        nanos: 0,
+    };
+    vec![
+        with("tag with a bar", Code::IllegalMessageTag, &|m| system(m).tag = Some("a|b".into())),
+        with("blank tag", Code::IllegalMessageTag, &|m| system(m).tag = Some("  ".into())),
+        with("tag with a control character", Code::IllegalMessageTag, &|m| system(m).tag = Some("a\u{7}".into())),
+        with("key with a control character", Code::IllegalMessageKey, &|m| system(m).keys = vec!["k\u{1}".into()]),
+        with("blank key", Code::IllegalMessageKey, &|m| system(m).keys = vec![" ".into()]),
+        with("129 user properties", Code::MessagePropertiesTooLarge, &|m| {
+            m.user_properties = (0..129).map(|i| (format!("p{i}"), "v".to_owned())).collect();
+        }),
+        with("17 KiB of user properties", Code::MessagePropertiesTooLarge, &|m| {
+            m.user_properties.insert("big".into(), "v".repeat(17 * 1024));
+        }),
+        with("reserved property", Code::IllegalMessagePropertyKey, &|m| {
+            m.user_properties.insert("KEYS".into(), "v".into());
+        }),
+        with("property value with a control character", Code::IllegalMessagePropertyKey, &|m| {
+            m.user_properties.insert("p".into(), "v\u{0}".into());
+        }),
+        with("delivery two days ahead", Code::IllegalDeliveryTime, &|m| {
+            system(m).delivery_timestamp = Some(in_two_days);
+        }),
+        with("message group of 64 bytes", Code::IllegalMessageGroup, &|m| {
+            system(m).message_group = Some("g".repeat(64));
+        }),
+        with("no message id", Code::IllegalMessageId, &|m| system(m).message_id = String::new()),
+        with("empty body", Code::MessageBodyEmpty, &|m| m.body = Vec::new().into()),
+    ]
+}
+
+async fn send_raw(endpoint: &str, messages: Vec<pb::Message>) -> pb::SendMessageResponse {
+    let mut client =
+        MessagingServiceClient::connect(format!("http://{endpoint}")).await.expect("plaintext gRPC connection");
+    let answer = client.send_message(request(pb::SendMessageRequest { messages }, None)).await;
+    answer.expect("send call").into_inner()
+}
+
+/// The status a send was answered with: the first entry's, or the response's when it has no entries.
+fn send_status(answer: &pb::SendMessageResponse) -> (i32, String) {
+    let status = answer.entries.first().and_then(|e| e.status.clone()).or_else(|| answer.status.clone());
+    status.map_or((0, String::new()), |s| (s.code, s.message))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_apaches_proxy_refuses_is_refused_by_popgate_with_the_same_code_and_words_over_grpc_and_http() {
+    let cluster = shared_cluster();
+    let topic = unique_topic("limits_parity");
+    let other = unique_topic("limits_parity_other");
+    crate::grpc::create_topic(cluster, &topic).await;
+    crate::grpc::create_topic(cluster, &other).await;
+    let popgate = crate::harness::popgate::Popgate::start(&cluster.namesrv_addr, "").await;
+    let proxy = tokio::task::block_in_place(|| ApacheProxy::start(cluster));
+
+    let mut cases: Vec<(String, Vec<pb::Message>, Code)> =
+        refused_sends(&topic).into_iter().map(|r| (r.what.to_owned(), vec![r.message], r.code)).collect();
+    cases.push(("no message".into(), Vec::new(), Code::MessageCorrupted));
+    cases.push((
+        "two topics in one request".into(),
+        vec![message_to(&topic, "one"), message_to(&other, "two")],
+        Code::MessageCorrupted,
+    ));
+    for (what, messages, code) in cases {
+        let (apache_code, apache_words) = send_status(&send_raw(&proxy.endpoint, messages.clone()).await);
+        let (popgate_code, popgate_words) = send_status(&send_raw(&popgate.grpc, messages).await);
+        assert_eq!(apache_code, code as i32, "{what}: Apache's proxy answered {apache_code} {apache_words:?}");
+        assert_eq!(popgate_code, apache_code, "{what}: popgate {popgate_words:?}, Apache {apache_words:?}");
+        assert_eq!(popgate_words, apache_words, "{what}: the same words");
+    }
+
+    // popgate's HTTP front applies the same limits, naming the field.
+    let props: serde_json::Map<String, serde_json::Value> = (0..129).map(|i| (format!("p{i}"), json!("v"))).collect();
+    for (body, field, words) in [
+        (json!({"topic": topic, "data": "x", "tags": "a|b"}), "tags", "tag cannot contain '|'"),
+        (
+            json!({"topic": topic, "data": "x", "properties": props}),
+            "properties",
+            "too many user properties, max is 128",
+        ),
+        (
+            json!({"topic": topic, "data": "x", "delayMs": 2 * 86_400_000u64}),
+            "delayMs",
+            "the max delay time of message is too large, max is 86400000",
+        ),
+        (
+            json!({"topic": topic, "data": "x", "messageGroup": "g".repeat(64)}),
+            "messageGroup",
+            "message group exceed the max size 64",
+        ),
+    ] {
+        let (status, answer) = popgate.publish(&body).await;
+        assert_eq!(status, 400, "{answer}");
+        assert_eq!(answer["error"]["field"], field, "{answer}");
+        assert_eq!(answer["error"]["message"], words, "{answer}");
+    }
+
+    // Nothing refused reached the broker, through either front.
+    let direct = Direct::connect(&cluster.namesrv_addr).await;
+    assert_eq!(direct.read_all(&topic).await.len(), 0, "nothing stored");
+    assert_eq!(direct.read_all(&other).await.len(), 0, "nothing stored");
+}
+
+/// A request with the headers the official SDKs send (Apache's proxy reads the client's language from them).
+fn sdk_request<T>(message: T) -> tonic::Request<T> {
+    let mut call = request(message, None);
+    let metadata = call.metadata_mut();
+    metadata.insert("x-mq-language", "JAVA".parse().expect("ascii"));
+    metadata.insert("x-mq-client-version", "5.2.0".parse().expect("ascii"));
+    metadata.insert("x-mq-protocol", "v2".parse().expect("ascii"));
+    call
+}
+
+/// A raw client's Settings for Apache's proxy, which serves a receive only to a client that sent them (its
+/// Telemetry stream stays open while the returned sender lives).
+async fn settle_settings(
+    client: &mut MessagingServiceClient<tonic::transport::Channel>,
+    endpoint: &str,
+    group: &str,
+    topic: &str,
+) -> tokio::sync::mpsc::Sender<pb::TelemetryCommand> {
+    let resource = |name: &str| Some(pb::Resource { resource_namespace: String::new(), name: name.to_owned() });
+    let (host, port) = endpoint.rsplit_once(':').expect("host:port");
+    let settings = pb::Settings {
+        client_type: Some(pb::ClientType::SimpleConsumer as i32),
+        access_point: Some(pb::Endpoints {
+            scheme: pb::AddressScheme::IPv4 as i32,
+            addresses: vec![pb::Address { host: host.to_owned(), port: port.parse().expect("port") }],
+        }),
+        request_timeout: Some(prost_types::Duration { seconds: 3, nanos: 0 }),
+        pub_sub: Some(pb::settings::PubSub::Subscription(pb::Subscription {
+            group: resource(group),
+            subscriptions: vec![pb::SubscriptionEntry {
+                topic: resource(topic),
+                expression: Some(pb::FilterExpression { r#type: pb::FilterType::Tag as i32, expression: "*".into() }),
+            }],
+            fifo: Some(false),
+            ..Default::default()
+        })),
+        user_agent: Some(pb::Ua { language: pb::Language::Java as i32, version: "5.2.0".into(), ..Default::default() }),
+        ..Default::default()
+    };
+    let (commands, outgoing) = tokio::sync::mpsc::channel(4);
+    let command =
+        pb::TelemetryCommand { status: None, command: Some(pb::telemetry_command::Command::Settings(settings)) };
+    commands.send(command).await.expect("queue the settings");
+    let stream = tokio_stream::wrappers::ReceiverStream::new(outgoing);
+    let mut answers = client.telemetry(sdk_request(stream)).await.expect("telemetry call").into_inner();
+    let first = tokio::time::timeout(Duration::from_secs(30), answers.message()).await;
+    assert!(matches!(first, Ok(Ok(Some(_)))), "the proxy answered the settings: {first:?}");
+    tokio::spawn(async move { while let Ok(Some(_)) = answers.message().await {} });
+    commands
+}
+
+/// Receives from `endpoint` until `count` messages came (or 60 s passed), acking none.
+async fn receive_raw(
+    client: &mut MessagingServiceClient<tonic::transport::Channel>,
+    group: &str,
+    topic: &str,
+    broker: &str,
+    count: usize,
+) -> Vec<pb::Message> {
+    let resource = |name: &str| Some(pb::Resource { resource_namespace: String::new(), name: name.to_owned() });
+    let mut messages = Vec::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while messages.len() < count && std::time::Instant::now() < deadline {
+        let receive = pb::ReceiveMessageRequest {
+            group: resource(group),
+            message_queue: Some(pb::MessageQueue {
+                topic: resource(topic),
+                id: -1,
+                broker: Some(pb::Broker { name: broker.to_owned(), ..Default::default() }),
+                ..Default::default()
+            }),
+            filter_expression: Some(pb::FilterExpression {
+                r#type: pb::FilterType::Tag as i32,
+                expression: "*".into(),
+            }),
+            batch_size: 32,
+            invisible_duration: Some(prost_types::Duration { seconds: 60, nanos: 0 }),
+            long_polling_timeout: Some(prost_types::Duration { seconds: 5, nanos: 0 }),
+            ..Default::default()
+        };
+        let mut call = sdk_request(receive);
+        call.set_timeout(Duration::from_secs(15));
+        let mut stream = client.receive_message(call).await.expect("receive call").into_inner();
+        while let Ok(Some(item)) = stream.message().await {
+            if let Some(pb::receive_message_response::Content::Message(message)) = item.content {
+                messages.push(message);
+            }
+        }
+    }
+    messages
+}
+
+/// What must match between the two fronts: everything but the handle (each front's own) and the time left to
+/// settle it (popgate reports it; Apache's proxy leaves it out).
+fn comparable(message: &pb::Message) -> pb::Message {
+    let mut message = message.clone();
+    if let Some(system) = message.system_properties.as_mut() {
+        system.receipt_handle = None;
+        system.invisible_duration = None;
+    }
+    message
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_received_message_carries_the_system_properties_apaches_proxy_gives_the_same_stored_message() {
+    let cluster = shared_cluster();
+    let topic = unique_topic("props_parity");
+    // One broker, so both fronts' receives name it.
+    let broker = &cluster.brokers[0];
+    let direct = Direct::connect(&cluster.namesrv_addr).await;
+    direct.create_topic(&topic, &[format!("127.0.0.1:{}", broker.port)]).await;
+    let popgate = crate::harness::popgate::Popgate::start(&cluster.namesrv_addr, "").await;
+    let proxy = tokio::task::block_in_place(|| ApacheProxy::start(cluster));
+    let (apache_group, popgate_group) = (format!("ga_{topic}"), format!("gp_{topic}"));
+
+    let mut apache = MessagingServiceClient::connect(format!("http://{}", proxy.endpoint)).await.expect("connect");
+    let _settings = settle_settings(&mut apache, &proxy.endpoint, &apache_group, &topic).await;
+    // Apache's proxy starts a new group at the end of the queue: one empty receive first, so the group's
+    // offset is set before anything is published.
+    let _nothing_yet = receive_raw(&mut apache, &apache_group, &topic, &broker.name, 1).await;
+
+    let in_two_seconds = json!({"topic": topic, "data": "timer", "delayMs": 2_000});
+    for body in [
+        json!({"topic": topic, "data": "tagged", "tags": "TagA", "keys": ["k1", "k2"],
+            "properties": {"color": "red", "TRACE_CONTEXT": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}}),
+        json!({"topic": topic, "data": "grouped", "messageGroup": "order-7"}),
+        in_two_seconds,
+    ] {
+        let (status, answer) = popgate.publish(&body).await;
+        assert_eq!(status, 200, "{answer}");
+    }
+
+    let from_apache = receive_raw(&mut apache, &apache_group, &topic, &broker.name, 3).await;
+    let mut client = crate::grpc_raw::connect(&popgate).await;
+    let from_popgate = receive_raw(&mut client, &popgate_group, &topic, &broker.name, 3).await;
+    let by_id = |messages: &[pb::Message]| -> BTreeMap<String, pb::Message> {
+        messages
+            .iter()
+            .map(|m| (m.system_properties.as_ref().map(|p| p.message_id.clone()).unwrap_or_default(), comparable(m)))
+            .collect()
+    };
+    let (apache, popgate) = (by_id(&from_apache), by_id(&from_popgate));
+    assert_eq!(apache.len(), 3, "Apache's proxy handed out the three: {from_apache:#?}");
+    assert_eq!(popgate.keys().collect::<Vec<_>>(), apache.keys().collect::<Vec<_>>(), "the same messages");
+    for (id, expected) in &apache {
+        let got = &popgate[id];
+        assert_eq!(got.system_properties, expected.system_properties, "system properties of {id}");
+        assert_eq!(got.user_properties, expected.user_properties, "user properties of {id}");
+        assert_eq!(got.body, expected.body, "body of {id}");
+    }
+    // Not a vacuous match: the fields Apache's proxy fills are there.
+    let types: BTreeSet<i32> =
+        apache.values().filter_map(|m| m.system_properties.as_ref()).map(|p| p.message_type).collect();
+    let expected_types = [pb::MessageType::Normal, pb::MessageType::Fifo, pb::MessageType::Delay];
+    assert_eq!(types, expected_types.iter().map(|t| *t as i32).collect(), "{apache:#?}");
+    for system in popgate.values().filter_map(|m| m.system_properties.as_ref()) {
+        assert!(!system.store_host.is_empty() && !system.born_host.is_empty(), "{system:?}");
+        assert!(system.store_timestamp.is_some() && system.queue_offset.is_some(), "{system:?}");
+    }
 }

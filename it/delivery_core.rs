@@ -127,7 +127,9 @@ async fn a_stored_ack_intent_is_replayed_at_boot_and_the_broker_never_redelivers
 async fn a_failing_store_makes_push_subscribers_back_off_and_is_surfaced() {
     let cluster = shared_cluster();
     let disk = Tmpfs::mount(16 * 1024);
-    let popgate = Popgate::start_on_disk(&cluster.namesrv_addr, &disk, "lease_ms = 60000\npop_poll_ms = 500\n").await;
+    // A property past the default 16 KiB limit of user properties (below): the limit is raised for it.
+    let toml = "lease_ms = 60000\npop_poll_ms = 500\n[publish.limits]\nmax_user_property_bytes = 65536\n";
+    let popgate = Popgate::start_on_disk(&cluster.namesrv_addr, &disk, toml).await;
     let (topic, group) = (unique_topic("backoff_store"), unique_topic("g_backoff_store"));
     subscribe(&popgate, json!({"group": group, "topic": topic, "ackTimeoutMs": 60000})).await;
     // "later" has a large property: its record (bodies are stored apart, properties are not) cannot fit in

@@ -37,12 +37,17 @@ macro_rules! on_every_sdk {
 on_every_sdk!(
     sdk_producer_sends_normal_fifo_delayed_and_tagged_messages_that_the_broker_stores_as_sent,
     sdk_producer_is_served_past_a_stopped_broker_by_popgates_retry_policy,
+    an_sdk_send_retried_while_its_broker_was_stopped_is_stored_once,
     a_receive_on_an_empty_topic_long_polls_and_answers_before_the_clients_deadline,
     sigterm_answers_the_open_receives_then_the_grpc_front_drains_and_popgate_exits,
     simple_consumer_receives_what_its_tag_filter_selects_and_acks_it_at_the_broker,
     simple_consumer_changes_the_invisible_duration_then_acks_and_an_unacked_message_returns_as_attempt_2,
+    a_consumer_whose_invisible_time_ran_out_cannot_ack_the_message_another_consumer_now_holds,
+    an_sql92_filter_selects_by_property_for_sdk_and_http_consumers_and_a_broken_one_is_refused,
     push_consumer_failures_are_retried_on_popgates_schedule_then_dead_lettered_with_origin_properties,
     push_consumer_of_an_ordered_group_keeps_each_message_group_in_order_through_a_failure,
+    a_group_made_orderly_at_the_broker_is_fifo_through_popgate,
+    a_fifo_receive_carries_consecutive_messages_of_a_group_in_order,
     push_consumer_acks_with_handles_issued_before_popgate_was_killed_and_nothing_is_delivered_twice,
     http_publishes_reach_grpc_consumers_and_grpc_publishes_reach_http_subscribers,
     sdk_credentials_map_onto_popgates_tokens_and_a_bad_secret_or_scope_is_refused,
@@ -160,6 +165,50 @@ async fn sdk_producer_is_served_past_a_stopped_broker_by_popgates_retry_policy(s
     on_b.dedup();
     assert_eq!(on_b.len(), 6, "all six are on broker-b: {on_b:?}");
     assert!(popgate.metric("popgate_send_retries_total").await >= 1.0, "the stopped broker cost retries");
+}
+
+/// The SDK gives up on a send whose broker is stopped (its request timeout, 5 s) and retries it with the same
+/// message id. popgate's send to the stopped broker goes on past the SDK's deadline instead of being abandoned;
+/// the SDK's retry waits for it, and once the broker answers, the retry gets the first send's receipt. The
+/// message is stored once and the SDK sees success. Before the de-duplication window, each SDK attempt was a
+/// new send to the stopped broker, and the broker stored every one of them once it came back.
+async fn an_sdk_send_retried_while_its_broker_was_stopped_is_stored_once(sdk: Sdk) {
+    let cluster = Cluster::start(&ClusterSpec::brokers(&["broker-a"]));
+    // Long enough that popgate's one attempt outlives the stop: a retry on the same broker would be a copy.
+    let popgate = Popgate::start(&cluster.namesrv_addr, "[publish]\nsend_timeout_ms = 60000\n").await;
+    let topic = unique_topic("grpc_dedup");
+    create_topic(&cluster, &topic).await;
+    cluster.pause_broker("broker-a");
+
+    let produce = json!({"topic": topic, "count": 1, "prefix": "once", "requestTimeoutMs": 5000});
+    let producer = sdk.start("produce", &args(&popgate, produce));
+    // The SDK's first attempt was answered (a failure, by its deadline); its retry is waiting.
+    eventually(Duration::from_secs(120), "the SDK's first attempt answered", || async {
+        popgate.metric("popgate_grpc_requests_total{rpc=\"SendMessage\",code=\"INTERNAL_SERVER_ERROR\"}").await >= 1.0
+    })
+    .await;
+    cluster.resume_broker("broker-a");
+    let result = producer.finish(DRIVER_TIMEOUT).await;
+    assert_eq!(result["errors"], json!([]), "the SDK's retry got the stored send's receipt: {result}");
+
+    // Every request the SDK or popgate sent had reached the broker before the SDK's answer: a copy is stored by now.
+    let direct = Direct::connect(&cluster.namesrv_addr).await;
+    let stored = eventually_stored(&direct, &topic, 1).await;
+    let stored_bodies: Vec<String> = stored.iter().map(|m| String::from_utf8_lossy(&m.body).into_owned()).collect();
+    assert_eq!(stored_bodies, ["once-0"], "stored once: {result}");
+    assert_eq!(result["sent"][0]["messageId"], stored[0].property("UNIQ_KEY").unwrap_or_default(), "{result}");
+    assert!(popgate.metric("popgate_publish_deduplicated_total").await >= 1.0);
+}
+
+/// What `topic` holds once it holds at least `count` messages (polled for at most 60 s).
+async fn eventually_stored(direct: &Direct, topic: &str, count: usize) -> Vec<crate::harness::direct::StoredMessage> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let mut stored = direct.read_all(topic).await;
+    while stored.len() < count && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        stored = direct.read_all(topic).await;
+    }
+    stored
 }
 
 /// Java SDK 5.0.x sends no `long_polling_timeout`, and its call deadline is its request timeout plus its await
@@ -280,9 +329,18 @@ async fn simple_consumer_changes_the_invisible_duration_then_acks_and_an_unacked
     assert_eq!(result["ackErrors"], json!([]), "{result}");
     assert_eq!(result["received"][0]["changedInvisible"], true, "{result}");
 
-    // Not acked within its 2 s: it comes back (after popgate's 1 s backoff) as attempt 2.
+    // An invisible duration under Apache's 10 s minimum is refused as Apache's proxy refuses it.
     let group = format!("g2_{topic}");
-    let unacked = json!({"group": group, "topic": topic, "expect": 2, "ack": false, "invisibleSeconds": 2,
+    let too_short = json!({"group": group, "topic": topic, "expect": 1, "invisibleSeconds": 2, "awaitSeconds": 3,
+        "timeoutSeconds": 30});
+    let result = sdk.run("simple-consume", &args(&popgate, too_short), DRIVER_TIMEOUT).await;
+    assert_eq!(result["received"], json!([]), "{result}");
+    let refusal = result["receiveErrors"][0]["message"].as_str().unwrap_or_default();
+    assert!(refusal.contains("the invisibleTime is too small. min is 10000"), "{result}");
+    assert!(refusal.contains("ILLEGAL_INVISIBLE_TIME") || refusal.contains("40011"), "{result}");
+
+    // Not acked within its 10 s: it comes back (after popgate's 1 s backoff) as attempt 2.
+    let unacked = json!({"group": group, "topic": topic, "expect": 2, "ack": false, "invisibleSeconds": 10,
         "awaitSeconds": 3, "timeoutSeconds": 60});
     let result = sdk.run("simple-consume", &args(&popgate, unacked), DRIVER_TIMEOUT).await;
     let received = result["received"].as_array().cloned().unwrap_or_default();
@@ -292,8 +350,101 @@ async fn simple_consumer_changes_the_invisible_duration_then_acks_and_an_unacked
     assert_eq!(received[0]["deliveryAttempt"], 1);
     assert_eq!(received[1]["deliveryAttempt"], 2);
     let gap = received[1]["receivedAtMs"].as_i64().unwrap_or(0) - received[0]["receivedAtMs"].as_i64().unwrap_or(0);
-    assert!(gap >= 2_000, "not before its invisible duration ended: {gap} ms");
+    assert!(gap >= 10_000, "not before its invisible duration ended: {gap} ms");
     assert!(popgate.metric("popgate_redeliveries_total{reason=\"timeout\"}").await >= 1.0);
+}
+
+/// An SQL92 filter is the broker's to evaluate: the SDK's SimpleConsumer (and an HTTP subscription of another
+/// group) receive the messages whose properties match, and nothing else. One the broker cannot compile is
+/// refused with `ILLEGAL_FILTER_EXPRESSION`, not left to wait. Before, popgate refused every SQL92 filter.
+async fn an_sql92_filter_selects_by_property_for_sdk_and_http_consumers_and_a_broken_one_is_refused(sdk: Sdk) {
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, "").await;
+    let topic = unique_topic("grpc_sql");
+    create_topic(cluster, &topic).await;
+    for (body, amount) in [("small", Some("1")), ("big", Some("10")), ("bigger", Some("20")), ("none", None)] {
+        let mut event = json!({"topic": topic, "data": body});
+        if let Some(amount) = amount {
+            event["properties"] = json!({"amount": amount});
+        }
+        let (status, answer) = popgate.publish(&event).await;
+        assert_eq!(status, 200, "{answer}");
+    }
+
+    let consume = json!({"group": format!("g_{topic}"), "topic": topic, "sql": "amount > 5", "expect": 2,
+        "awaitSeconds": 3, "timeoutSeconds": 60});
+    let result = sdk.run("simple-consume", &args(&popgate, consume), DRIVER_TIMEOUT).await;
+    let mut got = crate::harness::sdk::bodies(&result, "received");
+    got.sort();
+    assert_eq!(got, ["big", "bigger"], "{result}");
+    let more = json!({"group": format!("g_{topic}"), "topic": topic, "sql": "amount > 5", "expect": 0,
+        "awaitSeconds": 3, "timeoutSeconds": 8});
+    let rest = sdk.run("simple-consume", &args(&popgate, more), DRIVER_TIMEOUT).await;
+    assert_eq!(rest["received"], json!([]), "nothing else matches: {rest}");
+
+    // The same filter for an HTTP subscriber of another group.
+    let http_group = format!("h_{topic}");
+    let subscribe = json!({"group": http_group, "topic": topic, "filter": "amount > 5", "filterType": "SQL92"});
+    let (status, answer) = popgate.post_json("/events/subscribe", &subscribe).await;
+    assert_eq!(status, 200, "{answer}");
+    let polled = popgate.poll_until(&http_group, &topic, 2, Duration::from_secs(60)).await;
+    let mut http_bodies: Vec<String> = polled.iter().map(crate::harness::popgate::data).collect();
+    http_bodies.sort();
+    assert_eq!(http_bodies, ["big", "bigger"]);
+
+    // An expression the broker cannot compile: refused at once, with RocketMQ's code.
+    let broken = json!({"group": format!("b_{topic}"), "topic": topic, "sql": "amount >>> 5", "expect": 1,
+        "awaitSeconds": 3, "timeoutSeconds": 30});
+    let result = sdk.run("simple-consume", &args(&popgate, broken), DRIVER_TIMEOUT).await;
+    assert_eq!(result["received"], json!([]), "{result}");
+    let refusal = result["receiveErrors"][0]["message"].as_str().unwrap_or_default();
+    assert!(refusal.contains("ILLEGAL_FILTER_EXPRESSION") || refusal.contains("40010"), "{result}");
+    assert!(refusal.contains("the broker refused the filter"), "{result}");
+}
+
+/// Consumer A holds a message past its invisible time; consumer B gets it next (attempt 2). A's late ACK is
+/// refused (`INVALID_RECEIPT_HANDLE`: A no longer holds it), B's is taken, and the broker is ACKed once. Before
+/// each hand-out had its own handle, A's ACK settled B's message and B's ACK was refused.
+async fn a_consumer_whose_invisible_time_ran_out_cannot_ack_the_message_another_consumer_now_holds(sdk: Sdk) {
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, "").await;
+    let topic = unique_topic("grpc_fenced");
+    let group = format!("g_{topic}");
+    create_topic(cluster, &topic).await;
+    popgate.publish_bodies(&topic, &["held-too-long"]).await;
+
+    // A: receives with 10 s of invisibility, acks after 16 s. B starts once A holds the message, acks 8 s after
+    // its receive (at about 11 s + 8 s), so A's ACK (at 16 s) comes while B holds it.
+    let slow = json!({"group": group, "topic": topic, "expect": 1, "invisibleSeconds": 10, "ackAfterMs": 16_000,
+        "awaitSeconds": 3, "timeoutSeconds": 60});
+    let consumer_a = sdk.start("simple-consume", &args(&popgate, slow));
+    eventually(Duration::from_secs(120), "A holds the message", || async {
+        popgate.metric("popgate_deliveries_dispatched_total{transport=\"grpc\"}").await >= 1.0
+    })
+    .await;
+    let next = json!({"group": group, "topic": topic, "expect": 1, "invisibleSeconds": 30, "ackAfterMs": 8_000,
+        "awaitSeconds": 3, "timeoutSeconds": 90});
+    let consumer_b = sdk.start("simple-consume", &args(&popgate, next));
+    let (a, b) = (consumer_a.finish(DRIVER_TIMEOUT).await, consumer_b.finish(DRIVER_TIMEOUT).await);
+
+    assert_eq!(a["received"][0]["deliveryAttempt"], 1, "{a}");
+    assert_eq!(b["received"][0]["deliveryAttempt"], 2, "{b}");
+    assert_eq!(b["received"][0]["body"], "held-too-long", "{b}");
+    let (a_acked_at, b_acked_at) = (a["received"][0]["ackAtMs"].as_i64(), b["received"][0]["ackAtMs"].as_i64());
+    assert!(a_acked_at < b_acked_at, "A's ACK came while B held the message: {a} {b}");
+    assert_eq!(a["received"][0]["acked"], false, "A's late ACK is refused: {a}");
+    let refusal = a["ackErrors"][0]["message"].as_str().unwrap_or_default();
+    assert!(refusal.contains("receipt handle is expired"), "{a}");
+    assert_eq!(b["ackErrors"], json!([]), "B holds the message and settles it: {b}");
+    assert_eq!(b["received"][0]["acked"], true, "{b}");
+    // Settled once: nothing is held, and the group has nothing more to receive.
+    eventually(Duration::from_secs(30), "nothing held", || async {
+        popgate.metric("popgate_pending_deliveries").await == 0.0
+    })
+    .await;
+    let after = json!({"group": group, "topic": topic, "expect": 0, "awaitSeconds": 3, "timeoutSeconds": 8});
+    let result = sdk.run("simple-consume", &args(&popgate, after), DRIVER_TIMEOUT).await;
+    assert_eq!(result["received"], json!([]), "ACKed once, never back: {result}");
 }
 
 async fn push_consumer_failures_are_retried_on_popgates_schedule_then_dead_lettered_with_origin_properties(sdk: Sdk) {
@@ -346,6 +497,69 @@ async fn push_consumer_of_an_ordered_group_keeps_each_message_group_in_order_thr
     let (status, answer) =
         popgate.post_json("/events/subscribe", &json!({"group": group, "topic": topic, "ordered": true})).await;
     assert_eq!(status, 200, "{answer}");
+    two_message_groups_reach_a_push_consumer_in_order(sdk, &popgate, &topic, &group).await;
+}
+
+/// The group is made orderly the RocketMQ way, at the broker (`mqadmin updateSubGroup -o true`), and nothing is
+/// said to popgate: its Settings tell the SDK `fifo` (so the SDK runs its FIFO consume service) and it hands
+/// out each message group in order. Before, popgate ignored the group's config: the SDK consumed concurrently
+/// and a failed message was passed by the next of its group.
+async fn a_group_made_orderly_at_the_broker_is_fifo_through_popgate(sdk: Sdk) {
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, "").await;
+    let topic = unique_topic("grpc_fifo_subgroup");
+    let group = format!("g_{topic}");
+    create_topic(cluster, &topic).await;
+    let addrs: Vec<String> = cluster.brokers.iter().map(|b| format!("127.0.0.1:{}", b.port)).collect();
+    Direct::connect(&cluster.namesrv_addr).await.create_orderly_group(&group, &addrs).await;
+    two_message_groups_reach_a_push_consumer_in_order(sdk, &popgate, &topic, &group).await;
+    let (_, subscriptions) = popgate.get_json("/admin/subscriptions").await;
+    assert!(
+        subscriptions.to_string().contains("\"ordered\":true"),
+        "the subscription follows the group: {subscriptions}"
+    );
+}
+
+/// A SimpleConsumer of a FIFO group that asks for 3 gets up to 3 consecutive messages of a message group in one
+/// receive, in order, as from Apache's proxy; the group's next messages come once those are settled. Before,
+/// every receive of a FIFO group carried one message.
+async fn a_fifo_receive_carries_consecutive_messages_of_a_group_in_order(sdk: Sdk) {
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, "").await;
+    let topic = unique_topic("grpc_fifo_batch");
+    let group = format!("g_{topic}");
+    create_topic(cluster, &topic).await;
+    let addrs: Vec<String> = cluster.brokers.iter().map(|b| format!("127.0.0.1:{}", b.port)).collect();
+    Direct::connect(&cluster.namesrv_addr).await.create_orderly_group(&group, &addrs).await;
+    let produce = json!({"topic": topic, "count": 6, "prefix": "f", "messageGroup": "only-group"});
+    let result = sdk.run("produce", &args(&popgate, produce), DRIVER_TIMEOUT).await;
+    assert_eq!(result["errors"], json!([]), "{result}");
+
+    let consume = json!({"group": group, "topic": topic, "expect": 6, "maxMessageNum": 3, "invisibleSeconds": 30,
+        "awaitSeconds": 3, "timeoutSeconds": 90});
+    let result = sdk.run("simple-consume", &args(&popgate, consume), DRIVER_TIMEOUT).await;
+    let received = result["received"].as_array().cloned().unwrap_or_default();
+    let bodies: Vec<&str> = received.iter().filter_map(|r| r["body"].as_str()).collect();
+    assert_eq!(bodies, ["f-0", "f-1", "f-2", "f-3", "f-4", "f-5"], "in order, each once: {result}");
+    // Messages of one receive share its `receivedAtMs`.
+    let mut per_receive: Vec<usize> = Vec::new();
+    let mut last = None;
+    for entry in &received {
+        let at = entry["receivedAtMs"].as_i64();
+        if at == last {
+            *per_receive.last_mut().expect("a receive") += 1;
+        } else {
+            per_receive.push(1);
+            last = at;
+        }
+    }
+    assert!(per_receive.iter().all(|n| *n <= 3), "never more than asked for: {per_receive:?}");
+    assert!(per_receive.iter().any(|n| *n > 1), "a receive carried consecutive messages: {per_receive:?} {result}");
+}
+
+/// Eight messages in two message groups, the third failing once: each group reaches the SDK's listener in
+/// order, and nothing of a group passes its failed message.
+async fn two_message_groups_reach_a_push_consumer_in_order(sdk: Sdk, popgate: &Popgate, topic: &str, group: &str) {
     let produce = json!({"topic": topic, "count": 8, "prefix": "o", "messageGroup": "mg{i}"});
     // Two message groups: even and odd indexes (the driver substitutes {i}, so map them by hand).
     let mut produced = Vec::new();
@@ -361,13 +575,13 @@ async fn push_consumer_of_an_ordered_group_keeps_each_message_group_in_order_thr
     // Sent in index order, each its own send, so the broker holds each group in index order.
     produced.sort_by_key(|one| one["startIndex"].as_i64());
     for one in produced {
-        let result = sdk.run("produce", &args(&popgate, one), DRIVER_TIMEOUT).await;
+        let result = sdk.run("produce", &args(popgate, one), DRIVER_TIMEOUT).await;
         assert_eq!(result["errors"], json!([]), "{result}");
     }
 
     let consume = json!({"group": group, "topic": topic, "failOnce": ["o-2"], "expectSuccess": 8, "timeoutSeconds": 90,
         "settleMillis": 1000});
-    let result = sdk.run("push-consume", &args(&popgate, consume), DRIVER_TIMEOUT).await;
+    let result = sdk.run("push-consume", &args(popgate, consume), DRIVER_TIMEOUT).await;
     assert_eq!(result["timedOut"], false, "{result}");
     let mut per_group: HashMap<String, Vec<(String, String)>> = HashMap::new();
     let mut calls = result["received"].as_array().cloned().unwrap_or_default();

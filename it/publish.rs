@@ -298,3 +298,62 @@ async fn readiness_waits_for_a_broker_registered_with_the_name_server() {
     let (status, ready) = Popgate::start(&shared_cluster().namesrv_addr, "").await.get_json("/readyz").await;
     assert_eq!((status, ready["broker"].as_str()), (200, Some("ok")), "{ready}");
 }
+
+/// A publish sent again (a producer retrying after a lost answer) is stored once: an `Idempotency-Key` or a
+/// CloudEvent's source and id names it, and the repeat is answered with the first receipt, also after a
+/// `kill -9` of popgate. Before the de-duplication window, each repeat was stored again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_repeated_under_its_idempotency_key_or_cloudevent_id_is_stored_once_across_a_restart() {
+    let cluster = shared_cluster();
+    let mut popgate = Popgate::start(&cluster.namesrv_addr, "").await;
+    let topic = unique_topic("pub_dedup");
+    let client = reqwest::Client::new();
+    let url = |popgate: &Popgate| format!("{}/events/publish?topic={topic}", popgate.base);
+    let keyed = |popgate: &Popgate, key: &str, data: &str| {
+        client
+            .post(url(popgate))
+            .header("content-type", "application/json")
+            .header("idempotency-key", key)
+            .body(json!({"data": data}).to_string())
+    };
+    let event = |id: &str| {
+        client
+            .post(url(&popgate))
+            .header("ce-specversion", "1.0")
+            .header("ce-id", id)
+            .header("ce-source", "/orders")
+            .header("ce-type", "order.paid")
+            .body("paid")
+    };
+
+    let (status, first) = status_and_json(keyed(&popgate, "order-1", "a").send().await.expect("request")).await;
+    assert_eq!((status, first["deduplicated"].clone()), (200, json!(false)), "{first}");
+    let (status, again) = status_and_json(keyed(&popgate, "order-1", "a").send().await.expect("request")).await;
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(again["deduplicated"], true, "{again}");
+    for field in ["messageId", "broker", "queueId", "queueOffset"] {
+        assert_eq!(again[field], first[field], "the first receipt's {field}: {first} {again}");
+    }
+    let (_, event_first) = status_and_json(event("evt-9").send().await.expect("request")).await;
+    let (_, event_again) = status_and_json(event("evt-9").send().await.expect("request")).await;
+    assert_eq!(event_again["deduplicated"], true, "{event_again}");
+    assert_eq!(event_again["messageId"], event_first["messageId"]);
+
+    // Remembered in the state store: a restart does not make a repeat new.
+    popgate.restart().await;
+    let (status, after) = status_and_json(keyed(&popgate, "order-1", "a").send().await.expect("request")).await;
+    assert_eq!((status, after["deduplicated"].clone()), (200, json!(true)), "{after}");
+    assert_eq!(after["messageId"], first["messageId"]);
+    // Another key is another message; a key that is not one is refused, naming the header.
+    let (_, other) = status_and_json(keyed(&popgate, "order-2", "b").send().await.expect("request")).await;
+    assert_eq!(other["deduplicated"], false, "{other}");
+    let (status, bad) = status_and_json(keyed(&popgate, "", "c").send().await.expect("request")).await;
+    assert_eq!(status, 400, "{bad}");
+    assert_eq!(bad["error"]["field"], "Idempotency-Key", "{bad}");
+
+    let stored = Direct::connect(&cluster.namesrv_addr).await.read_all(&topic).await;
+    let mut bodies: Vec<String> = stored.iter().map(|m| String::from_utf8_lossy(&m.body).into_owned()).collect();
+    bodies.sort();
+    assert_eq!(bodies, ["a", "b", "paid"], "each message stored once");
+    assert_eq!(popgate.metric("popgate_publish_deduplicated_total").await, 1.0, "since the restart");
+}

@@ -16,6 +16,7 @@ use crate::config::Config;
 use crate::delivery::webhook::TargetPolicy;
 use crate::delivery::{DeliveryError, Dispatcher};
 use crate::dlq::DlqAdmin;
+use crate::publish::dedup::DedupWindow;
 use crate::publish::Publisher;
 use crate::reliability::ProfileMonitor;
 use crate::store::{StateStore, StoreError};
@@ -75,11 +76,16 @@ pub async fn serve(
     }
     let broker = Arc::new(BrokerClient::connect(&config.broker, PRODUCER_GROUP).await?);
     let profile = config.reliability.profile;
-    let publisher = Arc::new(Publisher::new(broker.clone(), config.publish.clone(), &config.fault_avoidance, profile));
     std::fs::create_dir_all(&config.delivery.state_dir)?;
     // Sync-flush profiles sync every state write, as the broker syncs every message; async ones group-commit.
     let sync_writes = profile.sync_flush();
     let store = Arc::new(StateStore::open(&config.delivery.state_dir, sync_writes)?);
+    let mut publisher = Publisher::new(broker.clone(), config.publish.clone(), &config.fault_avoidance, profile);
+    if config.publish.dedup_window_secs > 0 {
+        let window = Duration::from_secs(config.publish.dedup_window_secs);
+        publisher = publisher.with_dedup(DedupWindow::start(store.clone(), window));
+    }
+    let publisher = Arc::new(publisher);
     let group_commit = (!sync_writes).then(|| Duration::from_millis(config.reliability.group_commit_interval_ms));
     let webhook_targets = TargetPolicy::new(config.webhook.allowed_networks.clone());
     let (dispatcher, recovered) = Dispatcher::start(

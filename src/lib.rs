@@ -6,7 +6,7 @@
 //! - [`broker`]: the cluster connection (routes, sends), the fault-avoidance table, popgate's message type.
 //! - [`publish`]: the publish path: request parsing and RocketMQ's producer policy (retries, broker choice).
 //! - [`delivery`]: the consume path: POP, deferred broker ACK, retries, the DLQ, boot recovery.
-//! - [`store`]: the RocksDB state store the consume path writes before it acts.
+//! - [`store`]: the RocksDB state store the consume path writes before it acts, and the publish path's de-duplication window.
 //! - [`reliability`]: the reliability profile checked against each broker's running settings.
 //! - [`auth`]: bearer tokens and what each may do.
 //! - [`dlq`]: browsing and replaying dead-lettered events (the admin plane's DLQ).
@@ -50,7 +50,8 @@ mod layering {
         ("config", &["api", "app", "auth", "broker", "cli", "delivery", "dlq", "publish", "reliability", "store"]),
         ("store", &["api", "app", "auth", "broker", "cli", "delivery", "dlq", "publish", "reliability"]),
         ("broker", &["api", "app", "auth", "cli", "delivery", "dlq", "publish", "reliability", "store"]),
-        ("publish", &["api", "app", "auth", "cli", "delivery", "dlq", "reliability", "store"]),
+        // The publish path keeps its de-duplication window in the state store (below it, beside the broker).
+        ("publish", &["api", "app", "auth", "cli", "delivery", "dlq", "reliability"]),
         ("delivery", &["api", "app", "auth", "cli", "dlq", "reliability"]),
         ("auth", &["api", "app", "cli", "delivery", "dlq", "publish", "store"]),
         ("dlq", &["api", "app", "auth", "cli"]),

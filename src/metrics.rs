@@ -30,6 +30,10 @@ pub const PUBLISH_DURATION: &str = "popgate_publish_duration_seconds";
 
 /// In-flight deliveries popgate holds (popped, not yet retired).
 pub const PENDING_DELIVERIES: &str = "popgate_pending_deliveries";
+/// Sends answered from the publish de-duplication window instead of being stored again.
+pub const PUBLISH_DEDUPLICATED: &str = "popgate_publish_deduplicated_total";
+/// De-duplication keys that could not be stored (remembered by this process only).
+pub const PUBLISH_DEDUP_WRITE_FAILURES: &str = "popgate_publish_dedup_write_failures_total";
 /// Deliveries handed to a subscriber, by `transport` (poll, sse, websocket, webhook).
 pub const DELIVERIES_DISPATCHED: &str = "popgate_deliveries_dispatched_total";
 /// Deliveries a push transport could not write to its subscriber, by `transport` (sse, websocket).
@@ -164,7 +168,7 @@ const ZERO_SERIES: &[(&str, &str, &[&str])] = &[
     (PUSH_WRITE_FAILURES, "transport", &["sse", "websocket", "webhook"]),
     (WEBHOOK_TARGETS_REFUSED, "reason", &["literal", "dns"]),
     (WEBHOOK_HEADERS_SKIPPED, "reason", &crate::delivery::webhook::headers::Skip::LABELS),
-    (ACKS, "result", &["acked", "unknown", "stale", "not_in_flight", "busy", "store_error"]),
+    (ACKS, "result", &["acked", "repeated", "unknown", "stale", "superseded", "not_in_flight", "busy", "store_error"]),
     (REDELIVERIES, "reason", &["timeout", "nack", "push_failure", "recovery"]),
     (RECOVERED_DELIVERIES, "outcome", &["redispatched", "ack_pending", "dead_letter_pending", "corrupt"]),
     (CONSUME_REQUEST_FAILURES, "op", &["pop", "renew", "give_back"]),
@@ -195,6 +199,8 @@ pub const STATS_REFRESH_OPS: &[&str] = &["backlog", "dlq_depth"];
 /// Counters without labels, registered at 0 at start for the same reason.
 const ZERO_COUNTERS: &[&str] = &[
     SEND_RETRIES,
+    PUBLISH_DEDUPLICATED,
+    PUBLISH_DEDUP_WRITE_FAILURES,
     DLQ_RECORD_FAILURES,
     BROKER_ACK_FAILURES,
     OFFSET_WRITE_FAILURES,
@@ -262,6 +268,16 @@ fn describe_all() {
     describe_gauge!(PENDING_DELIVERIES, "In-flight deliveries held (popped, not yet retired).");
     describe_counter!(DELIVERIES_DISPATCHED, Unit::Count, "Deliveries handed to a subscriber, by transport.");
     describe_counter!(ACKS, Unit::Count, "Subscriber ACKs, by result.");
+    describe_counter!(
+        PUBLISH_DEDUPLICATED,
+        Unit::Count,
+        "Sends answered with an earlier send's receipt (same key within the de-duplication window)."
+    );
+    describe_counter!(
+        PUBLISH_DEDUP_WRITE_FAILURES,
+        Unit::Count,
+        "De-duplication keys the state store could not keep (remembered by this process only)."
+    );
     describe_counter!(PUSH_WRITE_FAILURES, Unit::Count, "Deliveries a push transport could not write, by transport.");
     describe_counter!(
         WEBHOOK_TARGETS_REFUSED,

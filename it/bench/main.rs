@@ -264,6 +264,7 @@ impl DirectPath {
                             group: &group,
                             topic: &topic,
                             filter: "*",
+                            filter_type: "TAG",
                             max: 32,
                             invisible_ms: 60_000,
                             poll_ms: 1_000,
@@ -536,6 +537,7 @@ fn planted_record(i: usize, now_ms: i64) -> DeliveryRecord {
             reconsume_times: 0,
             retry_topic: None,
             message_group: None,
+            stored: Default::default(),
         },
         handle: ReceiptHandle {
             broker_name: "broker-a".into(),
@@ -554,6 +556,7 @@ fn planted_record(i: usize, now_ms: i64) -> DeliveryRecord {
         last_failure: None,
         seq: i as u64 + 1,
         body_apart: true,
+        handouts: 1,
     }
 }
 
@@ -570,6 +573,7 @@ async fn recovery(params: &Params, namesrv: &str) -> Value {
             group: "g_recovery".into(),
             topic: "t_recovery".into(),
             filter: "*".into(),
+            filter_type: Default::default(),
             ack_timeout_ms: 3_600_000,
             max_attempts: 6,
             initial_backoff_ms: 1_000,

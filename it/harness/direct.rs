@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use cheetah_string::CheetahString;
-use rocketmq_client_rust::{DefaultMQAdminExt, TopicAdmin};
+use rocketmq_client_rust::{ConsumerAdmin, DefaultMQAdminExt, TopicAdmin};
 use rocketmq_model::common::message::message_ext::MessageExt;
 use rocketmq_model::common::message::message_queue::MessageQueue;
 use rocketmq_runtime::RuntimeOwner;
@@ -67,6 +67,25 @@ impl Direct {
         let mut config = rocketmq_model::common::config::TopicConfig::with_queues(topic, 4, 4);
         config.attributes.insert(CheetahString::from("+message.type"), CheetahString::from("FIFO"));
         self.create_topic_as(config, broker_addrs).await;
+    }
+
+    /// Makes consumer group `group` orderly on each broker given, as `mqadmin updateSubGroup -g <group> -o true`
+    /// does (the subscription group's `consumeMessageOrderly`).
+    pub async fn create_orderly_group(&self, group: &str, broker_addrs: &[String]) {
+        let mut config =
+            rocketmq_protocol::protocol::subscription::subscription_group_config::SubscriptionGroupConfig::new(
+                CheetahString::from(group),
+            );
+        config.set_consume_message_orderly(true);
+        for addr in broker_addrs {
+            ConsumerAdmin::create_and_update_subscription_group_config(
+                &self.admin,
+                CheetahString::from(addr.as_str()),
+                config.clone(),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("make {group} orderly on {addr}: {e}"));
+        }
     }
 
     async fn create_topic_as(&self, config: rocketmq_model::common::config::TopicConfig, broker_addrs: &[String]) {
@@ -190,6 +209,7 @@ impl DirectConsumer {
                     group,
                     topic,
                     filter: "*",
+                    filter_type: "TAG",
                     max: 32,
                     invisible_ms: 60_000,
                     poll_ms: 1_000,

@@ -150,7 +150,7 @@ impl From<DeliveryError> for ApiError {
         let word = error.code();
         match error {
             DeliveryError::Unknown => ApiError::delivery_status(StatusCode::NOT_FOUND, word, error.to_string()),
-            DeliveryError::Stale | DeliveryError::NotInFlight => {
+            DeliveryError::Stale | DeliveryError::NotInFlight | DeliveryError::Superseded => {
                 ApiError::delivery_status(StatusCode::CONFLICT, word, error.to_string())
             }
             DeliveryError::Busy => ApiError::delivery_status(StatusCode::SERVICE_UNAVAILABLE, word, error.to_string()),

@@ -1,7 +1,7 @@
 //! The consume API (EventMesh-style paths). Every transport shares the one dispatcher; this one is long-poll.
 //!
 //! ```text
-//! POST /events/subscribe   {"group","topic","filter","ackTimeoutMs","maxAttempts","initialBackoffMs","maxBackoffMs",
+//! POST /events/subscribe   {"group","topic","filter","filterType","ackTimeoutMs","maxAttempts","initialBackoffMs","maxBackoffMs",
 //!                           "ordered","push":{"url","secret","timeoutMs","maxConcurrency"}}
 //!                          200 {"subscription":{...}}
 //! POST /events/unsubscribe {"group","topic"}                 200 {"status":"unsubscribed"} | 404
@@ -34,7 +34,7 @@ use serde_json::{json, Value};
 use super::guard::{authorize, read_body, rejected, Budget};
 use super::{ApiError, AppState};
 use crate::auth::{Action, Caller};
-use crate::delivery::{Dispatched, NackOutcome, Subscription, SubscriptionRequest};
+use crate::delivery::{Dispatched, FilterType, NackOutcome, Subscription, SubscriptionRequest};
 
 /// Default long-poll wait when `waitMs` is absent.
 const DEFAULT_WAIT_MS: u64 = 1_000;
@@ -47,6 +47,8 @@ struct SubscribeBody {
     group: String,
     topic: String,
     filter: Option<String>,
+    /// `TAG` (the default) or `SQL92`.
+    filter_type: Option<String>,
     ack_timeout_ms: Option<u64>,
     max_attempts: Option<u32>,
     initial_backoff_ms: Option<u64>,
@@ -156,12 +158,17 @@ pub async fn subscribe(
 ) -> Result<Response, ApiError> {
     let body: SubscribeBody = parse_body(&read_body(body)?)?;
     authorize(&caller, Action::Consume(&body.group), "group")?;
+    let filter_type = body
+        .filter_type
+        .map(|t| FilterType::parse(&t).ok_or_else(|| ApiError::invalid_field("filterType", "must be TAG or SQL92")))
+        .transpose()?;
     let sub = state
         .dispatcher
         .subscribe(SubscriptionRequest {
             group: body.group,
             topic: body.topic,
             filter: body.filter,
+            filter_type,
             ack_timeout_ms: body.ack_timeout_ms,
             max_attempts: body.max_attempts,
             initial_backoff_ms: body.initial_backoff_ms,

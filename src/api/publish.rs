@@ -72,9 +72,11 @@ async fn handle(
             "oneway sends are never confirmed by the broker; the financial profile refuses them",
         ));
     }
-    let message = request::parse(headers, query.get("topic").map(String::as_str), &body, max)?;
+    let limits = &state.config.publish.limits;
+    let message = request::parse(headers, query.get("topic").map(String::as_str), &body, max, limits)?;
     authorize(caller, Action::Publish(&message.topic), "topic")?;
-    match state.publisher.publish(&message, mode).await {
+    let key = request::dedup_key(headers, &message)?;
+    match state.publisher.publish_once(&message, mode, None, key.as_deref()).await {
         Ok(published) => {
             let id = published.receipt.as_ref().map(|r| r.message_id.as_str());
             tracing::debug!(topic = %message.topic, event_id = ?id, "Event published.");
@@ -102,6 +104,7 @@ fn answer(published: Published) -> Response {
             "queueOffset": receipt.queue_offset,
             "status": receipt.status.as_str(),
             "attempts": attempts,
+            "deduplicated": published.deduplicated,
         }))
         .into_response(),
         None => (

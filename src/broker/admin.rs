@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 
 use rocketmq_protocol::code::request_code::RequestCode;
 use rocketmq_protocol::protocol::header::empty_header::EmptyHeader;
+use rocketmq_protocol::protocol::header::get_subscription_group_config_request_header::GetSubscriptionGroupConfigRequestHeader;
 use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
 
 use super::client::{BrokerClient, BrokerError};
@@ -51,6 +52,39 @@ impl BrokerClient {
         let request = RemotingCommand::create_request_command(RequestCode::GetBrokerConfig, EmptyHeader {});
         let body = self.admin_request(addr, request).await?;
         Ok(parse_properties(&String::from_utf8_lossy(&body)))
+    }
+}
+
+/// `ResponseCode.SUBSCRIPTION_GROUP_NOT_EXIST`: the broker has no config for the group (and creates none).
+const SUBSCRIPTION_GROUP_NOT_EXIST: i32 = 26;
+
+impl BrokerClient {
+    /// Whether the cluster's config for consumer group `group` makes it orderly (`consumeMessageOrderly`, what
+    /// `mqadmin updateSubGroup -o true` sets), as Apache's proxy reads it to decide FIFO. Every master is asked
+    /// (each keeps its own copy); one that says so is enough. `None` when no master has the group.
+    ///
+    /// # Errors
+    /// [`BrokerError`] when no master could be asked.
+    pub async fn group_consumes_orderly(&self, group: &str) -> Result<Option<bool>, BrokerError> {
+        let mut known = None;
+        let mut last_error = None;
+        for master in self.cluster_masters().await? {
+            let header = GetSubscriptionGroupConfigRequestHeader { group: group.into(), rpc_request_header: None };
+            let request = RemotingCommand::create_request_command(RequestCode::GetSubscriptionGroupConfig, header);
+            match self.admin_request(&master.addr, request).await {
+                Ok(body) => {
+                    let config: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+                    let orderly = config["consumeMessageOrderly"].as_bool().unwrap_or(false);
+                    known = Some(known.unwrap_or(false) || orderly);
+                }
+                Err(BrokerError::Response { code: SUBSCRIPTION_GROUP_NOT_EXIST, .. }) => {}
+                Err(error) => last_error = Some(error),
+            }
+        }
+        match (known, last_error) {
+            (None, Some(error)) => Err(error),
+            (known, _) => Ok(known),
+        }
     }
 }
 

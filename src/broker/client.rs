@@ -588,6 +588,7 @@ mod tests {
             group: "g",
             topic: "t",
             filter: "*",
+            filter_type: "TAG",
             max: 1,
             invisible_ms: 1_000,
             poll_ms: 100,

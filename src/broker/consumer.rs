@@ -64,6 +64,52 @@ pub struct PoppedEvent {
     /// The FIFO message group (`__SHARDINGKEY`), if the producer gave one.
     #[serde(default)]
     pub message_group: Option<String>,
+    /// Where and how the broker stored it (empty in records written before popgate kept it).
+    #[serde(default)]
+    pub stored: StoredFacts,
+}
+
+/// What the broker says about a stored message beyond its content, as Apache's proxy reports it to a gRPC
+/// consumer (`SystemProperties`).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct StoredFacts {
+    /// The producer's address: `__BORNHOST` when a proxy set it, else the born host's IP.
+    pub born_host: String,
+    /// The broker's `ip:port`.
+    pub store_host: String,
+    /// When the broker stored it (epoch ms).
+    pub store_timestamp: i64,
+    /// Its queue and offset there (the retry topic's, when it came back from there).
+    pub queue_id: i32,
+    /// See `queue_id`.
+    pub queue_offset: i64,
+    /// The system properties that say what kind of message it is and where it came from: `TRAN_MSG`,
+    /// `DELAY`, `TIMER_DELIVER_MS`, `TIMER_DELAY_SEC`, `TRACE_CONTEXT` (only those present).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub system: BTreeMap<String, String>,
+}
+
+/// The system properties kept in [`StoredFacts::system`].
+const DESCRIBING_PROPERTIES: [&str; 5] = ["TRAN_MSG", "DELAY", "TIMER_DELIVER_MS", "TIMER_DELAY_SEC", "TRACE_CONTEXT"];
+
+impl StoredFacts {
+    fn of(message: &MessageExt) -> StoredFacts {
+        let property = |name: &str| message.properties().get(&CheetahString::from(name)).map(ToString::to_string);
+        StoredFacts {
+            born_host: property("__BORNHOST")
+                .filter(|h| !h.trim().is_empty())
+                .unwrap_or_else(|| message.born_host().ip().to_string()),
+            store_host: message.store_host().to_string(),
+            store_timestamp: message.store_timestamp(),
+            queue_id: message.queue_id(),
+            queue_offset: message.queue_offset(),
+            system: DESCRIBING_PROPERTIES
+                .iter()
+                .filter_map(|name| Some(((*name).to_owned(), property(name)?)))
+                .collect(),
+        }
+    }
 }
 
 /// The broker's receipt handle for a popped message, and the lease it grants.
@@ -133,8 +179,10 @@ pub struct PopRequest<'a> {
     pub group: &'a str,
     /// Topic.
     pub topic: &'a str,
-    /// Tag expression.
+    /// The filter expression.
     pub filter: &'a str,
+    /// Its kind: `TAG` or `SQL92` (RocketMQ's `ExpressionType`).
+    pub filter_type: &'a str,
     /// At most this many messages (≤ 32).
     pub max: u32,
     /// Lease to take on each message.
@@ -178,7 +226,7 @@ impl BrokerClient {
             poll_time: request.poll_ms,
             born_time: u64::try_from(now_millis()).unwrap_or_default(),
             init_mode: INIT_MODE_MIN,
-            exp_type: Some("TAG".into()),
+            exp_type: Some(request.filter_type.into()),
             exp: Some(request.filter.into()),
             order: Some(request.orderly),
             attempt_id: None,
@@ -408,6 +456,7 @@ fn popped(message: &MessageExt, request: &PopRequest<'_>, broker: &BrokerRoute, 
         reconsume_times: u32::try_from(message.reconsume_times()).unwrap_or(0),
         retry_topic,
         message_group: property(super::message::PROPERTY_SHARDING_KEY),
+        stored: StoredFacts::of(message),
     };
     let handle = ReceiptHandle {
         broker_name: parsed.broker_name.into(),
@@ -477,6 +526,7 @@ mod tests {
             group: "g",
             topic: "orders",
             filter: "*",
+            filter_type: "TAG",
             max: 1,
             invisible_ms: 60_000,
             poll_ms: 0,

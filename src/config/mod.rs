@@ -133,11 +133,21 @@ pub struct GrpcConfig {
     pub tls_cert_path: Option<PathBuf>,
     /// PEM private key of `tls_cert_path`.
     pub tls_key_path: Option<PathBuf>,
+    /// Shortest invisible duration a receive may ask for (Apache's `minInvisibleTimeMillsForRecv`).
+    pub min_invisible_ms: u64,
+    /// Longest invisible duration a receive or ChangeInvisibleDuration may ask for (`maxInvisibleTimeMills`).
+    pub max_invisible_ms: u64,
 }
 
 impl Default for GrpcConfig {
     fn default() -> Self {
-        GrpcConfig { listen: "127.0.0.1:8081".to_owned(), tls_cert_path: None, tls_key_path: None }
+        GrpcConfig {
+            listen: "127.0.0.1:8081".to_owned(),
+            tls_cert_path: None,
+            tls_key_path: None,
+            min_invisible_ms: 10_000,
+            max_invisible_ms: 12 * 3600 * 1000,
+        }
     }
 }
 
@@ -353,6 +363,36 @@ pub struct PublishConfig {
     pub send_timeout_ms: u64,
     /// Largest message body accepted; larger requests get 413. The broker's `maxMessageSize` by default.
     pub max_message_bytes: usize,
+    /// What a message may carry (every front): Apache's proxy's limits by default.
+    pub limits: MessageLimits,
+    /// How long a keyed send is remembered, so its repeat is answered with the first receipt (0 switches the
+    /// de-duplication window off).
+    pub dedup_window_secs: u64,
+}
+
+/// What a message may carry, under `[publish.limits]` (checked by `publish::limits`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct MessageLimits {
+    /// Most user properties on one message.
+    pub max_user_properties: usize,
+    /// Most bytes of user properties (names and values), tag and keys together.
+    pub max_user_property_bytes: usize,
+    /// A message group must be shorter than this many UTF-8 bytes.
+    pub max_message_group_bytes: usize,
+    /// Furthest a delivery time may lie ahead (ms).
+    pub max_delay_ms: u64,
+}
+
+impl Default for MessageLimits {
+    fn default() -> Self {
+        MessageLimits {
+            max_user_properties: 128,
+            max_user_property_bytes: 16 * 1024,
+            max_message_group_bytes: 64,
+            max_delay_ms: 24 * 3600 * 1000,
+        }
+    }
 }
 
 impl Default for PublishConfig {
@@ -362,6 +402,8 @@ impl Default for PublishConfig {
             retry_times_when_send_async_failed: DEFAULT_RETRY_TIMES_WHEN_SEND_FAILED,
             send_timeout_ms: DEFAULT_SEND_TIMEOUT_MS,
             max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
+            limits: MessageLimits::default(),
+            dedup_window_secs: 600,
         }
     }
 }
@@ -442,6 +484,10 @@ pub struct DeliveryConfig {
     /// How often the operators' gauges are refreshed: each subscription's backlog and its group's DLQ depth
     /// (broker requests), and the age of its oldest unacknowledged delivery.
     pub gauge_refresh_ms: u64,
+    /// A consumer group the cluster makes orderly (its subscription group's `consumeMessageOrderly`, set with
+    /// `mqadmin updateSubGroup -o true`) gets FIFO delivery, as from Apache's proxy; read from the brokers and
+    /// refreshed every 20 s. `false`: only `POST /events/subscribe {"ordered": true}` makes a group FIFO.
+    pub follow_group_config: bool,
 }
 
 impl Default for DeliveryConfig {
@@ -462,6 +508,7 @@ impl Default for DeliveryConfig {
             max_in_flight_per_subscription: 10_000,
             idle_subscription_expiry_secs: 600,
             gauge_refresh_ms: DEFAULT_GAUGE_REFRESH_MS,
+            follow_group_config: true,
         }
     }
 }

@@ -39,6 +39,7 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
     );
     check(publish.send_timeout_ms > 0, "publish.send_timeout_ms", "must be > 0");
     check(publish.max_message_bytes > 0, "publish.max_message_bytes", "must be > 0");
+    check(publish.dedup_window_secs <= 7 * 24 * 3600, "publish.dedup_window_secs", "must be at most 604800 (7 days)");
 
     let fault = &config.fault_avoidance;
     check(
@@ -118,6 +119,11 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
         grpc.tls_cert_path.is_some() == grpc.tls_key_path.is_some(),
         "grpc.tls_cert_path",
         "give both grpc.tls_cert_path and grpc.tls_key_path, or neither",
+    );
+    check(
+        grpc.min_invisible_ms <= grpc.max_invisible_ms,
+        "grpc.min_invisible_ms",
+        "must not be more than grpc.max_invisible_ms",
     );
     for (key, path) in [("server.tls_cert_path", &server.tls_cert_path), ("server.tls_key_path", &server.tls_key_path)]
     {

@@ -27,6 +27,7 @@
 
 pub mod dlq;
 mod gauges;
+mod group_order;
 mod popper;
 pub mod record;
 pub mod recovery;
@@ -44,7 +45,7 @@ use std::time::Duration;
 
 use tokio::task::JoinHandle;
 
-pub use record::{Event, Holder, Subscription};
+pub use record::{Event, FilterType, Holder, Subscription};
 pub use state::new_delivery_id;
 pub use subscriber::Subscriber;
 
@@ -75,6 +76,10 @@ pub enum DeliveryError {
     /// The delivery is not handed out: it waits for its next attempt, or for the DLQ.
     #[error("the delivery is not awaiting an ACK (it waits for a retry or for the DLQ)")]
     NotInFlight,
+    /// The settlement names an earlier hand-out: its holder's time ran out and the delivery was handed out
+    /// again since (or is waiting to be). Only the current holder may settle it.
+    #[error("the receipt handle has expired: the message was handed out again after its invisible time ran out")]
+    Superseded,
     /// Another request or task is acting on the delivery and did not finish in time; try again.
     #[error("the delivery is busy; try again")]
     Busy,
@@ -94,6 +99,7 @@ impl DeliveryError {
             DeliveryError::Unknown => "unknown",
             DeliveryError::Stale => "stale",
             DeliveryError::NotInFlight => "not_in_flight",
+            DeliveryError::Superseded => "superseded",
             DeliveryError::Busy => "busy",
             DeliveryError::Store(_) => "store_error",
             DeliveryError::Invalid(..) => "invalid_field",
@@ -108,10 +114,43 @@ pub struct Dispatched {
     pub id: String,
     /// Attempt number (1-based).
     pub attempt: u32,
+    /// Which hand-out of the delivery this is (1-based, counted over its whole life): a front whose
+    /// handles name it can have a settlement of an earlier one refused ([`Target`]).
+    pub handout: u32,
     /// ACK by this time (epoch ms).
     pub ack_deadline_ms: i64,
     /// The event.
     pub event: Event,
+}
+
+/// What a settlement is for: a delivery, and, from a front whose handles name it, the hand-out it settles.
+/// A settlement of an earlier hand-out than the current one is refused ([`DeliveryError::Superseded`]): the
+/// consumer whose time ran out cannot settle what another consumer now holds. A repeated ACK of the hand-out
+/// that was ACKed is answered as the first was, for a while (a client retrying an ACK whose answer it lost).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Target<'a> {
+    /// The delivery id.
+    pub id: &'a str,
+    /// The hand-out, or `None` for whichever is current (popgate's HTTP delivery ids).
+    pub handout: Option<u32>,
+}
+
+impl<'a> From<&'a str> for Target<'a> {
+    fn from(id: &'a str) -> Target<'a> {
+        Target { id, handout: None }
+    }
+}
+
+impl<'a> From<&'a Arc<str>> for Target<'a> {
+    fn from(id: &'a Arc<str>) -> Target<'a> {
+        Target { id, handout: None }
+    }
+}
+
+impl<'a> From<&'a String> for Target<'a> {
+    fn from(id: &'a String) -> Target<'a> {
+        Target { id, handout: None }
+    }
 }
 
 /// How deliveries are handed out: by which transport, with which ACK deadline, to which gRPC client.
@@ -123,12 +162,16 @@ pub struct HandOut {
     pub ack_timeout: Option<Duration>,
     /// The gRPC client that receives them (stored with the hand-out).
     pub holder: Option<Holder>,
+    /// In an ordered subscription, hand out consecutive messages of one message group together (a gRPC
+    /// FIFO consumer's batch, as from Apache's proxy); the group's next messages wait until the whole batch
+    /// is settled. Otherwise only a group's head is handed out.
+    pub fifo_batch: bool,
 }
 
 impl HandOut {
     /// A long-poll hand-out: the subscription's ACK timeout, no holder.
     pub fn long_poll() -> HandOut {
-        HandOut { transport: "poll", ack_timeout: None, holder: None }
+        HandOut { transport: "poll", ack_timeout: None, holder: None, fifo_batch: false }
     }
 }
 
@@ -153,8 +196,10 @@ pub struct SubscriptionRequest {
     pub group: String,
     /// Topic.
     pub topic: String,
-    /// Tag expression (default `*`).
+    /// Filter expression (default `*`).
     pub filter: Option<String>,
+    /// Its kind (default a tag expression).
+    pub filter_type: Option<FilterType>,
     /// ACK timeout.
     pub ack_timeout_ms: Option<u64>,
     /// Attempts in all.
@@ -170,6 +215,25 @@ pub struct SubscriptionRequest {
     /// Made by a receive on its own rather than asked for (see [`Subscription::implicit`]). An existing
     /// subscription that was asked for stays so.
     pub implicit: bool,
+}
+
+impl From<Subscription> for SubscriptionRequest {
+    /// A request that subscribes `sub` again as it is (to change one of its settings).
+    fn from(sub: Subscription) -> SubscriptionRequest {
+        SubscriptionRequest {
+            filter: Some(sub.filter),
+            filter_type: Some(sub.filter_type),
+            ack_timeout_ms: Some(sub.ack_timeout_ms),
+            max_attempts: Some(sub.max_attempts),
+            initial_backoff_ms: Some(sub.initial_backoff_ms),
+            max_backoff_ms: Some(sub.max_backoff_ms),
+            ordered: Some(sub.ordered),
+            push: sub.push,
+            implicit: sub.implicit,
+            group: sub.group,
+            topic: sub.topic,
+        }
+    }
 }
 
 /// One in-flight delivery as the admin plane shows it.
@@ -208,6 +272,8 @@ pub struct Dispatcher {
     webhooks: parking_lot::Mutex<std::collections::HashMap<String, Arc<AtomicBool>>>,
     /// Which addresses webhooks may reach (`webhook.allowed_networks`): checked at subscribe and connect.
     webhook_targets: Arc<webhook::TargetPolicy>,
+    /// Which consumer groups the cluster makes orderly.
+    group_order: Arc<group_order::GroupOrder>,
 }
 
 impl Dispatcher {
@@ -227,6 +293,7 @@ impl Dispatcher {
         webhook_targets: webhook::TargetPolicy,
         group_commit: Option<Duration>,
     ) -> Result<(Arc<Dispatcher>, RecoveryReport), DeliveryError> {
+        let group_order = group_order::GroupOrder::new(broker.clone(), config.follow_group_config);
         let deliveries = Arc::new(Deliveries::new(store, broker, publisher, config));
         let (report, poppers) = recovery::recover(&deliveries).await?;
         let dispatcher = Arc::new_cyclic(|me| Dispatcher {
@@ -235,6 +302,7 @@ impl Dispatcher {
             me: me.clone(),
             webhooks: parking_lot::Mutex::new(std::collections::HashMap::new()),
             webhook_targets: Arc::new(webhook_targets),
+            group_order,
         });
         dispatcher.spawn(sweeper::run(deliveries.clone()));
         dispatcher.spawn(gauges::run(deliveries.clone()));
@@ -302,6 +370,7 @@ impl Dispatcher {
             group: request.group,
             topic: request.topic,
             filter: request.filter.unwrap_or_else(|| "*".to_owned()),
+            filter_type: request.filter_type.unwrap_or_default(),
             ack_timeout_ms: request.ack_timeout_ms.unwrap_or(config.ack_timeout_ms),
             max_attempts: request.max_attempts.unwrap_or(config.max_attempts),
             initial_backoff_ms: request.initial_backoff_ms.unwrap_or(config.initial_backoff_ms),
@@ -314,7 +383,11 @@ impl Dispatcher {
             push.validate(&self.webhook_targets)?;
         }
         if sub.filter.trim().is_empty() {
-            return Err(DeliveryError::Invalid("filter", "must be a tag expression such as `*` or `a || b`".into()));
+            let what = match sub.filter_type {
+                FilterType::Tag => "must be a tag expression such as `*` or `a || b`",
+                FilterType::Sql92 => "must be an SQL92 expression such as `a > 5 AND b = 'x'`",
+            };
+            return Err(DeliveryError::Invalid("filter", what.into()));
         }
         if let Some((setting, reason)) =
             bounds::check(sub.ack_timeout_ms, sub.max_attempts, sub.initial_backoff_ms, sub.max_backoff_ms)
@@ -355,16 +428,40 @@ impl Dispatcher {
     /// # Errors
     /// As [`Dispatcher::subscribe`].
     pub async fn ensure_subscription(&self, group: &str, topic: &str) -> Result<Subscription, DeliveryError> {
-        if let Some(sub) = self.deliveries.subscription(group, topic) {
+        let sub = match self.deliveries.subscription(group, topic) {
+            Some(sub) => sub,
+            None => {
+                self.subscribe(SubscriptionRequest {
+                    group: group.to_owned(),
+                    topic: topic.to_owned(),
+                    implicit: true,
+                    ..Default::default()
+                })
+                .await?
+            }
+        };
+        self.follow_group_order(sub).await
+    }
+
+    /// Whether the cluster's config makes consumer group `group` orderly (`consumeMessageOrderly`): FIFO, as
+    /// Apache's proxy decides it. A new group waits for the brokers at most 2 s.
+    pub async fn group_orderly(&self, group: &str) -> bool {
+        self.group_order.orderly(group).await
+    }
+
+    /// `sub` ordered as its group's config says: a subscription a receive created follows the config both
+    /// ways; one made with `POST /events/subscribe` becomes ordered when the group is, and keeps its own
+    /// `ordered` otherwise.
+    async fn follow_group_order(&self, sub: Subscription) -> Result<Subscription, DeliveryError> {
+        let orderly = self.group_order.orderly(&sub.group).await;
+        let ordered = if sub.implicit { orderly } else { sub.ordered || orderly };
+        if ordered == sub.ordered {
             return Ok(sub);
         }
-        self.subscribe(SubscriptionRequest {
-            group: group.to_owned(),
-            topic: topic.to_owned(),
-            implicit: true,
-            ..Default::default()
-        })
-        .await
+        tracing::info!(group = %sub.group, topic = %sub.topic, ordered, "Following the group's config at the broker.");
+        let mut request = SubscriptionRequest::from(sub);
+        request.ordered = Some(ordered);
+        self.subscribe(request).await
     }
 
     /// The subscription of `group`/`topic`, if there is one.
@@ -392,20 +489,28 @@ impl Dispatcher {
     ///
     /// # Errors
     /// As [`Dispatcher::subscribe`].
-    pub async fn ensure_filtered(&self, group: &str, topic: &str, filter: &str) -> Result<Subscription, DeliveryError> {
+    pub async fn ensure_filtered(
+        &self,
+        group: &str,
+        topic: &str,
+        filter: &str,
+        filter_type: FilterType,
+    ) -> Result<Subscription, DeliveryError> {
         let Some(sub) = self.deliveries.subscription(group, topic) else {
-            return self
+            let created = self
                 .subscribe(SubscriptionRequest {
                     group: group.to_owned(),
                     topic: topic.to_owned(),
                     filter: Some(filter.to_owned()),
+                    filter_type: Some(filter_type),
                     implicit: true,
                     ..Default::default()
                 })
-                .await;
+                .await?;
+            return self.follow_group_order(created).await;
         };
-        if sub.filter == filter {
-            return Ok(sub);
+        if sub.filter == filter && sub.filter_type == filter_type {
+            return self.follow_group_order(sub).await;
         }
         // Consumers of one group asking for different filters would otherwise rewrite the stored
         // subscription on every receive. As at a RocketMQ broker, the group has one subscription, and the
@@ -415,19 +520,11 @@ impl Dispatcher {
             tracing::debug!(group, topic, filter, current = %sub.filter, "Filter change refused: changed too recently.");
             return Ok(sub);
         }
-        self.subscribe(SubscriptionRequest {
-            filter: Some(filter.to_owned()),
-            ack_timeout_ms: Some(sub.ack_timeout_ms),
-            max_attempts: Some(sub.max_attempts),
-            initial_backoff_ms: Some(sub.initial_backoff_ms),
-            max_backoff_ms: Some(sub.max_backoff_ms),
-            ordered: Some(sub.ordered),
-            push: sub.push,
-            implicit: sub.implicit,
-            group: sub.group,
-            topic: sub.topic,
-        })
-        .await
+        let mut request = SubscriptionRequest::from(sub);
+        request.filter = Some(filter.to_owned());
+        request.filter_type = Some(filter_type);
+        let changed = self.subscribe(request).await?;
+        self.follow_group_order(changed).await
     }
 
     /// Long-polls up to `max` deliveries for `group`/`topic`, waiting at most `wait` when none is ready.
@@ -476,6 +573,11 @@ impl Dispatcher {
             tokio::pin!(notified);
             notified.as_mut().enable();
             let taken = self.deliveries.hand_out(&key, max, to, None).await?;
+            if taken.is_empty() {
+                if let Some(refusal) = self.deliveries.filter_refusal(&key) {
+                    return Err(DeliveryError::Invalid("filter", format!("the broker refused the filter: {refusal}")));
+                }
+            }
             if !taken.is_empty() || tokio::time::Instant::now() >= deadline {
                 return Ok(taken);
             }
@@ -513,15 +615,20 @@ impl Dispatcher {
     /// # Errors
     /// [`DeliveryError::Unknown`] (404), [`DeliveryError::Stale`] and [`DeliveryError::NotInFlight`] (409),
     /// [`DeliveryError::Busy`] and [`DeliveryError::Store`] (503).
-    pub async fn ack(&self, id: &str) -> Result<(), DeliveryError> {
-        self.deliveries.ack(id).await
+    pub async fn ack<'a>(&self, target: impl Into<Target<'a>>) -> Result<(), DeliveryError> {
+        self.deliveries.ack(target.into()).await
     }
 
     /// ACKs a batch, each id answered as [`Dispatcher::ack`] would, in the order of `ids`: the ACK intents in
     /// one store write, then one batch ACK request per broker.
     pub async fn ack_many(&self, ids: &[impl AsRef<str>]) -> Vec<Result<(), DeliveryError>> {
-        let ids: Vec<&str> = ids.iter().map(AsRef::as_ref).collect();
-        self.deliveries.ack_many(&ids).await
+        let targets: Vec<Target<'_>> = ids.iter().map(|id| Target::from(id.as_ref())).collect();
+        self.deliveries.ack_many(&targets).await
+    }
+
+    /// [`Dispatcher::ack_many`] for targets that may name their hand-out.
+    pub async fn ack_targets(&self, targets: &[Target<'_>]) -> Vec<Result<(), DeliveryError>> {
+        self.deliveries.ack_many(targets).await
     }
 
     /// NACK: the attempt is spent; the next is scheduled after `delay` (or the backoff), or the DLQ.
@@ -529,17 +636,21 @@ impl Dispatcher {
     /// # Errors
     /// [`DeliveryError::Invalid`] naming `delayMs` for a delay past [`bounds::MAX_NACK_DELAY_MS`], refused
     /// before the delivery is touched; otherwise as [`Dispatcher::ack`].
-    pub async fn nack(&self, id: &str, delay: Option<Duration>) -> Result<NackOutcome, DeliveryError> {
+    pub async fn nack<'a>(
+        &self,
+        target: impl Into<Target<'a>>,
+        delay: Option<Duration>,
+    ) -> Result<NackOutcome, DeliveryError> {
         check_nack_delay(delay)?;
-        self.deliveries.nack(id, delay).await
+        self.deliveries.nack(target.into(), delay).await
     }
 
     /// TERM: straight to the DLQ with `reason`.
     ///
     /// # Errors
     /// As [`Dispatcher::ack`].
-    pub async fn term(&self, id: &str, reason: &str) -> Result<(), DeliveryError> {
-        self.deliveries.term(id, reason).await
+    pub async fn term<'a>(&self, target: impl Into<Target<'a>>, reason: &str) -> Result<(), DeliveryError> {
+        self.deliveries.term(target.into(), reason).await
     }
 
     /// Extends the ACK deadline of a handed-out delivery to `by` from now (a SimpleConsumer's
@@ -547,8 +658,8 @@ impl Dispatcher {
     ///
     /// # Errors
     /// As [`Dispatcher::ack`].
-    pub async fn extend(&self, id: &str, by: Duration) -> Result<i64, DeliveryError> {
-        self.deliveries.extend(id, by).await
+    pub async fn extend<'a>(&self, target: impl Into<Target<'a>>, by: Duration) -> Result<i64, DeliveryError> {
+        self.deliveries.extend(target.into(), by).await
     }
 
     /// The group, topic and gRPC holder of an in-flight delivery (to check a gRPC settlement).
@@ -576,7 +687,7 @@ impl Dispatcher {
         let held = self.deliveries.held_by_client(client_id);
         let mut released = 0;
         for id in held {
-            if self.deliveries.nack(&id, Some(Duration::ZERO)).await.is_ok() {
+            if self.deliveries.nack(Target::from(&id), Some(Duration::ZERO)).await.is_ok() {
                 released += 1;
             }
         }

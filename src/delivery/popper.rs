@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::future::join_all;
+use futures::stream::{FuturesUnordered, StreamExt};
 use metrics::counter;
 use rocketmq_client_rust::ClientInstanceHandle;
 
@@ -22,6 +22,9 @@ use crate::broker::client::now_millis;
 use crate::broker::consumer::{PopRequest, Popped};
 use crate::broker::BrokerError;
 use crate::metrics as m;
+
+/// The broker's answer to a filter it cannot compile (`ResponseCode.SUBSCRIPTION_PARSE_FAILED`).
+const SUBSCRIPTION_PARSE_FAILED: i32 = 23;
 
 /// Pause after a failed POP round or store write, so a down broker is not hammered.
 const ERROR_PAUSE: Duration = Duration::from_secs(1);
@@ -81,21 +84,29 @@ pub(super) async fn run(deliveries: Arc<Deliveries>, key: String, stop: Arc<Atom
             group: &sub.group,
             topic: &sub.topic,
             filter: &sub.filter,
+            filter_type: sub.filter_type.as_str(),
             max: u32::try_from(plan.wanted).unwrap_or(u32::MAX).clamp(1, config.pop_batch),
             invisible_ms: config.lease_ms,
             poll_ms: config.pop_poll_ms,
             orderly: sub.ordered,
         };
-        let rounds = brokers
+        // Each broker's answer is admitted as it comes: a message one broker has at once does not wait for
+        // another broker's long poll to end.
+        let mut rounds: FuturesUnordered<_> = brokers
             .iter()
             .filter_map(|b| handles.get(&b.name).map(|h| (b, h)))
-            .map(|(broker, handle)| deliveries.broker().pop(handle, broker, &request));
-        let mut popped = Vec::new();
+            .map(|(broker, handle)| deliveries.broker().pop(handle, broker, &request))
+            .collect();
         let mut failed = false;
+        let mut filter_refused = None;
         tracing::debug!(topic = %sub.topic, brokers = brokers.len(), wanted = plan.wanted, "POP round.");
-        for result in join_all(rounds).await {
+        while let Some(result) = rounds.next().await {
             match result {
-                Ok(messages) => popped.extend(messages),
+                Ok(popped) => {
+                    if !admit(&deliveries, &key, &sub.group, popped, &mut unadmitted).await {
+                        failed = true;
+                    }
+                }
                 Err(error) => {
                     failed = true;
                     counter!(m::CONSUME_REQUEST_FAILURES, "op" => "pop").increment(1);
@@ -103,12 +114,19 @@ pub(super) async fn run(deliveries: Arc<Deliveries>, key: String, stop: Arc<Atom
                         // The topic is not (yet) on that broker: ask the name server again next round.
                         deliveries.broker().invalidate_route(&sub.topic);
                     }
+                    if let BrokerError::Response { code: SUBSCRIPTION_PARSE_FAILED, detail } = &error {
+                        filter_refused = Some(detail.clone());
+                    }
                     tracing::debug!(%error, topic = %sub.topic, "POP failed.");
                 }
             }
         }
-        if !popped.is_empty() && !admit(&deliveries, &key, &sub.group, popped, &mut unadmitted).await {
-            failed = true;
+        // The broker could not compile the filter (an SQL92 syntax error): receivers are told, not left waiting.
+        // A round without failures clears it (the filter was changed to one the broker takes).
+        match filter_refused {
+            Some(refusal) => deliveries.set_filter_refusal(&key, Some(refusal)),
+            None if !failed => deliveries.set_filter_refusal(&key, None),
+            None => {}
         }
         if failed {
             tokio::time::sleep(ERROR_PAUSE).await;
@@ -121,7 +139,7 @@ pub(super) async fn run(deliveries: Arc<Deliveries>, key: String, stop: Arc<Atom
     }
 }
 
-/// Admits `popped`; false (and the messages in `unadmitted`) when the store refused them. Messages of a
+/// Admits `popped`; false (and the messages added to `unadmitted`) when the store refused them. Messages of a
 /// subscription removed meanwhile are given back to the broker at once.
 async fn admit(
     deliveries: &Deliveries,
@@ -136,7 +154,7 @@ async fn admit(
     match deliveries.admit(key, popped).await {
         Admission::Admitted => true,
         Admission::Refused(back) => {
-            *unadmitted = back;
+            unadmitted.extend(back);
             false
         }
         Admission::NoSubscription(back) => {

@@ -76,6 +76,11 @@ pub struct DeliveryRecord {
     /// order, so this orders a FIFO message group.
     #[serde(default)]
     pub seq: u64,
+    /// How many times it was handed out, this hand-out included: the current hand-out's number. A gRPC
+    /// receipt handle names it, so a consumer whose time ran out cannot settle a later hand-out. Kept across
+    /// restarts (a recovered holder keeps its handle); records written before it existed count from 0.
+    #[serde(default)]
+    pub handouts: u32,
     /// The event's body is stored apart (the `payloads` family) and left out of this record, in memory and in
     /// the store; it is read back to hand the event out or dead-letter it. Records written before popgate
     /// kept bodies apart carry their body inline (`false`).
@@ -91,8 +96,12 @@ pub struct Subscription {
     pub group: String,
     /// Topic.
     pub topic: String,
-    /// RocketMQ tag expression (`*`, `a || b`).
+    /// The filter: a RocketMQ tag expression (`*`, `a || b`), or an SQL92 expression over the message's
+    /// properties (`filter_type`), which the broker evaluates.
     pub filter: String,
+    /// What kind of expression `filter` is.
+    #[serde(default, skip_serializing_if = "FilterType::is_tag")]
+    pub filter_type: FilterType,
     /// Time a subscriber has to ACK one delivery.
     pub ack_timeout_ms: u64,
     /// Attempts in all before the DLQ.
@@ -112,6 +121,41 @@ pub struct Subscription {
     /// `POST /events/subscribe`: removed once idle (`delivery.idle_subscription_expiry_secs`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub implicit: bool,
+}
+
+/// The kind of a subscription's filter, as RocketMQ names it (`ExpressionType`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FilterType {
+    /// A tag expression.
+    #[default]
+    #[serde(rename = "TAG")]
+    Tag,
+    /// An SQL92 expression over the message's properties.
+    #[serde(rename = "SQL92")]
+    Sql92,
+}
+
+impl FilterType {
+    /// RocketMQ's name for it (`expType` of a POP).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FilterType::Tag => "TAG",
+            FilterType::Sql92 => "SQL92",
+        }
+    }
+
+    /// Parses RocketMQ's name (either case).
+    pub fn parse(text: &str) -> Option<FilterType> {
+        match text.to_ascii_uppercase().as_str() {
+            "TAG" => Some(FilterType::Tag),
+            "SQL92" => Some(FilterType::Sql92),
+            _ => None,
+        }
+    }
+
+    fn is_tag(&self) -> bool {
+        *self == FilterType::Tag
+    }
 }
 
 impl Subscription {

@@ -151,6 +151,7 @@ mod tests {
                 reconsume_times: 0,
                 retry_topic: None,
                 message_group: None,
+                stored: Default::default(),
             },
             handle: ReceiptHandle {
                 broker_name: "broker-a".into(),
@@ -169,6 +170,7 @@ mod tests {
             last_failure: None,
             seq: 0,
             body_apart: false,
+            handouts: 0,
         }
     }
 

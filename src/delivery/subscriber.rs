@@ -93,7 +93,7 @@ impl Subscriber {
                     drop(demand.take());
                     demand = Some((room, Demand::register(&self.deliveries, &self.key, room)));
                 }
-                let to = HandOut { transport: self.transport, ack_timeout: None, holder: None };
+                let to = HandOut { transport: self.transport, ack_timeout: None, holder: None, fifo_batch: false };
                 let taken = match self.deliveries.hand_out(&self.key, room, &to, Some(self.id)).await {
                     Ok(taken) => taken,
                     Err(error) => {

@@ -21,7 +21,9 @@ pub(crate) async fn offline_parts() -> (Arc<BrokerClient>, Arc<Publisher>, Deliv
         &config.fault_avoidance,
         config.reliability.profile,
     ));
-    (broker, publisher, config.delivery)
+    // No broker answers here: the group config is not asked for.
+    let delivery = crate::config::DeliveryConfig { follow_group_config: false, ..config.delivery };
+    (broker, publisher, delivery)
 }
 
 /// Group `g` on topic `t` with the seed's policy.
@@ -30,6 +32,7 @@ pub(crate) fn subscription() -> Subscription {
         group: "g".into(),
         topic: "t".into(),
         filter: "*".into(),
+        filter_type: Default::default(),
         ack_timeout_ms: 30_000,
         max_attempts: 6,
         initial_backoff_ms: 1_000,
@@ -55,6 +58,7 @@ pub(crate) fn popped(id: &str, body: &[u8], ago_ms: i64) -> Popped {
         reconsume_times: 0,
         retry_topic: None,
         message_group: None,
+        stored: Default::default(),
     };
     let handle = ReceiptHandle {
         broker_name: "broker-a".into(),

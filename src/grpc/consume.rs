@@ -1,6 +1,8 @@
 //! The consumer RPCs, each onto the delivery core. A message a gRPC consumer receives is a popgate delivery,
 //! recorded (with the client that holds it) before it is sent; its receipt handle is popgate's own,
-//! `pg1:<delivery id>`: stable across lease renewals and popgate restarts, and opaque to the client.
+//! `pg2:<delivery id>.<hand-out>`: stable across lease renewals and popgate restarts, opaque to the client,
+//! and its own for every hand-out, so a consumer whose invisible time ran out cannot settle the message
+//! another consumer holds now. (`pg1:<delivery id>`, from before hand-outs were counted, is still accepted.)
 //!
 //! | RPC | delivery core |
 //! |---|---|
@@ -12,24 +14,25 @@
 
 use std::time::Duration;
 
-use sha1::{Digest as _, Sha1};
+use md5::{Digest as _, Md5};
 use tokio::sync::mpsc;
 
-use super::deadline;
-use super::proto::{
-    self as pb, receive_message_response::Content, Code, DigestType, Encoding, FilterType, MessageType,
-};
+use super::proto::{self as pb, receive_message_response::Content, Code, DigestType, Encoding, MessageType};
 use super::service::Front;
 use super::settings::duration;
 use super::status::{ok, overall, status};
+use super::{deadline, names};
 use crate::auth::{Action, Caller};
-use crate::delivery::{DeliveryError, Dispatched, HandOut, Holder, Subscription, MAX_POLL_BATCH, MAX_POLL_WAIT};
-use crate::publish::is_valid_name;
+use crate::delivery::{
+    DeliveryError, Dispatched, FilterType, HandOut, Holder, Subscription, Target, MAX_POLL_BATCH, MAX_POLL_WAIT,
+};
 
-/// The prefix of popgate's receipt handles (its version, should their form ever change).
-const HANDLE_PREFIX: &str = "pg1:";
-/// The invisible durations a SimpleConsumer may ask for (Apache's proxy allows up to 12 h as well).
-const INVISIBLE_RANGE: std::ops::RangeInclusive<Duration> = Duration::from_secs(1)..=Duration::from_secs(12 * 3600);
+/// The prefix of popgate's receipt handles (their version).
+const HANDLE_PREFIX: &str = "pg2:";
+/// The prefix of the handles popgate issued before it counted hand-outs: they name no hand-out.
+const UNCOUNTED_HANDLE_PREFIX: &str = "pg1:";
+/// Most messages one receive hands out, as Apache's proxy (larger batches are cut to it, not refused).
+const MAX_RECEIVE_BATCH: usize = 32;
 /// An auto-renewed delivery's ACK deadline is kept this far ahead while its client is alive (see
 /// [`super::service::keep_alive_loop`]); a client gone without a word gets its deliveries back after it.
 pub(super) const AUTO_RENEW_HOLD: Duration = Duration::from_secs(30);
@@ -37,29 +40,24 @@ pub(super) const AUTO_RENEW_HOLD: Duration = Duration::from_secs(30);
 /// the message back through the retry policy.
 pub(super) const AUTO_RENEW_MAX: Duration = Duration::from_secs(3 * 3600);
 
-/// popgate's receipt handle for a delivery.
-pub(super) fn receipt_handle(delivery_id: &str) -> String {
-    format!("{HANDLE_PREFIX}{delivery_id}")
+/// popgate's receipt handle for one hand-out of a delivery.
+pub(super) fn receipt_handle(delivery_id: &str, handout: u32) -> String {
+    format!("{HANDLE_PREFIX}{delivery_id}.{handout}")
 }
 
-/// The delivery id in a receipt handle popgate issued.
-fn delivery_id(handle: &str) -> Option<&str> {
-    handle.strip_prefix(HANDLE_PREFIX).filter(|id| !id.is_empty())
-}
-
-/// A resource's name, checked.
-fn name_of(resource: Option<&pb::Resource>, code: Code, field: &str) -> Result<String, pb::Status> {
-    let name = resource.map(|r| r.name.clone()).unwrap_or_default();
-    if is_valid_name(&name) {
-        Ok(name)
-    } else {
-        Err(status(code, format!("{field} `{name}` is not a valid name (1..=127 letters, digits, `_`, `-`, `%`, `|`)")))
+/// The delivery (and hand-out) a receipt handle popgate issued names.
+fn target_of(handle: &str) -> Option<Target<'_>> {
+    if let Some(id) = handle.strip_prefix(UNCOUNTED_HANDLE_PREFIX) {
+        return (!id.is_empty()).then_some(Target { id, handout: None });
     }
+    let (id, handout) = handle.strip_prefix(HANDLE_PREFIX)?.rsplit_once('.')?;
+    let handout = handout.parse().ok()?;
+    (!id.is_empty()).then_some(Target { id, handout: Some(handout) })
 }
 
 /// The group, checked against the caller's consume scope.
 fn consumer_group(caller: &Caller, group: Option<&pb::Resource>) -> Result<String, pb::Status> {
-    let group = name_of(group, Code::IllegalConsumerGroup, "group")?;
+    let group = names::group(group)?;
     if caller.may(Action::Consume(&group)) {
         Ok(group)
     } else {
@@ -73,7 +71,7 @@ pub(super) async fn query_assignment(
     request: pb::QueryAssignmentRequest,
 ) -> pb::QueryAssignmentResponse {
     let refused = |status| pb::QueryAssignmentResponse { status: Some(status), assignments: vec![] };
-    let topic = match name_of(request.topic.as_ref(), Code::IllegalTopic, "topic") {
+    let topic = match names::topic(request.topic.as_ref()) {
         Ok(topic) => topic,
         Err(refusal) => return refused(refusal),
     };
@@ -143,37 +141,30 @@ pub(super) async fn prepare_receive(
 ) -> Result<Receive, pb::Status> {
     let group = consumer_group(caller, request.group.as_ref())?;
     let queue_topic = request.message_queue.as_ref().and_then(|q| q.topic.as_ref());
-    let topic = name_of(queue_topic, Code::IllegalTopic, "message_queue.topic")?;
+    let topic = names::topic(queue_topic)?;
     let namespace = queue_topic.map(|t| t.resource_namespace.clone()).unwrap_or_default();
-    let filter = match request.filter_expression {
-        None => "*".to_owned(),
-        Some(f) if f.r#type == FilterType::Sql as i32 => {
-            return Err(status(Code::IllegalFilterExpression, "SQL92 filters are not supported; use a tag expression"));
-        }
-        Some(f) if f.expression.trim().is_empty() => "*".to_owned(),
-        Some(f) => f.expression,
-    };
+    let (filter, filter_type) = filter_of(request.filter_expression)?;
     let batch = usize::try_from(request.batch_size)
         .ok()
         .filter(|n| *n > 0)
         .ok_or_else(|| status(Code::BadRequest, "batch_size must be greater than 0"))?
-        .min(MAX_POLL_BATCH);
+        .min(MAX_RECEIVE_BATCH.min(MAX_POLL_BATCH));
     let asked = request
         .long_polling_timeout
         .map(|d| to_std(d).ok_or_else(|| status(Code::IllegalPollingTime, "long_polling_timeout must not be negative")))
         .transpose()?;
     let request_timeout = front.request_timeout_of(&call.client_id);
     let wait = deadline::long_poll(asked, call.time_left, request_timeout, call.client_version.as_deref())?;
+    // Auto-renewed (a PushConsumer): the asked duration does not matter, as in Apache's proxy. Not asked: the
+    // subscription's ACK timeout.
     let ack_timeout = if request.auto_renew {
         Some(AUTO_RENEW_HOLD)
     } else {
-        match request.invisible_duration.map(to_std) {
-            None => None,
-            Some(Some(d)) if INVISIBLE_RANGE.contains(&d) => Some(d),
-            Some(_) => {
-                return Err(status(Code::IllegalInvisibleTime, "invisible_duration must be within 1 s ..= 12 h"))
-            }
-        }
+        let grpc = &front.config.grpc;
+        request
+            .invisible_duration
+            .map(|d| checked_invisible(d, grpc.min_invisible_ms, grpc.max_invisible_ms))
+            .transpose()?
     };
     if front.dispatcher.subscription(&group, &topic).is_none() {
         match front.publisher.existing_topic(&topic).await {
@@ -184,15 +175,35 @@ pub(super) async fn prepare_receive(
             }
         }
     }
-    let sub = front.dispatcher.ensure_filtered(&group, &topic, &filter).await.map_err(delivery_status)?;
+    let sub = front.dispatcher.ensure_filtered(&group, &topic, &filter, filter_type).await.map_err(delivery_status)?;
     let holder = Holder { client_id: call.client_id.clone(), auto_renew: request.auto_renew };
     Ok(Receive {
         sub,
         batch,
         wait: wait.min(MAX_POLL_WAIT),
-        hand_out: HandOut { transport: "grpc", ack_timeout, holder: Some(holder) },
+        hand_out: HandOut { transport: "grpc", ack_timeout, holder: Some(holder), fifo_batch: true },
         namespace,
     })
+}
+
+/// A receive's filter as Apache's proxy reads it (`FilterAPI.build`): a tag expression (empty or `*`: every
+/// message), or an SQL92 expression that the broker evaluates (and refuses if it cannot compile it).
+fn filter_of(expression: Option<pb::FilterExpression>) -> Result<(String, FilterType), pb::Status> {
+    let Some(expression) = expression else { return Ok(("*".to_owned(), FilterType::Tag)) };
+    if expression.r#type == pb::FilterType::Sql as i32 {
+        if expression.expression.trim().is_empty() {
+            return Err(status(Code::IllegalFilterExpression, "Expression can't be null! SQL92"));
+        }
+        return Ok((expression.expression, FilterType::Sql92));
+    }
+    let tags = expression.expression.trim();
+    if tags.is_empty() || tags == "*" {
+        return Ok(("*".to_owned(), FilterType::Tag));
+    }
+    if tags.split("||").all(|tag| tag.trim().is_empty()) {
+        return Err(status(Code::IllegalFilterExpression, "subString split error"));
+    }
+    Ok((expression.expression, FilterType::Tag))
 }
 
 /// Runs a checked receive: waits for deliveries (or until the client goes away) and writes the stream Apache's
@@ -245,26 +256,35 @@ fn content(content: Content) -> pb::ReceiveMessageResponse {
     pb::ReceiveMessageResponse { content: Some(content) }
 }
 
-/// A delivery as the SDK reads a message: the body's SHA-1 (the SDK checks it), popgate's attempt number and
-/// receipt handle.
+/// A delivery as the SDK reads a message, every system property filled as Apache's proxy fills it from the
+/// stored message (`GrpcConverter`), except popgate's attempt number, receipt handle and the time left to
+/// settle it (`invisible_duration`, which Apache's proxy leaves out).
 fn to_message(delivery: &Dispatched, namespace: &str) -> pb::Message {
     let event = &delivery.event;
+    let stored = &event.stored;
     let remaining = delivery.ack_deadline_ms - now_ms();
     let system_properties = pb::SystemProperties {
         tag: event.tags.clone(),
         keys: event.keys.clone(),
         message_id: event.id.clone(),
         body_digest: Some(pb::Digest {
-            r#type: DigestType::Sha1 as i32,
-            checksum: hex::encode_upper(Sha1::digest(&event.body)),
+            r#type: DigestType::Md5 as i32,
+            checksum: hex::encode_upper(Md5::digest(&event.body)),
         }),
         body_encoding: Encoding::Identity as i32,
-        message_type: if event.message_group.is_some() { MessageType::Fifo } else { MessageType::Normal } as i32,
+        message_type: message_type(event) as i32,
         born_timestamp: Some(timestamp(event.born_timestamp)),
-        receipt_handle: Some(receipt_handle(&delivery.id)),
+        born_host: stored.born_host.clone(),
+        store_timestamp: (stored.store_timestamp > 0).then(|| timestamp(stored.store_timestamp)),
+        store_host: stored.store_host.clone(),
+        delivery_timestamp: delivery_timestamp(event).map(timestamp),
+        receipt_handle: Some(receipt_handle(&delivery.id, delivery.handout)),
+        queue_id: stored.queue_id,
+        queue_offset: Some(stored.queue_offset),
         invisible_duration: Some(duration(Duration::from_millis(u64::try_from(remaining).unwrap_or(0)))),
         delivery_attempt: Some(i32::try_from(delivery.attempt).unwrap_or(i32::MAX)),
         message_group: event.message_group.clone(),
+        trace_context: stored.system.get("TRACE_CONTEXT").cloned(),
         ..Default::default()
     };
     pb::Message {
@@ -275,16 +295,41 @@ fn to_message(delivery: &Dispatched, namespace: &str) -> pb::Message {
     }
 }
 
+/// Apache's rule (`GrpcConverter.buildMessageType`): transactional, else delayed (any timer property), else FIFO
+/// (a message group), else normal.
+fn message_type(event: &crate::delivery::Event) -> MessageType {
+    let system = &event.stored.system;
+    if system.get("TRAN_MSG").is_some_and(|v| v == "true") {
+        MessageType::Transaction
+    } else if ["DELAY", "TIMER_DELIVER_MS", "TIMER_DELAY_SEC"].iter().any(|p| system.contains_key(*p)) {
+        MessageType::Delay
+    } else if event.message_group.is_some() {
+        MessageType::Fifo
+    } else {
+        MessageType::Normal
+    }
+}
+
+/// When a timer message was due (epoch ms): `TIMER_DELAY_SEC` from now, as Apache's proxy computes it, else
+/// `TIMER_DELIVER_MS`.
+fn delivery_timestamp(event: &crate::delivery::Event) -> Option<i64> {
+    let system = &event.stored.system;
+    if let Some(seconds) = system.get("TIMER_DELAY_SEC").and_then(|v| v.parse::<i64>().ok()) {
+        return Some(now_ms().saturating_add(seconds.saturating_mul(1000)));
+    }
+    system.get("TIMER_DELIVER_MS").and_then(|v| v.parse().ok())
+}
+
 /// The delivery a handle names, checked against the request's group: a handle popgate did not issue, or one of
 /// another group, is `INVALID_RECEIPT_HANDLE`.
-fn delivery_of<'h>(front: &Front, group: &str, handle: &'h str) -> Result<&'h str, pb::Status> {
-    let id =
-        delivery_id(handle).ok_or_else(|| status(Code::InvalidReceiptHandle, "not a receipt handle popgate issued"))?;
-    match front.dispatcher.hold_of(id) {
+fn delivery_of<'h>(front: &Front, group: &str, handle: &'h str) -> Result<Target<'h>, pb::Status> {
+    let target =
+        target_of(handle).ok_or_else(|| status(Code::InvalidReceiptHandle, "not a receipt handle popgate issued"))?;
+    match front.dispatcher.hold_of(target.id) {
         Some((owner, _, _)) if owner != group => {
             Err(status(Code::InvalidReceiptHandle, format!("the handle belongs to group `{owner}`, not `{group}`")))
         }
-        _ => Ok(id),
+        _ => Ok(target),
     }
 }
 
@@ -301,10 +346,10 @@ pub(super) async fn ack_messages(
         return pb::AckMessageResponse { status: Some(status(Code::BadRequest, "no entries")), entries: vec![] };
     }
     // The entries with a valid handle are ACKed as one batch (one store write, one broker request per broker).
-    let ids: Vec<Result<&str, pb::Status>> =
+    let ids: Vec<Result<Target<'_>, pb::Status>> =
         request.entries.iter().map(|entry| delivery_of(front, &group, &entry.receipt_handle)).collect();
-    let valid: Vec<&str> = ids.iter().filter_map(|id| id.as_ref().ok().copied()).collect();
-    let mut acked = front.dispatcher.ack_many(&valid).await.into_iter();
+    let valid: Vec<Target<'_>> = ids.iter().filter_map(|id| id.as_ref().ok().copied()).collect();
+    let mut acked = front.dispatcher.ack_targets(&valid).await.into_iter();
     let entries: Vec<pb::AckMessageResultEntry> = request
         .entries
         .iter()
@@ -346,13 +391,17 @@ pub(super) async fn change_invisible_duration(
         Ok(id) => id,
         Err(refusal) => return answer(refusal),
     };
-    let auto_renewed = front.dispatcher.hold_of(id).and_then(|(_, _, holder)| holder).is_some_and(|h| h.auto_renew);
+    let auto_renewed = front.dispatcher.hold_of(id.id).and_then(|(_, _, holder)| holder).is_some_and(|h| h.auto_renew);
     if auto_renewed {
         return answer(front.dispatcher.nack(id, None).await.map_or_else(delivery_status, |_| ok()));
     }
-    let by = match request.invisible_duration.and_then(to_std) {
-        Some(by) if by <= *INVISIBLE_RANGE.end() => by,
-        _ => return answer(status(Code::IllegalInvisibleTime, "invisible_duration must be within 0 s ..= 12 h")),
+    let by = match checked_invisible(
+        request.invisible_duration.unwrap_or_default(),
+        0,
+        front.config.grpc.max_invisible_ms,
+    ) {
+        Ok(by) => by,
+        Err(refusal) => return answer(refusal),
     };
     answer(front.dispatcher.extend(id, by).await.map_or_else(delivery_status, |_| ok()))
 }
@@ -377,13 +426,29 @@ pub(super) async fn forward_to_dead_letter_queue(
     front.dispatcher.term(id, &reason).await.map_or_else(delivery_status, |()| ok())
 }
 
+/// An invisible duration within `min_ms..=max_ms`, refused in Apache's words.
+fn checked_invisible(asked: prost_types::Duration, min_ms: u64, max_ms: u64) -> Result<Duration, pb::Status> {
+    let asked = to_std(asked).unwrap_or_default();
+    if asked < Duration::from_millis(min_ms) {
+        return Err(status(Code::IllegalInvisibleTime, format!("the invisibleTime is too small. min is {min_ms}")));
+    }
+    if asked > Duration::from_millis(max_ms) {
+        return Err(status(Code::IllegalInvisibleTime, format!("the invisibleTime is too large. max is {max_ms}")));
+    }
+    Ok(asked)
+}
+
 /// The SDK's status for a delivery-core refusal. `INVALID_RECEIPT_HANDLE` tells a PushConsumer to stop
 /// retrying its ACK; the others it retries every second.
 fn delivery_status(error: DeliveryError) -> pb::Status {
     let code = match &error {
-        DeliveryError::Unknown | DeliveryError::Stale | DeliveryError::NotInFlight => Code::InvalidReceiptHandle,
+        // Apache's proxy says "receipt handle is expired" for every handle its holder may no longer settle.
+        DeliveryError::Unknown | DeliveryError::Stale | DeliveryError::NotInFlight | DeliveryError::Superseded => {
+            return status(Code::InvalidReceiptHandle, format!("receipt handle is expired: {error}"));
+        }
         DeliveryError::Busy => Code::TooManyRequests,
         DeliveryError::Store(_) => Code::InternalServerError,
+        DeliveryError::Invalid("filter", _) => Code::IllegalFilterExpression,
         DeliveryError::Invalid(..) => Code::BadRequest,
     };
     status(code, error.to_string())
@@ -413,9 +478,11 @@ mod tests {
 
     #[test]
     fn handles_round_trip_and_foreign_ones_are_refused() {
-        assert_eq!(delivery_id(&receipt_handle("abc")), Some("abc"));
-        assert_eq!(delivery_id("pg1:"), None);
-        assert_eq!(delivery_id("1 2 3 brokerA 0 1 2"), None);
+        assert_eq!(target_of(&receipt_handle("abc", 3)), Some(Target { id: "abc", handout: Some(3) }));
+        assert_eq!(target_of("pg1:abc"), Some(Target { id: "abc", handout: None }), "issued by older popgate");
+        for foreign in ["pg1:", "pg2:abc", "pg2:.1", "pg2:abc.x", "1 2 3 brokerA 0 1 2"] {
+            assert_eq!(target_of(foreign), None, "{foreign}");
+        }
     }
 
     #[test]

@@ -12,6 +12,7 @@
 mod consume;
 mod deadline;
 mod listener;
+mod names;
 pub mod proto;
 mod route;
 mod send;

@@ -2,10 +2,10 @@
 //! entries carry the endpoints the client dialled, so the SDK sends everything back to popgate (it would dial
 //! the brokers' remoting ports otherwise, which speak no gRPC).
 
+use super::names;
 use super::proto::{self as pb, Code, MessageType, Permission};
 use super::service::Front;
 use super::status::{ok, status};
-use crate::publish::is_valid_name;
 
 /// The message types popgate's queues accept: no transactional messages (popgate does not serve
 /// `EndTransaction`), so the SDK refuses those itself.
@@ -14,10 +14,10 @@ const ACCEPTED_TYPES: [MessageType; 3] = [MessageType::Normal, MessageType::Fifo
 pub(super) async fn query_route(front: &Front, request: pb::QueryRouteRequest) -> pb::QueryRouteResponse {
     let refused =
         |code, message: String| pb::QueryRouteResponse { status: Some(status(code, message)), message_queues: vec![] };
-    let topic = request.topic.unwrap_or_default();
-    if !is_valid_name(&topic.name) {
-        return refused(Code::IllegalTopic, format!("`{}` is not a valid topic name", topic.name));
+    if let Err(refusal) = names::topic(request.topic.as_ref()) {
+        return pb::QueryRouteResponse { status: Some(refusal), message_queues: vec![] };
     }
+    let topic = request.topic.unwrap_or_default();
     let Some(endpoints) = request.endpoints else {
         return refused(Code::IllegalAccessPoint, "the request names no endpoints".to_owned());
     };

@@ -2,22 +2,21 @@
 //! avoidance, the reliability profile's store-status rule). The SDK's message id is kept; message group,
 //! delivery timestamp, tag, keys and user properties become what the HTTP front makes of them.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use metrics::{counter, histogram};
 
+use super::names;
 use super::proto::{self as pb, Code, MessageType};
 use super::service::Front;
 use super::status::{ok, overall, status};
 use crate::auth::{Action, Caller};
+use crate::config::PublishConfig;
 use crate::metrics as m;
+use crate::publish::limits::Part;
 use crate::publish::{
-    is_reserved_property, is_valid_name, OutgoingMessage, PublishError, SendMode, DELIVER_AT_PROPERTY,
-    MESSAGE_GROUP_PROPERTY, MESSAGE_ID_PROPERTY,
+    OutgoingMessage, PublishError, SendMode, DELIVER_AT_PROPERTY, MESSAGE_GROUP_PROPERTY, MESSAGE_ID_PROPERTY,
 };
-
-/// The broker's longest timer delay by default (`timerMaxDelaySec`, 3 days).
-const MAX_DELAY: Duration = Duration::from_secs(3 * 24 * 3600);
 
 pub(super) async fn send_messages(
     front: &Front,
@@ -25,8 +24,17 @@ pub(super) async fn send_messages(
     request: pb::SendMessageRequest,
     deadline: Option<std::time::Instant>,
 ) -> pb::SendMessageResponse {
-    if request.messages.is_empty() {
-        return pb::SendMessageResponse { status: Some(status(Code::BadRequest, "no messages")), entries: vec![] };
+    // Apache's proxy sends one request's messages as one batch, so they must share their topic.
+    let first_topic = request.messages.first().map(|m| m.topic.clone());
+    let refusal = match &first_topic {
+        None => Some(status(Code::MessageCorrupted, "no message to send")),
+        Some(topic) if request.messages.iter().any(|m| m.topic != *topic) => {
+            Some(status(Code::MessageCorrupted, "topic in message is not same"))
+        }
+        Some(_) => None,
+    };
+    if let Some(refusal) = refusal {
+        return pb::SendMessageResponse { status: Some(refusal), entries: vec![] };
     }
     let mut entries = Vec::with_capacity(request.messages.len());
     for message in request.messages {
@@ -72,7 +80,7 @@ async fn send_checked(
         message_id: message_id.clone(),
         ..Default::default()
     };
-    let outgoing = match to_outgoing(message, front.config.publish.max_message_bytes) {
+    let outgoing = match to_outgoing(message, &front.config.publish) {
         Ok(outgoing) => outgoing,
         Err(invalid) => return refused(invalid),
     };
@@ -80,7 +88,8 @@ async fn send_checked(
         counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
         return refused(status(Code::Forbidden, format!("may not publish to `{}`", outgoing.topic)));
     }
-    match front.publisher.publish_before(&outgoing, SendMode::Sync, deadline).await {
+    // Every retry of one SDK message carries its message id: a repeat is answered from the de-duplication window.
+    match front.publisher.publish_once(&outgoing, SendMode::Sync, deadline, Some(&message_id)).await {
         Ok(published) => {
             let receipt = published.receipt;
             pb::SendResultEntry {
@@ -97,34 +106,29 @@ async fn send_checked(
     }
 }
 
-/// The SDK's message as popgate sends it, or the status naming what is wrong with it.
-fn to_outgoing(message: pb::Message, max_body_bytes: usize) -> Result<OutgoingMessage, pb::Status> {
-    let topic = message.topic.map(|t| t.name).unwrap_or_default();
-    if !is_valid_name(&topic) {
-        return Err(status(Code::IllegalTopic, format!("`{topic}` is not a valid topic name")));
-    }
+/// The SDK's message as popgate sends it, or the status naming what is wrong with it: Apache's proxy's checks,
+/// codes and words (`SendMessageActivity`), with the limits every front shares.
+fn to_outgoing(message: pb::Message, config: &PublishConfig) -> Result<OutgoingMessage, pb::Status> {
+    let topic = names::topic(message.topic.as_ref())?;
     if message.body.is_empty() {
-        return Err(status(Code::MessageBodyEmpty, "the message body is empty"));
+        return Err(status(Code::MessageBodyEmpty, "message body cannot be empty"));
     }
+    let max_body_bytes = config.max_message_bytes;
     if message.body.len() > max_body_bytes {
-        return Err(status(Code::MessageBodyTooLarge, format!("the message body exceeds {max_body_bytes} bytes")));
+        return Err(status(Code::MessageBodyTooLarge, format!("message body cannot exceed the max {max_body_bytes}")));
     }
     let system = message.system_properties.unwrap_or_default();
     if system.message_type == MessageType::Transaction as i32 {
         return Err(status(Code::NotImplemented, "popgate does not serve transactional messages"));
     }
-    let mut outgoing = OutgoingMessage::new(topic, message.body);
-    for (name, value) in message.user_properties {
-        if is_reserved_property(&name) {
-            return Err(status(Code::IllegalMessagePropertyKey, format!("`{name}` is a reserved property name")));
-        }
-        outgoing.properties.insert(name, value);
+    if system.message_id.trim().is_empty() {
+        return Err(status(Code::IllegalMessageId, "message id cannot be empty"));
     }
+    let mut outgoing = OutgoingMessage::new(topic, message.body);
+    outgoing.properties.extend(message.user_properties);
     outgoing.tags = system.tag.filter(|t| !t.is_empty());
     outgoing.keys = system.keys;
-    if !system.message_id.is_empty() {
-        outgoing.properties.insert(MESSAGE_ID_PROPERTY.to_owned(), system.message_id);
-    }
+    outgoing.properties.insert(MESSAGE_ID_PROPERTY.to_owned(), system.message_id);
     match (system.message_group, system.delivery_timestamp) {
         (Some(_), Some(_)) => {
             return Err(status(
@@ -132,18 +136,14 @@ fn to_outgoing(message: pb::Message, max_body_bytes: usize) -> Result<OutgoingMe
                 "a message cannot have both a message group and a delivery timestamp",
             ))
         }
+        // An empty group is no group, as in Apache's proxy.
+        (Some(group), None) if group.is_empty() => {}
         (Some(group), None) => {
-            if group.is_empty() {
-                return Err(status(Code::IllegalMessageGroup, "the message group is empty"));
-            }
             outgoing.properties.insert(MESSAGE_GROUP_PROPERTY.to_owned(), group);
         }
         (None, Some(at)) => {
             let deliver_at_ms = at.seconds.saturating_mul(1000).saturating_add(i64::from(at.nanos / 1_000_000));
             let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64);
-            if deliver_at_ms > now_ms + MAX_DELAY.as_millis() as i64 {
-                return Err(status(Code::IllegalDeliveryTime, "the delivery timestamp is more than 3 days ahead"));
-            }
             // A time already past is delivered at once, as by the broker.
             if deliver_at_ms > now_ms {
                 outgoing.properties.insert(DELIVER_AT_PROPERTY.to_owned(), deliver_at_ms.to_string());
@@ -151,5 +151,16 @@ fn to_outgoing(message: pb::Message, max_body_bytes: usize) -> Result<OutgoingMe
         }
         (None, None) => {}
     }
+    config.limits.check(&outgoing).map_err(|broken| {
+        let code = match broken.part {
+            Part::Tag => Code::IllegalMessageTag,
+            Part::Key => Code::IllegalMessageKey,
+            Part::MessageGroup => Code::IllegalMessageGroup,
+            Part::Property => Code::IllegalMessagePropertyKey,
+            Part::PropertiesTooLarge => Code::MessagePropertiesTooLarge,
+            Part::DeliveryTime => Code::IllegalDeliveryTime,
+        };
+        status(code, broken.message)
+    })?;
     Ok(outgoing)
 }

@@ -464,7 +464,14 @@ impl MessagingService for Arc<Front> {
                 front.saw_client(&metadata, Some(settings::kind_label(client.client_type)));
                 front.note_request_timeout(&metadata, &client);
                 let group_sub = front.subscription_of(&client);
-                let reply = settings::reply(client, &front.config, group_sub.as_ref());
+                let group_orderly = match &client.pub_sub {
+                    Some(settings_pub_sub::Subscription(s)) => match s.group.as_ref() {
+                        Some(group) => front.dispatcher.group_orderly(&group.name).await,
+                        None => false,
+                    },
+                    _ => false,
+                };
+                let reply = settings::reply(client, &front.config, group_sub.as_ref(), group_orderly);
                 observe("Telemetry", Code::Ok as i32, started);
                 let answer = pb::TelemetryCommand {
                     status: Some(ok()),

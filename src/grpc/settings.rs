@@ -18,8 +18,9 @@ const RECEIVE_BATCH_SIZE: i32 = 32;
 const LONG_POLLING_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// The settings to answer `client` with; `group_sub` is popgate's subscription of a consumer's group, when
-/// there is one: its retry policy and ordering win over the configured defaults.
-pub fn reply(client: Settings, config: &Config, group_sub: Option<&Subscription>) -> Settings {
+/// there is one: its retry policy and ordering win over the configured defaults. `group_orderly`: the
+/// cluster's config makes the consumer's group orderly (FIFO, as Apache's proxy decides it).
+pub fn reply(client: Settings, config: &Config, group_sub: Option<&Subscription>, group_orderly: bool) -> Settings {
     let mut reply = client;
     reply.metric = Some(Metric { on: false, endpoints: None });
     match reply.pub_sub.take() {
@@ -34,7 +35,7 @@ pub fn reply(client: Settings, config: &Config, group_sub: Option<&Subscription>
             subscription.receive_batch_size = Some(subscription.receive_batch_size.unwrap_or(RECEIVE_BATCH_SIZE));
             subscription.long_polling_timeout =
                 Some(subscription.long_polling_timeout.unwrap_or_else(|| duration(LONG_POLLING_TIMEOUT)));
-            subscription.fifo = Some(group_sub.is_some_and(|s| s.ordered));
+            subscription.fifo = Some(group_orderly || group_sub.is_some_and(|s| s.ordered));
             reply.backoff_policy = Some(consumer_backoff(config, group_sub));
             reply.pub_sub = Some(settings::PubSub::Subscription(subscription));
         }

@@ -9,6 +9,8 @@
 //! `mode=async` keeps its retries on the broker it started with (the seed's async semantics); `mode=oneway`
 //! makes one attempt and does not wait for the broker.
 
+pub mod dedup;
+pub mod limits;
 pub mod message_group;
 pub mod request;
 
@@ -19,6 +21,8 @@ pub use crate::broker::message::{
 };
 pub use crate::broker::{OutgoingMessage, TopicRoute};
 pub use message_group::group_queue;
+
+use dedup::{Claim, DedupWindow};
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -77,8 +81,11 @@ pub struct Published {
     pub receipt: Option<SendReceipt>,
     /// The topic written.
     pub topic: String,
-    /// Every attempt made, the successful one last.
+    /// Every attempt made, the successful one last (none when `deduplicated`).
     pub attempts: Vec<Attempt>,
+    /// Answered from the de-duplication window: an earlier send with the same key was stored, and this is
+    /// its receipt; nothing was sent this time.
+    pub deduplicated: bool,
 }
 
 /// Why a publish did not succeed.
@@ -95,6 +102,12 @@ pub enum PublishError {
         /// The last failure.
         last_error: String,
     },
+}
+
+/// A keyed send the caller stopped waiting for: it goes on, and a retry under the same key gets its receipt.
+fn still_in_flight(why: &str) -> PublishError {
+    let last_error = format!("{why}; the send goes on, and a retry of the same message is answered with its receipt");
+    PublishError::Exhausted { attempts: Vec::new(), last_error }
 }
 
 /// What a broker's store status means under the reliability profile.
@@ -135,6 +148,8 @@ pub struct Publisher {
     profile: Profile,
     /// Round-robin position (`sendWhichQueue`), shared by every topic as in the Java client per topic.
     rotation: AtomicUsize,
+    /// The de-duplication window for keyed sends, when one is kept.
+    dedup: Option<Arc<DedupWindow>>,
 }
 
 impl Publisher {
@@ -151,7 +166,74 @@ impl Publisher {
             config,
             profile,
             rotation: AtomicUsize::new(0),
+            dedup: None,
         }
+    }
+
+    /// Keyed sends ([`Publisher::publish_once`]) are de-duplicated within `window`.
+    #[must_use]
+    pub fn with_dedup(mut self, window: Arc<DedupWindow>) -> Publisher {
+        self.dedup = Some(window);
+        self
+    }
+
+    /// [`Publisher::publish_before`] for a message a producer may send again under the same `key` (the SDK's
+    /// message id, an HTTP `Idempotency-Key`, a CloudEvents id): a repeat within the de-duplication window is
+    /// answered with the first send's receipt and not sent again. Oneway sends and sends without a key are not
+    /// de-duplicated (there is no receipt to answer with, or nothing to know a repeat by).
+    ///
+    /// A keyed send is not cut short by the caller's deadline: a broker that answers late would store a
+    /// message whose sender was told it failed, and the sender's retry would store it again. The send goes on
+    /// under popgate's own policy; the caller is answered by its deadline, and its retry (same key) waits for
+    /// the send still in flight and gets its receipt.
+    ///
+    /// # Errors
+    /// As [`Publisher::publish_before`]; [`PublishError::Exhausted`] without attempts when the deadline came
+    /// first (the send goes on).
+    pub async fn publish_once(
+        self: &Arc<Self>,
+        message: &OutgoingMessage,
+        mode: SendMode,
+        deadline: Option<Instant>,
+        key: Option<&str>,
+    ) -> Result<Published, PublishError> {
+        let (Some(window), Some(key)) = (self.dedup.as_ref(), key.filter(|_| mode != SendMode::Oneway)) else {
+            return self.publish_before(message, mode, deadline).await;
+        };
+        let claimed = match deadline {
+            None => window.claim(&message.topic, key).await,
+            Some(deadline) => match tokio::time::timeout_at(deadline.into(), window.claim(&message.topic, key)).await {
+                Ok(claimed) => claimed,
+                Err(_) => {
+                    return Err(still_in_flight("an earlier send of this message is still waiting for the broker"))
+                }
+            },
+        };
+        let pending = match claimed {
+            Claim::Duplicate(receipt) => {
+                let topic = message.topic.clone();
+                return Ok(Published { receipt: Some(receipt), topic, attempts: Vec::new(), deduplicated: true });
+            }
+            Claim::Send(pending) => pending,
+        };
+        let (publisher, owned) = (Arc::clone(self), message.clone());
+        let send = tokio::spawn(async move {
+            let published = publisher.publish_before(&owned, mode, None).await;
+            if let Some(receipt) = published.as_ref().ok().and_then(|p| p.receipt.as_ref()) {
+                pending.sent(receipt).await;
+            }
+            published
+        });
+        let joined = match deadline {
+            None => send.await,
+            Some(deadline) => match tokio::time::timeout_at(deadline.into(), send).await {
+                Ok(joined) => joined,
+                Err(_) => return Err(still_in_flight("the broker did not answer before the client's deadline")),
+            },
+        };
+        joined.unwrap_or_else(|error| {
+            Err(PublishError::Exhausted { attempts: Vec::new(), last_error: format!("the send task failed: {error}") })
+        })
     }
 
     /// Whether a publish could be taken now: a name server answers and knows a master broker (one that is
@@ -247,7 +329,7 @@ impl Publisher {
             match self.attempt(message, broker, queue_id, mode, timeout).await {
                 Ok(receipt) => {
                     attempts.push(Attempt { broker: broker.name.clone(), error: None });
-                    return Ok(Published { receipt, topic: message.topic.clone(), attempts });
+                    return Ok(Published { receipt, topic: message.topic.clone(), attempts, deduplicated: false });
                 }
                 Err(AttemptError::Fatal(error)) => {
                     attempts.push(Attempt { broker: broker.name.clone(), error: Some(error.to_string()) });

@@ -54,10 +54,13 @@ pub enum Family {
     /// and for the DLQ, deleted with the delivery. Kept apart so memory and every phase change carry only
     /// the small record.
     Payloads,
+    /// The publish de-duplication window: the receipt of each recent send by its key, and an expiry index.
+    Published,
 }
 
 impl Family {
-    const ALL: [Family; 4] = [Family::Deliveries, Family::Subscriptions, Family::DlqReplays, Family::Payloads];
+    const ALL: [Family; 5] =
+        [Family::Deliveries, Family::Subscriptions, Family::DlqReplays, Family::Payloads, Family::Published];
 
     /// The family's memtable size. Memtables count in popgate's RSS (two per family at most), so they are
     /// far below RocksDB's 64 MiB: a delivery's records (admitted, handed out, deleted) and its body (written,
@@ -68,7 +71,7 @@ impl Family {
         match self {
             Family::Payloads => 4 * 1024 * 1024,
             Family::Deliveries => 8 * 1024 * 1024,
-            Family::Subscriptions | Family::DlqReplays => 4 * 1024 * 1024,
+            Family::Subscriptions | Family::DlqReplays | Family::Published => 4 * 1024 * 1024,
         }
     }
 
@@ -78,6 +81,7 @@ impl Family {
             Family::Subscriptions => "subscriptions",
             Family::DlqReplays => "dlq_replays",
             Family::Payloads => "payloads",
+            Family::Published => "published",
         }
     }
 }
@@ -350,6 +354,28 @@ impl StateStore {
         for item in db.iterator_cf(family_handle(db, family), IteratorMode::Start) {
             let (key, value) = item.map_err(StoreError::Read)?;
             visit(String::from_utf8_lossy(&key).into_owned(), serde_json::from_slice::<T>(&value).ok());
+        }
+        Ok(())
+    }
+
+    /// The keys of `family` that start with `prefix`, in order, while `visit` returns `true`.
+    ///
+    /// # Errors
+    /// [`StoreError::Read`] when iteration fails.
+    pub fn scan_prefix(
+        &self,
+        family: Family,
+        prefix: &str,
+        mut visit: impl FnMut(&str) -> bool,
+    ) -> Result<(), StoreError> {
+        let guard = self.db()?;
+        let db = guard.as_ref().ok_or(StoreError::Closed)?;
+        let from = IteratorMode::From(prefix.as_bytes(), rocksdb::Direction::Forward);
+        for item in db.iterator_cf(family_handle(db, family), from) {
+            let (key, _) = item.map_err(StoreError::Read)?;
+            if !key.starts_with(prefix.as_bytes()) || !visit(&String::from_utf8_lossy(&key)) {
+                break;
+            }
         }
         Ok(())
     }

@@ -37,7 +37,7 @@ use self::cluster::{BrokerCluster, Cluster};
 use self::table::{ActiveSubscription, Id, Table, Tracked};
 use super::record::{DeliveryRecord, Holder, Phase, Subscription};
 use super::retry::{epoch_ms_after, NextStep, RetryPolicy};
-use super::{DeliveryError, Dispatched, HandOut, InFlight, NackOutcome};
+use super::{DeliveryError, Dispatched, HandOut, InFlight, NackOutcome, Target};
 use crate::broker::client::now_millis;
 use crate::broker::consumer::{AckEntry, Popped};
 use crate::broker::{BrokerClient, BrokerError};
@@ -299,8 +299,9 @@ impl Deliveries {
         let key = sub.key();
         let mut table = self.table.lock();
         if let Some(active) = table.subs.get_mut(&key) {
-            if active.sub.filter != sub.filter {
+            if active.sub.filter != sub.filter || active.sub.filter_type != sub.filter_type {
                 active.filter_changed_ms = now_millis();
+                active.filter_refusal = None;
             }
             active.sub = sub;
             active.policy = policy;
@@ -341,6 +342,25 @@ impl Deliveries {
 
     pub(super) fn subscriptions(&self) -> Vec<Subscription> {
         self.table.lock().subs.values().map(|a| a.sub.clone()).collect()
+    }
+
+    /// The POP loop of `key` found its filter refused by the broker (`Some`, the broker's words), or taken
+    /// (`None`). A refusal wakes the long polls, which answer it.
+    pub(super) fn set_filter_refusal(&self, key: &str, refusal: Option<String>) {
+        let refused = refusal.is_some();
+        if let Some(active) = self.table.lock().subs.get_mut(key) {
+            active.filter_refusal = refusal;
+        }
+        if refused {
+            if let Some(bells) = self.bells.lock().get(key) {
+                bells.polls.notify_waiters();
+            }
+        }
+    }
+
+    /// The broker's refusal of `key`'s filter, if it refused it.
+    pub(super) fn filter_refusal(&self, key: &str) -> Option<String> {
+        self.table.lock().subs.get(key).and_then(|active| active.filter_refusal.clone())
     }
 
     /// Waiting subscribers of `key` want `count` more deliveries.
@@ -445,6 +465,7 @@ impl Deliveries {
                     last_failure: None,
                     seq: self.next_seq.fetch_add(1, Ordering::Relaxed),
                     body_apart: true,
+                    handouts: 0,
                 }
             })
             .collect();
@@ -523,6 +544,8 @@ impl Deliveries {
             let Table { subs, deliveries, timers, fifo, .. } = table;
             let Some(active) = subs.get_mut(key) else { return Ok(Vec::new()) };
             let mut blocked = Vec::new();
+            let mut batch: HashSet<Id> = HashSet::new();
+            let no_batch: HashSet<Id> = HashSet::new();
             while taken.len() < max {
                 let Some(id) = active.ready.pop_front() else { break };
                 let Some(tracked) = deliveries.get(&id) else { continue };
@@ -531,10 +554,12 @@ impl Deliveries {
                 let lapsed = tracked.record.handle.lease_deadline_ms() <= now;
                 let unavailable = tracked.claimed || !tracked.dispatchable(now) || lapsed;
                 // An earlier event of its message group still unsettled: it waits its turn.
+                // (or, for a FIFO batch, behind deliveries of its group that this hand-out did not take).
                 let behind_its_head = ordered
                     && !unavailable
                     && tracked.record.event.message_group.as_deref().is_some_and(|group| {
-                        Table::fifo_view(fifo, deliveries).head(key, group) != Some(tracked.record.seq)
+                        let joined = if to.fifo_batch { &batch } else { &no_batch };
+                        !Table::fifo_view(fifo, deliveries).may_join(key, group, tracked.record.seq, joined)
                     });
                 let Some(tracked) = deliveries.get_mut(&id) else { continue };
                 if unavailable {
@@ -549,7 +574,9 @@ impl Deliveries {
                 }
                 tracked.queued = false;
                 tracked.claimed = true;
+                batch.insert(id.clone());
                 let mut record = tracked.record.clone();
+                record.handouts = record.handouts.saturating_add(1);
                 record.phase = Phase::AwaitingAck {
                     deadline_ms: now + ack_timeout,
                     dispatched_ms: now,
@@ -590,6 +617,7 @@ impl Deliveries {
             out.push(Dispatched {
                 id: record.id.to_string(),
                 attempt: record.attempt,
+                handout: record.handouts,
                 ack_deadline_ms: deadline_ms,
                 event,
             });
@@ -768,8 +796,10 @@ impl Deliveries {
 
     /// Sets the ACK deadline of a handed-out delivery to `now + by` (a SimpleConsumer's
     /// ChangeInvisibleDuration); returns the new deadline.
-    pub(super) async fn extend(&self, id: &str, by: Duration) -> Result<i64, DeliveryError> {
-        let mut record = self.claim(id).await?;
+    pub(super) async fn extend<'a>(&self, target: impl Into<Target<'a>>, by: Duration) -> Result<i64, DeliveryError> {
+        let target = target.into();
+        let id = target.id;
+        let mut record = self.claim(target).await?;
         if let Err(refused) = self.check_settleable(&record) {
             self.release(id, OwedWork::NotFailed);
             return Err(refused);
@@ -797,8 +827,10 @@ impl Deliveries {
 // === settlement by subscribers ===
 
 impl Deliveries {
-    /// Marks `id` claimed for the caller and returns a copy of its record, waiting while another task has it.
-    async fn claim(&self, id: &str) -> Result<DeliveryRecord, DeliveryError> {
+    /// Marks the target delivery claimed for the caller and returns a copy of its record, waiting while another
+    /// task has it. A target naming an earlier hand-out than the current one is refused.
+    async fn claim(&self, target: impl Into<Target<'_>>) -> Result<DeliveryRecord, DeliveryError> {
+        let Target { id, handout } = target.into();
         let started = tokio::time::Instant::now();
         loop {
             {
@@ -813,6 +845,11 @@ impl Deliveries {
                     }
                     // Surrendered to the broker with its FIFO group's lost head: popgate no longer owns it.
                     Some(tracked) if tracked.surrender => return Err(DeliveryError::Stale),
+                    // Handed out again since the hand-out the caller settles, or that hand-out's time ran out:
+                    // not the caller's to settle any more.
+                    Some(tracked) if handout.is_some_and(|n| !tracked.held_as(n)) => {
+                        return Err(DeliveryError::Superseded)
+                    }
                     Some(tracked) if !tracked.claimed => {
                         tracked.claimed = true;
                         return Ok(tracked.record.clone());
@@ -877,18 +914,18 @@ impl Deliveries {
 
     /// The subscriber's ACK: the ACK intent is stored, then the broker is ACKed; a failed broker ACK is
     /// retried from the intent, so the client's answer does not depend on it.
-    pub(super) async fn ack(&self, id: &str) -> Result<(), DeliveryError> {
-        self.ack_many(&[id]).await.pop().unwrap_or(Err(DeliveryError::Unknown))
+    pub(super) async fn ack(&self, target: impl Into<Target<'_>>) -> Result<(), DeliveryError> {
+        self.ack_many(&[target.into()]).await.pop().unwrap_or(Err(DeliveryError::Unknown))
     }
 
     /// A batch of subscriber ACKs, each answered as [`Deliveries::ack`] would. Cheaper than one by one: the
     /// ACK intents are stored in one write, and the broker gets one batch ACK request per broker instead of
     /// one request per message. An id given again in the same batch is ACKed again after the batch, as two
     /// single ACKs would be (so it is answered "unknown": already acknowledged).
-    pub(super) async fn ack_many(&self, ids: &[&str]) -> Vec<Result<(), DeliveryError>> {
+    pub(super) async fn ack_many(&self, ids: &[Target<'_>]) -> Vec<Result<(), DeliveryError>> {
         let mut seen = HashSet::new();
-        let (first, again): (Vec<usize>, Vec<usize>) = (0..ids.len()).partition(|&i| seen.insert(ids[i]));
-        let first_ids: Vec<&str> = first.iter().map(|&i| ids[i]).collect();
+        let (first, again): (Vec<usize>, Vec<usize>) = (0..ids.len()).partition(|&i| seen.insert(ids[i].id));
+        let first_ids: Vec<Target<'_>> = first.iter().map(|&i| ids[i]).collect();
         let mut answers: Vec<Option<Result<(), DeliveryError>>> =
             std::iter::repeat_with(|| None).take(ids.len()).collect();
         for (&index, answer) in first.iter().zip(self.ack_unique(&first_ids).await) {
@@ -902,20 +939,30 @@ impl Deliveries {
 
     /// ACKs distinct ids: each is claimed and checked, the ACK intents of those that may be ACKed are stored
     /// in one write, then the broker is ACKed. Every answer is counted in `popgate_acks_total`.
-    async fn ack_unique(&self, ids: &[&str]) -> Vec<Result<(), DeliveryError>> {
-        let claims = futures::future::join_all(ids.iter().map(|id| self.claim(id))).await;
+    async fn ack_unique(&self, ids: &[Target<'_>]) -> Vec<Result<(), DeliveryError>> {
+        let claims = futures::future::join_all(ids.iter().map(|target| self.claim(*target))).await;
         let keys: Vec<String> =
             claims.iter().flatten().map(|record| Subscription::key_of(&record.group, &record.topic)).collect();
         let mut answers = Vec::with_capacity(ids.len());
         let mut acked: Vec<(usize, DeliveryRecord)> = Vec::new();
-        for (index, (id, claim)) in ids.iter().zip(claims).enumerate() {
+        let mut repeated = Vec::new();
+        for (index, (target, claim)) in ids.iter().zip(claims).enumerate() {
             let checked = claim.and_then(|record| match self.check_settleable(&record) {
                 Ok(()) => Ok(record),
                 Err(refused) => {
-                    self.release(id, OwedWork::NotFailed);
+                    self.release(target.id, OwedWork::NotFailed);
                     Err(refused)
                 }
             });
+            // The same hand-out ACKed again (its answer was lost on the way): answered as the first ACK was.
+            let checked = match checked {
+                Err(DeliveryError::Unknown) if self.was_acked(*target) => {
+                    repeated.push(index);
+                    answers.push(Ok(()));
+                    continue;
+                }
+                other => other,
+            };
             answers.push(checked.map(|mut record| {
                 if let Phase::AwaitingAck { dispatched_ms, .. } = record.phase {
                     histogram!(m::ACK_LATENCY).record((now_millis() - dispatched_ms).max(0) as f64 / 1000.0);
@@ -940,13 +987,20 @@ impl Deliveries {
             acked = stored;
         }
         // Counted where the intents are stored, before the broker ACKs they allow.
-        for answer in &answers {
-            counter!(m::ACKS, "result" => answer.as_ref().map_or_else(DeliveryError::code, |()| "acked")).increment(1);
+        for (index, answer) in answers.iter().enumerate() {
+            let result = match answer {
+                Ok(()) if repeated.contains(&index) => "repeated",
+                Ok(()) => "acked",
+                Err(error) => error.code(),
+            };
+            counter!(m::ACKS, "result" => result).increment(1);
         }
         let acked: Vec<DeliveryRecord> = acked.into_iter().map(|(_, record)| record).collect();
         {
             let mut table = self.table.lock();
+            let now = now_millis();
             for record in &acked {
+                table.acked.remember(record.id.clone(), record.handouts, now);
                 table.set_record(record.clone());
                 if let Some(tracked) = table.deliveries.get_mut(&*record.id) {
                     tracked.redispatch = false;
@@ -1005,9 +1059,21 @@ impl Deliveries {
         }
     }
 
+    /// Whether `target` names a hand-out whose ACK was stored lately (a repeated ACK). Only targets that name
+    /// their hand-out: an HTTP delivery id ACKed twice is answered "unknown", as it always was.
+    fn was_acked(&self, target: Target<'_>) -> bool {
+        target.handout.is_some_and(|handout| self.table.lock().acked.contains(target.id, handout, now_millis()))
+    }
+
     /// The subscriber's NACK: the attempt is spent; the next is scheduled after `delay` (or the backoff).
-    pub(super) async fn nack(&self, id: &str, delay: Option<Duration>) -> Result<NackOutcome, DeliveryError> {
-        let mut record = self.claim(id).await?;
+    pub(super) async fn nack<'a>(
+        &self,
+        target: impl Into<Target<'a>>,
+        delay: Option<Duration>,
+    ) -> Result<NackOutcome, DeliveryError> {
+        let target = target.into();
+        let id = target.id;
+        let mut record = self.claim(target).await?;
         if let Err(refused) = self.check_settleable(&record) {
             self.release(id, OwedWork::NotFailed);
             return Err(refused);
@@ -1019,8 +1085,10 @@ impl Deliveries {
     }
 
     /// The subscriber's TERM: straight to the DLQ with its reason.
-    pub(super) async fn term(&self, id: &str, reason: &str) -> Result<(), DeliveryError> {
-        let mut record = self.claim(id).await?;
+    pub(super) async fn term<'a>(&self, target: impl Into<Target<'a>>, reason: &str) -> Result<(), DeliveryError> {
+        let target = target.into();
+        let id = target.id;
+        let mut record = self.claim(target).await?;
         if let Err(refused) = self.check_settleable(&record) {
             self.release(id, OwedWork::NotFailed);
             return Err(refused);
@@ -1135,6 +1203,7 @@ impl Deliveries {
             let mut guard = self.table.lock();
             let table = &mut *guard;
             table.stale.retain(|_, until| *until > now);
+            table.acked.expire(now);
             let mut due: Vec<Id> = Vec::new();
             while table.timers.peek().is_some_and(|std::cmp::Reverse((at, _))| *at <= now) {
                 if let Some(std::cmp::Reverse((_, id))) = table.timers.pop() {
@@ -1562,7 +1631,7 @@ mod tests {
     }
 
     fn long_poll() -> HandOut {
-        HandOut { transport: "poll", ack_timeout: None, holder: None }
+        HandOut { transport: "poll", ack_timeout: None, holder: None, fifo_batch: false }
     }
 
     /// The tracked id of the delivery whose body is `body`.
@@ -1657,7 +1726,7 @@ mod tests {
             Admission::Admitted
         ));
         let handed = deliveries.hand_out(&sub.key(), 10, &long_poll(), None).await.expect("hand out");
-        let ids: Vec<&str> = handed.iter().map(|d| d.id.as_str()).collect();
+        let ids: Vec<Target<'_>> = handed.iter().map(|d| Target::from(&d.id)).collect();
         // The intents are stored (the subscribers' answers), the broker cannot be reached.
         assert!(deliveries.ack_many(&ids).await.iter().all(Result::is_ok));
         for wait in owed_waits(&deliveries) {
@@ -1725,6 +1794,39 @@ mod tests {
         assert!(deliveries.table.lock().deliveries.is_empty(), "retired");
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn a_hand_out_whose_time_ran_out_cannot_settle_the_next_one_and_a_repeated_ack_is_answered_ok() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let sub = Subscription { ack_timeout_ms: 1_000, ..subscription() };
+        let deliveries = subscribed(dir.path(), &sub).await;
+        assert!(matches!(deliveries.admit(&sub.key(), vec![popped(b"x")]).await, Admission::Admitted));
+        let first = deliveries.hand_out(&sub.key(), 1, &long_poll(), None).await.expect("hand out").remove(0);
+        fn of(d: &Dispatched) -> Target<'_> {
+            Target { id: &d.id, handout: Some(d.handout) }
+        }
+        // Its time runs out: before the sweeper has seen it, its holder may not settle it any more.
+        tokio::time::advance(Duration::from_millis(2_000)).await;
+        let late = deliveries.ack(of(&first)).await;
+        assert!(matches!(late, Err(DeliveryError::Superseded)), "{late:?}");
+        sweep_and_perform(&deliveries).await;
+        tokio::time::advance(Duration::from_millis(2_000)).await;
+        sweep_and_perform(&deliveries).await;
+        let second = deliveries.hand_out(&sub.key(), 1, &long_poll(), None).await.expect("again").remove(0);
+        assert_eq!((second.id.as_str(), second.handout), (first.id.as_str(), first.handout + 1));
+        // The first holder is fenced; the second settles it, and may ACK again (it lost the answer).
+        assert!(matches!(deliveries.ack(of(&first)).await, Err(DeliveryError::Superseded)));
+        assert!(matches!(deliveries.nack(of(&first), None).await, Err(DeliveryError::Superseded)));
+        assert!(deliveries.ack(of(&second)).await.is_ok());
+        assert!(deliveries.ack(of(&second)).await.is_ok(), "a repeated ACK of the same hand-out");
+        let late = deliveries.ack(of(&first)).await;
+        assert!(
+            matches!(late, Err(DeliveryError::Unknown | DeliveryError::Superseded)),
+            "never the earlier one: {late:?}"
+        );
+        // A delivery id alone (HTTP) ACKed twice is still "already acknowledged".
+        assert!(matches!(deliveries.ack(&second.id).await, Err(DeliveryError::Unknown)));
+    }
+
     #[tokio::test]
     async fn a_broker_clock_a_minute_behind_does_not_make_fresh_leases_look_lapsed() {
         let dir = tempfile::tempdir().expect("tempdir");
@@ -1757,7 +1859,7 @@ mod tests {
         let stored: DeliveryRecord = deliveries.store.get(Family::Deliveries, &id).expect("read").expect("stored");
         assert!(stored.event.body.is_empty(), "nor does the stored record");
 
-        let to = HandOut { transport: "poll", ack_timeout: None, holder: None };
+        let to = HandOut { transport: "poll", ack_timeout: None, holder: None, fifo_batch: false };
         let handed = deliveries.hand_out(&sub.key(), 10, &to, None).await.expect("hand out");
         assert_eq!(handed.len(), 1);
         assert_eq!(handed[0].event.body, b"the body");
@@ -1791,7 +1893,7 @@ mod tests {
         let id = deliveries.table.lock().deliveries.keys().next().cloned().expect("tracked");
         deliveries.store.delete(Family::Payloads, &id).await.expect("delete");
 
-        let to = HandOut { transport: "poll", ack_timeout: None, holder: None };
+        let to = HandOut { transport: "poll", ack_timeout: None, holder: None, fifo_batch: false };
         assert!(deliveries.hand_out(&sub.key(), 10, &to, None).await.expect("hand out").is_empty());
         assert!(deliveries.tracked_record(&id).is_none(), "retired; the broker redelivers it");
     }

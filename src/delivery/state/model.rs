@@ -6,7 +6,8 @@
 //!   not stored as ACKed, or dead-lettered and written to the DLQ first;
 //! - **never two holders**: a delivery is not handed out again while the subscriber it was handed to may
 //!   still settle it, and a delivery whose lease was given up cannot be settled any more;
-//! - **FIFO heads**: at most one delivery of a message group is handed out, and it is the group's head;
+//! - **FIFO heads**: the handed-out deliveries of a message group are its head and the deliveries right after
+//!   it, all from one hand-out (a FIFO batch; one delivery, the head, for a hand-out that asks for none);
 //! - **the store agrees with memory** about which deliveries are held.
 //!
 //! At the end the broker comes back and everything handed out is ACKed until nothing is left: every event
@@ -40,9 +41,10 @@ enum Step {
         count: usize,
         group: Option<u8>,
     },
-    /// A subscriber asks for up to `max` deliveries.
+    /// A subscriber asks for up to `max` deliveries, as a FIFO batch (`batch`) or heads only.
     HandOut {
         max: usize,
+        batch: bool,
     },
     /// The subscriber settles the `pick`-th delivery it holds.
     Ack {
@@ -73,7 +75,7 @@ enum Step {
 fn step() -> impl Strategy<Value = Step> {
     prop_oneof![
         3 => (1..4usize, prop::option::of(0..3u8)).prop_map(|(count, group)| Step::Admit { count, group }),
-        4 => (1..5usize).prop_map(|max| Step::HandOut { max }),
+        4 => (1..5usize, any::<bool>()).prop_map(|(max, batch)| Step::HandOut { max, batch }),
         3 => any::<usize>().prop_map(|pick| Step::Ack { pick }),
         1 => any::<usize>().prop_map(|pick| Step::Nack { pick }),
         1 => any::<usize>().prop_map(|pick| Step::Term { pick }),
@@ -94,6 +96,8 @@ struct Run {
     sub: Subscription,
     /// Deliveries handed out and not settled or released, as the subscriber sees them (in hand-out order).
     held: Vec<String>,
+    /// The hand-out (a number, and whether it was a FIFO batch) each delivery was last handed out in.
+    hand_outs: HashMap<String, (u64, bool)>,
     /// Deliveries whose lease was given up: never settleable again.
     given_up: HashSet<String>,
     /// Every event the broker handed out (by event id), and the ones it must hand out again (lease lost).
@@ -124,6 +128,7 @@ fn popped(event_id: &str, group: Option<String>, reconsume_times: u32, checkpoin
         reconsume_times,
         retry_topic: None,
         message_group: group,
+        stored: Default::default(),
     };
     let handle = ReceiptHandle {
         broker_name: "broker-a".into(),
@@ -153,6 +158,7 @@ impl Run {
             deliveries: Some(deliveries),
             sub,
             held: Vec::new(),
+            hand_outs: HashMap::new(),
             given_up: HashSet::new(),
             events: HashSet::new(),
             redeliveries: Vec::new(),
@@ -233,13 +239,36 @@ impl Run {
                 let admitted = self.d().admit(&self.sub.key(), batch).await;
                 prop_assert!(matches!(admitted, Admission::Admitted), "the store takes the admission");
             }
-            Step::HandOut { max } => {
-                let to = HandOut { transport: "poll", ack_timeout: None, holder: None };
+            Step::HandOut { max, batch } => {
+                let to = HandOut { transport: "poll", ack_timeout: None, holder: None, fifo_batch: *batch };
+                let before = self.fifo_groups();
                 let handed = self.d().hand_out(&self.sub.key(), *max, &to, None).await;
                 let handed = handed.map_err(|e| TestCaseError::fail(format!("hand-out failed: {e}")))?;
+                // What it took of each message group: the group's first unsettled deliveries, of a group nobody held.
+                let mut taken: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+                for delivery in &handed {
+                    if let (Some(group), Some(record)) =
+                        (delivery.event.message_group.clone(), self.d().tracked_record(&delivery.id))
+                    {
+                        taken.entry(group).or_default().push(record.seq);
+                    }
+                }
+                for (group, mut seqs) in taken {
+                    seqs.sort_unstable();
+                    let (unsettled, held) = before.get(&group).cloned().unwrap_or_default();
+                    prop_assert!(!held, "group {group} was handed out while another hand-out held it");
+                    prop_assert_eq!(
+                        &unsettled[..seqs.len().min(unsettled.len())],
+                        &seqs[..],
+                        "group {}: its first",
+                        group
+                    );
+                }
+                let hand_out = self.next_event.fetch_add(1, Ordering::Relaxed);
                 for delivery in handed {
                     prop_assert!(!self.held.contains(&delivery.id), "{} handed out twice", delivery.id);
                     prop_assert!(!self.given_up.contains(&delivery.id), "{} handed out after its lease", delivery.id);
+                    self.hand_outs.insert(delivery.id.clone(), (hand_out, *batch));
                     self.held.push(delivery.id);
                 }
             }
@@ -343,6 +372,24 @@ impl Run {
         Ok(())
     }
 
+    /// Each message group's unsettled deliveries (by `seq`) and whether one of its deliveries is handed out.
+    fn fifo_groups(&self) -> BTreeMap<String, (Vec<u64>, bool)> {
+        let table = self.d().table.lock();
+        let mut groups: BTreeMap<String, (Vec<u64>, bool)> = BTreeMap::new();
+        for tracked in table.deliveries.values() {
+            let Some(group) = tracked.record.event.message_group.clone() else { continue };
+            let entry = groups.entry(group).or_default();
+            if tracked.unsettled() {
+                entry.0.push(tracked.record.seq);
+            }
+            entry.1 |= tracked.handed_out();
+        }
+        for (unsettled, _) in groups.values_mut() {
+            unsettled.sort_unstable();
+        }
+        groups
+    }
+
     /// The invariants, after every step.
     fn check(&self) -> Result<(), TestCaseError> {
         let violations = self.cluster.violations.lock().clone();
@@ -351,19 +398,22 @@ impl Run {
             prop_assert!(self.d().tracked_record(id).is_none(), "{id} still tracked after its lease");
         }
         let table = self.d().table.lock();
-        // FIFO: at most one handed-out delivery per message group, and it is the group's head.
-        let mut handed_per_group: HashMap<&str, Vec<u64>> = HashMap::new();
+        // FIFO: a message group is held by one hand-out (a batch, or its head alone).
+        let mut handed_per_group: HashMap<&str, Vec<(u64, String)>> = HashMap::new();
         for tracked in table.deliveries.values() {
             let record = &tracked.record;
             let handed = matches!(record.phase, Phase::AwaitingAck { .. }) && !tracked.redispatch && !tracked.surrender;
             if let (true, Some(group)) = (handed, record.event.message_group.as_deref()) {
-                handed_per_group.entry(group).or_default().push(record.seq);
+                handed_per_group.entry(group).or_default().push((record.seq, record.id.to_string()));
             }
         }
-        for (group, seqs) in handed_per_group {
-            prop_assert!(seqs.len() <= 1, "message group {group} handed out {} at once", seqs.len());
-            let head = super::table::Table::fifo_view(&table.fifo, &table.deliveries).head(&self.sub.key(), group);
-            prop_assert_eq!(head, Some(seqs[0]), "group {}'s handed-out delivery is its head", group);
+        for (group, mut handed) in handed_per_group {
+            handed.sort();
+            let hand_outs: HashSet<Option<(u64, bool)>> =
+                handed.iter().map(|(_, id)| self.hand_outs.get(id).copied()).collect();
+            prop_assert!(hand_outs.len() == 1, "group {group} is held by {} hand-outs: {hand_outs:?}", hand_outs.len());
+            let batched = hand_outs.iter().flatten().any(|(_, batch)| *batch);
+            prop_assert!(batched || handed.len() == 1, "group {group}: {} heads at once", handed.len());
         }
         // Memory never runs ahead of the store: every tracked delivery is stored.
         let stored: HashSet<String> = self
@@ -401,7 +451,7 @@ impl Run {
                 self.apply(&Step::Admit { count, group: None }).await?;
             }
             self.apply(&Step::TimePasses).await?;
-            self.apply(&Step::HandOut { max: 64 }).await?;
+            self.apply(&Step::HandOut { max: 64, batch: false }).await?;
             while !self.held.is_empty() {
                 self.apply(&Step::Ack { pick: 0 }).await?;
             }

@@ -53,6 +53,22 @@ pub(super) struct Tracked {
 }
 
 impl Tracked {
+    /// Handed out and held by its subscriber (not waiting to be dispatched again after a restart).
+    pub(super) fn handed_out(&self) -> bool {
+        matches!(self.record.phase, Phase::AwaitingAck { .. }) && !self.redispatch && !self.surrender
+    }
+
+    /// Whether hand-out `handout` is the current one and still in time (or was ACKed: a repeated ACK). Its
+    /// time runs out at its ACK deadline, whether or not the sweeper has seen that yet.
+    pub(super) fn held_as(&self, handout: u32) -> bool {
+        handout == self.record.handouts
+            && match self.record.phase {
+                Phase::AwaitingAck { deadline_ms, .. } => deadline_ms > now_millis(),
+                Phase::Acked => true,
+                Phase::Ready { .. } | Phase::DeadLetter { .. } => false,
+            }
+    }
+
     pub(super) fn new(record: DeliveryRecord) -> Tracked {
         Tracked {
             claimed: false,
@@ -144,6 +160,9 @@ pub(super) struct ActiveSubscription {
     /// When a receive last changed its filter (epoch ms; 0: never), to take such changes at most once per
     /// interval.
     pub(super) filter_changed_ms: i64,
+    /// The broker's refusal of the filter (it cannot compile an SQL92 expression), until a POP succeeds or
+    /// the filter changes: receives are answered with it instead of waiting for what cannot come.
+    pub(super) filter_refusal: Option<String>,
 }
 
 impl ActiveSubscription {
@@ -156,6 +175,7 @@ impl ActiveSubscription {
             stop: Arc::new(AtomicBool::new(false)),
             last_used_ms: now_ms,
             filter_changed_ms: 0,
+            filter_refusal: None,
         }
     }
 
@@ -188,6 +208,54 @@ pub(super) struct Table {
     /// change: a client's departure and the keep-alive of live clients look at what those clients hold, not
     /// at the whole table.
     holders: HashMap<String, HashSet<Id>>,
+    /// The hand-outs ACKed lately, so a client that ACKs one again (it lost the first answer) hears `OK`.
+    pub(super) acked: RecentlyAcked,
+}
+
+/// How long an ACKed hand-out is remembered: the official SDKs retry a lost ACK answer within seconds.
+const ACKED_MEMORY_MS: i64 = 2 * 60 * 1000;
+/// The most ACKed hand-outs remembered; past it the oldest are forgotten early (their repeat is then
+/// answered as an unknown handle, which tells an SDK to stop retrying: never a wrong settlement).
+const ACKED_MEMORY_MAX: usize = 200_000;
+
+/// ACKed hand-outs by delivery id, each remembered for `ACKED_MEMORY_MS`.
+#[derive(Default)]
+pub(super) struct RecentlyAcked {
+    /// Id → (hand-out, forget at).
+    handouts: HashMap<Id, (u32, i64)>,
+    /// Ids in the order remembered (so, by when to forget them).
+    order: VecDeque<Id>,
+}
+
+impl RecentlyAcked {
+    pub(super) fn remember(&mut self, id: Id, handout: u32, now: i64) {
+        if self.handouts.insert(id.clone(), (handout, now + ACKED_MEMORY_MS)).is_none() {
+            self.order.push_back(id);
+        }
+        while self.order.len() > ACKED_MEMORY_MAX {
+            self.forget_oldest();
+        }
+    }
+
+    /// Expired entries linger until the next sweep; they no longer count.
+    pub(super) fn contains(&self, id: &str, handout: u32, now: i64) -> bool {
+        self.handouts.get(id).is_some_and(|&(remembered, until)| remembered == handout && until > now)
+    }
+
+    pub(super) fn expire(&mut self, now: i64) {
+        while let Some(oldest) = self.order.front() {
+            if self.handouts.get(oldest).is_some_and(|&(_, until)| until > now) {
+                break;
+            }
+            self.forget_oldest();
+        }
+    }
+
+    fn forget_oldest(&mut self) {
+        if let Some(id) = self.order.pop_front() {
+            self.handouts.remove(&id);
+        }
+    }
 }
 
 /// The FIFO index and the deliveries it points into, borrowed together so a hand-out can read both while it
@@ -198,12 +266,20 @@ pub(super) struct FifoView<'a> {
 }
 
 impl FifoView<'_> {
-    /// The `seq` of message group `group`'s head in subscription `key`: its earliest unsettled delivery. Only
-    /// the head may be handed out; settled ones (ACKed, dead-lettering) no longer block, and are soon retired,
-    /// so the walk stops at the first entry or close to it.
-    pub(super) fn head(&self, key: &str, group: &str) -> Option<u64> {
-        let members = self.fifo.get(key)?.get(group)?;
-        members.iter().find(|(_, id)| self.deliveries.get(&**id).is_some_and(|t| t.unsettled())).map(|(seq, _)| *seq)
+    /// Whether delivery `seq` of message group `group` may be handed out with `taken` (the deliveries of the
+    /// hand-out so far, or none when the hand-out takes heads only): every earlier unsettled delivery of its
+    /// group is among them, and no other delivery of its group is handed out. So a group is held by one
+    /// hand-out at a time, which holds its head and the deliveries right after it, in order.
+    pub(super) fn may_join(&self, key: &str, group: &str, seq: u64, taken: &HashSet<Id>) -> bool {
+        let Some(members) = self.fifo.get(key).and_then(|groups| groups.get(group)) else { return false };
+        members.iter().all(|(member_seq, id)| {
+            let Some(tracked) = self.deliveries.get(&**id) else { return true };
+            if *member_seq == seq || taken.contains(id) {
+                return true;
+            }
+            let blocks = if *member_seq < seq { tracked.unsettled() } else { tracked.handed_out() };
+            !blocks
+        })
     }
 }
 

@@ -23,6 +23,7 @@ use base64::Engine;
 use bytes::Bytes;
 use serde_json::{Map, Value};
 
+use super::limits::{MessageLimits, Part};
 use crate::broker::client::now_millis;
 use crate::broker::message::{
     is_reserved_property, is_valid_name, OutgoingMessage, MAX_NAME_LEN, PROPERTY_SHARDING_KEY,
@@ -75,8 +76,6 @@ impl RequestError {
     }
 }
 
-/// The broker's longest timer delay by default (`timerMaxDelaySec`, 3 days).
-pub const MAX_DELAY: Duration = Duration::from_secs(3 * 24 * 3600);
 /// The content type of a structured-mode CloudEvent.
 const CLOUDEVENTS_JSON: &str = "application/cloudevents+json";
 /// CloudEvents attributes that must be present (spec 1.0).
@@ -85,13 +84,14 @@ const CE_REQUIRED: [&str; 4] = ["specversion", "id", "source", "type"];
 /// Parses one publish request into a message ready to send.
 ///
 /// # Errors
-/// [`RequestError`] 400 naming the field for malformed, missing or wrong-typed input, 413 when the data is larger
-/// than `max_message_bytes`.
+/// [`RequestError`] 400 naming the field for malformed, missing or wrong-typed input or a message past the
+/// [`MessageLimits`], 413 when the data is larger than `max_message_bytes`.
 pub fn parse(
     headers: &HeaderMap,
     topic_param: Option<&str>,
     body: &Bytes,
     max_message_bytes: usize,
+    limits: &MessageLimits,
 ) -> Result<OutgoingMessage, RequestError> {
     let content_type = header_str(headers, "content-type").unwrap_or_default().to_ascii_lowercase();
     let message = if headers.contains_key("ce-specversion") {
@@ -111,7 +111,44 @@ pub fn parse(
     if message.body.len() > max_message_bytes {
         return Err(RequestError::too_large(max_message_bytes));
     }
+    limits.check(&message).map_err(|broken| RequestError::invalid_field(field_of(broken.part), broken.message))?;
     Ok(message)
+}
+
+/// The request field a broken limit is reported on.
+fn field_of(part: Part) -> &'static str {
+    match part {
+        Part::Tag => "tags",
+        Part::Key => "keys",
+        Part::MessageGroup => "messageGroup",
+        Part::Property | Part::PropertiesTooLarge => "properties",
+        Part::DeliveryTime => "delayMs",
+    }
+}
+
+/// Longest `Idempotency-Key` accepted.
+const MAX_IDEMPOTENCY_KEY_LEN: usize = 256;
+
+/// The key a repeat of this publish is known by in the de-duplication window: the `Idempotency-Key` header,
+/// else a CloudEvent's source and id (which the CloudEvents spec makes unique per event), else none.
+///
+/// # Errors
+/// [`RequestError::InvalidField`] naming `Idempotency-Key` when the header is empty, too long or not
+/// visible ASCII.
+pub fn dedup_key(headers: &HeaderMap, message: &OutgoingMessage) -> Result<Option<String>, RequestError> {
+    if let Some(value) = headers.get("idempotency-key") {
+        let key = value.to_str().ok().filter(|k| {
+            (1..=MAX_IDEMPOTENCY_KEY_LEN).contains(&k.len()) && k.bytes().all(|b| b.is_ascii_graphic() || b == b' ')
+        });
+        return key.map(|k| Some(format!("key:{k}"))).ok_or_else(|| {
+            RequestError::invalid_field(
+                "Idempotency-Key",
+                format!("must be 1..={MAX_IDEMPOTENCY_KEY_LEN} visible ASCII characters"),
+            )
+        });
+    }
+    let cloudevent = message.properties.get("ce_source").zip(message.properties.get("ce_id"));
+    Ok(cloudevent.map(|(source, id)| format!("ce:{source}\n{id}")))
 }
 
 fn parse_json_object(body: &Bytes) -> Result<Map<String, Value>, RequestError> {
@@ -145,7 +182,7 @@ fn parse_popgate_json(topic_param: Option<&str>, map: &Map<String, Value>) -> Re
         let delay = delay
             .as_u64()
             .ok_or_else(|| RequestError::invalid_field("delayMs", "must be a non-negative integer (milliseconds)"))?;
-        set_delay(&mut message, Duration::from_millis(delay))?;
+        set_delay(&mut message, Duration::from_millis(delay));
     }
     Ok(message)
 }
@@ -242,16 +279,13 @@ fn has_separator(text: &str) -> bool {
     text.contains(['\u{1}', '\u{2}'])
 }
 
-fn set_delay(message: &mut OutgoingMessage, delay: Duration) -> Result<(), RequestError> {
-    if delay > MAX_DELAY {
-        return Err(RequestError::invalid_field("delayMs", format!("must be at most {} ms", MAX_DELAY.as_millis())));
-    }
+/// Sets the delivery time; how far ahead it may be is one of the [`MessageLimits`].
+fn set_delay(message: &mut OutgoingMessage, delay: Duration) {
     if delay.is_zero() {
-        return Ok(());
+        return;
     }
     let deliver_at = now_millis().saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
     message.properties.insert(PROPERTY_TIMER_DELIVER_MS.to_owned(), deliver_at.to_string());
-    Ok(())
 }
 
 fn topic(param: Option<&str>, field: Option<&str>) -> Result<String, RequestError> {

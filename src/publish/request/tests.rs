@@ -12,7 +12,13 @@ fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
 }
 
 fn json(body: &str) -> Result<OutgoingMessage, RequestError> {
-    parse(&headers(&[("content-type", "application/json")]), None, &Bytes::from(body.to_owned()), MAX)
+    parse(
+        &headers(&[("content-type", "application/json")]),
+        None,
+        &Bytes::from(body.to_owned()),
+        MAX,
+        &MessageLimits::default(),
+    )
 }
 
 fn field_of(result: Result<OutgoingMessage, RequestError>) -> String {
@@ -44,7 +50,14 @@ fn non_string_data_is_sent_as_json_text_and_base64_as_bytes() {
 #[test]
 fn the_topic_parameter_wins_over_the_body() {
     let h = headers(&[("content-type", "application/json")]);
-    let m = parse(&h, Some("fromquery"), &Bytes::from_static(br#"{"topic":"x","data":"d"}"#), MAX).unwrap();
+    let m = parse(
+        &h,
+        Some("fromquery"),
+        &Bytes::from_static(br#"{"topic":"x","data":"d"}"#),
+        MAX,
+        &MessageLimits::default(),
+    )
+    .unwrap();
     assert_eq!(m.topic, "fromquery");
 }
 
@@ -84,7 +97,7 @@ fn structured_cloudevents_map_attributes_to_properties_and_the_id_to_the_key() {
     let h = headers(&[("content-type", "application/cloudevents+json")]);
     let body = br#"{"specversion":"1.0","id":"e-1","source":"/shop","type":"order.created",
         "subject":"o-9","datacontenttype":"application/json","data":{"n":1},"tenant":"acme"}"#;
-    let m = parse(&h, Some("orders"), &Bytes::from_static(body), MAX).unwrap();
+    let m = parse(&h, Some("orders"), &Bytes::from_static(body), MAX, &MessageLimits::default()).unwrap();
     assert_eq!(&m.body[..], br#"{"n":1}"#);
     assert_eq!(m.keys, vec!["e-1"]);
     for (name, value) in [
@@ -108,7 +121,7 @@ fn binary_cloudevents_read_ce_headers_and_keep_the_body() {
         ("ce-type", "t.x"),
         ("content-type", "application/octet-stream"),
     ]);
-    let m = parse(&h, Some("orders"), &Bytes::from_static(&[9, 8, 7]), MAX).unwrap();
+    let m = parse(&h, Some("orders"), &Bytes::from_static(&[9, 8, 7]), MAX, &MessageLimits::default()).unwrap();
     assert_eq!(&m.body[..], &[9, 8, 7]);
     assert_eq!(m.properties.get("ce_datacontenttype").map(String::as_str), Some("application/octet-stream"));
     assert_eq!(m.keys, vec!["e-2"]);
@@ -117,14 +130,20 @@ fn binary_cloudevents_read_ce_headers_and_keep_the_body() {
 #[test]
 fn cloudevents_without_a_required_attribute_name_it() {
     let h = headers(&[("ce-specversion", "1.0"), ("ce-id", "e-2"), ("ce-source", "/s")]);
-    assert_eq!(field_of(parse(&h, Some("t"), &Bytes::new(), MAX)), "type");
+    assert_eq!(field_of(parse(&h, Some("t"), &Bytes::new(), MAX, &MessageLimits::default())), "type");
     let h = headers(&[("content-type", "application/cloudevents+json")]);
     let body = br#"{"specversion":"0.3","id":"1","source":"s","type":"t","data":"x"}"#;
-    assert_eq!(field_of(parse(&h, Some("t"), &Bytes::from_static(body), MAX)), "specversion");
+    assert_eq!(
+        field_of(parse(&h, Some("t"), &Bytes::from_static(body), MAX, &MessageLimits::default())),
+        "specversion"
+    );
 }
 
 #[test]
 fn an_unsupported_content_type_is_named() {
     let h = headers(&[("content-type", "text/plain")]);
-    assert_eq!(field_of(parse(&h, Some("t"), &Bytes::from_static(b"x"), MAX)), "content-type");
+    assert_eq!(
+        field_of(parse(&h, Some("t"), &Bytes::from_static(b"x"), MAX, &MessageLimits::default())),
+        "content-type"
+    );
 }

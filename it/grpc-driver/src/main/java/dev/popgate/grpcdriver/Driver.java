@@ -240,6 +240,8 @@ public final class Driver {
         int timeoutSeconds = a.integer("timeoutSeconds", 30);
         int maxMessageNum = a.integer("maxMessageNum", 16);
         boolean ack = a.bool("ack", true);
+        // Wait this long after a receive before acking its messages (a consumer slower than its invisible time).
+        long ackAfterMs = a.longValue("ackAfterMs", 0);
         Integer changeInvisibleFirst = a.has("changeInvisibleFirst") ? a.integer("changeInvisibleFirst", 0) : null;
         boolean stopOnRejection = a.bool("stopOnRejection", true);
         ClientConfiguration config = clientConfiguration(a, endpoint);
@@ -305,8 +307,12 @@ public final class Driver {
                     }
                 }
                 if (ack) {
+                    if (ackAfterMs > 0) {
+                        Thread.sleep(ackAfterMs);
+                    }
                     try {
                         long a0 = System.currentTimeMillis();
+                        entry.put("ackAtMs", a0);
                         consumer.ack(view);
                         entry.put("acked", true);
                         entry.put("ackMs", System.currentTimeMillis() - a0);

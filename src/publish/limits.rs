@@ -1,0 +1,235 @@
+//! What a message may carry, checked the same way for every front before anything reaches the broker.
+//!
+//! The defaults are Apache's RocketMQ Proxy's (`ProxyConfig`), and so are the rules and the start of each
+//! message, so an application that moves to popgate sees the same refusals (apps and tests match on them):
+//!
+//! | rule | default | Apache's setting |
+//! |---|---|---|
+//! | user properties | at most 128 | `userPropertyMaxNum` |
+//! | their size: UTF-8 bytes of every key and value, the tag and each message key | at most 16 KiB | `maxUserPropertySize` |
+//! | message group | under 64 UTF-8 bytes | `maxMessageGroupSize` (Apache refuses a group *of* 64 bytes too) |
+//! | delivery time | at most 1 day ahead | `maxDelayTimeMills` |
+//! | tag | not blank, no `\|`, no control character | |
+//! | each key, each property name and value | not blank (keys), no control character | |
+
+use std::time::Duration;
+
+use crate::broker::client::now_millis;
+use crate::broker::message::{
+    is_reserved_property, OutgoingMessage, PROPERTY_SHARDING_KEY, PROPERTY_TIMER_DELIVER_MS, PROPERTY_UNIQ_KEY,
+};
+pub use crate::config::MessageLimits;
+
+/// Which part of a message broke a limit: each front names it its own way (an HTTP field, a gRPC code).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    /// The tag.
+    Tag,
+    /// A message key.
+    Key,
+    /// The FIFO message group.
+    MessageGroup,
+    /// A user property's name or value.
+    Property,
+    /// The user properties' number or size.
+    PropertiesTooLarge,
+    /// The delivery time.
+    DeliveryTime,
+}
+
+/// A limit the message broke, with Apache's message for it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct LimitError {
+    /// What broke it.
+    pub part: Part,
+    /// Apache's words for it.
+    pub message: String,
+}
+
+fn refuse(part: Part, message: impl Into<String>) -> Result<(), LimitError> {
+    Err(LimitError { part, message: message.into() })
+}
+
+/// Java's `Character.isISOControl`, which Apache's proxy applies (U+0000..=U+001F, U+007F..=U+009F).
+fn has_control_character(text: &str) -> bool {
+    text.chars().any(char::is_control)
+}
+
+/// Properties a front sets itself: not the user's, so not counted against the user's limits.
+fn is_set_by_popgate(name: &str) -> bool {
+    matches!(name, PROPERTY_SHARDING_KEY | PROPERTY_TIMER_DELIVER_MS | PROPERTY_UNIQ_KEY)
+}
+
+impl MessageLimits {
+    /// Checks `message` in the order Apache's proxy does: properties, tag, keys, total size, delivery time,
+    /// message group.
+    ///
+    /// # Errors
+    /// The first [`LimitError`] found.
+    pub fn check(&self, message: &OutgoingMessage) -> Result<(), LimitError> {
+        let user: Vec<(&String, &String)> = message.properties.iter().filter(|(k, _)| !is_set_by_popgate(k)).collect();
+        if user.len() > self.max_user_properties {
+            return refuse(
+                Part::PropertiesTooLarge,
+                format!("too many user properties, max is {}", self.max_user_properties),
+            );
+        }
+        for (name, value) in &user {
+            if is_reserved_property(name) {
+                return refuse(Part::Property, format!("property is used by system: {name}"));
+            }
+            if has_control_character(name) {
+                return refuse(Part::Property, "the key of property cannot contain control character");
+            }
+            if has_control_character(value) {
+                return refuse(Part::Property, "the value of property cannot contain control character");
+            }
+        }
+        if let Some(tag) = message.tags.as_deref() {
+            Self::check_tag(tag)?;
+        }
+        for key in &message.keys {
+            if !key.is_empty() && key.trim().is_empty() {
+                return refuse(Part::Key, "key cannot be the char sequence of whitespace");
+            }
+            if has_control_character(key) {
+                return refuse(Part::Key, "key cannot contain control character");
+            }
+        }
+        let size = user.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>()
+            + message.tags.as_deref().map_or(0, str::len)
+            + message.keys.iter().map(String::len).sum::<usize>();
+        if size > self.max_user_property_bytes {
+            return refuse(
+                Part::PropertiesTooLarge,
+                format!("the total size of user property is too large, max is {}", self.max_user_property_bytes),
+            );
+        }
+        if let Some(at) = message.properties.get(PROPERTY_TIMER_DELIVER_MS) {
+            self.check_delivery_time(at.parse().unwrap_or(i64::MAX))?;
+        }
+        if let Some(group) = message.properties.get(PROPERTY_SHARDING_KEY) {
+            self.check_message_group(group)?;
+        }
+        Ok(())
+    }
+
+    fn check_tag(tag: &str) -> Result<(), LimitError> {
+        if !tag.is_empty() && tag.trim().is_empty() {
+            return refuse(Part::Tag, "tag cannot be the char sequence of whitespace");
+        }
+        if tag.contains('|') {
+            return refuse(Part::Tag, "tag cannot contain '|'");
+        }
+        if has_control_character(tag) {
+            return refuse(Part::Tag, "tag cannot contain control character");
+        }
+        Ok(())
+    }
+
+    /// A delivery time (epoch ms) no further ahead than the limit; one already past is delivered at once.
+    fn check_delivery_time(&self, deliver_at_ms: i64) -> Result<(), LimitError> {
+        let ahead = deliver_at_ms.saturating_sub(now_millis());
+        if ahead > i64::try_from(self.max_delay_ms).unwrap_or(i64::MAX) {
+            return refuse(
+                Part::DeliveryTime,
+                format!("the max delay time of message is too large, max is {}", self.max_delay_ms),
+            );
+        }
+        Ok(())
+    }
+
+    fn check_message_group(&self, group: &str) -> Result<(), LimitError> {
+        if group.trim().is_empty() {
+            return refuse(Part::MessageGroup, "message group cannot be the char sequence of whitespace");
+        }
+        // `>=` as in Apache's proxy: a group of exactly the limit is refused too.
+        if group.len() >= self.max_message_group_bytes {
+            return refuse(
+                Part::MessageGroup,
+                format!("message group exceed the max size {}", self.max_message_group_bytes),
+            );
+        }
+        if has_control_character(group) {
+            return refuse(Part::MessageGroup, "message group cannot contain control character");
+        }
+        Ok(())
+    }
+
+    /// [`Self::max_delay_ms`] as a duration.
+    pub fn max_delay(&self) -> Duration {
+        Duration::from_millis(self.max_delay_ms)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn message() -> OutgoingMessage {
+        OutgoingMessage::new("t".into(), bytes::Bytes::from_static(b"x"))
+    }
+
+    fn refused(message: &OutgoingMessage) -> (Part, String) {
+        let error = MessageLimits::default().check(message).expect_err("refused");
+        (error.part, error.message)
+    }
+
+    #[test]
+    fn a_plain_message_and_the_properties_popgate_sets_pass() {
+        let mut m = message();
+        m.tags = Some("TagA".into());
+        m.keys = vec!["k1".into(), String::new()];
+        m.properties.insert(PROPERTY_SHARDING_KEY.into(), "g".repeat(63));
+        m.properties.insert(PROPERTY_UNIQ_KEY.into(), "id".into());
+        m.properties.insert(PROPERTY_TIMER_DELIVER_MS.into(), (now_millis() + 3_600_000).to_string());
+        assert_eq!(MessageLimits::default().check(&m), Ok(()));
+    }
+
+    #[test]
+    fn tags_keys_and_groups_are_refused_as_apaches_proxy_refuses_them() {
+        for (tag, expected) in [
+            (" ", "tag cannot be the char sequence of whitespace"),
+            ("a|b", "tag cannot contain '|'"),
+            ("a\u{7}b", "tag cannot contain control character"),
+        ] {
+            let mut m = message();
+            m.tags = Some(tag.into());
+            assert_eq!(refused(&m), (Part::Tag, expected.to_owned()), "{tag:?}");
+        }
+        let mut m = message();
+        m.keys = vec!["ok".into(), "bad\u{0}".into()];
+        assert_eq!(refused(&m), (Part::Key, "key cannot contain control character".to_owned()));
+        let mut m = message();
+        m.properties.insert(PROPERTY_SHARDING_KEY.into(), "g".repeat(64));
+        assert_eq!(refused(&m), (Part::MessageGroup, "message group exceed the max size 64".to_owned()));
+    }
+
+    #[test]
+    fn user_properties_are_limited_in_number_and_in_size() {
+        let mut m = message();
+        for i in 0..129 {
+            m.properties.insert(format!("p{i}"), "v".into());
+        }
+        assert_eq!(refused(&m), (Part::PropertiesTooLarge, "too many user properties, max is 128".to_owned()));
+        let mut m = message();
+        m.properties.insert("big".into(), "v".repeat(16 * 1024));
+        let (part, text) = refused(&m);
+        assert_eq!(part, Part::PropertiesTooLarge);
+        assert!(text.starts_with("the total size of user property is too large"), "{text}");
+        let mut m = message();
+        m.properties.insert("KEYS".into(), "v".into());
+        assert_eq!(refused(&m), (Part::Property, "property is used by system: KEYS".to_owned()));
+    }
+
+    #[test]
+    fn a_delivery_time_past_one_day_is_refused() {
+        let mut m = message();
+        m.properties.insert(PROPERTY_TIMER_DELIVER_MS.into(), (now_millis() + 25 * 3_600_000).to_string());
+        assert_eq!(
+            refused(&m),
+            (Part::DeliveryTime, "the max delay time of message is too large, max is 86400000".to_owned())
+        );
+    }
+}
