@@ -500,6 +500,17 @@ async fn push_consumer_of_an_ordered_group_keeps_each_message_group_in_order_thr
     two_message_groups_reach_a_push_consumer_in_order(sdk, &popgate, &topic, &group).await;
 }
 
+/// A new topic, and a consumer group made orderly on every broker the RocketMQ way (`mqadmin updateSubGroup -g
+/// <group> -o true`); popgate is told nothing.
+async fn topic_of_an_orderly_group(cluster: &Cluster, prefix: &str) -> (String, String) {
+    let topic = unique_topic(prefix);
+    let group = format!("g_{topic}");
+    create_topic(cluster, &topic).await;
+    let addrs: Vec<String> = cluster.brokers.iter().map(|b| format!("127.0.0.1:{}", b.port)).collect();
+    Direct::connect(&cluster.namesrv_addr).await.create_orderly_group(&group, &addrs).await;
+    (topic, group)
+}
+
 /// The group is made orderly the RocketMQ way, at the broker (`mqadmin updateSubGroup -o true`), and nothing is
 /// said to popgate: its Settings tell the SDK `fifo` (so the SDK runs its FIFO consume service) and it hands
 /// out each message group in order. Before, popgate ignored the group's config: the SDK consumed concurrently
@@ -507,11 +518,7 @@ async fn push_consumer_of_an_ordered_group_keeps_each_message_group_in_order_thr
 async fn a_group_made_orderly_at_the_broker_is_fifo_through_popgate(sdk: Sdk) {
     let cluster = shared_cluster();
     let popgate = Popgate::start(&cluster.namesrv_addr, "").await;
-    let topic = unique_topic("grpc_fifo_subgroup");
-    let group = format!("g_{topic}");
-    create_topic(cluster, &topic).await;
-    let addrs: Vec<String> = cluster.brokers.iter().map(|b| format!("127.0.0.1:{}", b.port)).collect();
-    Direct::connect(&cluster.namesrv_addr).await.create_orderly_group(&group, &addrs).await;
+    let (topic, group) = topic_of_an_orderly_group(cluster, "grpc_fifo_subgroup").await;
     two_message_groups_reach_a_push_consumer_in_order(sdk, &popgate, &topic, &group).await;
     let (_, subscriptions) = popgate.get_json("/admin/subscriptions").await;
     assert!(
@@ -526,11 +533,7 @@ async fn a_group_made_orderly_at_the_broker_is_fifo_through_popgate(sdk: Sdk) {
 async fn a_fifo_receive_carries_consecutive_messages_of_a_group_in_order(sdk: Sdk) {
     let cluster = shared_cluster();
     let popgate = Popgate::start(&cluster.namesrv_addr, "").await;
-    let topic = unique_topic("grpc_fifo_batch");
-    let group = format!("g_{topic}");
-    create_topic(cluster, &topic).await;
-    let addrs: Vec<String> = cluster.brokers.iter().map(|b| format!("127.0.0.1:{}", b.port)).collect();
-    Direct::connect(&cluster.namesrv_addr).await.create_orderly_group(&group, &addrs).await;
+    let (topic, group) = topic_of_an_orderly_group(cluster, "grpc_fifo_batch").await;
     let produce = json!({"topic": topic, "count": 6, "prefix": "f", "messageGroup": "only-group"});
     let result = sdk.run("produce", &args(&popgate, produce), DRIVER_TIMEOUT).await;
     assert_eq!(result["errors"], json!([]), "{result}");

@@ -244,20 +244,24 @@ mod tests {
         }
     }
 
+    /// A ten-minute window over the store in `dir`, and the store.
+    fn window_over(dir: &std::path::Path) -> (Arc<DedupWindow>, Arc<StateStore>) {
+        let store = Arc::new(StateStore::open(dir, true).expect("open"));
+        (DedupWindow::start(store.clone(), Duration::from_secs(600)), store)
+    }
+
     #[tokio::test]
     async fn a_repeat_is_answered_with_the_first_receipt_even_after_a_restart_until_the_window_ends() {
         let dir = tempfile::tempdir().expect("tempdir");
         {
-            let store = Arc::new(StateStore::open(dir.path(), true).expect("open"));
-            let window = DedupWindow::start(store, Duration::from_secs(600));
+            let (window, _store) = window_over(dir.path());
             let Claim::Send(first) = window.claim("t", "id-1").await else { panic!("first send") };
             first.sent(&receipt("MSG-1")).await;
             let Claim::Duplicate(again) = window.claim("t", "id-1").await else { panic!("a repeat") };
             assert_eq!(again.message_id, "MSG-1");
             assert!(matches!(window.claim("other-topic", "id-1").await, Claim::Send(_)), "keys are per topic");
         }
-        let store = Arc::new(StateStore::open(dir.path(), true).expect("reopen"));
-        let window = DedupWindow::start(store.clone(), Duration::from_secs(600));
+        let (window, store) = window_over(dir.path());
         let Claim::Duplicate(after_restart) = window.claim("t", "id-1").await else { panic!("remembered") };
         assert_eq!((after_restart.broker.as_str(), after_restart.queue_offset), ("broker-a", 7));
         // A window of zero length has forgotten it at once, and the expiry removes both keys.
@@ -270,8 +274,7 @@ mod tests {
     #[tokio::test]
     async fn a_send_that_failed_leaves_its_key_free_and_a_concurrent_one_waits_for_the_first() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let store = Arc::new(StateStore::open(dir.path(), true).expect("open"));
-        let window = DedupWindow::start(store, Duration::from_secs(600));
+        let (window, _store) = window_over(dir.path());
         let Claim::Send(failed) = window.claim("t", "k").await else { panic!("send") };
         drop(failed);
         let Claim::Send(first) = window.claim("t", "k").await else { panic!("free again") };
