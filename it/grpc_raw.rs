@@ -22,13 +22,18 @@ pub async fn connect(popgate: &Popgate) -> MessagingServiceClient<Channel> {
     MessagingServiceClient::connect(format!("http://{}", popgate.grpc)).await.expect("plaintext gRPC connection")
 }
 
-/// A request with the SDK's client id header (and, when given, its signature).
+/// A request with the SDK's client id header (and, when given, its signature, dated now).
 pub fn request<T>(message: T, signed_by: Option<(&str, &str)>) -> tonic::Request<T> {
+    let now = chrono::Utc::now().format("%Y%m%dT%H%M%SZ").to_string();
+    request_dated(message, signed_by, &now)
+}
+
+/// [`request`] signed with `date_time` as its `x-mq-date-time`.
+fn request_dated<T>(message: T, signed_by: Option<(&str, &str)>, date_time: &str) -> tonic::Request<T> {
     let mut request = tonic::Request::new(message);
     let metadata = request.metadata_mut();
     metadata.insert("x-mq-client-id", CLIENT_ID.parse().expect("ascii"));
     if let Some((access_key, secret)) = signed_by {
-        let date_time = "20261201T000000Z";
         let mut mac = Hmac::<sha1::Sha1>::new_from_slice(secret.as_bytes()).expect("hmac key");
         mac.update(date_time.as_bytes());
         let signature = hex::encode_upper(mac.finalize().into_bytes());
@@ -225,6 +230,12 @@ async fn a_bad_signature_is_unauthorized_and_a_group_out_of_scope_is_forbidden()
     let forged =
         client.heartbeat(request(heartbeat.clone(), Some(("app", "not-the-secret")))).await.expect("call").into_inner();
     assert_eq!(code(forged.status.as_ref()), Code::Unauthorized as i32);
+    // A correct signature of an hour ago (a captured header, replayed) is outside the 15-minute skew window.
+    let an_hour_ago = (chrono::Utc::now() - chrono::Duration::hours(1)).format("%Y%m%dT%H%M%SZ").to_string();
+    let replayed = request_dated(heartbeat.clone(), Some(("app", "app-secret-0123456789")), &an_hour_ago);
+    let replayed = client.heartbeat(replayed).await.expect("call").into_inner();
+    assert_eq!(code(replayed.status.as_ref()), Code::Unauthorized as i32, "{replayed:?}");
+    assert!(popgate.metric("popgate_requests_rejected_total{reason=\"stale_signature\"}").await >= 1.0);
     let route = pb::QueryRouteRequest { topic: resource(&topic), endpoints: None };
     let unsigned = client.query_route(request(route, None)).await.expect("call").into_inner();
     assert_eq!(code(unsigned.status.as_ref()), Code::Unauthorized as i32);
@@ -251,6 +262,42 @@ async fn a_bad_signature_is_unauthorized_and_a_group_out_of_scope_is_forbidden()
         client.ack_message(request(req, Some(("app", "app-secret-0123456789")))).await.expect("call").into_inner();
     assert_eq!(code(answer.status.as_ref()), Code::Forbidden as i32);
     assert!(popgate.metric("popgate_requests_rejected_total{reason=\"unauthenticated\"}").await >= 2.0);
+}
+
+/// One token's open receives are bounded (`grpc.max_receives_per_token`), and so are the client ids the front
+/// tracks (`grpc.max_clients`): past either, a call is refused with `TOO_MANY_REQUESTS` and nothing else
+/// changes; a place freed is taken again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_receives_per_token_and_tracked_clients_are_bounded() {
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, "[grpc]\nmax_receives_per_token = 1\nmax_clients = 1\n").await;
+    let topic = unique_topic("grpc_raw_limits");
+    let group = format!("g_{topic}");
+    create_topic(cluster, &topic).await;
+    let (mut first, mut second) = (connect(&popgate).await, connect(&popgate).await);
+    // Two receives at once on an empty topic: one long-polls for its 20 s, the other is refused at once.
+    let long_poll = || {
+        let mut req = receive_request(&group, &topic, false);
+        req.long_polling_timeout = Some(prost_types::Duration { seconds: 20, nanos: 0 });
+        req
+    };
+    let (a, b) = tokio::join!(receive(&mut first, long_poll()), receive(&mut second, long_poll()));
+    let mut codes = [a.0, b.0];
+    codes.sort_unstable();
+    assert_eq!(codes, [Code::MessageNotFound as i32, Code::TooManyRequests as i32], "{codes:?}");
+    assert!(popgate.metric("popgate_requests_rejected_total{reason=\"too_many_open_calls\"}").await >= 1.0);
+    // The long poll is over: its place is free again.
+    let mut quick = receive_request(&group, &topic, false);
+    quick.long_polling_timeout = Some(prost_types::Duration { seconds: 5, nanos: 0 });
+    assert_eq!(receive(&mut first, quick).await.0, Code::MessageNotFound as i32);
+
+    // A second client id while the first is tracked: refused.
+    let heartbeat = pb::HeartbeatRequest { group: None, client_type: pb::ClientType::Producer as i32 };
+    let mut other = request(heartbeat, None);
+    other.metadata_mut().insert("x-mq-client-id", "it-raw@2@0@other".parse().expect("ascii"));
+    let answer = first.heartbeat(other).await.expect("call").into_inner();
+    assert_eq!(code(answer.status.as_ref()), Code::TooManyRequests as i32, "{answer:?}");
+    assert!(popgate.metric("popgate_requests_rejected_total{reason=\"too_many_clients\"}").await >= 1.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -239,18 +239,19 @@ async fn hostile_ce_properties_are_encoded_or_skipped_and_the_event_is_still_del
         )
         .await;
     assert_eq!(status, 200, "{answer}");
-    let properties = json!({
-        "ce_tenant": "acme",
-        "ce_note": "line 1\r\nX-Popgate-Signature: forged",
-        "ce_city": "Zürich",
-        "ce_Evil": "uppercase is no attribute name",
-        "ce_x-popgate-attempt": "99",
-        "ce_data": "reserved",
-        "ce_source": "/shop\nHost: evil",
-        "ce_datacontenttype": "text/plain\r\nX-Injected: 1",
-    });
-    let (status, answer) = popgate.publish(&json!({"topic": topic, "data": "hostile", "properties": properties})).await;
-    assert_eq!(status, 200, "{answer}");
+    let properties = [
+        ("ce_tenant", "acme"),
+        ("ce_note", "line 1\r\nX-Popgate-Signature: forged"),
+        ("ce_city", "Zürich"),
+        ("ce_Evil", "uppercase is no attribute name"),
+        ("ce_x-popgate-attempt", "99"),
+        ("ce_data", "reserved"),
+        ("ce_source", "/shop\nHost: evil"),
+        ("ce_datacontenttype", "text/plain\r\nX-Injected: 1"),
+    ];
+    // popgate's own fronts refuse control characters in properties (Apache's proxy's rule): another producer,
+    // straight at the broker, sends them.
+    crate::harness::direct::Direct::produce_unchecked(&cluster.namesrv_addr, &topic, "hostile", &properties).await;
 
     eventually(Duration::from_secs(30), "the event is delivered despite its properties", || async {
         !receiver.for_body("hostile").is_empty()

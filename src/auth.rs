@@ -218,6 +218,7 @@ mod tests {
                     ..TokenConfig::default()
                 },
             ],
+            ..AuthConfig::default()
         };
         let table = TokenTable::new(&config);
         let app = table.authenticate("app-secret-0123456789").expect("known token");

@@ -54,6 +54,21 @@ impl Direct {
         Direct { admin, _owner: owner }
     }
 
+    /// Sends one message straight to a broker, as any RocketMQ producer could, with properties that popgate's
+    /// fronts would refuse (control characters, …): what a consumer of popgate must cope with. Auto-creates
+    /// the topic as the broker allows.
+    pub async fn produce_unchecked(namesrv_addr: &str, topic: &str, body: &str, properties: &[(&str, &str)]) {
+        let config = popgate::config::BrokerConfig { namesrv_addr: namesrv_addr.to_owned(), ..Default::default() };
+        let client = popgate::broker::BrokerClient::connect(&config, "it-direct-producer").await.expect("client");
+        let mut message = popgate::broker::OutgoingMessage::new(topic.to_owned(), body.to_owned().into());
+        message.properties.extend(properties.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
+        let route = client.route(topic).await.expect("a route for the topic");
+        let broker = route.writable().next().expect("a writable broker").clone();
+        let timeout = std::time::Duration::from_secs(10);
+        client.send(&message, &broker, 0, timeout).await.expect("stored by the broker");
+        client.shutdown().await;
+    }
+
     /// Creates `topic` with 4 queues on each broker address given (the way an operator pre-creates topics
     /// when auto-creation is off), so its route names all of them from the start.
     pub async fn create_topic(&self, topic: &str, broker_addrs: &[String]) {

@@ -137,6 +137,16 @@ pub struct GrpcConfig {
     pub min_invisible_ms: u64,
     /// Longest invisible duration a receive or ChangeInvisibleDuration may ask for (`maxInvisibleTimeMills`).
     pub max_invisible_ms: u64,
+    /// Most long-poll receives one token may have open at once.
+    pub max_receives_per_token: usize,
+    /// Most Telemetry streams one token may have open at once (an SDK client keeps one).
+    pub max_streams_per_token: usize,
+    /// Most client ids the front keeps track of (their liveness keeps auto-renewed deliveries held); a new
+    /// client past it is refused until others expire.
+    pub max_clients: usize,
+    /// HTTP/2 keep-alive: a PING after this long without frames; a connection that does not answer within
+    /// as long again is closed (0 switches it off).
+    pub keepalive_secs: u64,
 }
 
 impl Default for GrpcConfig {
@@ -147,6 +157,10 @@ impl Default for GrpcConfig {
             tls_key_path: None,
             min_invisible_ms: 10_000,
             max_invisible_ms: 12 * 3600 * 1000,
+            max_receives_per_token: 10_000,
+            max_streams_per_token: 10_000,
+            max_clients: 100_000,
+            keepalive_secs: 30,
         }
     }
 }
@@ -168,11 +182,14 @@ pub struct AuthConfig {
     pub enabled: bool,
     /// The accepted tokens.
     pub tokens: Vec<TokenConfig>,
+    /// A gRPC signature's `x-mq-date-time` may be this far from popgate's clock, either way; outside it the
+    /// call is refused, so a captured header is not a lasting credential.
+    pub max_clock_skew_secs: u64,
 }
 
 impl Default for AuthConfig {
     fn default() -> Self {
-        AuthConfig { enabled: true, tokens: Vec::new() }
+        AuthConfig { enabled: true, tokens: Vec::new(), max_clock_skew_secs: 900 }
     }
 }
 

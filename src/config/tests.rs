@@ -10,7 +10,7 @@ fn parse(text: &str) -> Result<Config, ConfigError> {
 #[test]
 fn empty_file_gives_the_documented_defaults() {
     let config = parse("").expect("defaults are valid");
-    assert_eq!(config, Config { auth: AuthConfig { enabled: false, tokens: Vec::new() }, ..Config::default() });
+    assert_eq!(config, Config { auth: AuthConfig { enabled: false, ..AuthConfig::default() }, ..Config::default() });
     assert_eq!(config.publish.retry_times_when_send_failed, 2);
     assert_eq!(config.publish.send_timeout(), Duration::from_secs(3));
     assert!(config.fault_avoidance.enabled);

@@ -125,6 +125,13 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
         "grpc.min_invisible_ms",
         "must not be more than grpc.max_invisible_ms",
     );
+    for (key, value) in [
+        ("grpc.max_receives_per_token", grpc.max_receives_per_token),
+        ("grpc.max_streams_per_token", grpc.max_streams_per_token),
+        ("grpc.max_clients", grpc.max_clients),
+    ] {
+        check(value > 0, key, "must be > 0");
+    }
     for (key, path) in [("server.tls_cert_path", &server.tls_cert_path), ("server.tls_key_path", &server.tls_key_path)]
     {
         if let Some(path) = path {

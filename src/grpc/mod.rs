@@ -11,6 +11,7 @@
 
 mod consume;
 mod deadline;
+mod limits;
 mod listener;
 mod names;
 pub mod proto;
@@ -49,6 +50,7 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
     let (stopping, stop_asked) = tokio::sync::watch::channel(false);
+    let config_keepalive_secs = config.grpc.keepalive_secs;
     let front = Arc::new(service::Front::new(publisher, dispatcher, tokens, config, stop_asked));
     tokio::spawn(service::keep_alive_loop(Arc::downgrade(&front)));
     let service = proto::messaging_service_server::MessagingServiceServer::new(front)
@@ -59,7 +61,10 @@ pub async fn serve(
         shutdown.await;
         let _ = stopping.send(true);
     };
+    let keepalive = (config_keepalive_secs > 0).then(|| std::time::Duration::from_secs(config_keepalive_secs));
     tonic::transport::Server::builder()
+        .http2_keepalive_interval(keepalive)
+        .http2_keepalive_timeout(keepalive)
         .add_service(service)
         .serve_with_incoming_shutdown(listener::incoming(listener, tls), shutdown)
         .await

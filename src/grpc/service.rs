@@ -4,7 +4,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use metrics::{counter, gauge, histogram};
 use parking_lot::Mutex;
@@ -16,6 +16,7 @@ use tonic::{Request, Response, Streaming};
 
 use super::consume::{self, AUTO_RENEW_HOLD, AUTO_RENEW_MAX};
 use super::deadline;
+use super::limits::OpenCalls;
 use super::proto::messaging_service_server::MessagingService;
 use super::proto::{self as pb, settings::PubSub as settings_pub_sub, telemetry_command, Code};
 use super::send;
@@ -44,6 +45,9 @@ pub struct Front {
     clients: Mutex<Liveness>,
     /// True once popgate is shutting down: open receives are answered at once, new ones get nothing.
     stop_asked: tokio::sync::watch::Receiver<bool>,
+    /// Open receives and Telemetry streams, per token.
+    receives: Arc<OpenCalls>,
+    streams: Arc<OpenCalls>,
 }
 
 /// The client kinds of the `popgate_grpc_clients{kind}` gauge.
@@ -119,7 +123,10 @@ impl Front {
         config: Arc<Config>,
         stop_asked: tokio::sync::watch::Receiver<bool>,
     ) -> Front {
-        Front { publisher, dispatcher, tokens, config, clients: Mutex::new(Liveness::default()), stop_asked }
+        let receives = OpenCalls::new("receives", config.grpc.max_receives_per_token);
+        let streams = OpenCalls::new("Telemetry streams", config.grpc.max_streams_per_token);
+        let clients = Mutex::new(Liveness::default());
+        Front { publisher, dispatcher, tokens, config, clients, stop_asked, receives, streams }
     }
 
     /// Resolves once popgate is shutting down (at once when it already is).
@@ -149,9 +156,18 @@ impl Front {
             return Err(refused("the authorization header is not MQv2-HMAC-SHA1"));
         };
         let signed = header("x-mq-date-time").unwrap_or_default();
-        self.tokens
+        let caller = self
+            .tokens
             .authenticate_signature(access_key, signed, signature)
-            .ok_or_else(|| refused("unknown access key or bad signature"))
+            .ok_or_else(|| refused("unknown access key or bad signature"))?;
+        // The signature covers only the date: an old one would be a lasting credential for whoever saw it.
+        let skew = Duration::from_secs(self.config.auth.max_clock_skew_secs);
+        if !within_skew(signed, SystemTime::now(), skew) {
+            counter!(m::REQUESTS_REJECTED, "reason" => "stale_signature").increment(1);
+            let why = format!("x-mq-date-time `{signed}` is more than {} s away from popgate's clock", skew.as_secs());
+            return Err(status(Code::Unauthorized, why));
+        }
+        Ok(caller)
     }
 
     /// The caller of a request ([`Front::caller`]); only an authenticated call marks its client alive (with
@@ -159,17 +175,23 @@ impl Front {
     /// auto-renewed deliveries held.
     fn authenticated(&self, metadata: &MetadataMap, kind: Option<&'static str>) -> Result<Caller, pb::Status> {
         let caller = self.caller(metadata)?;
-        self.saw_client(metadata, kind);
+        self.saw_client(metadata, kind)?;
         Ok(caller)
     }
 
     /// Notes that the calling client is alive (its kind, when known). Constant time: expiry is the keep-alive
-    /// loop's ([`Front::prune_clients`]), not every call's.
-    fn saw_client(&self, metadata: &MetadataMap, kind: Option<&'static str>) {
-        let Some(id) = client_id(metadata) else { return };
+    /// loop's ([`Front::prune_clients`]), not every call's. A new client past `grpc.max_clients` is refused.
+    fn saw_client(&self, metadata: &MetadataMap, kind: Option<&'static str>) -> Result<(), pb::Status> {
+        let Some(id) = client_id(metadata) else { return Ok(()) };
         let mut clients = self.clients.lock();
+        let max = self.config.grpc.max_clients;
+        if clients.seen.len() >= max && !clients.seen.contains_key(id) {
+            counter!(m::REQUESTS_REJECTED, "reason" => "too_many_clients").increment(1);
+            return Err(status(Code::TooManyRequests, format!("popgate keeps track of {max} clients at most")));
+        }
         clients.saw(id, kind, Instant::now());
         clients.publish_gauge();
+        Ok(())
     }
 
     fn forget_client(&self, id: &str) {
@@ -254,6 +276,14 @@ pub(super) async fn keep_alive_loop(front: std::sync::Weak<Front>) {
             tracing::warn!(%error, "Could not extend the deliveries live gRPC clients hold; will retry.");
         }
     }
+}
+
+/// Whether `date_time` (the SDK's `x-mq-date-time`, `yyyyMMdd'T'HHmmss'Z'` in UTC) is within `skew` of `now`.
+fn within_skew(date_time: &str, now: SystemTime, skew: Duration) -> bool {
+    let Ok(signed) = chrono::NaiveDateTime::parse_from_str(date_time, "%Y%m%dT%H%M%SZ") else { return false };
+    let now = chrono::DateTime::<chrono::Utc>::from(now).naive_utc();
+    let apart = (now - signed).abs().to_std().unwrap_or(Duration::MAX);
+    apart <= skew
 }
 
 /// `Credential=<AK>[/…], SignedHeaders=…, Signature=<hex>` after the algorithm name.
@@ -369,14 +399,17 @@ impl MessagingService for Arc<Front> {
         let checked = match (self.authenticated(request.metadata(), None), client_id(request.metadata())) {
             (Err(refused), _) => Err(refused),
             (Ok(_), None) => Err(status(Code::ClientIdRequired, "the x-mq-client-id header is required")),
-            (Ok(caller), Some(id)) => {
-                let call = consume::Call {
-                    client_id: id.to_owned(),
-                    time_left: deadline::time_left(request.metadata()),
-                    client_version: client_version(request.metadata()).map(str::to_owned),
-                };
-                consume::prepare_receive(self, &caller, &call, request.into_inner()).await
-            }
+            (Ok(caller), Some(id)) => match self.receives.take(&caller.name) {
+                Err(refused) => Err(refused),
+                Ok(slot) => {
+                    let call = consume::Call {
+                        client_id: id.to_owned(),
+                        time_left: deadline::time_left(request.metadata()),
+                        client_version: client_version(request.metadata()).map(str::to_owned),
+                    };
+                    consume::prepare_receive(self, &caller, &call, request.into_inner()).await.map(|r| (r, slot))
+                }
+            },
         };
         match checked {
             Err(refused) => {
@@ -386,9 +419,11 @@ impl MessagingService for Arc<Front> {
                 };
                 let _ = out.send(Ok(refusal)).await;
             }
-            Ok(receive) => {
+            Ok((receive, slot)) => {
                 let front = self.clone();
                 tokio::spawn(async move {
+                    // The receive holds one of its token's places until it is answered.
+                    let _slot = slot;
                     if let Some(code) = consume::run_receive(&front, receive, out).await {
                         observe("ReceiveMessage", code, started);
                     }
@@ -447,21 +482,29 @@ impl MessagingService for Arc<Front> {
         request: Request<Streaming<pb::TelemetryCommand>>,
     ) -> Result<Response<BoxStream<pb::TelemetryCommand>>, tonic::Status> {
         let started = Instant::now();
-        let caller = self.caller(request.metadata());
+        // The stream holds one of its token's Telemetry places while it is open.
+        let slot = self.caller(request.metadata()).and_then(|caller| self.streams.take(&caller.name));
         let metadata = request.metadata().clone();
         let mut inbound = request.into_inner();
         let (replies, stream) = tokio::sync::mpsc::channel(4);
         let front = self.clone();
         tokio::spawn(async move {
-            if let Err(refused) = caller {
-                observe("Telemetry", refused.code, started);
-                let _ = replies.send(Ok(pb::TelemetryCommand { status: Some(refused), command: None })).await;
-                return;
-            }
+            let _slot = match slot {
+                Ok(slot) => slot,
+                Err(refused) => {
+                    observe("Telemetry", refused.code, started);
+                    let _ = replies.send(Ok(pb::TelemetryCommand { status: Some(refused), command: None })).await;
+                    return;
+                }
+            };
             while let Some(Ok(command)) = inbound.next().await {
                 let Some(telemetry_command::Command::Settings(client)) = command.command else { continue };
                 let started = Instant::now();
-                front.saw_client(&metadata, Some(settings::kind_label(client.client_type)));
+                if let Err(refused) = front.saw_client(&metadata, Some(settings::kind_label(client.client_type))) {
+                    observe("Telemetry", refused.code, started);
+                    let _ = replies.send(Ok(pb::TelemetryCommand { status: Some(refused), command: None })).await;
+                    break;
+                }
                 front.note_request_timeout(&metadata, &client);
                 let group_sub = front.subscription_of(&client);
                 let group_orderly = match &client.pub_sub {
@@ -483,5 +526,32 @@ impl MessagingService for Arc<Front> {
             }
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(stream))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_signature_date_counts_only_within_the_skew_window_either_way() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_796_083_200); // 2026-12-01T00:00:00Z
+        let window = Duration::from_secs(900);
+        assert!(within_skew("20261201T000000Z", now, window));
+        assert!(within_skew("20261130T234500Z", now, window), "15 minutes behind");
+        assert!(within_skew("20261201T001500Z", now, window), "15 minutes ahead");
+        assert!(!within_skew("20261130T234459Z", now, window));
+        assert!(!within_skew("20261201T001501Z", now, window));
+        assert!(!within_skew("not a date", now, window));
+        assert!(!within_skew("", now, window));
+    }
+
+    #[test]
+    fn the_authorization_header_of_each_sdk_is_read() {
+        let java = "MQv2-HMAC-SHA1 Credential=app, SignedHeaders=x-mq-date-time, Signature=ABCD";
+        assert_eq!(parse_authorization(java), Some(("app", "ABCD")));
+        let go = "MQv2-HMAC-SHA1 Credential=app//Rocketmq, SignedHeaders=x-mq-date-time, Signature=ABCD";
+        assert_eq!(parse_authorization(go), Some(("app", "ABCD")));
+        assert_eq!(parse_authorization("Bearer token"), None);
     }
 }
