@@ -1,10 +1,18 @@
 //! Who may do what: bearer tokens from the config, each with the topics it may publish to, the consumer
 //! groups it may consume as, and whether it may use the admin plane.
 //!
-//! Tokens are kept only as SHA-256 digests. A presented token is hashed and compared with every configured
+//! Bearer tokens are kept as SHA-256 digests. A presented token is hashed and compared with every configured
 //! digest in constant time (no early exit), so neither the comparison nor the table's order leaks which
-//! bytes matched. The token itself is never logged; only its configured `name` is.
+//! bytes matched. The gRPC front's HMAC signatures need the secret itself, so the secret of each token given
+//! as `token` is kept in memory for them. A token is never logged; only its configured `name` is.
+//!
+//! [`TokenBudget`] bounds how many calls of one kind each token has open at once (the fronts' long polls and
+//! streams).
 
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
@@ -169,6 +177,55 @@ impl Pattern {
 }
 
 pub use crate::config::names::is_valid_pattern;
+
+/// How many calls of one kind (long polls, streams, …) each token may have open at once.
+#[derive(Debug)]
+pub struct TokenBudget {
+    max_per_token: usize,
+    open: Mutex<HashMap<String, usize>>,
+}
+
+/// One open call of a token; dropping it gives its place back.
+#[derive(Debug)]
+pub struct BudgetSlot {
+    budget: Arc<TokenBudget>,
+    token: String,
+}
+
+impl TokenBudget {
+    /// At most `max_per_token` open calls per token.
+    pub fn new(max_per_token: usize) -> Arc<TokenBudget> {
+        Arc::new(TokenBudget { max_per_token, open: Mutex::new(HashMap::new()) })
+    }
+
+    /// The most a token may have open.
+    pub fn max_per_token(&self) -> usize {
+        self.max_per_token
+    }
+
+    /// A place for one more call of `caller`, or `None` when its token has used them all.
+    pub fn take(self: &Arc<Self>, caller: &Caller) -> Option<BudgetSlot> {
+        let mut open = self.open.lock();
+        let count = open.entry(caller.name.clone()).or_insert(0);
+        if *count >= self.max_per_token {
+            return None;
+        }
+        *count += 1;
+        Some(BudgetSlot { budget: Arc::clone(self), token: caller.name.clone() })
+    }
+}
+
+impl Drop for BudgetSlot {
+    fn drop(&mut self) {
+        let mut open = self.budget.open.lock();
+        if let Some(count) = open.get_mut(&self.token) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                open.remove(&self.token);
+            }
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {

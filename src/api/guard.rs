@@ -4,7 +4,6 @@
 //! Every rejection answers with the one error schema and counts in
 //! `popgate_requests_rejected_total{reason}`.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use axum::body::Bytes;
@@ -14,12 +13,11 @@ use axum::http::{HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use metrics::counter;
-use parking_lot::Mutex;
 use rand::RngCore;
 use tracing::Instrument;
 
 use super::ApiError;
-use crate::auth::{Action, Caller, TokenTable};
+use crate::auth::{Action, BudgetSlot, Caller, TokenBudget, TokenTable};
 use crate::metrics as m;
 
 /// The header a request id is taken from and answered in.
@@ -221,37 +219,20 @@ pub enum Budget {
     Streams,
 }
 
-/// Per-token counts of waiting long-polls and open streams.
+/// Per-token budgets of waiting long-polls and open streams.
 #[derive(Debug)]
 pub struct ConnectionLimits {
-    max_waiters: usize,
-    max_streams: usize,
-    in_use: Mutex<HashMap<(String, Budget), usize>>,
+    waiters: Arc<TokenBudget>,
+    streams: Arc<TokenBudget>,
 }
 
 /// One taken slot; it is given back when dropped.
-#[derive(Debug)]
-pub struct Slot {
-    limits: Arc<ConnectionLimits>,
-    key: (String, Budget),
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        let mut in_use = self.limits.in_use.lock();
-        if let Some(count) = in_use.get_mut(&self.key) {
-            *count = count.saturating_sub(1);
-            if *count == 0 {
-                in_use.remove(&self.key);
-            }
-        }
-    }
-}
+pub type Slot = BudgetSlot;
 
 impl ConnectionLimits {
     /// Limits of `max_waiters` long-polls and `max_streams` streams per token.
     pub fn new(max_waiters: usize, max_streams: usize) -> Arc<ConnectionLimits> {
-        Arc::new(ConnectionLimits { max_waiters, max_streams, in_use: Mutex::new(HashMap::new()) })
+        Arc::new(ConnectionLimits { waiters: TokenBudget::new(max_waiters), streams: TokenBudget::new(max_streams) })
     }
 
     /// Takes a slot of `budget` for `caller`, or answers 429 when the token has used them all.
@@ -259,18 +240,14 @@ impl ConnectionLimits {
     /// # Errors
     /// [`ApiError`] 429 `too_many_requests`.
     pub fn acquire(self: &Arc<Self>, caller: &Caller, budget: Budget) -> Result<Slot, ApiError> {
-        let (max, reason, what) = match budget {
-            Budget::Waiters => (self.max_waiters, "too_many_waiters", "waiting long-polls"),
-            Budget::Streams => (self.max_streams, "too_many_streams", "open streams"),
+        let (budget, reason, what) = match budget {
+            Budget::Waiters => (&self.waiters, "too_many_waiters", "waiting long-polls"),
+            Budget::Streams => (&self.streams, "too_many_streams", "open streams"),
         };
-        let key = (caller.name.clone(), budget);
-        let mut in_use = self.in_use.lock();
-        let count = in_use.entry(key.clone()).or_insert(0);
-        if *count >= max {
-            return Err(rejected(reason, ApiError::too_many(format!("this token already has {max} {what}"))));
-        }
-        *count += 1;
-        Ok(Slot { limits: Arc::clone(self), key })
+        budget.take(caller).ok_or_else(|| {
+            let max = budget.max_per_token();
+            rejected(reason, ApiError::too_many(format!("this token already has {max} {what}")))
+        })
     }
 }
 

@@ -46,8 +46,8 @@ pub struct Front {
     /// True once popgate is shutting down: open receives are answered at once, new ones get nothing.
     stop_asked: tokio::sync::watch::Receiver<bool>,
     /// Open receives and Telemetry streams, per token.
-    receives: Arc<OpenCalls>,
-    streams: Arc<OpenCalls>,
+    receives: OpenCalls,
+    streams: OpenCalls,
 }
 
 /// The client kinds of the `popgate_grpc_clients{kind}` gauge.
@@ -399,7 +399,7 @@ impl MessagingService for Arc<Front> {
         let checked = match (self.authenticated(request.metadata(), None), client_id(request.metadata())) {
             (Err(refused), _) => Err(refused),
             (Ok(_), None) => Err(status(Code::ClientIdRequired, "the x-mq-client-id header is required")),
-            (Ok(caller), Some(id)) => match self.receives.take(&caller.name) {
+            (Ok(caller), Some(id)) => match self.receives.take(&caller) {
                 Err(refused) => Err(refused),
                 Ok(slot) => {
                     let call = consume::Call {
@@ -483,7 +483,7 @@ impl MessagingService for Arc<Front> {
     ) -> Result<Response<BoxStream<pb::TelemetryCommand>>, tonic::Status> {
         let started = Instant::now();
         // The stream holds one of its token's Telemetry places while it is open.
-        let slot = self.caller(request.metadata()).and_then(|caller| self.streams.take(&caller.name));
+        let slot = self.caller(request.metadata()).and_then(|caller| self.streams.take(&caller));
         let metadata = request.metadata().clone();
         let mut inbound = request.into_inner();
         let (replies, stream) = tokio::sync::mpsc::channel(4);
