@@ -431,13 +431,15 @@ impl Dispatcher {
         let sub = match self.deliveries.subscription(group, topic) {
             Some(sub) => sub,
             None => {
-                self.subscribe(SubscriptionRequest {
-                    group: group.to_owned(),
-                    topic: topic.to_owned(),
-                    implicit: true,
-                    ..Default::default()
-                })
-                .await?
+                return self
+                    .subscribe(SubscriptionRequest {
+                        group: group.to_owned(),
+                        topic: topic.to_owned(),
+                        ordered: Some(self.group_order.orderly(group).await),
+                        implicit: true,
+                        ..Default::default()
+                    })
+                    .await
             }
         };
         self.follow_group_order(sub).await
@@ -449,12 +451,21 @@ impl Dispatcher {
         self.group_order.orderly(group).await
     }
 
+    /// Whether `sub` is to be ordered, as [`Dispatcher::follow_group_order`] says.
+    async fn ordered_as_its_group(&self, sub: &Subscription) -> bool {
+        let orderly = self.group_order.orderly(&sub.group).await;
+        if sub.implicit {
+            orderly
+        } else {
+            sub.ordered || orderly
+        }
+    }
+
     /// `sub` ordered as its group's config says: a subscription a receive created follows the config both
     /// ways; one made with `POST /events/subscribe` becomes ordered when the group is, and keeps its own
     /// `ordered` otherwise.
     async fn follow_group_order(&self, sub: Subscription) -> Result<Subscription, DeliveryError> {
-        let orderly = self.group_order.orderly(&sub.group).await;
-        let ordered = if sub.implicit { orderly } else { sub.ordered || orderly };
+        let ordered = self.ordered_as_its_group(&sub).await;
         if ordered == sub.ordered {
             return Ok(sub);
         }
@@ -497,17 +508,17 @@ impl Dispatcher {
         filter_type: FilterType,
     ) -> Result<Subscription, DeliveryError> {
         let Some(sub) = self.deliveries.subscription(group, topic) else {
-            let created = self
+            return self
                 .subscribe(SubscriptionRequest {
                     group: group.to_owned(),
                     topic: topic.to_owned(),
                     filter: Some(filter.to_owned()),
                     filter_type: Some(filter_type),
+                    ordered: Some(self.group_order.orderly(group).await),
                     implicit: true,
                     ..Default::default()
                 })
-                .await?;
-            return self.follow_group_order(created).await;
+                .await;
         };
         if sub.filter == filter && sub.filter_type == filter_type {
             return self.follow_group_order(sub).await;
@@ -520,11 +531,13 @@ impl Dispatcher {
             tracing::debug!(group, topic, filter, current = %sub.filter, "Filter change refused: changed too recently.");
             return Ok(sub);
         }
+        // One write for the new filter and the group's ordering together.
+        let ordered = self.ordered_as_its_group(&sub).await;
         let mut request = SubscriptionRequest::from(sub);
         request.filter = Some(filter.to_owned());
         request.filter_type = Some(filter_type);
-        let changed = self.subscribe(request).await?;
-        self.follow_group_order(changed).await
+        request.ordered = Some(ordered);
+        self.subscribe(request).await
     }
 
     /// Long-polls up to `max` deliveries for `group`/`topic`, waiting at most `wait` when none is ready.
