@@ -45,6 +45,13 @@ fn request_dated<T>(message: T, signed_by: Option<(&str, &str)>, date_time: &str
     request
 }
 
+/// [`request`] from another client than the tests' usual one.
+fn request_from<T>(message: T, client_id: &str) -> tonic::Request<T> {
+    let mut request = request(message, None);
+    request.metadata_mut().insert("x-mq-client-id", client_id.parse().expect("ascii"));
+    request
+}
+
 fn resource(name: &str) -> Option<pb::Resource> {
     Some(pb::Resource { resource_namespace: String::new(), name: name.to_owned() })
 }
@@ -410,4 +417,136 @@ async fn an_auto_renewed_delivery_comes_back_once_its_client_has_gone_silent() {
     let polled = popgate.poll_until(&group, &topic, 1, Duration::from_secs(10)).await;
     assert_eq!(polled[0]["attempt"], json!(2));
     assert!(popgate.metric("popgate_redeliveries_total{reason=\"timeout\"}").await >= 1.0);
+}
+
+/// The client that receives a message and never reads it.
+const STALLED_CLIENT_ID: &str = "it-stalled@1@0@test";
+
+/// Heartbeats as `client_id` every 2 s, on a connection of its own, until aborted: the client stays alive to
+/// popgate (across a restart too: the channel reconnects).
+fn keep_alive(popgate: &Popgate, client_id: &'static str) -> tokio::task::JoinHandle<()> {
+    let endpoint = format!("http://{}", popgate.grpc);
+    tokio::spawn(async move {
+        let channel = tonic::transport::Endpoint::from_shared(endpoint).expect("endpoint").connect_lazy();
+        let mut client = MessagingServiceClient::new(channel);
+        loop {
+            let heartbeat = pb::HeartbeatRequest { group: None, client_type: pb::ClientType::PushConsumer as i32 };
+            let _ = client.heartbeat(request_from(heartbeat, client_id)).await;
+            tokio::time::sleep(Duration::from_secs(2)).await;
+        }
+    })
+}
+
+/// An auto-renewed receive by [`STALLED_CLIENT_ID`] that carries a message far larger than the client's
+/// HTTP/2 window (64 KiB) and is never read past its first status: the message is recorded as held by the
+/// client, which never takes it in. Returns the client and the unread stream, to be kept open.
+async fn stalled_receive(
+    popgate: &Popgate,
+    group: &str,
+    topic: &str,
+) -> (MessagingServiceClient<Channel>, tonic::Streaming<pb::ReceiveMessageResponse>) {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", popgate.grpc))
+        .expect("endpoint")
+        .initial_stream_window_size(65_535)
+        .initial_connection_window_size(65_535)
+        .connect()
+        .await
+        .expect("connect");
+    let mut client = MessagingServiceClient::new(channel);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let mut req = receive_request(group, topic, true);
+        req.batch_size = 1;
+        let mut stream = client.receive_message(request_from(req, STALLED_CLIENT_ID)).await.expect("call").into_inner();
+        let first = stream.message().await.expect("stream").and_then(|r| r.content);
+        if matches!(first, Some(pb::receive_message_response::Content::Status(s)) if s.code == Code::Ok as i32) {
+            return (client, stream);
+        }
+        // Nothing yet (a new group's first receive on a loaded machine): the next receive.
+        while let Ok(Some(_)) = stream.message().await {}
+        assert!(std::time::Instant::now() < deadline, "the stalled client never received the message");
+    }
+}
+
+/// Receives (without auto-renew) until a message comes, for at most `within`.
+async fn first_message(
+    client: &mut MessagingServiceClient<Channel>,
+    group: &str,
+    topic: &str,
+    within: Duration,
+) -> Option<pb::Message> {
+    let deadline = std::time::Instant::now() + within;
+    while std::time::Instant::now() < deadline {
+        let mut req = receive_request(group, topic, false);
+        req.batch_size = 1;
+        if let Some(message) = receive(client, req).await.1.into_iter().next() {
+            return Some(message);
+        }
+    }
+    None
+}
+
+fn attempt_of(message: &pb::Message) -> Option<i32> {
+    message.system_properties.as_ref().and_then(|p| p.delivery_attempt)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_its_client_never_took_in_comes_back_at_its_deadline_though_the_client_stays_alive() {
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, "").await;
+    let topic = unique_topic("grpc_raw_stall");
+    let group = format!("g_{topic}");
+    create_topic(cluster, &topic).await;
+    let large = "x".repeat(1 << 20);
+    popgate.publish_bodies(&topic, &[&large]).await;
+    let heartbeats = keep_alive(&popgate, STALLED_CLIENT_ID);
+
+    let (_stalled_client, _unread) = stalled_receive(&popgate, &group, &topic).await;
+    let stalled_at = std::time::Instant::now();
+    // The stalled client heartbeats all along, but it never took the message in: its 30 s hold is not
+    // renewed, and another consumer of the group gets the message once the hold is over.
+    let mut other = connect(&popgate).await;
+    let message = first_message(&mut other, &group, &topic, Duration::from_secs(90)).await.unwrap_or_else(|| {
+        panic!(
+            "the message stayed held by a client that never took it in ({:?} after it stalled)",
+            stalled_at.elapsed()
+        )
+    });
+    assert_eq!(message.body.len(), large.len());
+    assert_eq!(attempt_of(&message), Some(2), "its first attempt was spent at the deadline");
+    let waited = stalled_at.elapsed();
+    assert!(waited >= Duration::from_secs(20), "not taken from the stalled client before its hold ran out: {waited:?}");
+    eventually(Duration::from_secs(20), "the unwritten delivery is counted", || async {
+        popgate.metric("popgate_grpc_unwritten_deliveries_total").await >= 1.0
+    })
+    .await;
+    heartbeats.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hand_out_popgate_was_killed_before_its_client_took_it_in_is_dispatched_again_at_once_after_the_restart() {
+    let cluster = shared_cluster();
+    let mut popgate = Popgate::start(&cluster.namesrv_addr, "").await;
+    let topic = unique_topic("grpc_raw_killed");
+    let group = format!("g_{topic}");
+    create_topic(cluster, &topic).await;
+    let large = "y".repeat(1 << 20);
+    popgate.publish_bodies(&topic, &[&large]).await;
+    let heartbeats = keep_alive(&popgate, STALLED_CLIENT_ID);
+
+    let stalled = stalled_receive(&popgate, &group, &topic).await;
+    // kill -9 while the record says the stalled client holds the message and the client has not taken it in.
+    popgate.restart().await;
+    drop(stalled);
+    // The client is alive (it heartbeats to the restarted popgate), but recovery does not keep for it what
+    // it never took in: the message is handed out again at once, its attempt kept (a hold that ran out
+    // would have spent it).
+    let mut other = connect(&popgate).await;
+    let message = first_message(&mut other, &group, &topic, Duration::from_secs(60))
+        .await
+        .expect("the message stayed held by a client that never took it in");
+    assert_eq!(message.body.len(), large.len());
+    assert_eq!(attempt_of(&message), Some(1), "dispatched again by recovery, not after its hold ran out");
+    assert!(popgate.metric("popgate_recovered_deliveries_total{outcome=\"redispatched\"}").await >= 1.0);
+    heartbeats.abort();
 }

@@ -87,6 +87,9 @@ pub const STORE_COMMIT_DURATION: &str = "popgate_store_commit_duration_seconds";
 pub const GRPC_REQUESTS: &str = "popgate_grpc_requests_total";
 /// Histogram (`rpc`): how long a gRPC call took to answer.
 pub const GRPC_REQUEST_DURATION: &str = "popgate_grpc_request_duration_seconds";
+/// Deliveries a gRPC receive handed out whose response its client did not take in (the stream broke, or the
+/// client stopped reading before their deadline): never renewed, they come back at their deadline.
+pub const GRPC_UNWRITTEN_DELIVERIES: &str = "popgate_grpc_unwritten_deliveries_total";
 /// Gauge (`kind`): gRPC clients seen in the last minute (producer, push_consumer, simple_consumer, other).
 pub const GRPC_CLIENTS: &str = "popgate_grpc_clients";
 /// 1 while the broker is weaker than the reliability profile (flush or replication), else 0.
@@ -212,6 +215,7 @@ const ZERO_COUNTERS: &[&str] = &[
     SUBSCRIPTIONS_EXPIRED,
     TLS_HANDSHAKE_FAILURES,
     POPPED_UNUSABLE,
+    GRPC_UNWRITTEN_DELIVERIES,
 ];
 
 /// The gRPC RPCs popgate serves, registered at 0 with code OK.
@@ -260,6 +264,11 @@ fn describe_all() {
     describe_counter!(GRPC_REQUESTS, Unit::Count, "gRPC calls answered, by RPC and RocketMQ status code.");
     describe_histogram!(GRPC_REQUEST_DURATION, Unit::Seconds, "gRPC call duration, by RPC.");
     describe_gauge!(GRPC_CLIENTS, "gRPC clients seen in the last minute, by kind.");
+    describe_counter!(
+        GRPC_UNWRITTEN_DELIVERIES,
+        Unit::Count,
+        "Deliveries whose gRPC receive response the client did not take in: not renewed, back at their deadline."
+    );
     describe_counter!(SEND_ATTEMPTS, Unit::Count, "Send attempts to the broker, by broker name.");
     describe_counter!(SEND_RETRIES, Unit::Count, "Send attempts that retried a failed attempt.");
     describe_counter!(SEND_FAILURES, Unit::Count, "Failed send attempts, by reason.");

@@ -694,6 +694,16 @@ impl Dispatcher {
         self.deliveries.keep_held(clients, hold, max_hold).await
     }
 
+    /// These hand-outs (delivery id, hand-out number) reached their gRPC client: the whole response that
+    /// carried them was taken in. Until then an auto-renewed delivery is not renewed, and a restart dispatches
+    /// it again at once (see [`Holder::written`]). Returns how many were marked.
+    ///
+    /// # Errors
+    /// [`DeliveryError::Store`] when the mark cannot be stored (the deliveries stay as they were).
+    pub async fn written(&self, handed: &[(String, u32)]) -> Result<usize, DeliveryError> {
+        self.deliveries.mark_written(handed).await
+    }
+
     /// `client_id` ended (NotifyClientTermination): what it held and did not settle is NACKed, so its next
     /// attempt is due at once instead of after its ACK deadline. Returns how many.
     pub async fn release_client(&self, client_id: &str) -> usize {

@@ -38,17 +38,27 @@ pub enum Phase {
     },
 }
 
-/// The gRPC client a delivery is handed to. Stored with the hand-out, so a restart keeps it: such a delivery
-/// is not dispatched again at boot (its client still holds it and will ACK it with the handle it has), it
-/// comes back only if its ACK deadline passes.
+/// The gRPC client a delivery is handed to. Stored with the hand-out, so a restart keeps it: once the client
+/// has taken the message in (`written`), such a delivery is not dispatched again at boot (its client holds it
+/// and will ACK it with the handle it has), it comes back only if its ACK deadline passes.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Holder {
     /// The client's `x-mq-client-id`.
     pub client_id: String,
     /// The client asked popgate to keep the delivery until it settles it (a PushConsumer's `auto_renew`):
-    /// its ACK deadline is extended while the client is alive.
+    /// its ACK deadline is extended while the client is alive, once the message is `written`.
     pub auto_renew: bool,
+    /// The client took in the whole response that carried the message (its HTTP/2 flow control accepted
+    /// every byte). The record is stored before the response is written, so until this is set the client
+    /// may never have seen the message: it is not renewed, and recovery dispatches it again at once.
+    /// Records written before popgate tracked this count as written, as they were treated then.
+    #[serde(default = "written_before_it_was_tracked")]
+    pub written: bool,
+}
+
+fn written_before_it_was_tracked() -> bool {
+    true
 }
 
 /// One in-flight delivery.
@@ -167,5 +177,19 @@ impl Subscription {
     /// This subscription's key.
     pub fn key(&self) -> String {
         Self::key_of(&self.group, &self.topic)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_holder_stored_before_popgate_tracked_writes_counts_as_written() {
+        let old: Holder = serde_json::from_str(r#"{"clientId":"app@1","autoRenew":true}"#).expect("decodes");
+        assert!(old.written, "treated as it was then: kept for its client");
+        let new = Holder { client_id: "app@1".into(), auto_renew: true, written: false };
+        let round_trip: Holder = serde_json::from_str(&serde_json::to_string(&new).expect("encodes")).expect("decodes");
+        assert_eq!(round_trip, new);
     }
 }

@@ -188,7 +188,7 @@ mod tests {
         let sub = subscription();
         store.put(Family::Subscriptions, &sub.key(), &sub).await.expect("put sub");
         let soon = now_millis() + 5_000;
-        let holder = Holder { client_id: "app@1".into(), auto_renew: true };
+        let holder = Holder { client_id: "app@1".into(), auto_renew: true, written: true };
         let held = record(
             "held",
             Phase::AwaitingAck { deadline_ms: soon, dispatched_ms: now_millis(), holder: Some(holder) },
@@ -213,6 +213,36 @@ mod tests {
         let due = dispatcher.in_flight(Some("g"), 1)[0].due_ms.unwrap_or(0);
         assert!(due >= now_millis() + 25_000, "the deadline moved 30 s ahead: {due}");
         assert_eq!(dispatcher.hold_of("held").and_then(|(_, _, h)| h).map(|h| h.client_id), Some("app@1".into()));
+        dispatcher.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn a_hand_out_popgate_died_before_writing_to_its_grpc_client_is_dispatched_again_at_once() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = StateStore::open(dir.path(), true).expect("open");
+        let sub = subscription();
+        store.put(Family::Subscriptions, &sub.key(), &sub).await.expect("put sub");
+        let later = now_millis() + 30_000;
+        let holder = Holder { client_id: "app@1".into(), auto_renew: true, written: false };
+        let mut unwritten = record(
+            "unwritten",
+            Phase::AwaitingAck { deadline_ms: later, dispatched_ms: now_millis(), holder: Some(holder) },
+            2,
+        );
+        unwritten.handouts = 2;
+        store.put(Family::Deliveries, &unwritten.id, &unwritten).await.expect("put");
+
+        let (dispatcher, _) = start_offline(store).await;
+        let clients = std::collections::HashSet::from(["app@1".to_owned()]);
+        let hold = Duration::from_secs(30);
+        assert_eq!(
+            dispatcher.keep_held(&clients, hold, Duration::from_secs(3600)).await.ok(),
+            Some(0),
+            "never renewed for the client: it may never have seen the message"
+        );
+        let polled = dispatcher.poll("g", "t", 10, Duration::from_millis(500)).await.expect("poll");
+        let seen: Vec<(&str, u32, u32)> = polled.iter().map(|d| (d.id.as_str(), d.attempt, d.handout)).collect();
+        assert_eq!(seen, vec![("unwritten", 2, 3)], "handed out again at once, its attempt kept, a new hand-out");
         dispatcher.shutdown().await;
     }
 

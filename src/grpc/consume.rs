@@ -7,7 +7,7 @@
 //! | RPC | delivery core |
 //! |---|---|
 //! | `QueryAssignment` | one queue per broker of the topic, all served by popgate |
-//! | `ReceiveMessage` | `Dispatcher::poll_as`, the subscription's filter set from the request |
+//! | `ReceiveMessage` | `Dispatcher::poll_as`, the subscription's filter set from the request; `Dispatcher::written` once the client took the response in ([`super::written`]) |
 //! | `AckMessage` | `Dispatcher::ack` per entry (then the broker ACK) |
 //! | `ChangeInvisibleDuration` | auto-renewed (PushConsumer): a NACK on popgate's backoff; else a new deadline |
 //! | `ForwardMessageToDeadLetterQueue` | `Dispatcher::term` (the DLQ write, then the broker ACK) |
@@ -15,7 +15,8 @@
 use std::time::Duration;
 
 use md5::{Digest as _, Md5};
-use tokio::sync::mpsc;
+use metrics::counter;
+use tokio::sync::{mpsc, oneshot};
 
 use super::proto::{self as pb, receive_message_response::Content, Code, DigestType, Encoding, MessageType};
 use super::service::Front;
@@ -26,6 +27,7 @@ use crate::auth::{Action, Caller};
 use crate::delivery::{
     DeliveryError, Dispatched, FilterType, HandOut, Holder, Subscription, Target, MAX_POLL_BATCH, MAX_POLL_WAIT,
 };
+use crate::metrics as m;
 
 /// The prefix of popgate's receipt handles (their version).
 const HANDLE_PREFIX: &str = "pg2:";
@@ -176,7 +178,7 @@ pub(super) async fn prepare_receive(
         }
     }
     let sub = front.dispatcher.ensure_filtered(&group, &topic, &filter, filter_type).await.map_err(delivery_status)?;
-    let holder = Holder { client_id: call.client_id.clone(), auto_renew: request.auto_renew };
+    let holder = Holder { client_id: call.client_id.clone(), auto_renew: request.auto_renew, written: false };
     Ok(Receive {
         sub,
         batch,
@@ -206,15 +208,24 @@ fn filter_of(expression: Option<pb::FilterExpression>) -> Result<(String, Filter
     Ok((expression.expression, FilterType::Tag))
 }
 
+/// What a receive answered.
+pub(super) struct Answered {
+    /// The status code.
+    pub(super) code: i32,
+    /// The hand-outs it carried (delivery id, hand-out number), and the earliest of their deadlines.
+    handed: Vec<(String, u32)>,
+    first_deadline_ms: i64,
+}
+
 /// Runs a checked receive: waits for deliveries (or until the client goes away) and writes the stream Apache's
 /// proxy writes: `status OK, message…, delivery_timestamp`, or `MESSAGE_NOT_FOUND, delivery_timestamp`.
-/// Deliveries that can no longer be written go back at once, their attempt not spent. Returns the status
-/// code answered, or `None` when the client left first.
+/// Deliveries that can no longer be written go back at once, their attempt not spent. Returns what was
+/// answered, or `None` when the client left first.
 pub(super) async fn run_receive(
     front: &Front,
     receive: Receive,
     out: mpsc::Sender<Result<pb::ReceiveMessageResponse, tonic::Status>>,
-) -> Option<i32> {
+) -> Option<Answered> {
     let polled = tokio::select! {
         polled = front.dispatcher.poll_as(&receive.sub, receive.batch, receive.wait, &receive.hand_out) => polled,
         () = out.closed() => return None,
@@ -227,7 +238,7 @@ pub(super) async fn run_receive(
             let refusal = delivery_status(error);
             let code = refusal.code;
             let _ = out.send(Ok(content(Content::Status(refusal)))).await;
-            return Some(code);
+            return Some(Answered { code, handed: Vec::new(), first_deadline_ms: 0 });
         }
     };
     let first = if deliveries.is_empty() { status(Code::MessageNotFound, "no new message") } else { ok() };
@@ -246,10 +257,41 @@ pub(super) async fn run_receive(
     }
     if !unsent.is_empty() {
         front.dispatcher.unsent(&unsent, "grpc").await;
+        // The ones queued before the stream went away may or may not have left: they stay unwritten.
+        let queued = deliveries.len() - unsent.len();
+        counter!(m::GRPC_UNWRITTEN_DELIVERIES).increment(queued as u64);
         return None;
     }
     let _ = out.send(Ok(content(Content::DeliveryTimestamp(timestamp(now_ms()))))).await;
-    Some(code)
+    Some(Answered {
+        code,
+        handed: deliveries.iter().map(|d| (d.id.clone(), d.handout)).collect(),
+        first_deadline_ms: deliveries.iter().map(|d| d.ack_deadline_ms).min().unwrap_or(0),
+    })
+}
+
+/// Waits (at most until the first of their deadlines) for the client to take in the response that carried
+/// `answered`'s deliveries, then stores them as written: from then on an auto-renewed one is kept for its
+/// client, and a restart leaves it with the client. A response the client never took in (the stream broke,
+/// the client stopped reading) leaves them unwritten: they come back at their deadline. Without a watch
+/// (`taken_in` is `None`) the response counts as taken in once it was queued.
+pub(super) async fn when_taken_in(front: &Front, answered: Answered, taken_in: Option<oneshot::Receiver<()>>) {
+    if answered.handed.is_empty() {
+        return;
+    }
+    let time_left = u64::try_from(answered.first_deadline_ms - now_ms()).unwrap_or(0);
+    let taken = match taken_in {
+        None => true,
+        Some(watch) => matches!(tokio::time::timeout(Duration::from_millis(time_left), watch).await, Ok(Ok(()))),
+    };
+    if !taken {
+        counter!(m::GRPC_UNWRITTEN_DELIVERIES).increment(answered.handed.len() as u64);
+        tracing::debug!(deliveries = answered.handed.len(), "A gRPC client did not take in its receive's response.");
+        return;
+    }
+    if let Err(error) = front.dispatcher.written(&answered.handed).await {
+        tracing::warn!(%error, "Could not store that a gRPC client took in its messages; they come back at their deadline.");
+    }
 }
 
 fn content(content: Content) -> pb::ReceiveMessageResponse {

@@ -20,6 +20,7 @@ mod send;
 mod service;
 mod settings;
 mod status;
+mod written;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -53,8 +54,10 @@ pub async fn serve(
     let config_keepalive_secs = config.grpc.keepalive_secs;
     let front = Arc::new(service::Front::new(publisher, dispatcher, tokens, config, stop_asked));
     tokio::spawn(service::keep_alive_loop(Arc::downgrade(&front)));
-    let service = proto::messaging_service_server::MessagingServiceServer::new(front)
-        .max_decoding_message_size(MAX_DECODING_BYTES);
+    let service = written::WatchReceives::new(
+        proto::messaging_service_server::MessagingServiceServer::new(front)
+            .max_decoding_message_size(MAX_DECODING_BYTES),
+    );
     // On shutdown the open long polls are answered first (the front watches `stopping`), so tonic's graceful
     // shutdown (GOAWAY, then the calls in flight) is not held up by receives waiting up to 20 s.
     let shutdown = async move {

@@ -22,6 +22,7 @@ use super::proto::{self as pb, settings::PubSub as settings_pub_sub, telemetry_c
 use super::send;
 use super::settings;
 use super::status::{code_label, ok, status};
+use super::written;
 use crate::auth::{Caller, TokenTable};
 use crate::config::Config;
 use crate::delivery::Dispatcher;
@@ -396,6 +397,7 @@ impl MessagingService for Arc<Front> {
     ) -> Result<Response<BoxStream<pb::ReceiveMessageResponse>>, tonic::Status> {
         let started = Instant::now();
         let (out, stream) = tokio::sync::mpsc::channel(16);
+        let taken_in = written::TakenIn::of(request.extensions());
         let checked = match (self.authenticated(request.metadata(), None), client_id(request.metadata())) {
             (Err(refused), _) => Err(refused),
             (Ok(_), None) => Err(status(Code::ClientIdRequired, "the x-mq-client-id header is required")),
@@ -424,8 +426,9 @@ impl MessagingService for Arc<Front> {
                 tokio::spawn(async move {
                     // The receive holds one of its token's places until it is answered.
                     let _slot = slot;
-                    if let Some(code) = consume::run_receive(&front, receive, out).await {
-                        observe("ReceiveMessage", code, started);
+                    if let Some(answered) = consume::run_receive(&front, receive, out).await {
+                        observe("ReceiveMessage", answered.code, started);
+                        consume::when_taken_in(&front, answered, taken_in).await;
                     }
                 });
             }

@@ -758,7 +758,8 @@ impl Deliveries {
                 };
                 // Rewritten only once half the hold is used up, so a live client costs a write per delivery
                 // every hold/2, not every keep-alive tick.
-                let due = holder.auto_renew && *deadline_ms < now + hold_half;
+                // Only what the client took in: a message it never got must come back by its deadline.
+                let due = holder.auto_renew && holder.written && *deadline_ms < now + hold_half;
                 if !due || tracked.claimed || *dispatched_ms < oldest {
                     continue;
                 }
@@ -787,6 +788,45 @@ impl Deliveries {
             table.wake(&record.id, 0);
         }
         stored.map(|()| extended.len()).map_err(DeliveryError::from)
+    }
+
+    /// The hand-outs `handed` (delivery id, hand-out number) reached their gRPC client: each one still held
+    /// as that hand-out is stored as written, in one write. One being settled meanwhile is left alone (its
+    /// settlement decides). Returns how many were marked.
+    pub(super) async fn mark_written(&self, handed: &[(String, u32)]) -> Result<usize, DeliveryError> {
+        let mut marked: Vec<DeliveryRecord> = Vec::new();
+        {
+            let mut table = self.table.lock();
+            for (id, handout) in handed {
+                let Some(tracked) = table.deliveries.get_mut(id.as_str()) else { continue };
+                if tracked.claimed || !tracked.held_as(*handout) {
+                    continue;
+                }
+                let mut record = tracked.record.clone();
+                let Phase::AwaitingAck { holder: Some(holder), .. } = &mut record.phase else { continue };
+                if holder.written {
+                    continue;
+                }
+                holder.written = true;
+                tracked.claimed = true;
+                marked.push(record);
+            }
+        }
+        if marked.is_empty() {
+            return Ok(0);
+        }
+        let stored = self.persist(&marked.iter().collect::<Vec<_>>()).await;
+        let mut table = self.table.lock();
+        for record in &marked {
+            if stored.is_ok() {
+                table.set_record(record.clone());
+            }
+            if let Some(tracked) = table.deliveries.get_mut(&*record.id) {
+                tracked.claimed = false;
+            }
+            table.wake(&record.id, 0);
+        }
+        stored.map(|()| marked.len()).map_err(DeliveryError::from)
     }
 
     /// The ids of the deliveries `client_id` holds.
@@ -1496,7 +1536,7 @@ impl Deliveries {
 
 impl Deliveries {
     /// Tracks a stored record again after a restart (see `recovery`). A delivery that was handed out stays
-    /// ACKable by its holder and is dispatched again at once, attempt kept; one a gRPC client holds stays
+    /// ACKable by its holder and is dispatched again at once, attempt kept; one a gRPC client took in stays
     /// with that client until its deadline.
     pub(super) fn restore(&self, record: DeliveryRecord) -> Restored {
         let mut table = self.table.lock();
@@ -1511,9 +1551,14 @@ impl Deliveries {
             Phase::DeadLetter { .. } => Restored::DeadLetterPending,
         };
         let mut tracked = Tracked::new(record);
-        // A gRPC client keeps its handles across the restart and ACKs with them: its deliveries stay handed
-        // out until their deadline. Any other hand-out is dispatched again at once.
-        tracked.redispatch = matches!(tracked.record.phase, Phase::AwaitingAck { holder: None, .. });
+        // A gRPC client keeps its handles across the restart and ACKs with them: what it took in stays handed
+        // out until its deadline. Any other hand-out is dispatched again at once, and so is one recorded for a
+        // gRPC client that popgate died before writing to it (it never got the message).
+        tracked.redispatch = match &tracked.record.phase {
+            Phase::AwaitingAck { holder: Some(holder), .. } => !holder.written,
+            Phase::AwaitingAck { holder: None, .. } => true,
+            _ => false,
+        };
         table.insert(tracked);
         Self::set_pending_gauge(&table);
         outcome
@@ -1825,6 +1870,39 @@ mod tests {
         );
         // A delivery id alone (HTTP) ACKed twice is still "already acknowledged".
         assert!(matches!(deliveries.ack(&second.id).await, Err(DeliveryError::Unknown)));
+    }
+
+    #[tokio::test]
+    async fn an_auto_renewed_hand_out_is_renewed_only_once_its_client_took_it_in() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let sub = subscription();
+        let deliveries = subscribed(dir.path(), &sub).await;
+        assert!(matches!(deliveries.admit(&sub.key(), vec![popped(b"x")]).await, Admission::Admitted));
+        let holder = Holder { client_id: "app@1".into(), auto_renew: true, written: false };
+        let to = HandOut {
+            transport: "grpc",
+            ack_timeout: Some(Duration::from_secs(10)),
+            holder: Some(holder),
+            fifo_batch: true,
+        };
+        let handed = deliveries.hand_out(&sub.key(), 1, &to, None).await.expect("hand out").remove(0);
+        let clients = std::collections::HashSet::from(["app@1".to_owned()]);
+        let (hold, max) = (Duration::from_secs(30), Duration::from_secs(3600));
+        assert_eq!(deliveries.keep_held(&clients, hold, max).await.ok(), Some(0), "not renewed before it is written");
+
+        let stale = (handed.id.clone(), handed.handout + 1);
+        assert_eq!(deliveries.mark_written(&[stale]).await.ok(), Some(0), "another hand-out's mark changes nothing");
+        let this = (handed.id.clone(), handed.handout);
+        assert_eq!(deliveries.mark_written(std::slice::from_ref(&this)).await.ok(), Some(1));
+        assert_eq!(deliveries.mark_written(&[this]).await.ok(), Some(0), "marked once");
+        assert_eq!(deliveries.keep_held(&clients, hold, max).await.ok(), Some(1), "renewed once written");
+        let stored: DeliveryRecord =
+            deliveries.store().get(Family::Deliveries, &handed.id).expect("read").expect("kept");
+        assert!(
+            matches!(stored.phase, Phase::AwaitingAck { holder: Some(Holder { written: true, .. }), .. }),
+            "the mark is stored: {:?}",
+            stored.phase
+        );
     }
 
     #[tokio::test]
