@@ -437,8 +437,17 @@ fn keep_alive(popgate: &Popgate, client_id: &'static str) -> tokio::task::JoinHa
     })
 }
 
+/// A body far larger than what the stalled client's HTTP/2 window lets in (16 KiB, one frame read for the
+/// first status and one more after it): it never reaches the client whole.
+const STALLING_BODY_BYTES: usize = 256 * 1024;
+
+/// popgate for the stalled-client tests: a send of a [`STALLING_BODY_BYTES`] body has time on a loaded machine.
+async fn popgate_for_large_bodies(cluster: &crate::harness::rocketmq::Cluster) -> Popgate {
+    Popgate::start(&cluster.namesrv_addr, "[publish]\nsend_timeout_ms = 15000\n").await
+}
+
 /// An auto-renewed receive by [`STALLED_CLIENT_ID`] that carries a message far larger than the client's
-/// HTTP/2 window (64 KiB) and is never read past its first status: the message is recorded as held by the
+/// HTTP/2 window (16 KiB) and is never read past its first status: the message is recorded as held by the
 /// client, which never takes it in. Returns the client and the unread stream, to be kept open.
 async fn stalled_receive(
     popgate: &Popgate,
@@ -447,7 +456,7 @@ async fn stalled_receive(
 ) -> (MessagingServiceClient<Channel>, tonic::Streaming<pb::ReceiveMessageResponse>) {
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", popgate.grpc))
         .expect("endpoint")
-        .initial_stream_window_size(65_535)
+        .initial_stream_window_size(16_384)
         .initial_connection_window_size(65_535)
         .connect()
         .await
@@ -493,11 +502,11 @@ fn attempt_of(message: &pb::Message) -> Option<i32> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_its_client_never_took_in_comes_back_at_its_deadline_though_the_client_stays_alive() {
     let cluster = shared_cluster();
-    let popgate = Popgate::start(&cluster.namesrv_addr, "").await;
+    let popgate = popgate_for_large_bodies(cluster).await;
     let topic = unique_topic("grpc_raw_stall");
     let group = format!("g_{topic}");
     create_topic(cluster, &topic).await;
-    let large = "x".repeat(1 << 20);
+    let large = "x".repeat(STALLING_BODY_BYTES);
     popgate.publish_bodies(&topic, &[&large]).await;
     let heartbeats = keep_alive(&popgate, STALLED_CLIENT_ID);
 
@@ -526,11 +535,11 @@ async fn a_message_its_client_never_took_in_comes_back_at_its_deadline_though_th
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hand_out_popgate_was_killed_before_its_client_took_it_in_is_dispatched_again_at_once_after_the_restart() {
     let cluster = shared_cluster();
-    let mut popgate = Popgate::start(&cluster.namesrv_addr, "").await;
+    let mut popgate = popgate_for_large_bodies(cluster).await;
     let topic = unique_topic("grpc_raw_killed");
     let group = format!("g_{topic}");
     create_topic(cluster, &topic).await;
-    let large = "y".repeat(1 << 20);
+    let large = "y".repeat(STALLING_BODY_BYTES);
     popgate.publish_bodies(&topic, &[&large]).await;
     let heartbeats = keep_alive(&popgate, STALLED_CLIENT_ID);
 
