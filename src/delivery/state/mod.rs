@@ -771,23 +771,27 @@ impl Deliveries {
                 extended.push(record);
             }
         }
-        if extended.is_empty() {
+        self.commit_claimed(extended).await
+    }
+
+    /// Stores `records` (each claimed by the caller) in one write and makes them the tracked ones, ending the
+    /// claims; on a store failure nothing changes but the claims end all the same. Returns how many.
+    async fn commit_claimed(&self, records: Vec<DeliveryRecord>) -> Result<usize, DeliveryError> {
+        if records.is_empty() {
             return Ok(0);
         }
-        let stored = self.persist(&extended.iter().collect::<Vec<_>>()).await;
+        let stored = self.persist(&records.iter().collect::<Vec<_>>()).await;
         let mut table = self.table.lock();
-        for record in &extended {
+        for record in &records {
             if stored.is_ok() {
                 table.set_record(record.clone());
             }
             if let Some(tracked) = table.deliveries.get_mut(&*record.id) {
                 tracked.claimed = false;
             }
-        }
-        for record in &extended {
             table.wake(&record.id, 0);
         }
-        stored.map(|()| extended.len()).map_err(DeliveryError::from)
+        stored.map(|()| records.len()).map_err(DeliveryError::from)
     }
 
     /// The hand-outs `handed` (delivery id, hand-out number) reached their gRPC client: each one still held
@@ -812,21 +816,7 @@ impl Deliveries {
                 marked.push(record);
             }
         }
-        if marked.is_empty() {
-            return Ok(0);
-        }
-        let stored = self.persist(&marked.iter().collect::<Vec<_>>()).await;
-        let mut table = self.table.lock();
-        for record in &marked {
-            if stored.is_ok() {
-                table.set_record(record.clone());
-            }
-            if let Some(tracked) = table.deliveries.get_mut(&*record.id) {
-                tracked.claimed = false;
-            }
-            table.wake(&record.id, 0);
-        }
-        stored.map(|()| marked.len()).map_err(DeliveryError::from)
+        self.commit_claimed(marked).await
     }
 
     /// The ids of the deliveries `client_id` holds.
