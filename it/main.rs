@@ -12,6 +12,7 @@ mod delivery_core;
 mod dlq;
 mod fuzz;
 mod gauges;
+#[macro_use]
 mod grpc;
 mod grpc_raw;
 mod harness;
@@ -21,4 +22,5 @@ mod publish;
 mod push;
 mod reliability;
 mod security;
+mod transaction;
 mod webhook;

@@ -20,6 +20,7 @@ use crate::publish::dedup::DedupWindow;
 use crate::publish::Publisher;
 use crate::reliability::ProfileMonitor;
 use crate::store::{StateStore, StoreError};
+use crate::transaction::Transactions;
 
 /// The producer group popgate's sends are registered under at the broker.
 pub const PRODUCER_GROUP: &str = "popgate_producer";
@@ -98,6 +99,7 @@ pub async fn serve(
     )
     .await?;
     tracing::info!(?recovered, state_dir = %config.delivery.state_dir.display(), "Delivery state recovered.");
+    let transactions = Transactions::start(store.clone(), broker.clone(), config.transactions.clone()).await?;
     let grace = Duration::from_secs(config.server.shutdown_grace_secs);
     let monitor = Arc::new(ProfileMonitor::new(profile, broker.clone()));
     check_profile_at_start(&monitor, config.reliability.fail_on_mismatch).await?;
@@ -110,15 +112,13 @@ pub async fn serve(
         let stopped = async move {
             let _ = stop.wait_for(|stop| *stop).await;
         };
-        let front = crate::grpc::serve(
-            listener,
-            tls,
-            publisher.clone(),
-            dispatcher.clone(),
-            tokens.clone(),
-            config.clone(),
-            stopped,
-        );
+        let parts = crate::grpc::Parts {
+            publisher: publisher.clone(),
+            dispatcher: dispatcher.clone(),
+            transactions: transactions.clone(),
+            tokens: tokens.clone(),
+        };
+        let front = crate::grpc::serve(listener, tls, parts, config.clone(), stopped);
         tokio::spawn(async move {
             if let Err(error) = front.await {
                 tracing::error!(%error, "The gRPC front stopped.");
@@ -174,6 +174,8 @@ pub async fn serve(
     gauges.abort();
     profile_checks.abort();
     dispatcher.shutdown().await;
+    transactions.shutdown().await;
+    drop(transactions);
     drop(dispatcher);
     drop(publisher);
     if let Ok(broker) = Arc::try_unwrap(broker) {

@@ -39,6 +39,7 @@ pub mod metrics;
 pub mod publish;
 pub mod reliability;
 pub mod store;
+pub mod transaction;
 
 pub use app::{serve, AppError};
 pub use config::Config;
@@ -57,6 +58,8 @@ mod layering {
         ("dlq", &["api", "app", "auth", "cli"]),
         ("api", &["app", "broker", "cli", "grpc"]),
         ("grpc", &["api", "app", "broker", "cli", "dlq", "store"]),
+        // Transaction records live in the state store, their ends go to the brokers; the fronts call it.
+        ("transaction", &["api", "app", "auth", "cli", "delivery", "dlq", "grpc", "publish", "reliability"]),
     ];
 
     fn sources(path: &std::path::Path, out: &mut Vec<(String, String)>) {

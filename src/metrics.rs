@@ -90,6 +90,14 @@ pub const GRPC_REQUEST_DURATION: &str = "popgate_grpc_request_duration_seconds";
 /// Deliveries a gRPC receive handed out whose response its client did not take in (the stream broke, or the
 /// client stopped reading before their deadline): never renewed, they come back at their deadline.
 pub const GRPC_UNWRITTEN_DELIVERIES: &str = "popgate_grpc_unwritten_deliveries_total";
+/// Counter (`resolution`, `result`): transaction ends, by resolution (commit, rollback) and result (landed:
+/// the broker has it; refused: the broker no longer has the half message).
+pub const TRANSACTIONS_ENDED: &str = "popgate_transactions_ended_total";
+/// Counter (`outcome`): the brokers' transaction check-backs: forwarded to a producer, answered from popgate's
+/// record (its end was known), or dropped with no producer to ask (no_producer).
+pub const TRANSACTION_CHECKS: &str = "popgate_transaction_checks_total";
+/// Gauge: transaction resolutions the broker could not be given yet (retried until it has them).
+pub const TRANSACTIONS_OWED: &str = "popgate_transactions_owed";
 /// Gauge (`kind`): gRPC clients seen in the last minute (producer, push_consumer, simple_consumer, other).
 pub const GRPC_CLIENTS: &str = "popgate_grpc_clients";
 /// 1 while the broker is weaker than the reliability profile (flush or replication), else 0.
@@ -197,7 +205,12 @@ const ZERO_SERIES: &[(&str, &str, &[&str])] = &[
     (DLQ_REPLAYS, "result", &["replayed", "failed"]),
     (BROKER_ACK_REQUESTS, "kind", &["single", "batch"]),
     (STATS_REFRESH_FAILURES, "op", STATS_REFRESH_OPS),
+    (TRANSACTION_CHECKS, "outcome", &["forwarded", "answered_from_record", "no_producer"]),
 ];
+
+/// Label pairs of [`TRANSACTIONS_ENDED`], registered at 0 at start.
+const TRANSACTION_END_SERIES: [(&str, &str); 4] =
+    [("commit", "landed"), ("rollback", "landed"), ("commit", "refused"), ("rollback", "refused")];
 
 /// The `op` label values of [`STATS_REFRESH_FAILURES`].
 pub const STATS_REFRESH_OPS: &[&str] = &["backlog", "dlq_depth"];
@@ -230,6 +243,7 @@ const GRPC_RPCS: &[&str] = &[
     "AckMessage",
     "ChangeInvisibleDuration",
     "ForwardMessageToDeadLetterQueue",
+    "EndTransaction",
 ];
 
 fn register_zeroes() {
@@ -253,6 +267,10 @@ fn register_zeroes() {
     for kind in ["producer", "push_consumer", "simple_consumer", "other"] {
         metrics::gauge!(GRPC_CLIENTS, "kind" => kind).set(0.0);
     }
+    for (resolution, result) in TRANSACTION_END_SERIES {
+        metrics::counter!(TRANSACTIONS_ENDED, "resolution" => resolution, "result" => result).increment(0);
+    }
+    metrics::gauge!(TRANSACTIONS_OWED).set(0.0);
 }
 
 fn describe_all() {
@@ -264,6 +282,9 @@ fn describe_all() {
     describe_counter!(GRPC_REQUESTS, Unit::Count, "gRPC calls answered, by RPC and RocketMQ status code.");
     describe_histogram!(GRPC_REQUEST_DURATION, Unit::Seconds, "gRPC call duration, by RPC.");
     describe_gauge!(GRPC_CLIENTS, "gRPC clients seen in the last minute, by kind.");
+    describe_counter!(TRANSACTIONS_ENDED, Unit::Count, "Transaction ends, by resolution and result.");
+    describe_counter!(TRANSACTION_CHECKS, Unit::Count, "Brokers' transaction check-backs, by outcome.");
+    describe_gauge!(TRANSACTIONS_OWED, "Transaction resolutions owed to an unreachable broker (retried).");
     describe_counter!(
         GRPC_UNWRITTEN_DELIVERIES,
         Unit::Count,

@@ -44,6 +44,21 @@ impl BrokerClient {
         Ok(masters)
     }
 
+    /// The names of the clusters the name server knows. (Each is also a topic whose route names every broker
+    /// of the cluster.)
+    ///
+    /// # Errors
+    /// [`BrokerError`] when no name server answered.
+    pub async fn cluster_names(&self) -> Result<Vec<String>, BrokerError> {
+        let timeout = self.request_timeout();
+        let info = self
+            .pooled()
+            .broker_cluster_info(timeout.as_millis() as u64)
+            .await
+            .map_err(|e| BrokerError::from_client(e, timeout))?;
+        Ok(info.cluster_addr_table.unwrap_or_default().keys().map(ToString::to_string).collect())
+    }
+
     /// The broker's running configuration (`key=value` properties, as `mqadmin getBrokerConfig` prints them).
     ///
     /// # Errors

@@ -33,8 +33,9 @@ use rocketmq_client_rust::{
 };
 use rocketmq_error::CanonicalCondition;
 use rocketmq_model::common::message::message_client_id_setter::MessageClientIDSetter;
+use rocketmq_model::common::sys_flag::message_sys_flag::MessageSysFlag;
 use rocketmq_protocol::code::request_code::RequestCode;
-use rocketmq_protocol::common::message::message_decoder::message_properties_to_string;
+use rocketmq_protocol::common::message::message_decoder::{decode_message_id, message_properties_to_string};
 use rocketmq_protocol::protocol::header::message_operation_header::send_message_request_header::SendMessageRequestHeader;
 use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
 use rocketmq_runtime::{RuntimeConfig, RuntimeOwner};
@@ -169,8 +170,10 @@ pub struct SendReceipt {
     pub broker: String,
     /// Queue id within the broker.
     pub queue_id: i32,
-    /// Offset within the queue.
+    /// Offset within the queue (for a half message: within the broker's half topic).
     pub queue_offset: u64,
+    /// Where the broker's commit log holds it (from the offset message id it answered), when it said.
+    pub commit_log_offset: Option<i64>,
 }
 
 /// The broker's verdict on storing a message (RocketMQ's `SendStatus`).
@@ -281,11 +284,37 @@ impl BrokerClient {
         config: &BrokerConfig,
         instance: &str,
     ) -> Result<ClientInstanceHandle, BrokerError> {
+        ClientInstanceHandle::get_or_create(runtime, CLIENT_DOMAIN, Self::config_for(config, instance), None)
+            .map_err(|e| BrokerError::Client(e.to_string()))
+    }
+
+    /// The client config of client instance `instance` (before the crate adds its domain to the name).
+    fn config_for(config: &BrokerConfig, instance: &str) -> ClientConfig {
         let mut client_config = ClientConfig::new();
         client_config.set_namesrv_addr(CheetahString::from(config.namesrv_addr.as_str()));
         client_config.set_instance_name(CheetahString::from(instance));
-        ClientInstanceHandle::get_or_create(runtime, CLIENT_DOMAIN, client_config, None)
-            .map_err(|e| BrokerError::Client(e.to_string()))
+        client_config
+    }
+
+    /// A handle on client instance `instance` of popgate's client runtime (created when new).
+    pub(super) fn instance_handle(&self, instance: &str) -> Result<ClientInstanceHandle, BrokerError> {
+        Self::handle(&self.runtime, &self.config, instance)
+    }
+
+    /// The client config of instance `instance`, for a client of the crate's own (a producer) that must
+    /// join that instance.
+    pub(super) fn client_config(&self, instance: &str) -> ClientConfig {
+        Self::config_for(&self.config, instance)
+    }
+
+    /// The client runtime, for a client of the crate's own.
+    pub(super) fn runtime(&self) -> Arc<ClientRuntime> {
+        self.runtime.clone()
+    }
+
+    /// The domain popgate's client instances live in.
+    pub(super) fn client_domain(&self) -> u64 {
+        CLIENT_DOMAIN
     }
 
     /// The writable brokers of `topic`, from the cache when fresh.
@@ -399,6 +428,7 @@ impl BrokerClient {
             broker: broker.name.clone(),
             queue_id: field("queueId").and_then(|q| q.parse().ok()).unwrap_or(queue_id),
             queue_offset: field("queueOffset").and_then(|q| q.parse().ok()).unwrap_or_default(),
+            commit_log_offset: field("msgId").and_then(|id| decode_message_id(&id).ok()).map(|id| id.offset),
         })
     }
 
@@ -435,13 +465,21 @@ impl BrokerClient {
         if !message.keys.is_empty() {
             properties.insert("KEYS".into(), message.keys.join(" ").into());
         }
+        // A half message names its producer group (the one its transaction is checked back with) in the header
+        // too, and carries the prepared flag, as RocketMQ's transactional producer sends it.
+        let half_group = message
+            .properties
+            .get(super::transaction::PROPERTY_TRANSACTION_PREPARED)
+            .filter(|v| v.as_str() == "true")
+            .and(message.properties.get(super::transaction::PROPERTY_PRODUCER_GROUP));
+        let sys_flag = if half_group.is_some() { MessageSysFlag::TRANSACTION_PREPARED_TYPE } else { 0 };
         let header = SendMessageRequestHeader {
-            producer_group: self.producer_group.as_str().into(),
+            producer_group: half_group.unwrap_or(&self.producer_group).as_str().into(),
             topic: message.topic.as_str().into(),
             default_topic: AUTO_CREATE_TOPIC_KEY.into(),
             default_topic_queue_nums: DEFAULT_TOPIC_QUEUE_NUMS,
             queue_id,
-            sys_flag: 0,
+            sys_flag,
             born_timestamp: now_millis(),
             flag: 0,
             properties: Some(message_properties_to_string(&properties)),

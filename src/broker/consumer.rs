@@ -438,26 +438,7 @@ fn popped(message: &MessageExt, request: &PopRequest<'_>, broker: &BrokerRoute, 
     let parsed = ExtraInfoUtil::parse_ack_extra_info(&extra_info).ok()?;
     let ack_topic = ExtraInfoUtil::get_real_topic_with_retry(request.topic, request.group, parsed.retry).ok()?;
     let retry_topic = (ack_topic != request.topic).then(|| ack_topic.clone());
-    let event = PoppedEvent {
-        id: property("UNIQ_KEY").unwrap_or_else(|| message.msg_id().to_string()),
-        topic: request.topic.into(),
-        tags: property("TAGS"),
-        keys: property("KEYS")
-            .map(|k| k.split(' ').filter(|s| !s.is_empty()).map(str::to_owned).collect())
-            .unwrap_or_default(),
-        properties: message
-            .properties()
-            .iter()
-            .filter(|(k, _)| !is_reserved_property(k.as_str()))
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect(),
-        body: message.body().map(|b| b.to_vec()).unwrap_or_default(),
-        born_timestamp: message.born_timestamp(),
-        reconsume_times: u32::try_from(message.reconsume_times()).unwrap_or(0),
-        retry_topic,
-        message_group: property(super::message::PROPERTY_SHARDING_KEY),
-        stored: StoredFacts::of(message),
-    };
+    let event = event_of(message, request.topic, retry_topic);
     let handle = ReceiptHandle {
         broker_name: parsed.broker_name.into(),
         broker_addr: broker.addr.as_str().into(),
@@ -474,6 +455,32 @@ fn popped(message: &MessageExt, request: &PopRequest<'_>, broker: &BrokerRoute, 
         extra_info,
     };
     Some(Popped { event, handle })
+}
+
+/// A stored message as popgate keeps it (`topic` is the one it is consumed from; `retry_topic` the retry topic
+/// it came back from, if it did).
+pub(super) fn event_of(message: &MessageExt, topic: &str, retry_topic: Option<String>) -> PoppedEvent {
+    let property = |name: &str| message.properties().get(&CheetahString::from(name)).map(ToString::to_string);
+    PoppedEvent {
+        id: property("UNIQ_KEY").unwrap_or_else(|| message.msg_id().to_string()),
+        topic: topic.into(),
+        tags: property("TAGS"),
+        keys: property("KEYS")
+            .map(|k| k.split(' ').filter(|s| !s.is_empty()).map(str::to_owned).collect())
+            .unwrap_or_default(),
+        properties: message
+            .properties()
+            .iter()
+            .filter(|(k, _)| !is_reserved_property(k.as_str()))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+        body: message.body().map(|b| b.to_vec()).unwrap_or_default(),
+        born_timestamp: message.born_timestamp(),
+        reconsume_times: u32::try_from(message.reconsume_times()).unwrap_or(0),
+        retry_topic,
+        message_group: property(super::message::PROPERTY_SHARDING_KEY),
+        stored: StoredFacts::of(message),
+    }
 }
 
 mod base64_bytes {

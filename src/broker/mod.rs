@@ -7,6 +7,7 @@
 //! - [`pull`]: reading a queue by offset without consuming it (DLQ browsing).
 //! - [`stats`]: the broker's figures behind the operators' gauges (a group's backlog, a topic's depth).
 //! - [`message`]: popgate's message type, free of client-crate types.
+//! - [`transaction`]: half messages' END_TRANSACTION, and a topic's message type.
 
 pub mod admin;
 pub mod client;
@@ -17,6 +18,7 @@ pub mod fault;
 pub mod message;
 pub mod pull;
 pub mod stats;
+pub mod transaction;
 
 pub use client::{BrokerClient, BrokerError, BrokerRoute, SendReceipt, StoreStatus, TopicRoute};
 pub use message::OutgoingMessage;

@@ -74,6 +74,29 @@ pub struct Config {
     pub grpc: GrpcConfig,
     /// Which addresses webhook pushes may reach.
     pub webhook: WebhookConfig,
+    /// Transactional messages: their producer group and how long their records are kept.
+    pub transactions: TransactionConfig,
+}
+
+/// Transactional messages (RocketMQ's half messages). popgate keeps, in its state store, what ending each
+/// transaction needs, so a commit or rollback works after a popgate restart too.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct TransactionConfig {
+    /// The producer group popgate's half messages carry (`PGROUP`): the broker checks a transaction back with
+    /// the producers of this group, and every popgate in front of the cluster registers as one. Give all of
+    /// them the same value.
+    pub producer_group: String,
+    /// How long a transaction's record is kept after its send, ended or not. Cover the broker's check window
+    /// (`transactionCheckMax` × `transactionCheckInterval`, plus the recovery duration a message may ask for,
+    /// at most 1 h): an end after it is refused as unknown.
+    pub record_retention_secs: u64,
+}
+
+impl Default for TransactionConfig {
+    fn default() -> Self {
+        TransactionConfig { producer_group: "popgate_transaction".to_owned(), record_retention_secs: 3 * 3600 }
+    }
 }
 
 /// Which addresses webhook pushes may reach.

@@ -152,6 +152,7 @@ fn every_section_of_the_file_is_a_section_the_environment_may_set() {
         "publish",
         "reliability",
         "server",
+        "transactions",
         "webhook",
     ];
     assert_eq!(sections, expected);

@@ -148,6 +148,17 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
         "admin.replay_rate_per_sec",
         "must be in 1..=10000",
     );
+    let transactions = &config.transactions;
+    check(
+        super::names::is_valid_name(&transactions.producer_group),
+        "transactions.producer_group",
+        "must be a RocketMQ group name (letters, digits, `%`, `|`, `-`, `_`; at most 127 characters)",
+    );
+    check(
+        transactions.record_retention_secs >= 60,
+        "transactions.record_retention_secs",
+        "must be >= 60 (the broker checks a transaction back after 6 s, then every 30 s)",
+    );
     out.extend(auth_problems(&config.auth));
     out
 }

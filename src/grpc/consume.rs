@@ -92,6 +92,7 @@ pub(super) async fn query_assignment(
     };
     // One receive loop per broker, as Apache's proxy assigns normal topics; popgate serves them all from the
     // group's one subscription, so the queue only sets how many receives the SDK keeps open.
+    let accept_message_types = super::route::accepted_types(front, &topic, &route).await;
     let assignments = route
         .brokers
         .iter()
@@ -102,11 +103,7 @@ pub(super) async fn query_assignment(
                 id: -1,
                 permission: pb::Permission::ReadWrite as i32,
                 broker: Some(pb::Broker { name: broker.name.clone(), id: 0, endpoints: Some(endpoints.clone()) }),
-                accept_message_types: vec![
-                    MessageType::Normal as i32,
-                    MessageType::Fifo as i32,
-                    MessageType::Delay as i32,
-                ],
+                accept_message_types: accept_message_types.clone(),
             }),
         })
         .collect::<Vec<_>>();
@@ -302,9 +299,30 @@ fn content(content: Content) -> pb::ReceiveMessageResponse {
 /// stored message (`GrpcConverter`), except popgate's attempt number, receipt handle and the time left to
 /// settle it (`invisible_duration`, which Apache's proxy leaves out).
 fn to_message(delivery: &Dispatched, namespace: &str) -> pb::Message {
-    let event = &delivery.event;
-    let stored = &event.stored;
     let remaining = delivery.ack_deadline_ms - now_ms();
+    let hand_out = HandOutFacts {
+        receipt_handle: receipt_handle(&delivery.id, delivery.handout),
+        invisible: Duration::from_millis(u64::try_from(remaining).unwrap_or(0)),
+        attempt: delivery.attempt,
+    };
+    message_of(&delivery.event, namespace, Some(hand_out))
+}
+
+/// What a hand-out adds to a message.
+pub(super) struct HandOutFacts {
+    receipt_handle: String,
+    invisible: Duration,
+    attempt: u32,
+}
+
+/// A stored message as the SDK reads one, with its hand-out's handle, time left and attempt when it is handed
+/// out (a transaction check-back's message is not: no handle, attempt 1, as Apache's proxy sends it).
+pub(super) fn message_of(
+    event: &crate::delivery::Event,
+    namespace: &str,
+    hand_out: Option<HandOutFacts>,
+) -> pb::Message {
+    let stored = &event.stored;
     let system_properties = pb::SystemProperties {
         tag: event.tags.clone(),
         keys: event.keys.clone(),
@@ -320,11 +338,11 @@ fn to_message(delivery: &Dispatched, namespace: &str) -> pb::Message {
         store_timestamp: (stored.store_timestamp > 0).then(|| timestamp(stored.store_timestamp)),
         store_host: stored.store_host.clone(),
         delivery_timestamp: delivery_timestamp(event).map(timestamp),
-        receipt_handle: Some(receipt_handle(&delivery.id, delivery.handout)),
+        receipt_handle: hand_out.as_ref().map(|h| h.receipt_handle.clone()),
         queue_id: stored.queue_id,
         queue_offset: Some(stored.queue_offset),
-        invisible_duration: Some(duration(Duration::from_millis(u64::try_from(remaining).unwrap_or(0)))),
-        delivery_attempt: Some(i32::try_from(delivery.attempt).unwrap_or(i32::MAX)),
+        invisible_duration: hand_out.as_ref().map(|h| duration(h.invisible)),
+        delivery_attempt: Some(hand_out.as_ref().map_or(1, |h| i32::try_from(h.attempt).unwrap_or(i32::MAX))),
         message_group: event.message_group.clone(),
         trace_context: stored.system.get("TRACE_CONTEXT").cloned(),
         ..Default::default()

@@ -6,7 +6,8 @@
 //!
 //! ```text
 //! listener (TLS sniffing) ──▶ service::Front ──▶ route / send / settings ──▶ publish::Publisher
-//!                                            └─▶ consume ──────────────────▶ delivery::Dispatcher
+//!                                            ├─▶ consume ──────────────────▶ delivery::Dispatcher
+//!                                            └─▶ transaction ──────────────▶ transaction::Transactions
 //! ```
 
 mod consume;
@@ -14,12 +15,14 @@ mod deadline;
 mod limits;
 mod listener;
 mod names;
+mod producers;
 pub mod proto;
 mod route;
 mod send;
 mod service;
 mod settings;
 mod status;
+mod transaction;
 mod written;
 
 use std::future::Future;
@@ -33,9 +36,22 @@ use crate::auth::TokenTable;
 use crate::config::Config;
 use crate::delivery::Dispatcher;
 use crate::publish::Publisher;
+use crate::transaction::Transactions;
 
 /// Largest gRPC message popgate reads: a send of the largest body the broker takes, plus its properties.
 const MAX_DECODING_BYTES: usize = 16 * 1024 * 1024;
+
+/// The layers the front calls, and who may call it.
+pub struct Parts {
+    /// The publish path.
+    pub publisher: Arc<Publisher>,
+    /// The delivery core.
+    pub dispatcher: Arc<Dispatcher>,
+    /// Transactional messages' records.
+    pub transactions: Arc<Transactions>,
+    /// The tokens.
+    pub tokens: Arc<TokenTable>,
+}
 
 /// Serves the gRPC front on `listener` until `shutdown` resolves.
 ///
@@ -44,15 +60,16 @@ const MAX_DECODING_BYTES: usize = 16 * 1024 * 1024;
 pub async fn serve(
     listener: TcpListener,
     tls: Arc<rustls::ServerConfig>,
-    publisher: Arc<Publisher>,
-    dispatcher: Arc<Dispatcher>,
-    tokens: Arc<TokenTable>,
+    parts: Parts,
     config: Arc<Config>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
     let (stopping, stop_asked) = tokio::sync::watch::channel(false);
     let config_keepalive_secs = config.grpc.keepalive_secs;
-    let front = Arc::new(service::Front::new(publisher, dispatcher, tokens, config, stop_asked));
+    let front = Arc::new(service::Front::new(parts, config, stop_asked));
+    // The brokers' transaction check-backs go to this front's producers.
+    let forwarder: std::sync::Weak<dyn crate::transaction::CheckForwarder> = Arc::downgrade(&front) as _;
+    front.transactions.add_forwarder(forwarder);
     tokio::spawn(service::keep_alive_loop(Arc::downgrade(&front)));
     let service = written::WatchReceives::new(
         proto::messaging_service_server::MessagingServiceServer::new(front)

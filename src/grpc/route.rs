@@ -7,9 +7,20 @@ use super::proto::{self as pb, Code, MessageType, Permission};
 use super::service::Front;
 use super::status::{ok, status};
 
-/// The message types popgate's queues accept: no transactional messages (popgate does not serve
-/// `EndTransaction`), so the SDK refuses those itself.
+/// The message types popgate's queues accept on every topic. Transactional messages too on a topic typed
+/// TRANSACTION or MIXED (`message.type`), as Apache's proxy: the SDK refuses them itself elsewhere. (Apache's
+/// proxy lists a topic's own type only; popgate takes the other types on every topic.)
 const ACCEPTED_TYPES: [MessageType; 3] = [MessageType::Normal, MessageType::Fifo, MessageType::Delay];
+
+/// The types a queue of `topic` (route `route`) accepts.
+pub(super) async fn accepted_types(front: &Front, topic: &str, route: &crate::publish::TopicRoute) -> Vec<i32> {
+    let mut types: Vec<i32> = ACCEPTED_TYPES.iter().map(|t| *t as i32).collect();
+    // A topic whose type cannot be read takes no transactions until it can.
+    if front.publisher.topic_message_type(topic, route).await.is_ok_and(|t| t.takes_transactions()) {
+        types.push(MessageType::Transaction as i32);
+    }
+    types
+}
 
 pub(super) async fn query_route(front: &Front, request: pb::QueryRouteRequest) -> pb::QueryRouteResponse {
     let refused =
@@ -26,6 +37,7 @@ pub(super) async fn query_route(front: &Front, request: pb::QueryRouteRequest) -
         Ok(None) => return refused(Code::TopicNotFound, format!("topic `{}` does not exist", topic.name)),
         Err(error) => return refused(Code::InternalServerError, format!("the name server did not answer: {error}")),
     };
+    let accept_message_types = accepted_types(front, &topic.name, &route).await;
     let mut message_queues = Vec::new();
     for broker in &route.brokers {
         for queue_id in 0..broker.write_queues.max(broker.read_queues) {
@@ -40,7 +52,7 @@ pub(super) async fn query_route(front: &Front, request: pb::QueryRouteRequest) -
                 id: i32::try_from(queue_id).unwrap_or(i32::MAX),
                 permission: permission as i32,
                 broker: Some(pb::Broker { name: broker.name.clone(), id: 0, endpoints: Some(endpoints.clone()) }),
-                accept_message_types: ACCEPTED_TYPES.iter().map(|t| *t as i32).collect(),
+                accept_message_types: accept_message_types.clone(),
             });
         }
     }

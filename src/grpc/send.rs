@@ -1,6 +1,7 @@
 //! `SendMessage`: each message goes through the same publish path as HTTP (retries on another broker, fault
 //! avoidance, the reliability profile's store-status rule). The SDK's message id is kept; message group,
-//! delivery timestamp, tag, keys and user properties become what the HTTP front makes of them.
+//! delivery timestamp, tag, keys and user properties become what the HTTP front makes of them. A
+//! transactional message becomes a half message, recorded by the transaction layer before it is answered.
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -17,6 +18,13 @@ use crate::publish::limits::Part;
 use crate::publish::{
     OutgoingMessage, PublishError, SendMode, DELIVER_AT_PROPERTY, MESSAGE_GROUP_PROPERTY, MESSAGE_ID_PROPERTY,
 };
+use crate::transaction::{HalfMessage, PROPERTY_PRODUCER_GROUP, PROPERTY_TRANSACTION_PREPARED};
+
+/// How long the broker waits before it first checks a transaction back, when the message asks
+/// (`orphaned_transaction_recovery_duration`), and the most a message may ask (Apache's proxy's
+/// `maxTransactionRecoverySecond`).
+const PROPERTY_CHECK_IMMUNITY_TIME: &str = "CHECK_IMMUNITY_TIME_IN_SECONDS";
+const MAX_TRANSACTION_RECOVERY_SECS: i64 = 3600;
 
 pub(super) async fn send_messages(
     front: &Front,
@@ -80,7 +88,10 @@ async fn send_checked(
         message_id: message_id.clone(),
         ..Default::default()
     };
-    let outgoing = match to_outgoing(message, &front.config.publish) {
+    let transactional =
+        message.system_properties.as_ref().is_some_and(|p| p.message_type == MessageType::Transaction as i32);
+    let half_group = transactional.then(|| front.transactions.producer_group());
+    let outgoing = match to_outgoing(message, &front.config.publish, half_group) {
         Ok(outgoing) => outgoing,
         Err(invalid) => return refused(invalid),
     };
@@ -88,16 +99,30 @@ async fn send_checked(
         counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
         return refused(status(Code::Forbidden, format!("may not publish to `{}`", outgoing.topic)));
     }
+    if transactional {
+        if let Err(refusal) = check_takes_transactions(front, &outgoing.topic).await {
+            return refused(refusal);
+        }
+    }
     // Every retry of one SDK message carries its message id: a repeat is answered from the de-duplication window.
     match front.publisher.publish_once(&outgoing, SendMode::Sync, deadline, Some(&message_id)).await {
         Ok(published) => {
             let receipt = published.receipt;
-            pb::SendResultEntry {
+            let mut entry = pb::SendResultEntry {
                 status: Some(ok()),
                 message_id: receipt.as_ref().map_or(message_id.clone(), |r| r.message_id.clone()),
-                offset: receipt.map_or(0, |r| i64::try_from(r.queue_offset).unwrap_or(i64::MAX)),
+                offset: receipt.as_ref().map_or(0, |r| i64::try_from(r.queue_offset).unwrap_or(i64::MAX)),
                 ..Default::default()
+            };
+            if transactional {
+                // The record comes before the answer: a commit must find it, after a restart too.
+                if let Err(failed) = record_half(front, &outgoing, receipt.as_ref()).await {
+                    return refused(failed);
+                }
+                // As in RocketMQ, the transaction id is the message id.
+                entry.transaction_id = entry.message_id.clone();
             }
+            entry
         }
         Err(PublishError::TopicNotFound(topic)) => {
             refused(status(Code::TopicNotFound, format!("topic `{topic}` does not exist")))
@@ -106,9 +131,62 @@ async fn send_checked(
     }
 }
 
+/// A transactional message may only go to a topic typed TRANSACTION (or MIXED), as Apache's proxy checks it.
+async fn check_takes_transactions(front: &Front, topic: &str) -> Result<(), pb::Status> {
+    let route = match front.publisher.existing_topic(topic).await {
+        Ok(Some(route)) => route,
+        Ok(None) => return Err(status(Code::TopicNotFound, format!("topic `{topic}` does not exist"))),
+        Err(error) => {
+            return Err(status(Code::InternalServerError, format!("the name server did not answer: {error}")))
+        }
+    };
+    let kind =
+        front.publisher.topic_message_type(topic, &route).await.map_err(|error| {
+            status(Code::InternalServerError, format!("could not read the topic's config: {error}"))
+        })?;
+    if kind.takes_transactions() {
+        return Ok(());
+    }
+    Err(status(
+        Code::MessagePropertyConflictWithType,
+        format!(
+            "org.apache.rocketmq.proxy.common.ProxyException: TopicMessageType validate failed, the expected type is {}, but actual type is TRANSACTION",
+            kind.as_str()
+        ),
+    ))
+}
+
+/// Stores what ending the transaction of the half message just sent needs.
+async fn record_half(
+    front: &Front,
+    outgoing: &OutgoingMessage,
+    receipt: Option<&crate::publish::SendReceipt>,
+) -> Result<(), pb::Status> {
+    let unrecorded =
+        |why: String| status(Code::InternalServerError, format!("the transaction could not be recorded: {why}"));
+    let receipt = receipt.ok_or_else(|| unrecorded("the broker gave no receipt".into()))?;
+    let commit_log_offset =
+        receipt.commit_log_offset.ok_or_else(|| unrecorded("the broker's answer has no commit-log offset".into()))?;
+    let half = HalfMessage {
+        topic: outgoing.topic.clone(),
+        producer_group: front.transactions.producer_group().to_owned(),
+        message_id: receipt.message_id.clone(),
+        broker_name: receipt.broker.clone(),
+        broker_addr: front.publisher.broker_addr(&outgoing.topic, &receipt.broker).await.unwrap_or_default(),
+        tran_state_table_offset: i64::try_from(receipt.queue_offset).unwrap_or(i64::MAX),
+        commit_log_offset,
+    };
+    front.transactions.record(half).await.map_err(|e| unrecorded(e.to_string()))
+}
+
 /// The SDK's message as popgate sends it, or the status naming what is wrong with it: Apache's proxy's checks,
-/// codes and words (`SendMessageActivity`), with the limits every front shares.
-fn to_outgoing(message: pb::Message, config: &PublishConfig) -> Result<OutgoingMessage, pb::Status> {
+/// codes and words (`SendMessageActivity`), with the limits every front shares. A transactional message
+/// (`half_group` given) becomes a half message of that producer group.
+fn to_outgoing(
+    message: pb::Message,
+    config: &PublishConfig,
+    half_group: Option<&str>,
+) -> Result<OutgoingMessage, pb::Status> {
     let topic = names::topic(message.topic.as_ref())?;
     if message.body.is_empty() {
         return Err(status(Code::MessageBodyEmpty, "message body cannot be empty"));
@@ -118,14 +196,20 @@ fn to_outgoing(message: pb::Message, config: &PublishConfig) -> Result<OutgoingM
         return Err(status(Code::MessageBodyTooLarge, format!("message body cannot exceed the max {max_body_bytes}")));
     }
     let system = message.system_properties.unwrap_or_default();
-    if system.message_type == MessageType::Transaction as i32 {
-        return Err(status(Code::NotImplemented, "popgate does not serve transactional messages"));
-    }
     if system.message_id.trim().is_empty() {
         return Err(status(Code::IllegalMessageId, "message id cannot be empty"));
     }
     let mut outgoing = OutgoingMessage::new(topic, message.body);
     outgoing.properties.extend(message.user_properties);
+    let recovery_secs = system.orphaned_transaction_recovery_duration.map(|d| d.seconds.max(0));
+    if half_group.is_some() && recovery_secs.is_some_and(|s| s > MAX_TRANSACTION_RECOVERY_SECS) {
+        return Err(status(
+            Code::BadRequest,
+            format!(
+                "the max transaction recovery time of message is too large, max is {MAX_TRANSACTION_RECOVERY_SECS}"
+            ),
+        ));
+    }
     outgoing.tags = system.tag.filter(|t| !t.is_empty());
     outgoing.keys = system.keys;
     outgoing.properties.insert(MESSAGE_ID_PROPERTY.to_owned(), system.message_id);
@@ -162,5 +246,13 @@ fn to_outgoing(message: pb::Message, config: &PublishConfig) -> Result<OutgoingM
         };
         status(code, broken.message)
     })?;
+    // System properties, set after the limits (which refuse them from the app).
+    if let Some(group) = half_group {
+        outgoing.properties.insert(PROPERTY_TRANSACTION_PREPARED.to_owned(), "true".to_owned());
+        outgoing.properties.insert(PROPERTY_PRODUCER_GROUP.to_owned(), group.to_owned());
+        if let Some(seconds) = recovery_secs {
+            outgoing.properties.insert(PROPERTY_CHECK_IMMUNITY_TIME.to_owned(), seconds.to_string());
+        }
+    }
     Ok(outgoing)
 }

@@ -17,17 +17,20 @@ use tonic::{Request, Response, Streaming};
 use super::consume::{self, AUTO_RENEW_HOLD, AUTO_RENEW_MAX};
 use super::deadline;
 use super::limits::OpenCalls;
+use super::producers::Producers;
 use super::proto::messaging_service_server::MessagingService;
 use super::proto::{self as pb, settings::PubSub as settings_pub_sub, telemetry_command, Code};
 use super::send;
 use super::settings;
 use super::status::{code_label, ok, status};
+use super::transaction;
 use super::written;
 use crate::auth::{Caller, TokenTable};
 use crate::config::Config;
 use crate::delivery::Dispatcher;
 use crate::metrics as m;
 use crate::publish::Publisher;
+use crate::transaction::Transactions;
 
 /// A client that stops heartbeating (it heartbeats every 10 s) is forgotten after this long.
 const CLIENT_EXPIRY: Duration = Duration::from_secs(60);
@@ -41,6 +44,7 @@ const KEEP_ALIVE_EVERY: Duration = Duration::from_secs(5);
 pub struct Front {
     pub(super) publisher: Arc<Publisher>,
     pub(super) dispatcher: Arc<Dispatcher>,
+    pub(super) transactions: Arc<Transactions>,
     pub(super) tokens: Arc<TokenTable>,
     pub(super) config: Arc<Config>,
     clients: Mutex<Liveness>,
@@ -49,7 +53,12 @@ pub struct Front {
     /// Open receives and Telemetry streams, per token.
     receives: OpenCalls,
     streams: OpenCalls,
+    /// The Telemetry streams of producers, by topic: where transaction check-backs go.
+    producers: Producers,
 }
+
+/// Commands a Telemetry stream may have waiting for its client (Settings answers, check-backs).
+const TELEMETRY_BACKLOG: usize = 64;
 
 /// The client kinds of the `popgate_grpc_clients{kind}` gauge.
 const CLIENT_KINDS: [&str; 4] = ["producer", "push_consumer", "simple_consumer", "other"];
@@ -118,16 +127,16 @@ impl Liveness {
 
 impl Front {
     pub(super) fn new(
-        publisher: Arc<Publisher>,
-        dispatcher: Arc<Dispatcher>,
-        tokens: Arc<TokenTable>,
+        parts: super::Parts,
         config: Arc<Config>,
         stop_asked: tokio::sync::watch::Receiver<bool>,
     ) -> Front {
         let receives = OpenCalls::new("receives", config.grpc.max_receives_per_token);
         let streams = OpenCalls::new("Telemetry streams", config.grpc.max_streams_per_token);
         let clients = Mutex::new(Liveness::default());
-        Front { publisher, dispatcher, tokens, config, clients, stop_asked, receives, streams }
+        let super::Parts { publisher, dispatcher, transactions, tokens } = parts;
+        let producers = Producers::default();
+        Front { publisher, dispatcher, transactions, tokens, config, clients, stop_asked, receives, streams, producers }
     }
 
     /// Resolves once popgate is shutting down (at once when it already is).
@@ -478,6 +487,19 @@ impl MessagingService for Arc<Front> {
         Ok(Response::new(pb::ForwardMessageToDeadLetterQueueResponse { status: Some(answer) }))
     }
 
+    async fn end_transaction(
+        &self,
+        request: Request<pb::EndTransactionRequest>,
+    ) -> Result<Response<pb::EndTransactionResponse>, tonic::Status> {
+        let started = Instant::now();
+        let answer = match self.authenticated(request.metadata(), Some("producer")) {
+            Err(refused) => refused,
+            Ok(caller) => transaction::end_transaction(self, &caller, request.into_inner()).await,
+        };
+        observe("EndTransaction", answer.code, started);
+        Ok(Response::new(pb::EndTransactionResponse { status: Some(answer) }))
+    }
+
     /// Answers each Settings the client sends at once (it waits for that answer to finish starting), and
     /// keeps the stream open: the client re-sends its Settings on it every 5 minutes.
     async fn telemetry(
@@ -489,9 +511,10 @@ impl MessagingService for Arc<Front> {
         let slot = self.caller(request.metadata()).and_then(|caller| self.streams.take(&caller));
         let metadata = request.metadata().clone();
         let mut inbound = request.into_inner();
-        let (replies, stream) = tokio::sync::mpsc::channel(4);
+        let (replies, stream) = tokio::sync::mpsc::channel(TELEMETRY_BACKLOG);
         let front = self.clone();
         tokio::spawn(async move {
+            let stream_no = front.producers.open();
             let _slot = match slot {
                 Ok(slot) => slot,
                 Err(refused) => {
@@ -509,6 +532,10 @@ impl MessagingService for Arc<Front> {
                     break;
                 }
                 front.note_request_timeout(&metadata, &client);
+                if let Some(settings_pub_sub::Publishing(publishing)) = &client.pub_sub {
+                    let topics = publishing.topics.iter().map(|t| t.name.clone()).collect();
+                    front.producers.publishes(stream_no, topics, &replies);
+                }
                 let group_sub = front.subscription_of(&client);
                 let group_orderly = match &client.pub_sub {
                     Some(settings_pub_sub::Subscription(s)) => match s.group.as_ref() {
@@ -527,8 +554,24 @@ impl MessagingService for Arc<Front> {
                     break;
                 }
             }
+            front.producers.closed(stream_no);
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(stream))))
+    }
+}
+
+/// A broker's transaction check-back goes to a producer of its topic with an open Telemetry stream.
+impl crate::transaction::CheckForwarder for Front {
+    fn forward(&self, orphan: &crate::transaction::Orphan) -> bool {
+        let recover = pb::RecoverOrphanedTransactionCommand {
+            message: Some(consume::message_of(&orphan.event, "", None)),
+            transaction_id: orphan.transaction_id.clone(),
+        };
+        let command = pb::TelemetryCommand {
+            status: None,
+            command: Some(telemetry_command::Command::RecoverOrphanedTransactionCommand(recover)),
+        };
+        self.producers.send_to_one(&orphan.event.topic, command)
     }
 }
 

@@ -38,6 +38,9 @@ struct Remembered {
     broker: String,
     queue_id: i32,
     queue_offset: u64,
+    /// A half message's commit-log offset, which ending its transaction needs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    commit_log_offset: Option<i64>,
     stored_at_ms: i64,
 }
 
@@ -49,6 +52,7 @@ impl Remembered {
             broker: self.broker.clone(),
             queue_id: self.queue_id,
             queue_offset: self.queue_offset,
+            commit_log_offset: self.commit_log_offset,
         }
     }
 }
@@ -157,6 +161,7 @@ impl DedupWindow {
             broker: receipt.broker.clone(),
             queue_id: receipt.queue_id,
             queue_offset: receipt.queue_offset,
+            commit_log_offset: receipt.commit_log_offset,
             stored_at_ms: now_millis(),
         };
         let Ok(value) = serde_json::to_vec(&remembered) else { return };
@@ -241,6 +246,7 @@ mod tests {
             broker: "broker-a".into(),
             queue_id: 1,
             queue_offset: 7,
+            commit_log_offset: None,
         }
     }
 

@@ -13,14 +13,16 @@ pub mod dedup;
 pub mod limits;
 pub mod message_group;
 pub mod request;
+pub mod topic_type;
 
 // The message a front builds and hands to [`Publisher::publish`], with the property names fronts set.
 pub use crate::broker::message::{
     is_reserved_property, is_valid_name, PROPERTY_SHARDING_KEY as MESSAGE_GROUP_PROPERTY,
     PROPERTY_TIMER_DELIVER_MS as DELIVER_AT_PROPERTY, PROPERTY_UNIQ_KEY as MESSAGE_ID_PROPERTY,
 };
-pub use crate::broker::{OutgoingMessage, TopicRoute};
+pub use crate::broker::{OutgoingMessage, SendReceipt, TopicRoute};
 pub use message_group::group_queue;
+pub use topic_type::TopicMessageType;
 
 use dedup::{Claim, DedupWindow};
 
@@ -34,7 +36,7 @@ use serde::Serialize;
 
 use crate::broker::fault::{self, FaultTable, IsolationCause};
 use crate::broker::message::PROPERTY_SHARDING_KEY;
-use crate::broker::{BrokerClient, BrokerError, BrokerRoute, SendReceipt, StoreStatus};
+use crate::broker::{BrokerClient, BrokerError, BrokerRoute, StoreStatus};
 use crate::config::{FaultAvoidanceConfig, Profile, PublishConfig};
 use crate::metrics as m;
 
@@ -150,6 +152,8 @@ pub struct Publisher {
     rotation: AtomicUsize,
     /// The de-duplication window for keyed sends, when one is kept.
     dedup: Option<Arc<DedupWindow>>,
+    /// The message types of the topics asked about.
+    topic_types: topic_type::TopicTypes,
 }
 
 impl Publisher {
@@ -167,6 +171,7 @@ impl Publisher {
             profile,
             rotation: AtomicUsize::new(0),
             dedup: None,
+            topic_types: topic_type::TopicTypes::default(),
         }
     }
 
@@ -254,6 +259,20 @@ impl Publisher {
     /// What went wrong when no name server answered.
     pub async fn existing_topic(&self, topic: &str) -> Result<Option<TopicRoute>, String> {
         self.broker.existing_route_cached(topic).await.map_err(|e| e.to_string())
+    }
+
+    /// The message type of `topic` (of its route `route`), from its brokers' config; cached for 20 s.
+    ///
+    /// # Errors
+    /// What went wrong when none of its brokers answered.
+    pub async fn topic_message_type(&self, topic: &str, route: &TopicRoute) -> Result<TopicMessageType, String> {
+        self.topic_types.of(&self.broker, topic, route).await.map_err(|e| e.to_string())
+    }
+
+    /// The current master address of broker `name` of `topic`, when its route names it.
+    pub async fn broker_addr(&self, topic: &str, name: &str) -> Option<String> {
+        let route = self.broker.route(topic).await.ok()?;
+        route.brokers.iter().find(|b| b.name == name).map(|b| b.addr.clone())
     }
 
     /// The reliability profile sends are judged by.

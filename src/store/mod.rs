@@ -56,11 +56,19 @@ pub enum Family {
     Payloads,
     /// The publish de-duplication window: the receipt of each recent send by its key, and an expiry index.
     Published,
+    /// Transactional messages: what ending each transaction needs, and how it ended, by transaction id.
+    Transactions,
 }
 
 impl Family {
-    const ALL: [Family; 5] =
-        [Family::Deliveries, Family::Subscriptions, Family::DlqReplays, Family::Payloads, Family::Published];
+    const ALL: [Family; 6] = [
+        Family::Deliveries,
+        Family::Subscriptions,
+        Family::DlqReplays,
+        Family::Payloads,
+        Family::Published,
+        Family::Transactions,
+    ];
 
     /// The family's memtable size. Memtables count in popgate's RSS (two per family at most), so they are
     /// far below RocksDB's 64 MiB: a delivery's records (admitted, handed out, deleted) and its body (written,
@@ -71,7 +79,7 @@ impl Family {
         match self {
             Family::Payloads => 4 * 1024 * 1024,
             Family::Deliveries => 8 * 1024 * 1024,
-            Family::Subscriptions | Family::DlqReplays | Family::Published => 4 * 1024 * 1024,
+            Family::Subscriptions | Family::DlqReplays | Family::Published | Family::Transactions => 4 * 1024 * 1024,
         }
     }
 
@@ -82,6 +90,7 @@ impl Family {
             Family::DlqReplays => "dlq_replays",
             Family::Payloads => "payloads",
             Family::Published => "published",
+            Family::Transactions => "transactions",
         }
     }
 }

@@ -33,6 +33,9 @@ import org.apache.rocketmq.client.apis.message.MessageBuilder;
 import org.apache.rocketmq.client.apis.message.MessageView;
 import org.apache.rocketmq.client.apis.producer.Producer;
 import org.apache.rocketmq.client.apis.producer.SendReceipt;
+import org.apache.rocketmq.client.apis.producer.Transaction;
+import org.apache.rocketmq.client.apis.producer.TransactionChecker;
+import org.apache.rocketmq.client.apis.producer.TransactionResolution;
 
 /**
  * popgate's gRPC test driver: runs one scenario with Apache's official RocketMQ 5 Java SDK and prints one JSON
@@ -43,6 +46,7 @@ import org.apache.rocketmq.client.apis.producer.SendReceipt;
  *   java -jar popgate-grpc-driver.jar simple-consume '{"endpoint":"127.0.0.1:8081","group":"G","topic":"T","expect":3}'
  *   java -jar popgate-grpc-driver.jar push-consume   '{"endpoint":"127.0.0.1:8081","group":"G","topic":"T","expect":3}'
  *   java -jar popgate-grpc-driver.jar load           '{"endpoint":"127.0.0.1:8081","group":"G","topic":"T","mode":"simple"}'
+ *   java -jar popgate-grpc-driver.jar transact       '{"endpoint":"127.0.0.1:8081","topic":"T","resolution":"commit"}'
  * </pre>
  *
  * Arguments may also be given as key=value words instead of one JSON object. Exit codes: 0 the scenario ran (its
@@ -60,10 +64,10 @@ public final class Driver {
         System.setOut(System.err);
         configureLogging();
         if (argv.length == 0 || argv[0].equals("-h") || argv[0].equals("--help") || argv[0].equals("help")) {
-            System.err.println("usage: java -jar popgate-grpc-driver.jar <produce|simple-consume|push-consume|load>"
+            System.err.println("usage: java -jar popgate-grpc-driver.jar <produce|simple-consume|push-consume|load|transact>"
                 + " ['{json args}' | key=value ...]");
             Map<String, Object> usage = new LinkedHashMap<>();
-            usage.put("usage", "<produce|simple-consume|push-consume|load> ['{json args}' | key=value ...]");
+            usage.put("usage", "<produce|simple-consume|push-consume|load|transact> ['{json args}' | key=value ...]");
             finish(argv.length == 0 ? error("missing scenario", null) : usage, argv.length == 0 ? 2 : 0);
             return;
         }
@@ -90,6 +94,9 @@ public final class Driver {
                     break;
                 case "load":
                     result = Load.run(args);
+                    break;
+                case "transact":
+                    result = transact(args);
                     break;
                 default:
                     finish(error("unknown scenario '" + scenario + "'", null), 2);
@@ -442,6 +449,113 @@ public final class Driver {
             out.put("succeeded", counts[1]);
             out.put("received", snapshot(invocations));
         }
+        out.put("finishedAtMs", System.currentTimeMillis());
+        return out;
+    }
+
+    /**
+     * Transactional messages: `count` messages, each in its own transaction, sent with a producer that has a
+     * TransactionChecker, then each transaction ended with `resolution` (commit, rollback, or none: left for
+     * the broker's check-back) `endAfterMs` after its send. The checker answers `checker` (commit, rollback,
+     * unknown) and records every check-back it gets; the producer stays up `stayMs` after the ends for them.
+     * A file named by `readyFile` is created once the messages are sent (a test may kill popgate then).
+     */
+    private static Map<String, Object> transact(Args a) throws Exception {
+        String endpoint = a.required("endpoint");
+        String topic = a.required("topic");
+        int count = a.integer("count", 1);
+        String prefix = a.string("prefix", "tx");
+        String resolution = a.string("resolution", "commit");
+        String checkerAnswer = a.string("checker", "commit");
+        long endAfterMs = a.longValue("endAfterMs", 0);
+        long stayMs = a.longValue("stayMs", 0);
+        String readyFile = a.string("readyFile", null);
+        ClientConfiguration config = clientConfiguration(a, endpoint);
+        a.rejectUnknown();
+        if (!Arrays.asList("commit", "rollback", "none").contains(resolution)) {
+            throw new BadArgs("resolution is commit, rollback or none");
+        }
+        TransactionResolution answer;
+        switch (checkerAnswer) {
+            case "commit": answer = TransactionResolution.COMMIT; break;
+            case "rollback": answer = TransactionResolution.ROLLBACK; break;
+            case "unknown": answer = TransactionResolution.UNKNOWN; break;
+            default: throw new BadArgs("checker is commit, rollback or unknown");
+        }
+
+        ClientServiceProvider provider = ClientServiceProvider.loadService();
+        Map<String, Object> out = new LinkedHashMap<>();
+        long started = System.currentTimeMillis();
+        out.put("startedAtMs", started);
+        List<Map<String, Object>> checks = Collections.synchronizedList(new ArrayList<>());
+        TransactionChecker checker = view -> {
+            Map<String, Object> check = viewEntry(view);
+            check.put("atMs", System.currentTimeMillis());
+            checks.add(check);
+            return answer;
+        };
+        Producer producer;
+        try {
+            producer = startClient(out, () -> provider.newProducerBuilder().setClientConfiguration(config)
+                .setTopics(topic).setTransactionChecker(checker).build());
+        } catch (Throwable t) {
+            return startupFailed(out, started, "producer", t);
+        }
+        out.put("startupMs", System.currentTimeMillis() - started);
+
+        List<Object> sent = new ArrayList<>();
+        List<Object> errors = new ArrayList<>();
+        List<Transaction> transactions = new ArrayList<>();
+        for (int i = 0; i < count; i++) {
+            String body = prefix + "-" + i;
+            Message message = provider.newMessageBuilder().setTopic(topic)
+                .setBody(body.getBytes(StandardCharsets.UTF_8)).build();
+            long t0 = System.currentTimeMillis();
+            try {
+                Transaction transaction = producer.beginTransaction();
+                SendReceipt receipt = producer.send(message, transaction);
+                sent.add(sentEntry(i, body, receipt, t0));
+                transactions.add(transaction);
+            } catch (Throwable t) {
+                errors.add(sendError(i, body, t, t0));
+            }
+        }
+        out.put("sent", sent);
+        out.put("errors", errors);
+        if (readyFile != null) {
+            java.nio.file.Files.write(java.nio.file.Paths.get(readyFile), new byte[0]);
+        }
+        if (endAfterMs > 0) {
+            Thread.sleep(endAfterMs);
+        }
+        List<Object> ended = new ArrayList<>();
+        for (int i = 0; i < transactions.size() && !resolution.equals("none"); i++) {
+            long t0 = System.currentTimeMillis();
+            Map<String, Object> e = new LinkedHashMap<>();
+            e.put("index", i);
+            try {
+                if (resolution.equals("commit")) {
+                    transactions.get(i).commit();
+                } else {
+                    transactions.get(i).rollback();
+                }
+                e.put("ok", true);
+            } catch (Throwable t) {
+                e.putAll(describe(t));
+                e.put("ok", false);
+            }
+            e.put("endMs", System.currentTimeMillis() - t0);
+            e.put("endedAtMs", System.currentTimeMillis());
+            ended.add(e);
+        }
+        out.put("ended", ended);
+        if (stayMs > 0) {
+            Thread.sleep(stayMs);
+        }
+        synchronized (checks) {
+            out.put("checks", snapshot(checks));
+        }
+        out.put("closeMs", close(producer, 5000));
         out.put("finishedAtMs", System.currentTimeMillis());
         return out;
     }

@@ -1,0 +1,545 @@
+//! Transactional messages: the durable record of each half message, and its end.
+//!
+//! A transactional send stores a half message at a broker (the publish path, as every send); before the send
+//! is answered, popgate writes here what ending the transaction needs (broker, half-topic and commit-log
+//! offsets, producer group). So a commit or rollback works after a popgate restart, and on any popgate that
+//! shares the state directory. Apache's proxy keeps that in memory for 30 s.
+//!
+//! Ending a transaction sends `END_TRANSACTION` to the broker and waits for its answer. When the broker cannot
+//! be reached the resolution is stored as owed and retried in the background until the broker has it: the
+//! broker's check-back is the last resort, never the plan. A commit whose answer was lost may have landed, and
+//! the broker would commit the message again if asked again, so before retrying such a commit popgate looks
+//! the committed message up.
+//!
+//! A record lives `transactions.record_retention_secs` after its send, ended or not: an end repeated within
+//! it is answered as the first (an SDK retrying), the other resolution is refused.
+//!
+//! popgate registers at the brokers as a producer of its transactional group (`transactions.producer_group`),
+//! so their check-backs (`CHECK_TRANSACTION_STATE`) come to popgate. A transaction whose end popgate knows is
+//! answered from its record; any other is passed to a front ([`CheckForwarder`]) to ask a live producer of
+//! its topic, whose answer comes back as an end. With no producer to ask the check is dropped, and the broker
+//! asks again at its next pass.
+
+mod record;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use metrics::{counter, gauge};
+use parking_lot::Mutex;
+use rand::Rng;
+
+pub use self::record::{State, TransactionRecord};
+use crate::broker::client::now_millis;
+pub use crate::broker::consumer::PoppedEvent as Event;
+use crate::broker::transaction::{CheckBacks, OrphanCheck};
+pub use crate::broker::transaction::{HalfMessage, Resolution, PROPERTY_PRODUCER_GROUP, PROPERTY_TRANSACTION_PREPARED};
+use crate::broker::{BrokerClient, BrokerError};
+use crate::config::TransactionConfig;
+use crate::metrics as m;
+use crate::store::{Family, StateStore, StoreError};
+
+/// First wait before an owed resolution is tried again; it doubles up to [`OWED_MAX_BACKOFF`], ±20 %.
+const OWED_FIRST_BACKOFF: Duration = Duration::from_secs(1);
+const OWED_MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// How often the owed resolutions are looked at, and the records past their retention removed.
+const SWEEP_EVERY: Duration = Duration::from_millis(500);
+const EXPIRE_EVERY: Duration = Duration::from_secs(60);
+/// How long an end waits while another task works on the same transaction.
+const CLAIM_WAIT: Duration = Duration::from_secs(10);
+
+/// How an end went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ended {
+    /// The broker has the resolution.
+    Landed,
+    /// The broker could not be reached: the resolution is stored and retried until it lands.
+    Owed,
+}
+
+/// Why a transaction could not be ended.
+#[derive(Debug, thiserror::Error)]
+pub enum TransactionError {
+    /// No record of that transaction on that topic (never sent through popgate, or past its retention).
+    #[error("no transaction `{0}` on this topic is known (never sent, or older than its retention)")]
+    Unknown(String),
+    /// It already ended the other way.
+    #[error("transaction `{id}` was already ended with {}", .ended.as_str())]
+    AlreadyEnded {
+        /// The transaction id.
+        id: String,
+        /// How it ended.
+        ended: Resolution,
+    },
+    /// The broker refused the resolution (it no longer has the half message, or it does not match).
+    #[error("the broker refused to end transaction `{id}`: {error}")]
+    Refused {
+        /// The transaction id.
+        id: String,
+        /// The broker's answer.
+        error: BrokerError,
+    },
+    /// Another request is ending it right now and did not finish in time.
+    #[error("transaction `{0}` is being ended by another request")]
+    Busy(String),
+    /// The state store failed: nothing changed.
+    #[error("state store: {0}")]
+    Store(#[from] StoreError),
+}
+
+/// A transaction the broker asks about, for a front to ask one of its producers (the broker's check-back).
+#[derive(Debug, Clone)]
+pub struct Orphan {
+    /// The transaction id (the message id).
+    pub transaction_id: String,
+    /// The half message, as a consumer of its topic would see it.
+    pub event: Event,
+}
+
+/// Where check-backs go: a front that can ask a live producer of the topic. The producer's answer comes back as
+/// an end with `from_check` ([`Transactions::end`]).
+pub trait CheckForwarder: Send + Sync {
+    /// Asks a producer of `orphan`'s topic how its transaction ended; false when no producer could be asked.
+    fn forward(&self, orphan: &Orphan) -> bool;
+}
+
+/// The records of transactions, and their owed work. One per process.
+pub struct Transactions {
+    store: Arc<StateStore>,
+    broker: Arc<BrokerClient>,
+    config: TransactionConfig,
+    /// Transactions a task is changing right now; others wait.
+    claimed: Mutex<HashSet<String>>,
+    /// Owed resolutions, by transaction id, with the time of their next try (epoch ms).
+    owed: Mutex<HashMap<String, i64>>,
+    /// popgate's registration as a producer of its transactional group, when the brokers could be told.
+    check_backs: Option<CheckBacks>,
+    /// The fronts that ask producers; tried in turn.
+    forwarders: Mutex<Vec<std::sync::Weak<dyn CheckForwarder>>>,
+}
+
+impl Transactions {
+    /// Loads the owed resolutions from the store, registers popgate at the brokers as a producer of its
+    /// transactional group (for their check-backs) and starts the background work (owed retries, expiry,
+    /// check-backs).
+    ///
+    /// # Errors
+    /// [`StoreError`] when the store cannot be read.
+    pub async fn start(
+        store: Arc<StateStore>,
+        broker: Arc<BrokerClient>,
+        config: TransactionConfig,
+    ) -> Result<Arc<Transactions>, StoreError> {
+        let mut owed = HashMap::new();
+        let mut topics = HashSet::new();
+        for (id, record) in store.list::<TransactionRecord>(Family::Transactions)?.records {
+            if let State::Owed { next_try_ms, .. } = record.state {
+                owed.insert(id, next_try_ms);
+            }
+            if !matches!(record.state, State::Ended { .. }) {
+                topics.insert(record.half.topic);
+            }
+        }
+        gauge!(m::TRANSACTIONS_OWED).set(owed.len() as f64);
+        let (check_backs, checks) = match broker.serve_check_backs(&config.producer_group).await {
+            Ok((backs, checks)) => (Some(backs), Some(checks)),
+            Err(error) => {
+                tracing::error!(%error, "Could not register as a transactional producer: the brokers' check-backs will not reach popgate.");
+                (None, None)
+            }
+        };
+        let transactions = Arc::new(Transactions {
+            store,
+            broker,
+            config,
+            claimed: Mutex::new(HashSet::new()),
+            owed: Mutex::new(owed),
+            check_backs,
+            forwarders: Mutex::new(Vec::new()),
+        });
+        for topic in topics {
+            transactions.watch_topic(&topic).await;
+        }
+        tokio::spawn(owed_loop(Arc::downgrade(&transactions)));
+        tokio::spawn(expiry_loop(Arc::downgrade(&transactions)));
+        if let Some(checks) = checks {
+            tokio::spawn(check_loop(Arc::downgrade(&transactions), checks));
+        }
+        Ok(transactions)
+    }
+
+    /// Adds a front that asks producers about the brokers' check-backs.
+    pub fn add_forwarder(&self, forwarder: std::sync::Weak<dyn CheckForwarder>) {
+        self.forwarders.lock().push(forwarder);
+    }
+
+    /// Stops the registration at the brokers.
+    pub async fn shutdown(&self) {
+        if let Some(backs) = &self.check_backs {
+            backs.shutdown().await;
+        }
+    }
+
+    async fn watch_topic(&self, topic: &str) {
+        if let Some(backs) = &self.check_backs {
+            backs.watch_topic(topic).await;
+        }
+    }
+
+    /// The producer group every half message carries.
+    pub fn producer_group(&self) -> &str {
+        &self.config.producer_group
+    }
+
+    /// Records a half message the broker stored, before its send is answered. A send repeated under the same
+    /// message id (an SDK retry answered from the de-duplication window) keeps the record it has.
+    ///
+    /// # Errors
+    /// [`TransactionError::Store`] when it cannot be stored (the send must then fail: its transaction could
+    /// not be ended).
+    pub async fn record(&self, half: HalfMessage) -> Result<(), TransactionError> {
+        let _claim = self.claim(&half.message_id).await?;
+        if self.store.get::<TransactionRecord>(Family::Transactions, &half.message_id)?.is_some() {
+            return Ok(());
+        }
+        let now = now_millis();
+        let record = TransactionRecord {
+            transaction_id: half.message_id.clone(),
+            half,
+            sent_ms: now,
+            expires_ms: now + retention_ms(&self.config),
+            state: State::Open,
+        };
+        self.store.put(Family::Transactions, &record.transaction_id, &record).await?;
+        self.watch_topic(&record.half.topic).await;
+        Ok(())
+    }
+
+    /// A broker's check-back. A transaction whose end popgate knows is answered at once, from its record;
+    /// any other is recorded with the offsets the broker names now (a record made here lets a producer on
+    /// this popgate end a transaction sent through another) and asked of a producer of its topic.
+    async fn on_check(&self, check: OrphanCheck) {
+        let OrphanCheck { mut half, event } = check;
+        let id = half.message_id.clone();
+        let Ok(_claim) = self.claim(&id).await else { return };
+        half.broker_name = self.broker_name_at(&half).await.unwrap_or_default();
+        let known = match self.store.get::<TransactionRecord>(Family::Transactions, &id) {
+            Ok(known) => known,
+            Err(error) => {
+                tracing::warn!(%error, transaction = %id, "Could not read a checked-back transaction; the broker will ask again.");
+                return;
+            }
+        };
+        let resolved = known.as_ref().and_then(|r| match r.state {
+            State::Owed { resolution, .. } | State::Ended { resolution, .. } => Some(resolution),
+            State::Open => None,
+        });
+        if let (Some(record), Some(resolution)) = (known.clone(), resolved) {
+            self.answer_from_record(record, half, resolution).await;
+            return;
+        }
+        let now = now_millis();
+        let record = match known {
+            Some(mut record) => {
+                if half.broker_name.is_empty() {
+                    half.broker_name = record.half.broker_name.clone();
+                }
+                record.half = half;
+                record
+            }
+            None => TransactionRecord {
+                transaction_id: id.clone(),
+                half,
+                sent_ms: now,
+                expires_ms: now + retention_ms(&self.config),
+                state: State::Open,
+            },
+        };
+        if let Err(error) = self.store.put(Family::Transactions, &id, &record).await {
+            tracing::warn!(%error, transaction = %id, "Could not record a checked-back transaction; the broker will ask again.");
+            return;
+        }
+        let orphan = Orphan { transaction_id: id, event };
+        let forwarders: Vec<_> = self.forwarders.lock().iter().filter_map(std::sync::Weak::upgrade).collect();
+        let forwarded = forwarders.iter().any(|f| f.forward(&orphan));
+        let outcome = if forwarded { "forwarded" } else { "no_producer" };
+        tracing::debug!(transaction = %orphan.transaction_id, outcome, "A broker checked a transaction back.");
+        counter!(m::TRANSACTION_CHECKS, "outcome" => outcome).increment(1);
+    }
+
+    /// Answers a check-back of a transaction whose end popgate already has, for the half message the broker
+    /// names now. An end still owed is given to the broker this way (and no longer retried). An end the broker
+    /// already took means this half message is a copy the broker stored again for a check before it saw that
+    /// end (it records ends in batches): the copy is rolled back, since committing it would store the message
+    /// a second time.
+    async fn answer_from_record(&self, record: TransactionRecord, mut half: HalfMessage, resolution: Resolution) {
+        if half.broker_name.is_empty() {
+            half.broker_name = record.half.broker_name.clone();
+        }
+        let id = record.transaction_id.clone();
+        counter!(m::TRANSACTION_CHECKS, "outcome" => "answered_from_record").increment(1);
+        let answer = match record.state {
+            State::Ended { .. } => Resolution::Rollback,
+            State::Owed { .. } | State::Open => resolution,
+        };
+        if let Err(error) = self.broker.end_transaction(&half, answer, true).await {
+            tracing::warn!(%error, transaction = %id, "Could not answer a check-back from the record; the broker will ask again.");
+            return;
+        }
+        if matches!(record.state, State::Owed { .. }) {
+            let ended = TransactionRecord { half, ..record };
+            if let Err(error) = self.store_ended(ended, resolution).await {
+                tracing::warn!(%error, transaction = %id, "Could not store a transaction's end.");
+            }
+        }
+    }
+
+    /// The name of the broker at `half`'s address, from its topic's route.
+    async fn broker_name_at(&self, half: &HalfMessage) -> Option<String> {
+        let route = self.broker.route(&half.topic).await.ok()?;
+        route.brokers.iter().find(|b| b.addr == half.broker_addr).map(|b| b.name.clone())
+    }
+
+    /// Ends transaction `id` of `topic`. `from_check` says the producer answers the broker's check-back.
+    ///
+    /// # Errors
+    /// See [`TransactionError`].
+    pub async fn end(
+        &self,
+        topic: &str,
+        id: &str,
+        resolution: Resolution,
+        from_check: bool,
+    ) -> Result<Ended, TransactionError> {
+        let _claim = self.claim(id).await?;
+        let record = self
+            .store
+            .get::<TransactionRecord>(Family::Transactions, id)?
+            .filter(|r| r.half.topic == topic && r.expires_ms > now_millis())
+            .ok_or_else(|| TransactionError::Unknown(id.to_owned()))?;
+        match record.state {
+            State::Open => {}
+            State::Owed { resolution: owed, .. } if owed == resolution => return Ok(Ended::Owed),
+            State::Ended { resolution: ended, .. } if ended == resolution => return Ok(Ended::Landed),
+            State::Owed { resolution: ended, .. } | State::Ended { resolution: ended, .. } => {
+                return Err(TransactionError::AlreadyEnded { id: id.to_owned(), ended });
+            }
+        }
+        match self.send_end(&record.half, resolution, from_check).await {
+            Ok(()) => {
+                self.store_ended(record, resolution).await?;
+                Ok(Ended::Landed)
+            }
+            Err(error) if worth_retrying(&error) => {
+                tracing::warn!(%error, transaction = id, "Could not end a transaction at its broker; the resolution is owed.");
+                self.store_owed(record, resolution, from_check, maybe_landed(&error), 0).await?;
+                Ok(Ended::Owed)
+            }
+            Err(error) => {
+                counter!(m::TRANSACTIONS_ENDED, "resolution" => resolution.as_str(), "result" => "refused")
+                    .increment(1);
+                Err(TransactionError::Refused { id: id.to_owned(), error })
+            }
+        }
+    }
+
+    /// `END_TRANSACTION` to the broker that holds `half` (its master's address as the route has it now).
+    async fn send_end(&self, half: &HalfMessage, resolution: Resolution, from_check: bool) -> Result<(), BrokerError> {
+        let mut half = half.clone();
+        if let Some(addr) = self.master_addr(&half).await {
+            half.broker_addr = addr;
+        }
+        tracing::debug!(transaction = %half.message_id, resolution = resolution.as_str(), from_check, offset = half.tran_state_table_offset, commit_log_offset = half.commit_log_offset, "END_TRANSACTION");
+        self.broker.end_transaction(&half, resolution, from_check).await
+    }
+
+    /// The current master address of `half`'s broker, when the route can be read (and names it).
+    async fn master_addr(&self, half: &HalfMessage) -> Option<String> {
+        if half.broker_name.is_empty() {
+            return None;
+        }
+        let route = self.broker.route(&half.topic).await.ok()?;
+        route.brokers.iter().find(|b| b.name == half.broker_name).map(|b| b.addr.clone())
+    }
+
+    async fn store_ended(&self, mut record: TransactionRecord, resolution: Resolution) -> Result<(), StoreError> {
+        record.state = State::Ended { resolution, at_ms: now_millis() };
+        self.store.put(Family::Transactions, &record.transaction_id, &record).await?;
+        counter!(m::TRANSACTIONS_ENDED, "resolution" => resolution.as_str(), "result" => "landed").increment(1);
+        let mut owed = self.owed.lock();
+        owed.remove(&record.transaction_id);
+        gauge!(m::TRANSACTIONS_OWED).set(owed.len() as f64);
+        Ok(())
+    }
+
+    async fn store_owed(
+        &self,
+        mut record: TransactionRecord,
+        resolution: Resolution,
+        from_check: bool,
+        maybe_landed: bool,
+        attempts: u32,
+    ) -> Result<(), StoreError> {
+        let next_try_ms = now_millis() + backoff(attempts).as_millis() as i64;
+        record.state = State::Owed { resolution, from_check, maybe_landed, attempts, next_try_ms };
+        self.store.put(Family::Transactions, &record.transaction_id, &record).await?;
+        let mut owed = self.owed.lock();
+        owed.insert(record.transaction_id.clone(), next_try_ms);
+        gauge!(m::TRANSACTIONS_OWED).set(owed.len() as f64);
+        Ok(())
+    }
+
+    /// Tries the owed resolutions that are due; each one that lands is stored as ended.
+    async fn retry_owed(&self) {
+        let now = now_millis();
+        let due: Vec<String> =
+            self.owed.lock().iter().filter(|(_, at)| **at <= now).map(|(id, _)| id.clone()).collect();
+        for id in due {
+            let Ok(_claim) = self.claim(&id).await else { continue };
+            match self.store.get::<TransactionRecord>(Family::Transactions, &id) {
+                Ok(Some(record)) => self.retry_one(record).await,
+                // Gone (expired) or ended meanwhile.
+                Ok(None) => {
+                    self.owed.lock().remove(&id);
+                }
+                Err(error) => tracing::warn!(%error, transaction = %id, "Could not read an owed transaction."),
+            }
+        }
+    }
+
+    async fn retry_one(&self, record: TransactionRecord) {
+        let State::Owed { resolution, from_check, maybe_landed, attempts, .. } = record.state else {
+            self.owed.lock().remove(&record.transaction_id);
+            return;
+        };
+        let outcome = match (resolution, maybe_landed) {
+            // A commit whose answer was lost may have landed: committing again would store the message twice.
+            (Resolution::Commit, true) => {
+                match self.broker.committed_message_exists(&record.half, record.sent_ms).await {
+                    Ok(true) => Ok(()),
+                    Ok(false) => self.send_end(&record.half, resolution, from_check).await,
+                    Err(error) => Err(error),
+                }
+            }
+            _ => self.send_end(&record.half, resolution, from_check).await,
+        };
+        let id = record.transaction_id.clone();
+        let stored = match outcome {
+            Ok(()) => {
+                tracing::info!(transaction = %id, resolution = resolution.as_str(), "An owed transaction resolution landed.");
+                self.store_ended(record, resolution).await
+            }
+            Err(error) if worth_retrying(&error) => {
+                let maybe = maybe_landed || self::maybe_landed(&error);
+                self.store_owed(record, resolution, from_check, maybe, attempts.saturating_add(1)).await
+            }
+            Err(error) => {
+                // The broker no longer has the half message (it was checked back and ended, or it expired): no
+                // retry can land it.
+                tracing::warn!(%error, transaction = %id, "The broker refused an owed transaction resolution; giving it up.");
+                counter!(m::TRANSACTIONS_ENDED, "resolution" => resolution.as_str(), "result" => "refused")
+                    .increment(1);
+                self.store_ended(record, resolution).await
+            }
+        };
+        if let Err(error) = stored {
+            tracing::warn!(%error, transaction = %id, "Could not store an owed transaction's progress; will retry.");
+        }
+    }
+
+    /// Removes the records past their retention.
+    async fn expire(&self) {
+        let now = now_millis();
+        let Ok(listing) = self.store.list::<TransactionRecord>(Family::Transactions) else { return };
+        for (id, record) in listing.records {
+            if record.expires_ms <= now && self.store.delete(Family::Transactions, &id).await.is_ok() {
+                self.owed.lock().remove(&id);
+            }
+        }
+        for id in listing.undecodable {
+            let _ = self.store.delete(Family::Transactions, &id).await;
+        }
+    }
+
+    /// Marks `id` as worked on, waiting while another task has it.
+    async fn claim(&self, id: &str) -> Result<Claim<'_>, TransactionError> {
+        let started = tokio::time::Instant::now();
+        loop {
+            if self.claimed.lock().insert(id.to_owned()) {
+                return Ok(Claim { transactions: self, id: id.to_owned() });
+            }
+            if started.elapsed() > CLAIM_WAIT {
+                return Err(TransactionError::Busy(id.to_owned()));
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+}
+
+/// A transaction being worked on; released when dropped.
+struct Claim<'a> {
+    transactions: &'a Transactions,
+    id: String,
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        self.transactions.claimed.lock().remove(&self.id);
+    }
+}
+
+fn retention_ms(config: &TransactionConfig) -> i64 {
+    i64::try_from(config.record_retention_secs.saturating_mul(1000)).unwrap_or(i64::MAX)
+}
+
+/// `ResponseCode.SYSTEM_BUSY`: the broker is overloaded and did not take the request.
+const SYSTEM_BUSY: i32 = 2;
+
+/// Whether an `END_TRANSACTION` that failed this way may land if tried again: the broker was not reached, or
+/// was too busy. Any other answer means it does not have (or does not match) the half message.
+fn worth_retrying(error: &BrokerError) -> bool {
+    match error {
+        BrokerError::Response { code, .. } => *code == SYSTEM_BUSY,
+        BrokerError::Timeout(_) | BrokerError::Unreachable(_) | BrokerError::Client(_) => true,
+        BrokerError::TopicNotFound(_) => false,
+    }
+}
+
+/// Whether a request that failed this way may still have reached the broker (it timed out, or the connection
+/// broke after it was written).
+fn maybe_landed(error: &BrokerError) -> bool {
+    !matches!(error, BrokerError::Response { .. })
+}
+
+/// The wait before the next try of an owed resolution that failed `attempts` times before.
+fn backoff(attempts: u32) -> Duration {
+    let doubled = OWED_FIRST_BACKOFF.saturating_mul(1 << attempts.min(10));
+    let capped = doubled.min(OWED_MAX_BACKOFF);
+    capped.mul_f64(rand::rng().random_range(0.8..=1.2))
+}
+
+async fn owed_loop(transactions: std::sync::Weak<Transactions>) {
+    let mut tick = tokio::time::interval(SWEEP_EVERY);
+    loop {
+        tick.tick().await;
+        let Some(transactions) = transactions.upgrade() else { return };
+        transactions.retry_owed().await;
+    }
+}
+
+async fn check_loop(transactions: std::sync::Weak<Transactions>, mut checks: tokio::sync::mpsc::Receiver<OrphanCheck>) {
+    while let Some(check) = checks.recv().await {
+        let Some(transactions) = transactions.upgrade() else { return };
+        transactions.on_check(check).await;
+    }
+}
+
+async fn expiry_loop(transactions: std::sync::Weak<Transactions>) {
+    let mut tick = tokio::time::interval(EXPIRE_EVERY);
+    loop {
+        tick.tick().await;
+        let Some(transactions) = transactions.upgrade() else { return };
+        transactions.expire().await;
+    }
+}
