@@ -19,6 +19,7 @@ use crate::publish::shared_cluster;
 const DRIVER_TIMEOUT: Duration = Duration::from_secs(180);
 
 on_every_sdk!(
+    a_commit_while_the_broker_is_stopped_is_owed_and_lands_once_after_it_continues,
     a_committed_message_is_stored_once_after_its_commit_and_a_rolled_back_one_never,
     a_commit_after_popgate_was_killed_between_send_and_commit_lands_at_once,
     an_unended_transaction_is_checked_back_through_a_producer_of_its_topic_on_another_popgate,
@@ -244,4 +245,35 @@ async fn ends_of_unknown_repeated_or_contradicting_transactions_and_a_transactio
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(stored_bodies(cluster, &topic).await, Vec::<String>::new(), "nothing was committed");
     assert_eq!(stored_bodies(cluster, &normal).await, Vec::<String>::new());
+}
+
+async fn a_commit_while_the_broker_is_stopped_is_owed_and_lands_once_after_it_continues(sdk: Sdk) {
+    let cluster = Cluster::start(&crate::harness::rocketmq::ClusterSpec::brokers(&["broker-a"]));
+    let popgate = Popgate::start(&cluster.namesrv_addr, "").await;
+    let topic = unique_topic("tx_stopped");
+    create_transaction_topic(&cluster, &topic).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ready = dir.path().join("sent");
+
+    // The broker is SIGSTOPped after the send and before the SDK's commit (8 s after the send).
+    let commit = json!({"topic": topic, "prefix": "owed", "resolution": "commit", "checker": "unknown",
+        "endAfterMs": 8000, "readyFile": ready});
+    let producer = sdk.start("transact", &args(&popgate, commit));
+    wait_for_file(&ready, DRIVER_TIMEOUT).await;
+    cluster.pause_broker("broker-a");
+    let result = producer.finish(DRIVER_TIMEOUT).await;
+    assert_eq!(result["errors"], json!([]), "{result}");
+    assert_eq!(result["ended"][0]["ok"], true, "the commit is answered while the broker is stopped: {result}");
+    assert_eq!(popgate.metric("popgate_transactions_owed").await, 1.0, "the resolution is owed");
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    cluster.resume_broker("broker-a");
+
+    crate::harness::eventually(Duration::from_secs(90), "the owed commit lands", || async {
+        popgate.metric("popgate_transactions_owed").await == 0.0 && !stored_bodies(&cluster, &topic).await.is_empty()
+    })
+    .await;
+    // The first try may have reached the broker before it stopped answering: the retry looked first.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(stored_bodies(&cluster, &topic).await, ["owed-0"], "committed once");
+    assert_eq!(popgate.metric(r#"popgate_transactions_ended_total{resolution="commit",result="landed"}"#).await, 1.0);
 }

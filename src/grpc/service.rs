@@ -494,7 +494,10 @@ impl MessagingService for Arc<Front> {
         let started = Instant::now();
         let answer = match self.authenticated(request.metadata(), Some("producer")) {
             Err(refused) => refused,
-            Ok(caller) => transaction::end_transaction(self, &caller, request.into_inner()).await,
+            Ok(caller) => {
+                let answer_by = deadline::answer_by(request.metadata());
+                transaction::end_transaction(self, &caller, request.into_inner(), answer_by).await
+            }
         };
         observe("EndTransaction", answer.code, started);
         Ok(Response::new(pb::EndTransactionResponse { status: Some(answer) }))

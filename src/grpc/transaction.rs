@@ -13,7 +13,12 @@ use crate::transaction::{Resolution, TransactionError};
 /// The words Apache's proxy answers an end it has no transaction data for with (a `ProxyException`).
 const NOT_FOUND: &str = "org.apache.rocketmq.proxy.common.ProxyException: cannot found transaction data";
 
-pub(super) async fn end_transaction(front: &Front, caller: &Caller, request: pb::EndTransactionRequest) -> pb::Status {
+pub(super) async fn end_transaction(
+    front: &Front,
+    caller: &Caller,
+    request: pb::EndTransactionRequest,
+    answer_by: Option<std::time::Instant>,
+) -> pb::Status {
     let topic = match names::topic(request.topic.as_ref()) {
         Ok(topic) => topic,
         Err(refusal) => return refusal,
@@ -33,7 +38,7 @@ pub(super) async fn end_transaction(front: &Front, caller: &Caller, request: pb:
         _ => return ok(),
     };
     let from_check = request.source == TransactionSource::SourceServerCheck as i32;
-    match front.transactions.end(&topic, id, resolution, from_check).await {
+    match front.transactions.end(&topic, id, resolution, from_check, answer_by).await {
         Ok(_) => ok(),
         Err(error) => refusal(&error),
     }

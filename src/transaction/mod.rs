@@ -301,7 +301,9 @@ impl Transactions {
         route.brokers.iter().find(|b| b.addr == half.broker_addr).map(|b| b.name.clone())
     }
 
-    /// Ends transaction `id` of `topic`. `from_check` says the producer answers the broker's check-back.
+    /// Ends transaction `id` of `topic`. `from_check` says the producer answers the broker's check-back. A
+    /// broker that has not answered by `answer_by` (the producer's deadline) is treated as unreachable: the
+    /// resolution is stored as owed, and the producer is answered in time.
     ///
     /// # Errors
     /// See [`TransactionError`].
@@ -311,6 +313,7 @@ impl Transactions {
         id: &str,
         resolution: Resolution,
         from_check: bool,
+        answer_by: Option<std::time::Instant>,
     ) -> Result<Ended, TransactionError> {
         let _claim = self.claim(id).await?;
         let record = self
@@ -326,7 +329,16 @@ impl Transactions {
                 return Err(TransactionError::AlreadyEnded { id: id.to_owned(), ended });
             }
         }
-        match self.send_end(&record.half, resolution, from_check).await {
+        let sent = match answer_by {
+            Some(by) => {
+                let waited = by.saturating_duration_since(std::time::Instant::now());
+                tokio::time::timeout(waited, self.send_end(&record.half, resolution, from_check))
+                    .await
+                    .unwrap_or(Err(BrokerError::Timeout(waited)))
+            }
+            None => self.send_end(&record.half, resolution, from_check).await,
+        };
+        match sent {
             Ok(()) => {
                 self.store_ended(record, resolution).await?;
                 Ok(Ended::Landed)
