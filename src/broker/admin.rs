@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 
 use rocketmq_protocol::code::request_code::RequestCode;
+use rocketmq_protocol::protocol::body::broker_body::cluster_info::ClusterInfo;
 use rocketmq_protocol::protocol::header::empty_header::EmptyHeader;
 use rocketmq_protocol::protocol::header::get_subscription_group_config_request_header::GetSubscriptionGroupConfigRequestHeader;
 use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
@@ -25,12 +26,7 @@ impl BrokerClient {
     /// # Errors
     /// [`BrokerError`] when no name server answered.
     pub async fn cluster_masters(&self) -> Result<Vec<MasterBroker>, BrokerError> {
-        let timeout = self.request_timeout();
-        let info = self
-            .pooled()
-            .broker_cluster_info(timeout.as_millis() as u64)
-            .await
-            .map_err(|e| BrokerError::from_client(e, timeout))?;
+        let info = self.cluster_info().await?;
         let mut masters: Vec<MasterBroker> = info
             .broker_addr_table
             .unwrap_or_default()
@@ -50,13 +46,17 @@ impl BrokerClient {
     /// # Errors
     /// [`BrokerError`] when no name server answered.
     pub async fn cluster_names(&self) -> Result<Vec<String>, BrokerError> {
+        let info = self.cluster_info().await?;
+        Ok(info.cluster_addr_table.unwrap_or_default().keys().map(ToString::to_string).collect())
+    }
+
+    /// GET_BROKER_CLUSTER_INFO from the name server.
+    async fn cluster_info(&self) -> Result<ClusterInfo, BrokerError> {
         let timeout = self.request_timeout();
-        let info = self
-            .pooled()
+        self.pooled()
             .broker_cluster_info(timeout.as_millis() as u64)
             .await
-            .map_err(|e| BrokerError::from_client(e, timeout))?;
-        Ok(info.cluster_addr_table.unwrap_or_default().keys().map(ToString::to_string).collect())
+            .map_err(|e| BrokerError::from_client(e, timeout))
     }
 
     /// The broker's running configuration (`key=value` properties, as `mqadmin getBrokerConfig` prints them).
