@@ -228,7 +228,7 @@ async fn foreign_handles_other_groups_and_bad_fields_get_their_codes_and_change_
     // An RPC popgate does not serve answers at once, with gRPC's UNIMPLEMENTED.
     let unserved = tokio::time::timeout(
         Duration::from_secs(10),
-        client.end_transaction(request(pb::EndTransactionRequest::default(), None)),
+        client.recall_message(request(pb::RecallMessageRequest::default(), None)),
     )
     .await
     .expect("an answer, not a hang");

@@ -147,24 +147,30 @@ impl BrokerClient {
         }
     }
 
-    /// The `message.type` attribute of `topic` at the first of `broker_addrs` that has the topic
-    /// (`NORMAL`, `FIFO`, `DELAY`, `TRANSACTION`, `MIXED`); `None` when the topic has no such attribute (it is
-    /// then `NORMAL` to RocketMQ) or no broker has it.
+    /// The `message.type` attribute of `topic` as the first of `broker_addrs` to answer has it (`NORMAL`,
+    /// `FIFO`, `DELAY`, `TRANSACTION`, `MIXED`); `None` when the topic has no such attribute (it is then
+    /// `NORMAL` to RocketMQ) or no broker has the topic. The brokers are asked at once, so a stopped one
+    /// does not hold the answer up while another answers.
     ///
     /// # Errors
-    /// [`BrokerError`] when no broker could be asked.
+    /// [`BrokerError`] when no broker answered.
     pub async fn topic_message_type(&self, topic: &str, broker_addrs: &[&str]) -> Result<Option<String>, BrokerError> {
-        let mut last_error = None;
-        for addr in broker_addrs {
+        let asks = broker_addrs.iter().map(|addr| {
             let header = GetTopicConfigRequestHeader { topic: topic.into(), topic_request_header: None };
             let request = RemotingCommand::create_request_command(RequestCode::GetTopicConfig, header);
-            match self.admin_request(addr, request).await {
-                Ok(body) => return Ok(message_type_of(&body)),
-                Err(BrokerError::Response { code: TOPIC_NOT_EXIST, .. }) => {}
-                Err(error) => last_error = Some(error),
-            }
+            Box::pin(async move {
+                match self.admin_request(addr, request).await {
+                    Ok(body) => Ok(message_type_of(&body)),
+                    Err(BrokerError::Response { code: TOPIC_NOT_EXIST, .. }) => Ok(None),
+                    Err(error) => Err(error),
+                }
+            })
+        });
+        let asks: Vec<_> = asks.collect();
+        if asks.is_empty() {
+            return Ok(None);
         }
-        last_error.map_or(Ok(None), Err)
+        futures::future::select_ok(asks).await.map(|(kind, _)| kind)
     }
 }
 

@@ -14,6 +14,8 @@ use crate::broker::{BrokerClient, BrokerError, TopicRoute};
 
 /// How long a topic's type is used before it is read again.
 const FRESH_FOR: Duration = Duration::from_secs(20);
+/// How long a read waits for the brokers (a route query waits for it, within the SDK's 3 s deadline).
+const READ_WAIT: Duration = Duration::from_millis(1500);
 
 /// A topic's message type (RocketMQ's `TopicMessageType`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -79,9 +81,17 @@ impl TopicTypes {
             }
         }
         let addrs: Vec<&str> = route.brokers.iter().map(|b| b.addr.as_str()).collect();
-        let kind = TopicMessageType::parse(broker.topic_message_type(topic, &addrs).await?.as_deref());
-        self.known.lock().insert(topic.to_owned(), (kind, Instant::now()));
-        Ok(kind)
+        // A route query waits for this: when no broker answers quickly, what was known before is used.
+        let read = tokio::time::timeout(READ_WAIT, broker.topic_message_type(topic, &addrs)).await;
+        match read {
+            Ok(Ok(value)) => {
+                let kind = TopicMessageType::parse(value.as_deref());
+                self.known.lock().insert(topic.to_owned(), (kind, Instant::now()));
+                Ok(kind)
+            }
+            Ok(Err(error)) => self.known.lock().get(topic).map(|(kind, _)| *kind).ok_or(error),
+            Err(_) => self.known.lock().get(topic).map(|(kind, _)| *kind).ok_or(BrokerError::Timeout(READ_WAIT)),
+        }
     }
 }
 

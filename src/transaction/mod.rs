@@ -281,8 +281,21 @@ impl Transactions {
         counter!(m::TRANSACTION_CHECKS, "outcome" => "answered_from_record").increment(1);
         let answer = match record.state {
             State::Ended { .. } => Resolution::Rollback,
+            // An owed commit whose first try may have landed (it reached a broker that stopped answering) is
+            // looked up: if it did, this copy goes, as for an ended one.
+            State::Owed { maybe_landed: true, .. } if resolution == Resolution::Commit => {
+                match self.broker.committed_message_exists(&half, record.sent_ms).await {
+                    Ok(true) => Resolution::Rollback,
+                    Ok(false) => resolution,
+                    Err(error) => {
+                        tracing::warn!(%error, transaction = %id, "Could not look an owed commit up; the broker will ask again.");
+                        return;
+                    }
+                }
+            }
             State::Owed { .. } | State::Open => resolution,
         };
+        tracing::debug!(transaction = %id, answer = answer.as_str(), "A check-back answered from the record.");
         if let Err(error) = self.broker.end_transaction(&half, answer, true).await {
             tracing::warn!(%error, transaction = %id, "Could not answer a check-back from the record; the broker will ask again.");
             return;
