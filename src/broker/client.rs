@@ -333,6 +333,12 @@ impl BrokerClient {
         Ok(route)
     }
 
+    /// The current master address of broker `name` of `topic`, when its (cached) route names it.
+    pub async fn master_addr(&self, topic: &str, name: &str) -> Option<String> {
+        let route = self.route(topic).await.ok()?;
+        route.brokers.iter().find(|b| b.name == name).map(|b| b.addr.clone())
+    }
+
     /// Forgets a cached route, so the next send asks the name server again (after a broker failure).
     pub fn invalidate_route(&self, topic: &str) {
         self.routes.lock().remove(topic);

@@ -271,8 +271,7 @@ impl Publisher {
 
     /// The current master address of broker `name` of `topic`, when its route names it.
     pub async fn broker_addr(&self, topic: &str, name: &str) -> Option<String> {
-        let route = self.broker.route(topic).await.ok()?;
-        route.brokers.iter().find(|b| b.name == name).map(|b| b.addr.clone())
+        self.broker.master_addr(topic, name).await
     }
 
     /// The reliability profile sends are judged by.

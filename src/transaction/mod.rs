@@ -384,8 +384,7 @@ impl Transactions {
         if half.broker_name.is_empty() {
             return None;
         }
-        let route = self.broker.route(&half.topic).await.ok()?;
-        route.brokers.iter().find(|b| b.name == half.broker_name).map(|b| b.addr.clone())
+        self.broker.master_addr(&half.topic, &half.broker_name).await
     }
 
     async fn store_ended(&self, mut record: TransactionRecord, resolution: Resolution) -> Result<(), StoreError> {
