@@ -20,13 +20,10 @@ use serde::{Deserialize, Serialize};
 use crate::broker::client::now_millis;
 use crate::broker::{SendReceipt, StoreStatus};
 use crate::metrics as m;
-use crate::store::{Change, Family, StateStore};
+use crate::store::{expiry_key, Change, Family, StateStore};
 
 /// How many remembered keys stay in memory; older ones are found in the store.
 const MEMORY_MAX: usize = 100_000;
-/// Prefix of the expiry index (`~<stored at, 13 digits>\n<key>`), which keeps the keys in the order they
-/// expire, so forgetting them reads only what is due.
-const EXPIRY_PREFIX: &str = "~";
 /// How long a send waits for another send of the same key that is still in flight.
 const IN_FLIGHT_WAIT: Duration = Duration::from_secs(30);
 
@@ -198,41 +195,18 @@ impl DedupWindow {
                 }
             }
         }
-        let mut expired = Vec::new();
-        let scanned = self.store.scan_prefix(Family::Published, EXPIRY_PREFIX, |index_key| {
-            let Some((at, key)) = parse_expiry_key(index_key) else { return true };
-            if at > cutoff {
-                return false;
-            }
-            expired.push((index_key.to_owned(), key.to_owned()));
-            true
-        });
-        if let Err(error) = scanned {
-            tracing::warn!(%error, "Could not read the de-duplication window's expiry index.");
-            return;
-        }
-        for chunk in expired.chunks(512) {
-            let changes: Vec<Change<'_>> = chunk
-                .iter()
-                .flat_map(|(index, key)| {
-                    [Change::Delete(Family::Published, index), Change::Delete(Family::Published, key)]
-                })
-                .collect();
-            if let Err(error) = self.store.apply(&changes).await {
-                tracing::warn!(%error, "Could not forget expired de-duplication keys; trying again later.");
+        // The index is by the time a key was stored: what was stored before the cutoff is due.
+        let due = match self.store.due(Family::Published, cutoff) {
+            Ok(due) => due,
+            Err(error) => {
+                tracing::warn!(%error, "Could not read the de-duplication window's expiry index.");
                 return;
             }
+        };
+        if let Err(error) = self.store.remove_due(Family::Published, &due).await {
+            tracing::warn!(%error, "Could not forget expired de-duplication keys; trying again later.");
         }
     }
-}
-
-fn expiry_key(stored_at_ms: i64, key: &str) -> String {
-    format!("{EXPIRY_PREFIX}{stored_at_ms:013}\n{key}")
-}
-
-fn parse_expiry_key(index_key: &str) -> Option<(i64, &str)> {
-    let (at, key) = index_key.strip_prefix(EXPIRY_PREFIX)?.split_once('\n')?;
-    Some((at.parse().ok()?, key))
 }
 
 #[cfg(test)]
@@ -289,12 +263,5 @@ mod tests {
             first.sent(&receipt("MSG-K")).await;
         });
         assert!(matches!(second, Claim::Duplicate(r) if r.message_id == "MSG-K"));
-    }
-
-    #[test]
-    fn expiry_keys_sort_by_time_and_parse_back() {
-        let (a, b) = (expiry_key(999, "t\nx"), expiry_key(1_000, "t\ny"));
-        assert!(a < b);
-        assert_eq!(parse_expiry_key(&b), Some((1_000, "t\ny")));
     }
 }

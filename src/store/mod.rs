@@ -389,6 +389,39 @@ impl StateStore {
         Ok(())
     }
 
+    /// The entries of `family`'s expiry index ([`expiry_key`]) whose time is at most `cutoff_ms`, oldest
+    /// first, as `(index key, key)`.
+    ///
+    /// # Errors
+    /// [`StoreError::Read`] when iteration fails.
+    pub fn due(&self, family: Family, cutoff_ms: i64) -> Result<Vec<(String, String)>, StoreError> {
+        let mut due = Vec::new();
+        self.scan_prefix(family, EXPIRY_PREFIX, |index_key| {
+            let Some((at, key)) = parse_expiry_key(index_key) else { return true };
+            if at > cutoff_ms {
+                return false;
+            }
+            due.push((index_key.to_owned(), key.to_owned()));
+            true
+        })?;
+        Ok(due)
+    }
+
+    /// Removes `due` entries of `family`'s expiry index and the keys they name, in batches.
+    ///
+    /// # Errors
+    /// [`StoreError::Write`]: what was not removed yet stays due.
+    pub async fn remove_due(&self, family: Family, due: &[(String, String)]) -> Result<(), StoreError> {
+        for chunk in due.chunks(512) {
+            let changes: Vec<Change<'_>> = chunk
+                .iter()
+                .flat_map(|(index, key)| [Change::Delete(family, index), Change::Delete(family, key)])
+                .collect();
+            self.apply(&changes).await?;
+        }
+        Ok(())
+    }
+
     /// Every record of `family`, decoded as `T`.
     ///
     /// # Errors
@@ -572,6 +605,21 @@ fn family_handle(db: &DB, family: Family) -> &rocksdb::ColumnFamily {
     db.cf_handle(family.name()).expect("column family created at open")
 }
 
+/// Prefix of an expiry index kept inside a family beside its records: keys `~<time ms, 13 digits>\n<key>`,
+/// in the order they expire, so forgetting what is due reads only that ([`StateStore::due`]). Record keys
+/// never start with `~`.
+pub const EXPIRY_PREFIX: &str = "~";
+
+/// The expiry-index key that makes `key` due at `at_ms`.
+pub fn expiry_key(at_ms: i64, key: &str) -> String {
+    format!("{EXPIRY_PREFIX}{at_ms:013}\n{key}")
+}
+
+fn parse_expiry_key(index_key: &str) -> Option<(i64, &str)> {
+    let (at, key) = index_key.strip_prefix(EXPIRY_PREFIX)?.split_once('\n')?;
+    Some((at.parse().ok()?, key))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -678,5 +726,28 @@ mod tests {
         assert!(store.commits() <= 3, "50 writes in {} group commits", store.commits());
         assert_eq!(store.list::<Rec>(Family::Deliveries).expect("list").records.len(), 50);
         assert_eq!(store.list::<Rec>(Family::Payloads).expect("list").records.len(), 50);
+    }
+
+    #[test]
+    fn expiry_keys_sort_by_time_and_parse_back() {
+        let (a, b) = (expiry_key(999, "t\nx"), expiry_key(1_000, "t\ny"));
+        assert!(a < b);
+        assert_eq!(parse_expiry_key(&b), Some((1_000, "t\ny")));
+    }
+
+    #[tokio::test]
+    async fn only_what_is_due_is_removed_with_its_index_entry() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = StateStore::open(dir.path(), true).expect("open");
+        for (key, at) in [("early", 1_000), ("late", 5_000)] {
+            store.put(Family::Transactions, key, &Rec { n: 1 }).await.expect("put");
+            store.put_raw(Family::Transactions, &expiry_key(at, key), b"").await.expect("index");
+        }
+        let due = store.due(Family::Transactions, 2_000).expect("due");
+        assert_eq!(due, [(expiry_key(1_000, "early"), "early".to_owned())]);
+        store.remove_due(Family::Transactions, &due).await.expect("remove");
+        assert!(store.get::<Rec>(Family::Transactions, "early").expect("get").is_none());
+        assert!(store.get::<Rec>(Family::Transactions, "late").expect("get").is_some());
+        assert_eq!(store.due(Family::Transactions, 10_000).expect("due").len(), 1);
     }
 }
