@@ -57,6 +57,9 @@ fn name() -> impl Strategy<Value = String> {
             "push",
             "specversion",
             "id",
+            "transaction",
+            "producerGroup",
+            "resolution",
         ])
         .prop_map(str::to_owned),
         "[a-zA-Z%_]{0,10}",

@@ -23,4 +23,5 @@ mod push;
 mod reliability;
 mod security;
 mod transaction;
+mod transaction_http;
 mod webhook;

@@ -26,7 +26,7 @@ on_every_sdk!(
 );
 
 /// A topic typed for transactional messages on every broker of `cluster`.
-async fn create_transaction_topic(cluster: &Cluster, topic: &str) {
+pub(crate) async fn create_transaction_topic(cluster: &Cluster, topic: &str) {
     let addrs: Vec<String> = cluster.brokers.iter().map(|b| format!("127.0.0.1:{}", b.port)).collect();
     Direct::connect(&cluster.namesrv_addr).await.create_transaction_topic(topic, &addrs).await;
 }
@@ -37,7 +37,7 @@ fn args(popgate: &Popgate, mut extra: Value) -> Value {
 }
 
 /// The bodies stored in `topic`'s queues (committed messages; half messages live in the broker's own topic).
-async fn stored_bodies(cluster: &Cluster, topic: &str) -> Vec<String> {
+pub(crate) async fn stored_bodies(cluster: &Cluster, topic: &str) -> Vec<String> {
     let direct = Direct::connect(&cluster.namesrv_addr).await;
     let mut bodies: Vec<String> =
         direct.read_all(topic).await.into_iter().map(|m| String::from_utf8_lossy(&m.body).into_owned()).collect();
@@ -276,4 +276,40 @@ async fn a_commit_while_the_broker_is_stopped_is_owed_and_lands_once_after_it_co
     tokio::time::sleep(Duration::from_secs(5)).await;
     assert_eq!(stored_bodies(&cluster, &topic).await, ["owed-0"], "committed once");
     assert_eq!(popgate.metric(r#"popgate_transactions_ended_total{resolution="commit",result="landed"}"#).await, 1.0);
+}
+
+/// The figure the README compares popgate's durable records with: Apache's proxy keeps a transaction's data in
+/// memory, so after a `kill -9` and restart between the send and the commit the SDK's commit fails, and the
+/// message waits for the broker's check-back. The newest SDK only: the popgate side runs under both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_after_apaches_proxy_was_killed_between_send_and_commit_fails_and_leaves_the_message_unstored() {
+    let cluster = shared_cluster();
+    let mut proxy = tokio::task::block_in_place(|| crate::harness::rocketmq::ApacheProxy::start(cluster));
+    let topic = unique_topic("tx_apache_killed");
+    create_transaction_topic(cluster, &topic).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (ready, restarted) = (dir.path().join("sent"), dir.path().join("restarted"));
+
+    let commit = json!({"endpoint": proxy.endpoint, "topic": topic, "prefix": "lost", "resolution": "commit",
+        "checker": "unknown", "readyFile": ready, "endWhenFile": restarted, "retryUnavailableMs": 30000,
+        "stayMs": 5000});
+    let producer = Sdk::NEWEST.start("transact", &commit);
+    wait_for_file(&ready, DRIVER_TIMEOUT).await;
+    let restart_started = Instant::now();
+    tokio::task::block_in_place(|| proxy.kill9_and_restart());
+    let restart_took = restart_started.elapsed();
+    std::fs::write(&restarted, b"").expect("restarted file");
+    let result = producer.finish(DRIVER_TIMEOUT).await;
+    assert_eq!(result["errors"], json!([]), "the send went through: {result}");
+    let ended = &result["ended"][0];
+    let sent_at = result["sent"][0]["sentAtMs"].as_i64().or(result["startedAtMs"].as_i64()).unwrap_or(0);
+    let ended_at = ended["endedAtMs"].as_i64().unwrap_or(0);
+    println!(
+        "apache proxy restarted in {restart_took:?}; commit {} ms after the send (its data lives 30 s): {ended}",
+        ended_at - sent_at
+    );
+    assert_eq!(ended["ok"], false, "Apache's proxy forgot the transaction: {result}");
+    let error = ended.to_string();
+    assert!(error.contains("cannot found transaction data"), "{error}");
+    assert_eq!(stored_bodies(cluster, &topic).await, Vec::<String>::new(), "only a check-back could store it now");
 }

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 
+use crate::api::checker::HttpCheckers;
 use crate::api::guard::ConnectionLimits;
 use crate::api::tls::{self, TlsError, TlsListener};
 use crate::api::{self, AppState};
@@ -49,6 +50,9 @@ pub enum AppError {
     /// Boot recovery failed.
     #[error("recovery: {0}")]
     Recovery(#[from] DeliveryError),
+    /// The HTTP client of the transaction checkers cannot be built.
+    #[error("transaction checkers: {0}")]
+    Checker(String),
     /// The gRPC front's certificate cannot be used.
     #[error("{0}")]
     GrpcTls(#[from] crate::grpc::GrpcTlsError),
@@ -100,6 +104,9 @@ pub async fn serve(
     .await?;
     tracing::info!(?recovered, state_dir = %config.delivery.state_dir.display(), "Delivery state recovered.");
     let transactions = Transactions::start(store.clone(), broker.clone(), config.transactions.clone()).await?;
+    // Registered before the gRPC front's producers: a check-back whose HTTP producer named a checker goes there.
+    let _checkers = HttpCheckers::register(&config.transactions.checkers, &transactions)
+        .map_err(|e| AppError::Checker(e.to_string()))?;
     let grace = Duration::from_secs(config.server.shutdown_grace_secs);
     let monitor = Arc::new(ProfileMonitor::new(profile, broker.clone()));
     check_profile_at_start(&monitor, config.reliability.fail_on_mismatch).await?;
@@ -133,6 +140,7 @@ pub async fn serve(
         config,
         publisher: publisher.clone(),
         dispatcher: dispatcher.clone(),
+        transactions: transactions.clone(),
         metrics,
     };
 

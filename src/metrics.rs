@@ -96,6 +96,9 @@ pub const TRANSACTIONS_ENDED: &str = "popgate_transactions_ended_total";
 /// Counter (`outcome`): the brokers' transaction check-backs: forwarded to a producer, answered from popgate's
 /// record (its end was known), or dropped with no producer to ask (no_producer).
 pub const TRANSACTION_CHECKS: &str = "popgate_transaction_checks_total";
+/// Counter (`front`, `answer`): producers' answers to forwarded check-backs: commit, rollback, unknown, or
+/// failed (an HTTP checker that did not answer, or answered something else).
+pub const TRANSACTION_CHECK_ANSWERS: &str = "popgate_transaction_check_answers_total";
 /// Gauge: transaction resolutions the broker could not be given yet (retried until it has them).
 pub const TRANSACTIONS_OWED: &str = "popgate_transactions_owed";
 /// Gauge (`kind`): gRPC clients seen in the last minute (producer, push_consumer, simple_consumer, other).
@@ -271,6 +274,11 @@ fn register_zeroes() {
         metrics::counter!(TRANSACTIONS_ENDED, "resolution" => resolution, "result" => result).increment(0);
     }
     metrics::gauge!(TRANSACTIONS_OWED).set(0.0);
+    for front in ["http", "grpc"] {
+        for answer in ["commit", "rollback", "unknown", "failed"] {
+            metrics::counter!(TRANSACTION_CHECK_ANSWERS, "front" => front, "answer" => answer).increment(0);
+        }
+    }
 }
 
 fn describe_all() {
@@ -284,6 +292,11 @@ fn describe_all() {
     describe_gauge!(GRPC_CLIENTS, "gRPC clients seen in the last minute, by kind.");
     describe_counter!(TRANSACTIONS_ENDED, Unit::Count, "Transaction ends, by resolution and result.");
     describe_counter!(TRANSACTION_CHECKS, Unit::Count, "Brokers' transaction check-backs, by outcome.");
+    describe_counter!(
+        TRANSACTION_CHECK_ANSWERS,
+        Unit::Count,
+        "Producers' answers to forwarded transaction check-backs, by front and answer."
+    );
     describe_gauge!(TRANSACTIONS_OWED, "Transaction resolutions owed to an unreachable broker (retried).");
     describe_counter!(
         GRPC_UNWRITTEN_DELIVERIES,

@@ -165,6 +165,24 @@ impl Direct {
         }
     }
 
+    /// Every message of queue `queue_id` of `topic` at the broker `broker` (name) at `addr`, read without a
+    /// route (the brokers' own system topics have none at the name server).
+    pub async fn read_queue(&self, broker: &str, addr: &str, topic: &str, queue_id: i32) -> Vec<StoredMessage> {
+        let queue = MessageQueue::from_parts(topic, broker, queue_id);
+        let mut out = Vec::new();
+        let mut offset = 0i64;
+        loop {
+            let pulled = self.admin.inner().pull_message_from_queue(addr, &queue, "*", offset, 32, 5_000).await;
+            let Ok(pulled) = pulled else { return out };
+            let found = pulled.msg_found_list().map(<[MessageExt]>::to_vec).unwrap_or_default();
+            if found.is_empty() {
+                return out;
+            }
+            out.extend(found.iter().map(|m| StoredMessage::from_ext(broker, m)));
+            offset = pulled.next_begin_offset() as i64;
+        }
+    }
+
     /// As [`Direct::read_all`], or `None` while the topic has no route (a `%DLQ%` topic before its first
     /// message).
     pub async fn try_read_all(&self, topic: &str) -> Option<Vec<StoredMessage>> {

@@ -144,7 +144,10 @@ pub struct ApacheProxy {
     /// `127.0.0.1:port` of its gRPC endpoint (TLS and plaintext on one port, like popgate's).
     pub endpoint: String,
     process: JavaProcess,
-    _home: TempDir,
+    lib: PathBuf,
+    /// Its config file (`-pc`).
+    args: String,
+    home: TempDir,
 }
 
 #[allow(dead_code)]
@@ -165,22 +168,54 @@ impl ApacheProxy {
             "remotingListenPort": free_port(),
         });
         fs::write(&conf, settings.to_string()).expect("proxy conf");
-        let jvm = [
-            "-Xms1g",
-            "-Xmx1g",
-            "-XX:+UseG1GC",
-            "-XX:G1HeapRegionSize=16m",
-            "-XX:G1ReservePercent=25",
-            "-XX:InitiatingHeapOccupancyPercent=30",
-            "-XX:SoftRefLRUPolicyMSPerMB=0",
-            "-XX:-OmitStackTraceInFastThrow",
-        ];
         let conf = conf.to_string_lossy();
-        let args = ["-pc", conf.as_ref(), "-pm", "cluster"];
-        let process = JavaProcess::spawn_with(&lib, home.path(), &jvm, "org.apache.rocketmq.proxy.ProxyStartup", &args);
-        let log = home.path().join("logs/rocketmqlogs/proxy.log");
-        wait_for(&log, "rocketmq-proxy startup successfully", Duration::from_secs(120));
-        ApacheProxy { endpoint: format!("127.0.0.1:{grpc_port}"), process, _home: home }
+        let process = Self::spawn(&lib, home.path(), &conf);
+        let proxy =
+            ApacheProxy { endpoint: format!("127.0.0.1:{grpc_port}"), process, lib, args: conf.into_owned(), home };
+        proxy.wait_started(1);
+        proxy
+    }
+
+    /// The proxy's JVM options: Apache's `runserver.sh` (G1), with a 1 GiB heap instead of its 4 GiB.
+    const JVM: [&'static str; 8] = [
+        "-Xms1g",
+        "-Xmx1g",
+        "-XX:+UseG1GC",
+        "-XX:G1HeapRegionSize=16m",
+        "-XX:G1ReservePercent=25",
+        "-XX:InitiatingHeapOccupancyPercent=30",
+        "-XX:SoftRefLRUPolicyMSPerMB=0",
+        "-XX:-OmitStackTraceInFastThrow",
+    ];
+
+    fn spawn(lib: &Path, home: &Path, conf: &str) -> JavaProcess {
+        let args = ["-pc", conf, "-pm", "cluster"];
+        JavaProcess::spawn_with(lib, home, &Self::JVM, "org.apache.rocketmq.proxy.ProxyStartup", &args)
+    }
+
+    /// Waits until the proxy's log says it started `count` times.
+    fn wait_started(&self, count: usize) {
+        let log = self.home.path().join("logs/rocketmqlogs/proxy.log");
+        let deadline = Instant::now() + BOOT_TIMEOUT;
+        loop {
+            let started = fs::read_to_string(&log).map(|t| t.matches("rocketmq-proxy startup successfully").count());
+            if started.unwrap_or(0) >= count {
+                return;
+            }
+            assert!(Instant::now() < deadline, "Apache's proxy did not start; see {}", log.display());
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// `kill -9` of the proxy, then the same proxy started again on the same ports (what a crash and a
+    /// supervisor's restart do); returns once it says it started.
+    pub fn kill9_and_restart(&mut self) {
+        self.process.signal("KILL");
+        let restarts = fs::read_to_string(self.home.path().join("logs/rocketmqlogs/proxy.log"))
+            .map(|t| t.matches("rocketmq-proxy startup successfully").count())
+            .unwrap_or(0);
+        self.process = Self::spawn(&self.lib, self.home.path(), &self.args);
+        self.wait_started(restarts + 1);
     }
 
     /// The proxy's process id (for its CPU time and RSS).

@@ -126,6 +126,9 @@ pub async fn config(State(state): State<AppState>) -> Result<Json<Value>, ApiErr
         token.token = token.token.as_ref().map(|_| REDACTED.to_owned());
         token.sha256 = token.sha256.as_ref().map(|_| REDACTED.to_owned());
     }
+    for checker in config.transactions.checkers.values_mut() {
+        checker.secret = REDACTED.to_owned();
+    }
     let value = serde_json::to_value(&config).map_err(|e| ApiError::internal(e.to_string()))?;
     Ok(Json(value))
 }

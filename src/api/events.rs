@@ -34,7 +34,7 @@ use serde_json::{json, Value};
 use super::guard::{authorize, read_body, rejected, Budget};
 use super::{ApiError, AppState};
 use crate::auth::{Action, Caller};
-use crate::delivery::{Dispatched, FilterType, NackOutcome, Subscription, SubscriptionRequest};
+use crate::delivery::{Dispatched, Event, FilterType, NackOutcome, Subscription, SubscriptionRequest};
 
 /// Default long-poll wait when `waitMs` is absent.
 const DEFAULT_WAIT_MS: u64 = 1_000;
@@ -86,7 +86,7 @@ struct TermBody {
 }
 
 /// Parses a JSON body, naming the field at fault (path included) in the 400.
-fn parse_body<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+pub(super) fn parse_body<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
     let mut deserializer = serde_json::Deserializer::from_slice(body);
     serde_path_to_error::deserialize(&mut deserializer).map_err(|error| {
         let path = error.path().to_string();
@@ -216,7 +216,16 @@ pub async fn poll(
 
 /// The wire form of one delivery (shared by every transport).
 pub fn delivery_json(delivery: &Dispatched) -> Value {
-    let event = &delivery.event;
+    json!({
+        "deliveryId": delivery.id,
+        "attempt": delivery.attempt,
+        "ackDeadline": delivery.ack_deadline_ms,
+        "event": event_json(&delivery.event),
+    })
+}
+
+/// The wire form of one event: a delivery's, a transaction check-back's.
+pub fn event_json(event: &Event) -> Value {
     let mut event_json = json!({
         "id": event.id,
         "topic": event.topic,
@@ -231,12 +240,7 @@ pub fn delivery_json(delivery: &Dispatched) -> Value {
             event_json["dataBase64"] = Value::String(base64::engine::general_purpose::STANDARD.encode(&event.body));
         }
     }
-    json!({
-        "deliveryId": delivery.id,
-        "attempt": delivery.attempt,
-        "ackDeadline": delivery.ack_deadline_ms,
-        "event": event_json,
-    })
+    event_json
 }
 
 /// `POST /events/ack`: one id, or a batch with a result per id.

@@ -6,6 +6,7 @@
 //! GET  /events/poll                                      long-poll deliveries
 //! GET  /events/stream, /events/ws                        push deliveries over SSE or WebSocket (see [`push`])
 //! POST /events/ack, /events/nack, /events/term           settle deliveries
+//! POST /events/transactions/{id}, GET the same            end a transactional publish, or read it (see [`transactions`])
 //! GET  /healthz                                          the process is up
 //! GET  /readyz                                           a name server answers and the state store writes
 //! GET  /metrics                                          Prometheus text format
@@ -18,6 +19,7 @@
 //! and `/admin` routes.
 
 mod admin;
+pub mod checker;
 mod error;
 pub mod events;
 pub mod guard;
@@ -26,6 +28,7 @@ mod openapi;
 mod publish;
 mod push;
 pub mod tls;
+mod transactions;
 
 use std::sync::Arc;
 
@@ -42,6 +45,7 @@ use crate::delivery::Dispatcher;
 use crate::dlq::DlqAdmin;
 use crate::publish::Publisher;
 use crate::reliability::ProfileMonitor;
+use crate::transaction::Transactions;
 use guard::{ConnectionLimits, SizeLimits};
 
 /// What the handlers share.
@@ -55,6 +59,8 @@ pub struct AppState {
     pub dispatcher: Arc<Dispatcher>,
     /// The reliability profile's broker checks.
     pub profile: Arc<ProfileMonitor>,
+    /// Transactional publishes' records and ends.
+    pub transactions: Arc<Transactions>,
     /// DLQ browse and replay.
     pub dlq: Arc<DlqAdmin>,
     /// The bearer tokens.
@@ -107,6 +113,8 @@ route_group!(DATA_ROUTES, data_routes, [
     post "/events/ack" => events::ack,
     post "/events/nack" => events::nack,
     post "/events/term" => events::term,
+    post "/events/transactions/{id}" => transactions::end,
+    get "/events/transactions/{id}" => transactions::show,
 ]);
 
 // A token with the admin right.

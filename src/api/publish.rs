@@ -2,6 +2,7 @@
 //!
 //! ```text
 //! 200 {"messageId","topic","broker","queueId","queueOffset","status","attempts"}   stored (sync, async)
+//!     (+ "transactionId" for a transactional publish: a half message, ended with POST /events/transactions/{id})
 //! 202 {"topic","status":"SENT_ONEWAY","attempts"}                                  mode=oneway: not confirmed
 //! 400 invalid_field / malformed_body, 413 too_large, 404 unknown_topic, 503 unavailable (+ "attempts")
 //! ```
@@ -73,14 +74,24 @@ async fn handle(
         ));
     }
     let limits = &state.config.publish.limits;
-    let message = request::parse(headers, query.get("topic").map(String::as_str), &body, max, limits)?;
+    let param = |name: &str| query.get(name).map(String::as_str);
+    let transaction_params = (param("transaction"), param("producerGroup"));
+    let parsed = request::parse(headers, param("topic"), transaction_params, &body, max, limits)?;
+    let mut message = parsed.message;
     authorize(caller, Action::Publish(&message.topic), "topic")?;
     let key = request::dedup_key(headers, &message)?;
+    if let Some(transactional) = &parsed.transaction {
+        super::transactions::prepare_half(state, mode, transactional, &mut message).await?;
+    }
     match state.publisher.publish_once(&message, mode, None, key.as_deref()).await {
         Ok(published) => {
-            let id = published.receipt.as_ref().map(|r| r.message_id.as_str());
+            let id = published.receipt.as_ref().map(|r| r.message_id.clone());
             tracing::debug!(topic = %message.topic, event_id = ?id, "Event published.");
-            Ok(answer(published))
+            if parsed.transaction.is_none() {
+                return Ok(answer(published, None));
+            }
+            super::transactions::record_half(state, &message.topic, published.receipt.as_ref()).await?;
+            Ok(answer(published, id))
         }
         Err(PublishError::TopicNotFound(topic)) => Err(ApiError::unknown_topic(&topic)),
         Err(PublishError::Exhausted { attempts, last_error }) => {
@@ -93,26 +104,27 @@ async fn handle(
     }
 }
 
-fn answer(published: Published) -> Response {
+/// The answer to a publish; `transaction_id` for a transactional one.
+fn answer(published: Published, transaction_id: Option<String>) -> Response {
     let attempts = published.attempts.len();
-    match published.receipt {
-        Some(receipt) => Json(json!({
-            "messageId": receipt.message_id,
-            "topic": published.topic,
-            "broker": receipt.broker,
-            "queueId": receipt.queue_id,
-            "queueOffset": receipt.queue_offset,
-            "status": receipt.status.as_str(),
-            "attempts": attempts,
-            "deduplicated": published.deduplicated,
-        }))
-        .into_response(),
-        None => (
-            StatusCode::ACCEPTED,
-            Json(json!({"topic": published.topic, "status": "SENT_ONEWAY", "attempts": attempts})),
-        )
-            .into_response(),
+    let Some(receipt) = published.receipt else {
+        let body = json!({"topic": published.topic, "status": "SENT_ONEWAY", "attempts": attempts});
+        return (StatusCode::ACCEPTED, Json(body)).into_response();
+    };
+    let mut body = json!({
+        "messageId": receipt.message_id,
+        "topic": published.topic,
+        "broker": receipt.broker,
+        "queueId": receipt.queue_id,
+        "queueOffset": receipt.queue_offset,
+        "status": receipt.status.as_str(),
+        "attempts": attempts,
+        "deduplicated": published.deduplicated,
+    });
+    if let Some(id) = transaction_id {
+        body["transactionId"] = json!(id);
     }
+    Json(body).into_response()
 }
 
 fn result_label(error: &ApiError) -> &'static str {

@@ -16,9 +16,9 @@ pub const PROPERTY_UNIQ_KEY: &str = "UNIQ_KEY";
 // The naming rules are the config's (it validates names before anything else exists).
 pub use crate::config::names::{is_valid_name, MAX_NAME_LEN};
 
-/// Property names the broker gives meaning to; a user property may not take one of them.
+/// Property names the broker (or popgate) gives meaning to; a user property may not take one of them.
 pub fn is_reserved_property(name: &str) -> bool {
-    rocketmq_model::common::message::STRING_HASH_SET.contains(name)
+    rocketmq_model::common::message::STRING_HASH_SET.contains(name) || name == super::transaction::PROPERTY_HTTP_CHECKER
 }
 
 /// One message to send: body, routing attributes and properties (user and system ones popgate sets).

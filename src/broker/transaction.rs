@@ -36,6 +36,10 @@ use super::consumer::PoppedEvent;
 pub const PROPERTY_TRANSACTION_PREPARED: &str = "TRAN_MSG";
 /// The property naming the producer group the broker checks a half message back with.
 pub const PROPERTY_PRODUCER_GROUP: &str = "PGROUP";
+/// popgate's property naming the HTTP checker a half message's check-backs go to (`transactions.checkers`).
+/// It travels in the message, so any popgate the broker asks can find the checker; it is reserved, so
+/// consumers through popgate never see it.
+pub const PROPERTY_HTTP_CHECKER: &str = "__POPGATE_TX_CHECKER";
 /// The topic attribute that says which message types a topic takes (`mqadmin updateTopic -a +message.type=…`).
 const MESSAGE_TYPE_ATTRIBUTE: &str = "message.type";
 
@@ -90,6 +94,17 @@ pub struct HalfMessage {
     pub tran_state_table_offset: i64,
     /// Its offset in the broker's commit log.
     pub commit_log_offset: i64,
+}
+
+/// Makes `message` a half message of `producer_group` (set after the limits, which refuse these properties
+/// from apps). Its check-backs go to the HTTP checker `http_checker` when one is named.
+pub fn mark_half(message: &mut super::OutgoingMessage, producer_group: &str, http_checker: Option<&str>) {
+    let properties = &mut message.properties;
+    properties.insert(PROPERTY_TRANSACTION_PREPARED.to_owned(), "true".to_owned());
+    properties.insert(PROPERTY_PRODUCER_GROUP.to_owned(), producer_group.to_owned());
+    if let Some(checker) = http_checker {
+        properties.insert(PROPERTY_HTTP_CHECKER.to_owned(), checker.to_owned());
+    }
 }
 
 impl BrokerClient {
@@ -210,6 +225,8 @@ pub struct OrphanCheck {
     pub half: HalfMessage,
     /// The message, as a consumer of its topic would see it.
     pub event: PoppedEvent,
+    /// The HTTP checker its producer named, if any ([`PROPERTY_HTTP_CHECKER`]).
+    pub http_checker: Option<String>,
 }
 
 /// Most check-backs waiting to be handled; more are dropped (the broker asks again at its next pass).
@@ -275,7 +292,11 @@ impl TransactionListener for ForwardChecks {
             tran_state_table_offset: message.queue_offset(),
             commit_log_offset: message.commit_log_offset(),
         };
-        let check = OrphanCheck { half, event: super::consumer::event_of(message, &topic, None) };
+        let check = OrphanCheck {
+            half,
+            event: super::consumer::event_of(message, &topic, None),
+            http_checker: property(PROPERTY_HTTP_CHECKER),
+        };
         if self.0.try_send(check).is_err() {
             tracing::warn!("Too many transaction check-backs waiting; the broker will ask again.");
         }

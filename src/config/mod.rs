@@ -17,6 +17,7 @@ pub mod bounds;
 pub mod names;
 mod validate;
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -91,12 +92,36 @@ pub struct TransactionConfig {
     /// (`transactionCheckMax` × `transactionCheckInterval`, plus the recovery duration a message may ask for,
     /// at most 1 h): an end after it is refused as unknown.
     pub record_retention_secs: u64,
+    /// HTTP producers' checkers, by producer group: a transactional `POST /events/publish` names its group
+    /// (`producerGroup`), and the broker's check-backs of its transactions are POSTed to that group's URL.
+    pub checkers: BTreeMap<String, CheckerConfig>,
 }
 
 impl Default for TransactionConfig {
     fn default() -> Self {
-        TransactionConfig { producer_group: "popgate_transaction".to_owned(), record_retention_secs: 3 * 3600 }
+        TransactionConfig {
+            producer_group: "popgate_transaction".to_owned(),
+            record_retention_secs: 3 * 3600,
+            checkers: BTreeMap::new(),
+        }
     }
+}
+
+/// Where the check-backs of one HTTP producer group's transactions go, signed as webhook deliveries are.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CheckerConfig {
+    /// `http` or `https` URL that answers `{"resolution": "commit" | "rollback" | "unknown"}`.
+    pub url: String,
+    /// Key of the HMAC-SHA256 signature (`X-Popgate-Signature`).
+    pub secret: String,
+    /// Timeout of one check-back request.
+    #[serde(default = "default_checker_timeout_ms")]
+    pub timeout_ms: u64,
+}
+
+fn default_checker_timeout_ms() -> u64 {
+    5_000
 }
 
 /// Which addresses webhook pushes may reach.

@@ -159,6 +159,26 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
         "transactions.record_retention_secs",
         "must be >= 60 (the broker checks a transaction back after 6 s, then every 30 s)",
     );
+    for (group, checker) in &transactions.checkers {
+        let key = format!("transactions.checkers.{group}");
+        check(
+            super::names::is_valid_name(group),
+            &key,
+            "the producer group must be a RocketMQ group name (letters, digits, `%`, `|`, `-`, `_`)",
+        );
+        let url = reqwest::Url::parse(&checker.url).ok();
+        check(
+            url.is_some_and(|u| matches!(u.scheme(), "http" | "https") && u.host_str().is_some()),
+            &format!("{key}.url"),
+            "must be an http or https URL with a host",
+        );
+        check(
+            checker.secret.len() >= MIN_TOKEN_LEN,
+            &format!("{key}.secret"),
+            &format!("must be at least {MIN_TOKEN_LEN} characters"),
+        );
+        check((100..=60_000).contains(&checker.timeout_ms), &format!("{key}.timeout_ms"), "must be in 100..=60000");
+    }
     out.extend(auth_problems(&config.auth));
     out
 }

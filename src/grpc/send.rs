@@ -18,7 +18,7 @@ use crate::publish::limits::Part;
 use crate::publish::{
     OutgoingMessage, PublishError, SendMode, DELIVER_AT_PROPERTY, MESSAGE_GROUP_PROPERTY, MESSAGE_ID_PROPERTY,
 };
-use crate::transaction::{HalfMessage, PROPERTY_PRODUCER_GROUP, PROPERTY_TRANSACTION_PREPARED};
+use crate::transaction::mark_half;
 
 /// How long the broker waits before it first checks a transaction back, when the message asks
 /// (`orphaned_transaction_recovery_duration`), and the most a message may ask (Apache's proxy's
@@ -133,17 +133,13 @@ async fn send_checked(
 
 /// A transactional message may only go to a topic typed TRANSACTION (or MIXED), as Apache's proxy checks it.
 async fn check_takes_transactions(front: &Front, topic: &str) -> Result<(), pb::Status> {
-    let route = match front.publisher.existing_topic(topic).await {
-        Ok(Some(route)) => route,
+    let kind = match front.publisher.message_type_of(topic).await {
+        Ok(Some(kind)) => kind,
         Ok(None) => return Err(status(Code::TopicNotFound, format!("topic `{topic}` does not exist"))),
         Err(error) => {
-            return Err(status(Code::InternalServerError, format!("the name server did not answer: {error}")))
+            return Err(status(Code::InternalServerError, format!("could not read the topic's type: {error}")))
         }
     };
-    let kind =
-        front.publisher.topic_message_type(topic, &route).await.map_err(|error| {
-            status(Code::InternalServerError, format!("could not read the topic's config: {error}"))
-        })?;
     if kind.takes_transactions() {
         return Ok(());
     }
@@ -164,18 +160,8 @@ async fn record_half(
 ) -> Result<(), pb::Status> {
     let unrecorded =
         |why: String| status(Code::InternalServerError, format!("the transaction could not be recorded: {why}"));
-    let receipt = receipt.ok_or_else(|| unrecorded("the broker gave no receipt".into()))?;
-    let commit_log_offset =
-        receipt.commit_log_offset.ok_or_else(|| unrecorded("the broker's answer has no commit-log offset".into()))?;
-    let half = HalfMessage {
-        topic: outgoing.topic.clone(),
-        producer_group: front.transactions.producer_group().to_owned(),
-        message_id: receipt.message_id.clone(),
-        broker_name: receipt.broker.clone(),
-        broker_addr: front.publisher.broker_addr(&outgoing.topic, &receipt.broker).await.unwrap_or_default(),
-        tran_state_table_offset: i64::try_from(receipt.queue_offset).unwrap_or(i64::MAX),
-        commit_log_offset,
-    };
+    let group = front.transactions.producer_group();
+    let half = front.publisher.half_message(&outgoing.topic, group, receipt).await.map_err(unrecorded)?;
     front.transactions.record(half).await.map_err(|e| unrecorded(e.to_string()))
 }
 
@@ -248,8 +234,7 @@ fn to_outgoing(
     })?;
     // System properties, set after the limits (which refuse them from the app).
     if let Some(group) = half_group {
-        outgoing.properties.insert(PROPERTY_TRANSACTION_PREPARED.to_owned(), "true".to_owned());
-        outgoing.properties.insert(PROPERTY_PRODUCER_GROUP.to_owned(), group.to_owned());
+        mark_half(&mut outgoing, group, None);
         if let Some(seconds) = recovery_secs {
             outgoing.properties.insert(PROPERTY_CHECK_IMMUNITY_TIME.to_owned(), seconds.to_string());
         }

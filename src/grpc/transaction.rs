@@ -30,17 +30,29 @@ pub(super) async fn end_transaction(
     if id.is_empty() {
         return status(Code::InvalidTransactionId, "transaction id cannot be empty");
     }
+    let from_check = request.source == TransactionSource::SourceServerCheck as i32;
     let resolution = match TransactionResolution::try_from(request.resolution) {
         Ok(TransactionResolution::Commit) => Resolution::Commit,
         Ok(TransactionResolution::Rollback) => Resolution::Rollback,
         // Apache's proxy answers OK and sends the broker a "not decided" it ignores; popgate leaves the
         // transaction as it is, for the broker's check-back to decide.
-        _ => return ok(),
+        _ => {
+            count_check_answer(from_check, "unknown");
+            return ok();
+        }
     };
-    let from_check = request.source == TransactionSource::SourceServerCheck as i32;
+    count_check_answer(from_check, resolution.as_str());
     match front.transactions.end(&topic, id, resolution, from_check, answer_by).await {
         Ok(_) => ok(),
         Err(error) => refusal(&error),
+    }
+}
+
+/// Counts a producer's answer to a check-back this front forwarded.
+fn count_check_answer(from_check: bool, answer: &'static str) {
+    if from_check {
+        metrics::counter!(crate::metrics::TRANSACTION_CHECK_ANSWERS, "front" => "grpc", "answer" => answer)
+            .increment(1);
     }
 }
 

@@ -36,6 +36,7 @@ use serde::Serialize;
 
 use crate::broker::fault::{self, FaultTable, IsolationCause};
 use crate::broker::message::PROPERTY_SHARDING_KEY;
+use crate::broker::transaction::HalfMessage;
 use crate::broker::{BrokerClient, BrokerError, BrokerRoute, StoreStatus};
 use crate::config::{FaultAvoidanceConfig, Profile, PublishConfig};
 use crate::metrics as m;
@@ -269,9 +270,37 @@ impl Publisher {
         self.topic_types.of(&self.broker, topic, route).await.map_err(|e| e.to_string())
     }
 
-    /// The current master address of broker `name` of `topic`, when its route names it.
-    pub async fn broker_addr(&self, topic: &str, name: &str) -> Option<String> {
-        self.broker.master_addr(topic, name).await
+    /// The message type of `topic`, from its brokers' config (cached); `None` when the topic does not exist.
+    ///
+    /// # Errors
+    /// What went wrong when the name server or none of its brokers answered.
+    pub async fn message_type_of(&self, topic: &str) -> Result<Option<TopicMessageType>, String> {
+        let Some(route) = self.existing_topic(topic).await? else { return Ok(None) };
+        self.topic_message_type(topic, &route).await.map(Some)
+    }
+
+    /// Where the half message of producer group `producer_group` that `receipt` acknowledges is, as ending
+    /// its transaction names it.
+    ///
+    /// # Errors
+    /// Why it cannot be said: the broker's answer lacked a receipt or a commit-log offset.
+    pub async fn half_message(
+        &self,
+        topic: &str,
+        producer_group: &str,
+        receipt: Option<&SendReceipt>,
+    ) -> Result<HalfMessage, String> {
+        let receipt = receipt.ok_or("the broker gave no receipt")?;
+        let commit_log_offset = receipt.commit_log_offset.ok_or("the broker's answer has no commit-log offset")?;
+        Ok(HalfMessage {
+            topic: topic.to_owned(),
+            producer_group: producer_group.to_owned(),
+            message_id: receipt.message_id.clone(),
+            broker_name: receipt.broker.clone(),
+            broker_addr: self.broker.master_addr(topic, &receipt.broker).await.unwrap_or_default(),
+            tran_state_table_offset: i64::try_from(receipt.queue_offset).unwrap_or(i64::MAX),
+            commit_log_offset,
+        })
     }
 
     /// The reliability profile sends are judged by.

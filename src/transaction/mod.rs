@@ -33,12 +33,12 @@ use rand::Rng;
 pub use self::record::{State, TransactionRecord};
 use crate::broker::client::now_millis;
 pub use crate::broker::consumer::PoppedEvent as Event;
+pub use crate::broker::transaction::{mark_half, HalfMessage, Resolution};
 use crate::broker::transaction::{CheckBacks, OrphanCheck};
-pub use crate::broker::transaction::{HalfMessage, Resolution, PROPERTY_PRODUCER_GROUP, PROPERTY_TRANSACTION_PREPARED};
 use crate::broker::{BrokerClient, BrokerError};
 use crate::config::TransactionConfig;
 use crate::metrics as m;
-use crate::store::{Family, StateStore, StoreError};
+use crate::store::{expiry_key, Change, Family, StateStore, StoreError, EXPIRY_PREFIX};
 
 /// First wait before an owed resolution is tried again; it doubles up to [`OWED_MAX_BACKOFF`], ±20 %.
 const OWED_FIRST_BACKOFF: Duration = Duration::from_secs(1);
@@ -95,6 +95,8 @@ pub struct Orphan {
     pub transaction_id: String,
     /// The half message, as a consumer of its topic would see it.
     pub event: Event,
+    /// The HTTP checker its producer named when it sent it (`transactions.checkers`), if any.
+    pub http_checker: Option<String>,
 }
 
 /// Where check-backs go: a front that can ask a live producer of the topic. The producer's answer comes back as
@@ -113,8 +115,11 @@ pub struct Transactions {
     claimed: Mutex<HashSet<String>>,
     /// Owed resolutions, by transaction id, with the time of their next try (epoch ms).
     owed: Mutex<HashMap<String, i64>>,
-    /// popgate's registration as a producer of its transactional group, when the brokers could be told.
-    check_backs: Option<CheckBacks>,
+    /// popgate's registration as a producer of its transactional group, once the brokers could be told
+    /// (retried in the background until they can).
+    check_backs: tokio::sync::OnceCell<CheckBacks>,
+    /// Topics to watch once the registration is made.
+    topics_to_watch: Mutex<HashSet<String>>,
     /// The fronts that ask producers; tried in turn.
     forwarders: Mutex<Vec<std::sync::Weak<dyn CheckForwarder>>>,
 }
@@ -133,7 +138,13 @@ impl Transactions {
     ) -> Result<Arc<Transactions>, StoreError> {
         let mut owed = HashMap::new();
         let mut topics = HashSet::new();
-        for (id, record) in store.list::<TransactionRecord>(Family::Transactions)?.records {
+        let listing = store.list::<TransactionRecord>(Family::Transactions)?;
+        index_all(&store, &listing.records).await?;
+        for id in listing.undecodable.iter().filter(|k| !k.starts_with(EXPIRY_PREFIX)) {
+            tracing::warn!(transaction = %id, "Removing a transaction record that no longer decodes.");
+            store.delete(Family::Transactions, id).await?;
+        }
+        for (id, record) in listing.records {
             if let State::Owed { next_try_ms, .. } = record.state {
                 owed.insert(id, next_try_ms);
             }
@@ -142,31 +153,44 @@ impl Transactions {
             }
         }
         gauge!(m::TRANSACTIONS_OWED).set(owed.len() as f64);
-        let (check_backs, checks) = match broker.serve_check_backs(&config.producer_group).await {
-            Ok((backs, checks)) => (Some(backs), Some(checks)),
-            Err(error) => {
-                tracing::error!(%error, "Could not register as a transactional producer: the brokers' check-backs will not reach popgate.");
-                (None, None)
-            }
-        };
         let transactions = Arc::new(Transactions {
             store,
             broker,
             config,
             claimed: Mutex::new(HashSet::new()),
             owed: Mutex::new(owed),
-            check_backs,
+            check_backs: tokio::sync::OnceCell::new(),
+            topics_to_watch: Mutex::new(topics),
             forwarders: Mutex::new(Vec::new()),
         });
-        for topic in topics {
-            transactions.watch_topic(&topic).await;
+        // The first try is made before popgate serves, so its check-backs come from the start when it can.
+        if let Some(checks) = transactions.register_for_check_backs().await {
+            tokio::spawn(check_loop(Arc::downgrade(&transactions), checks));
+        } else {
+            tokio::spawn(register_loop(Arc::downgrade(&transactions)));
         }
         tokio::spawn(owed_loop(Arc::downgrade(&transactions)));
         tokio::spawn(expiry_loop(Arc::downgrade(&transactions)));
-        if let Some(checks) = checks {
-            tokio::spawn(check_loop(Arc::downgrade(&transactions), checks));
-        }
         Ok(transactions)
+    }
+
+    /// Registers popgate at the brokers as a producer of its transactional group and watches the topics
+    /// known so far; `None` (logged) when the brokers cannot be told now.
+    async fn register_for_check_backs(&self) -> Option<tokio::sync::mpsc::Receiver<OrphanCheck>> {
+        let (backs, checks) = match self.broker.serve_check_backs(&self.config.producer_group).await {
+            Ok(registered) => registered,
+            Err(error) => {
+                tracing::warn!(%error, "Could not register as a transactional producer yet: the brokers' check-backs do not reach popgate until it can (retried every 5 s).");
+                return None;
+            }
+        };
+        let backs = self.check_backs.get_or_init(|| async { backs }).await;
+        let topics: Vec<String> = self.topics_to_watch.lock().drain().collect();
+        for topic in topics {
+            backs.watch_topic(&topic).await;
+        }
+        tracing::info!(group = %self.config.producer_group, "Registered as a transactional producer: the brokers' check-backs come to popgate.");
+        Some(checks)
     }
 
     /// Adds a front that asks producers about the brokers' check-backs.
@@ -176,15 +200,31 @@ impl Transactions {
 
     /// Stops the registration at the brokers.
     pub async fn shutdown(&self) {
-        if let Some(backs) = &self.check_backs {
+        if let Some(backs) = self.check_backs.get() {
             backs.shutdown().await;
         }
     }
 
     async fn watch_topic(&self, topic: &str) {
-        if let Some(backs) = &self.check_backs {
-            backs.watch_topic(topic).await;
+        if self.check_backs.get().is_none() {
+            self.topics_to_watch.lock().insert(topic.to_owned());
         }
+        // Also when the registration was made meanwhile (it drains the set after it is made).
+        if let Some(backs) = self.check_backs.get() {
+            let topics: Vec<String> = self.topics_to_watch.lock().drain().chain([topic.to_owned()]).collect();
+            for topic in topics {
+                backs.watch_topic(&topic).await;
+            }
+        }
+    }
+
+    /// The record of transaction `id`, while it is kept.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the store cannot be read.
+    pub fn lookup(&self, id: &str) -> Result<Option<TransactionRecord>, StoreError> {
+        let record = self.store.get::<TransactionRecord>(Family::Transactions, id)?;
+        Ok(record.filter(|r| r.expires_ms > now_millis()))
     }
 
     /// The producer group every half message carries.
@@ -211,16 +251,25 @@ impl Transactions {
             expires_ms: now + retention_ms(&self.config),
             state: State::Open,
         };
-        self.store.put(Family::Transactions, &record.transaction_id, &record).await?;
+        self.store_new(&record).await?;
         self.watch_topic(&record.half.topic).await;
         Ok(())
+    }
+
+    /// Stores a new record with its entry in the expiry index, at once.
+    async fn store_new(&self, record: &TransactionRecord) -> Result<(), StoreError> {
+        let id = record.transaction_id.as_str();
+        let value = serde_json::to_vec(record)?;
+        let index = expiry_key(record.expires_ms, id);
+        let changes = [Change::Put(Family::Transactions, id, value), Change::Put(Family::Transactions, &index, vec![])];
+        self.store.apply(&changes).await
     }
 
     /// A broker's check-back. A transaction whose end popgate knows is answered at once, from its record;
     /// any other is recorded with the offsets the broker names now (a record made here lets a producer on
     /// this popgate end a transaction sent through another) and asked of a producer of its topic.
     async fn on_check(&self, check: OrphanCheck) {
-        let OrphanCheck { mut half, event } = check;
+        let OrphanCheck { mut half, event, http_checker } = check;
         let id = half.message_id.clone();
         let Ok(_claim) = self.claim(&id).await else { return };
         half.broker_name = self.broker_name_at(&half).await.unwrap_or_default();
@@ -240,27 +289,30 @@ impl Transactions {
             return;
         }
         let now = now_millis();
-        let record = match known {
+        let stored = match known {
             Some(mut record) => {
                 if half.broker_name.is_empty() {
                     half.broker_name = record.half.broker_name.clone();
                 }
                 record.half = half;
-                record
+                self.store.put(Family::Transactions, &id, &record).await
             }
-            None => TransactionRecord {
-                transaction_id: id.clone(),
-                half,
-                sent_ms: now,
-                expires_ms: now + retention_ms(&self.config),
-                state: State::Open,
-            },
+            None => {
+                let record = TransactionRecord {
+                    transaction_id: id.clone(),
+                    half,
+                    sent_ms: now,
+                    expires_ms: now + retention_ms(&self.config),
+                    state: State::Open,
+                };
+                self.store_new(&record).await
+            }
         };
-        if let Err(error) = self.store.put(Family::Transactions, &id, &record).await {
+        if let Err(error) = stored {
             tracing::warn!(%error, transaction = %id, "Could not record a checked-back transaction; the broker will ask again.");
             return;
         }
-        let orphan = Orphan { transaction_id: id, event };
+        let orphan = Orphan { transaction_id: id, event, http_checker };
         let forwarders: Vec<_> = self.forwarders.lock().iter().filter_map(std::sync::Weak::upgrade).collect();
         let forwarded = forwarders.iter().any(|f| f.forward(&orphan));
         let outcome = if forwarded { "forwarded" } else { "no_producer" };
@@ -472,18 +524,24 @@ impl Transactions {
         }
     }
 
-    /// Removes the records past their retention.
+    /// Removes the records past their retention, read from the expiry index.
     async fn expire(&self) {
-        let now = now_millis();
-        let Ok(listing) = self.store.list::<TransactionRecord>(Family::Transactions) else { return };
-        for (id, record) in listing.records {
-            if record.expires_ms <= now && self.store.delete(Family::Transactions, &id).await.is_ok() {
-                self.owed.lock().remove(&id);
+        let due = match self.store.due(Family::Transactions, now_millis()) {
+            Ok(due) => due,
+            Err(error) => {
+                tracing::warn!(%error, "Could not read the transactions' expiry index.");
+                return;
             }
+        };
+        if let Err(error) = self.store.remove_due(Family::Transactions, &due).await {
+            tracing::warn!(%error, "Could not remove expired transaction records; trying again later.");
+            return;
         }
-        for id in listing.undecodable {
-            let _ = self.store.delete(Family::Transactions, &id).await;
+        let mut owed = self.owed.lock();
+        for (_, id) in &due {
+            owed.remove(id);
         }
+        gauge!(m::TRANSACTIONS_OWED).set(owed.len() as f64);
     }
 
     /// Marks `id` as worked on, waiting while another task has it.
@@ -511,6 +569,17 @@ impl Drop for Claim<'_> {
     fn drop(&mut self) {
         self.transactions.claimed.lock().remove(&self.id);
     }
+}
+
+/// Writes the expiry-index entry of every record (idempotent): records stored before the index existed get
+/// theirs, so they expire too.
+async fn index_all(store: &StateStore, records: &[(String, TransactionRecord)]) -> Result<(), StoreError> {
+    let index: Vec<String> = records.iter().map(|(id, r)| expiry_key(r.expires_ms, id)).collect();
+    for chunk in index.chunks(512) {
+        let changes: Vec<Change<'_>> = chunk.iter().map(|key| Change::Put(Family::Transactions, key, vec![])).collect();
+        store.apply(&changes).await?;
+    }
+    Ok(())
 }
 
 fn retention_ms(config: &TransactionConfig) -> i64 {
@@ -549,6 +618,22 @@ async fn owed_loop(transactions: std::sync::Weak<Transactions>) {
         tick.tick().await;
         let Some(transactions) = transactions.upgrade() else { return };
         transactions.retry_owed().await;
+    }
+}
+
+/// How often a failed registration for check-backs is tried again.
+const REGISTER_RETRY: Duration = Duration::from_secs(5);
+
+/// Tries the registration for check-backs until it is made, then serves them.
+async fn register_loop(transactions: std::sync::Weak<Transactions>) {
+    loop {
+        tokio::time::sleep(REGISTER_RETRY).await;
+        let Some(strong) = transactions.upgrade() else { return };
+        if let Some(checks) = strong.register_for_check_backs().await {
+            drop(strong);
+            check_loop(transactions, checks).await;
+            return;
+        }
     }
 }
 

@@ -11,7 +11,9 @@
 //!   binary
 //! ```
 //!
-//! `?topic=` names the topic in every mode (it wins over a `topic` field). CloudEvents attributes become
+//! `?topic=` names the topic in every mode (it wins over a `topic` field). A transactional publish (a half
+//! message, ended later) says `"transaction": true` (and its checker's `"producerGroup"`) in popgate JSON, or
+//! `?transaction=true&producerGroup=` in any mode. CloudEvents attributes become
 //! message properties `ce_<attribute>`, and the event id is also the message key, so RocketMQ tooling can find
 //! an event by its id. Every rejection names the field at fault.
 
@@ -81,7 +83,28 @@ const CLOUDEVENTS_JSON: &str = "application/cloudevents+json";
 /// CloudEvents attributes that must be present (spec 1.0).
 const CE_REQUIRED: [&str; 4] = ["specversion", "id", "source", "type"];
 
-/// Parses one publish request into a message ready to send.
+/// One publish request, parsed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PublishRequest {
+    /// The message to send.
+    pub message: OutgoingMessage,
+    /// It starts a transaction: it is sent as a half message, and ended later.
+    pub transaction: Option<Transactional>,
+}
+
+/// What a transactional publish asks for.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Transactional {
+    /// The producer group whose checker the broker's check-backs go to (`transactions.checkers`), if any.
+    pub producer_group: Option<String>,
+}
+
+/// The transaction parameters of a request (`transaction`, `producerGroup`), from the query or a popgate JSON
+/// body. `None` when they are absent.
+type TransactionParams<'a> = (Option<&'a str>, Option<&'a str>);
+
+/// Parses one publish request into a message ready to send. `query_transaction` are the `?transaction=` and
+/// `?producerGroup=` parameters; they win over the body's fields, as `?topic=` does.
 ///
 /// # Errors
 /// [`RequestError`] 400 naming the field for malformed, missing or wrong-typed input or a message past the
@@ -89,17 +112,21 @@ const CE_REQUIRED: [&str; 4] = ["specversion", "id", "source", "type"];
 pub fn parse(
     headers: &HeaderMap,
     topic_param: Option<&str>,
+    query_transaction: TransactionParams<'_>,
     body: &Bytes,
     max_message_bytes: usize,
     limits: &MessageLimits,
-) -> Result<OutgoingMessage, RequestError> {
+) -> Result<PublishRequest, RequestError> {
     let content_type = header_str(headers, "content-type").unwrap_or_default().to_ascii_lowercase();
+    let mut body_transaction = (None, None);
     let message = if headers.contains_key("ce-specversion") {
         parse_cloudevent_binary(headers, topic_param, body)?
     } else if content_type.starts_with(CLOUDEVENTS_JSON) {
         parse_cloudevent_structured(topic_param, &parse_json_object(body)?)?
     } else if content_type.is_empty() || content_type.starts_with("application/json") {
-        parse_popgate_json(topic_param, &parse_json_object(body)?)?
+        let map = parse_json_object(body)?;
+        body_transaction = transaction_fields(&map)?;
+        parse_popgate_json(topic_param, &map)?
     } else {
         return Err(RequestError::invalid_field(
             "content-type",
@@ -112,7 +139,55 @@ pub fn parse(
         return Err(RequestError::too_large(max_message_bytes));
     }
     limits.check(&message).map_err(|broken| RequestError::invalid_field(field_of(broken.part), broken.message))?;
-    Ok(message)
+    let transaction = transactional(
+        query_transaction.0.map(str::to_owned).or(body_transaction.0.map(|b: bool| b.to_string())).as_deref(),
+        query_transaction.1.or(body_transaction.1.as_deref()),
+        &message,
+    )?;
+    Ok(PublishRequest { message, transaction })
+}
+
+/// The body's `transaction` (a boolean) and `producerGroup` (a string) fields.
+fn transaction_fields(map: &Map<String, Value>) -> Result<(Option<bool>, Option<String>), RequestError> {
+    let transaction = match map.get("transaction") {
+        None | Some(Value::Null) => None,
+        Some(Value::Bool(b)) => Some(*b),
+        Some(_) => return Err(RequestError::invalid_field("transaction", "must be true or false")),
+    };
+    Ok((transaction, optional_str(map, "producerGroup")?.map(str::to_owned)))
+}
+
+/// Whether the request starts a transaction, and with which checker. A half message cannot also be delayed
+/// or ordered: the broker would deliver it at its commit anyway, and RocketMQ's SDKs refuse the mix.
+fn transactional(
+    transaction: Option<&str>,
+    producer_group: Option<&str>,
+    message: &OutgoingMessage,
+) -> Result<Option<Transactional>, RequestError> {
+    let wanted = match transaction {
+        None | Some("false") => false,
+        Some("true") => true,
+        Some(_) => return Err(RequestError::invalid_field("transaction", "must be true or false")),
+    };
+    if !wanted {
+        return match producer_group {
+            Some(_) => Err(RequestError::invalid_field("producerGroup", "only a transactional publish names one")),
+            None => Ok(None),
+        };
+    }
+    if let Some(group) = producer_group.filter(|g| !is_valid_name(g)) {
+        return Err(RequestError::invalid_field(
+            "producerGroup",
+            format!("`{group}` is not a RocketMQ group name (letters, digits, `_`, `-`, `%`, `|`)"),
+        ));
+    }
+    let conflict = [(PROPERTY_SHARDING_KEY, "messageGroup"), (PROPERTY_TIMER_DELIVER_MS, "delayMs")]
+        .into_iter()
+        .find(|(property, _)| message.properties.contains_key(*property));
+    if let Some((_, field)) = conflict {
+        return Err(RequestError::invalid_field(field, "a transactional message cannot also have this"));
+    }
+    Ok(Some(Transactional { producer_group: producer_group.map(str::to_owned) }))
 }
 
 /// The request field a broken limit is reported on.
@@ -160,7 +235,18 @@ fn parse_json_object(body: &Bytes) -> Result<Map<String, Value>, RequestError> {
 }
 
 fn parse_popgate_json(topic_param: Option<&str>, map: &Map<String, Value>) -> Result<OutgoingMessage, RequestError> {
-    const KNOWN: [&str; 8] = ["topic", "data", "dataBase64", "tags", "keys", "properties", "messageGroup", "delayMs"];
+    const KNOWN: [&str; 10] = [
+        "topic",
+        "data",
+        "dataBase64",
+        "tags",
+        "keys",
+        "properties",
+        "messageGroup",
+        "delayMs",
+        "transaction",
+        "producerGroup",
+    ];
     if let Some(unknown) = map.keys().find(|k| !KNOWN.contains(&k.as_str())) {
         return Err(RequestError::invalid_field(unknown, format!("unknown field `{unknown}`")));
     }

@@ -12,13 +12,29 @@ fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
 }
 
 fn json(body: &str) -> Result<OutgoingMessage, RequestError> {
+    json_request(body, (None, None)).map(|r| r.message)
+}
+
+fn json_request(body: &str, query: TransactionParams<'_>) -> Result<PublishRequest, RequestError> {
     parse(
         &headers(&[("content-type", "application/json")]),
         None,
+        query,
         &Bytes::from(body.to_owned()),
         MAX,
         &MessageLimits::default(),
     )
+}
+
+/// `parse` of a request with no transaction parameters in its query, for its message.
+fn parse_message(
+    h: &HeaderMap,
+    topic: Option<&str>,
+    body: &Bytes,
+    max: usize,
+    limits: &MessageLimits,
+) -> Result<OutgoingMessage, RequestError> {
+    parse(h, topic, (None, None), body, max, limits).map(|r| r.message)
 }
 
 fn field_of(result: Result<OutgoingMessage, RequestError>) -> String {
@@ -50,7 +66,7 @@ fn non_string_data_is_sent_as_json_text_and_base64_as_bytes() {
 #[test]
 fn the_topic_parameter_wins_over_the_body() {
     let h = headers(&[("content-type", "application/json")]);
-    let m = parse(
+    let m = parse_message(
         &h,
         Some("fromquery"),
         &Bytes::from_static(br#"{"topic":"x","data":"d"}"#),
@@ -97,7 +113,7 @@ fn structured_cloudevents_map_attributes_to_properties_and_the_id_to_the_key() {
     let h = headers(&[("content-type", "application/cloudevents+json")]);
     let body = br#"{"specversion":"1.0","id":"e-1","source":"/shop","type":"order.created",
         "subject":"o-9","datacontenttype":"application/json","data":{"n":1},"tenant":"acme"}"#;
-    let m = parse(&h, Some("orders"), &Bytes::from_static(body), MAX, &MessageLimits::default()).unwrap();
+    let m = parse_message(&h, Some("orders"), &Bytes::from_static(body), MAX, &MessageLimits::default()).unwrap();
     assert_eq!(&m.body[..], br#"{"n":1}"#);
     assert_eq!(m.keys, vec!["e-1"]);
     for (name, value) in [
@@ -121,7 +137,7 @@ fn binary_cloudevents_read_ce_headers_and_keep_the_body() {
         ("ce-type", "t.x"),
         ("content-type", "application/octet-stream"),
     ]);
-    let m = parse(&h, Some("orders"), &Bytes::from_static(&[9, 8, 7]), MAX, &MessageLimits::default()).unwrap();
+    let m = parse_message(&h, Some("orders"), &Bytes::from_static(&[9, 8, 7]), MAX, &MessageLimits::default()).unwrap();
     assert_eq!(&m.body[..], &[9, 8, 7]);
     assert_eq!(m.properties.get("ce_datacontenttype").map(String::as_str), Some("application/octet-stream"));
     assert_eq!(m.keys, vec!["e-2"]);
@@ -130,11 +146,11 @@ fn binary_cloudevents_read_ce_headers_and_keep_the_body() {
 #[test]
 fn cloudevents_without_a_required_attribute_name_it() {
     let h = headers(&[("ce-specversion", "1.0"), ("ce-id", "e-2"), ("ce-source", "/s")]);
-    assert_eq!(field_of(parse(&h, Some("t"), &Bytes::new(), MAX, &MessageLimits::default())), "type");
+    assert_eq!(field_of(parse_message(&h, Some("t"), &Bytes::new(), MAX, &MessageLimits::default())), "type");
     let h = headers(&[("content-type", "application/cloudevents+json")]);
     let body = br#"{"specversion":"0.3","id":"1","source":"s","type":"t","data":"x"}"#;
     assert_eq!(
-        field_of(parse(&h, Some("t"), &Bytes::from_static(body), MAX, &MessageLimits::default())),
+        field_of(parse_message(&h, Some("t"), &Bytes::from_static(body), MAX, &MessageLimits::default())),
         "specversion"
     );
 }
@@ -143,7 +159,39 @@ fn cloudevents_without_a_required_attribute_name_it() {
 fn an_unsupported_content_type_is_named() {
     let h = headers(&[("content-type", "text/plain")]);
     assert_eq!(
-        field_of(parse(&h, Some("t"), &Bytes::from_static(b"x"), MAX, &MessageLimits::default())),
+        field_of(parse_message(&h, Some("t"), &Bytes::from_static(b"x"), MAX, &MessageLimits::default())),
         "content-type"
+    );
+}
+
+#[test]
+fn a_transactional_publish_names_its_checker_in_the_body_or_the_query() {
+    let plain = json_request(r#"{"topic":"t","data":"x"}"#, (None, None)).unwrap();
+    assert_eq!(plain.transaction, None);
+    let body = json_request(r#"{"topic":"t","data":"x","transaction":true,"producerGroup":"payments"}"#, (None, None));
+    assert_eq!(body.unwrap().transaction, Some(Transactional { producer_group: Some("payments".into()) }));
+    let query = json_request(r#"{"topic":"t","data":"x"}"#, (Some("true"), None)).unwrap();
+    assert_eq!(query.transaction, Some(Transactional { producer_group: None }));
+    // The query wins, as `?topic=` does.
+    let off = json_request(r#"{"topic":"t","data":"x","transaction":true}"#, (Some("false"), None)).unwrap();
+    assert_eq!(off.transaction, None);
+}
+
+#[test]
+fn a_transactional_publish_that_cannot_be_one_names_the_field() {
+    let field = |body: &str, query: TransactionParams<'_>| {
+        json_request(body, query).expect_err("must be rejected").field().unwrap_or_default().to_owned()
+    };
+    assert_eq!(field(r#"{"topic":"t","data":"x","transaction":"yes"}"#, (None, None)), "transaction");
+    assert_eq!(field(r#"{"topic":"t","data":"x"}"#, (Some("1"), None)), "transaction");
+    assert_eq!(field(r#"{"topic":"t","data":"x","producerGroup":"p"}"#, (None, None)), "producerGroup");
+    assert_eq!(
+        field(r#"{"topic":"t","data":"x","transaction":true,"producerGroup":"a b"}"#, (None, None)),
+        "producerGroup"
+    );
+    assert_eq!(field(r#"{"topic":"t","data":"x","transaction":true,"delayMs":5000}"#, (None, None)), "delayMs");
+    assert_eq!(
+        field(r#"{"topic":"t","data":"x","transaction":true,"messageGroup":"g"}"#, (None, None)),
+        "messageGroup"
     );
 }

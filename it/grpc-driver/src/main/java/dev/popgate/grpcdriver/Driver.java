@@ -458,7 +458,9 @@ public final class Driver {
      * TransactionChecker, then each transaction ended with `resolution` (commit, rollback, or none: left for
      * the broker's check-back) `endAfterMs` after its send. The checker answers `checker` (commit, rollback,
      * unknown) and records every check-back it gets; the producer stays up `stayMs` after the ends for them.
-     * A file named by `readyFile` is created once the messages are sent (a test may kill popgate then).
+     * A file named by `readyFile` is created once the messages are sent (a test may kill popgate then); with
+     * `endWhenFile`, the ends wait (after `endAfterMs`) until a file of that name exists (the test restarted it);
+     * an end that did not reach the endpoint (UNAVAILABLE) is tried again for `retryUnavailableMs`.
      */
     private static Map<String, Object> transact(Args a) throws Exception {
         String endpoint = a.required("endpoint");
@@ -470,6 +472,8 @@ public final class Driver {
         long endAfterMs = a.longValue("endAfterMs", 0);
         long stayMs = a.longValue("stayMs", 0);
         String readyFile = a.string("readyFile", null);
+        String endWhenFile = a.string("endWhenFile", null);
+        long retryUnavailableMs = a.longValue("retryUnavailableMs", 0);
         ClientConfiguration config = clientConfiguration(a, endpoint);
         a.rejectUnknown();
         if (!Arrays.asList("commit", "rollback", "none").contains(resolution)) {
@@ -528,22 +532,40 @@ public final class Driver {
         if (endAfterMs > 0) {
             Thread.sleep(endAfterMs);
         }
+        while (endWhenFile != null && !java.nio.file.Files.exists(java.nio.file.Paths.get(endWhenFile))) {
+            Thread.sleep(100);
+        }
         List<Object> ended = new ArrayList<>();
         for (int i = 0; i < transactions.size() && !resolution.equals("none"); i++) {
             long t0 = System.currentTimeMillis();
             Map<String, Object> e = new LinkedHashMap<>();
             e.put("index", i);
-            try {
-                if (resolution.equals("commit")) {
-                    transactions.get(i).commit();
-                } else {
-                    transactions.get(i).rollback();
+            // As an app would: an end that never reached the endpoint (UNAVAILABLE, the channel reconnecting
+            // after the endpoint restarted) is tried again for up to `retryUnavailableMs`.
+            int tries = 0;
+            while (true) {
+                tries++;
+                try {
+                    if (resolution.equals("commit")) {
+                        transactions.get(i).commit();
+                    } else {
+                        transactions.get(i).rollback();
+                    }
+                    e.put("ok", true);
+                    break;
+                } catch (Throwable t) {
+                    Map<String, Object> error = describe(t);
+                    boolean unreached = String.valueOf(error.get("message")).startsWith("UNAVAILABLE");
+                    if (unreached && System.currentTimeMillis() - t0 < retryUnavailableMs) {
+                        Thread.sleep(200);
+                        continue;
+                    }
+                    e.putAll(error);
+                    e.put("ok", false);
+                    break;
                 }
-                e.put("ok", true);
-            } catch (Throwable t) {
-                e.putAll(describe(t));
-                e.put("ok", false);
             }
+            e.put("tries", tries);
             e.put("endMs", System.currentTimeMillis() - t0);
             e.put("endedAtMs", System.currentTimeMillis());
             ended.add(e);

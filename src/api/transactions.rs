@@ -1,0 +1,179 @@
+//! Transactional publishes over HTTP: a half message now, its end later.
+//!
+//! ```text
+//! POST /events/publish {"transaction": true, "producerGroup"?, ...}   200 {... "transactionId"}: a half message
+//! POST /events/transactions/{id} {"resolution": "commit" | "rollback"}
+//!      200 {"transactionId","topic","resolution","state":"ended"}     the broker has the resolution
+//!      202 {... "state":"owed"}                                       the broker could not be reached: popgate
+//!                                                                     keeps the resolution and delivers it
+//! GET  /events/transactions/{id}                                      200 {"transactionId","topic","state",...}
+//! 404 not_found (unknown, or past its retention), 409 conflict (ended the other way; the broker no longer has
+//! it), 403 forbidden (the token may not publish to its topic)
+//! ```
+//!
+//! A token that may publish to a topic may end that topic's transactions. A repeated end is answered as the
+//! first. The broker's check-backs of a transaction whose producer named a `producerGroup` go to that group's
+//! checker URL ([`super::checker`]).
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::events::parse_body;
+use super::guard::{authorize, read_body};
+use super::{ApiError, AppState};
+use crate::auth::{Action, Caller};
+use crate::publish::request::Transactional;
+use crate::publish::{OutgoingMessage, SendMode, SendReceipt};
+use crate::transaction::{mark_half, Ended, Resolution, State as RecordState, TransactionError, TransactionRecord};
+
+/// Makes `message` a half message, after checking that it can be one: a synchronous send (its answer carries
+/// the transaction id), a checker that is configured, a topic typed for transactions.
+///
+/// # Errors
+/// 400 naming the field at fault, 404 for a topic that does not exist, 503 when its type cannot be read.
+pub async fn prepare_half(
+    state: &AppState,
+    mode: SendMode,
+    transactional: &Transactional,
+    message: &mut OutgoingMessage,
+) -> Result<(), ApiError> {
+    if mode != SendMode::Sync {
+        return Err(ApiError::invalid_field(
+            "mode",
+            "a transactional publish is sync: its answer names the transaction",
+        ));
+    }
+    let checker = transactional.producer_group.as_deref();
+    if let Some(group) = checker.filter(|g| !state.config.transactions.checkers.contains_key(*g)) {
+        return Err(ApiError::invalid_field(
+            "producerGroup",
+            format!("no checker is configured for producer group `{group}` (transactions.checkers)"),
+        ));
+    }
+    let topic = &message.topic;
+    match state.publisher.message_type_of(topic).await {
+        Ok(Some(kind)) if kind.takes_transactions() => {}
+        Ok(Some(kind)) => {
+            return Err(ApiError::invalid_field(
+                "transaction",
+                format!(
+                "topic `{topic}` takes {} messages; a transactional one needs a topic of type TRANSACTION (or MIXED)",
+                kind.as_str()
+            ),
+            ))
+        }
+        Ok(None) => return Err(ApiError::unknown_topic(topic)),
+        Err(error) => {
+            return Err(ApiError::unavailable(format!("could not read the topic's type: {error}"), json!({})));
+        }
+    }
+    mark_half(message, state.transactions.producer_group(), checker);
+    Ok(())
+}
+
+/// Stores what ending the transaction of the half message just sent needs, before the publish is answered.
+///
+/// # Errors
+/// 503 when it cannot be stored: the publish fails, since its transaction could not be ended (the broker's
+/// check-back ends it).
+pub async fn record_half(state: &AppState, topic: &str, receipt: Option<&SendReceipt>) -> Result<(), ApiError> {
+    let unrecorded = |why: String| {
+        tracing::warn!(topic, error = %why, "A half message was stored but its transaction could not be recorded.");
+        ApiError::unavailable(format!("the transaction could not be recorded: {why}"), json!({}))
+    };
+    let group = state.transactions.producer_group();
+    let half = state.publisher.half_message(topic, group, receipt).await.map_err(unrecorded)?;
+    state.transactions.record(half).await.map_err(|e| unrecorded(e.to_string()))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EndRequest {
+    resolution: String,
+}
+
+/// `POST /events/transactions/{id}`: commits or rolls back the transaction.
+pub async fn end(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let body = read_body(body)?;
+    let request: EndRequest = parse_body(&body)?;
+    let resolution = match request.resolution.as_str() {
+        "commit" => Resolution::Commit,
+        "rollback" => Resolution::Rollback,
+        _ => return Err(ApiError::invalid_field("resolution", "must be commit or rollback")),
+    };
+    let record = known(&state, &caller, &id)?;
+    let topic = record.half.topic;
+    let ended = state.transactions.end(&topic, &id, resolution, false, None).await.map_err(refusal)?;
+    let (status, word) = match ended {
+        Ended::Landed => (StatusCode::OK, "ended"),
+        Ended::Owed => (StatusCode::ACCEPTED, "owed"),
+    };
+    let body = json!({"transactionId": id, "topic": topic, "resolution": resolution.as_str(), "state": word});
+    Ok((status, Json(body)).into_response())
+}
+
+/// `GET /events/transactions/{id}`: how far the transaction's end has come.
+pub async fn show(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let record = known(&state, &caller, &id)?;
+    let mut body = json!({
+        "transactionId": record.transaction_id,
+        "topic": record.half.topic,
+        "broker": record.half.broker_name,
+        "sentAt": record.sent_ms,
+        "expiresAt": record.expires_ms,
+    });
+    match record.state {
+        RecordState::Open => body["state"] = json!("open"),
+        RecordState::Owed { resolution, attempts, .. } => {
+            body["state"] = json!("owed");
+            body["resolution"] = json!(resolution.as_str());
+            body["failedTries"] = json!(attempts + 1);
+        }
+        RecordState::Ended { resolution, at_ms } => {
+            body["state"] = json!("ended");
+            body["resolution"] = json!(resolution.as_str());
+            body["endedAt"] = json!(at_ms);
+        }
+    }
+    Ok(Json(body))
+}
+
+/// The record of transaction `id`, if the caller may publish to its topic.
+fn known(state: &AppState, caller: &Caller, id: &str) -> Result<TransactionRecord, ApiError> {
+    let record = state
+        .transactions
+        .lookup(id)
+        .map_err(|e| ApiError::unavailable(format!("state store unavailable: {e}"), json!({})))?
+        .ok_or_else(|| refusal(TransactionError::Unknown(id.to_owned())))?;
+    authorize(caller, Action::Publish(&record.half.topic), "id")?;
+    Ok(record)
+}
+
+fn refusal(error: TransactionError) -> ApiError {
+    match error {
+        TransactionError::Unknown(_) => ApiError::not_found(error.to_string()),
+        TransactionError::AlreadyEnded { .. } | TransactionError::Refused { .. } => {
+            ApiError::conflict(error.to_string())
+        }
+        TransactionError::Busy(_) => ApiError::too_many(error.to_string()),
+        TransactionError::Store(store) => {
+            tracing::warn!(error = %store, "Transaction end refused: state store unavailable.");
+            ApiError::unavailable(format!("state store unavailable: {store}"), json!({}))
+        }
+    }
+}
