@@ -13,9 +13,17 @@ pub mod sdk;
 use std::net::TcpListener;
 use std::time::{Duration, Instant};
 
-/// A port that was free a moment ago on every interface.
+/// A port to listen on that was free a moment ago on every interface. It is taken below Linux's ephemeral
+/// range (32768 and up), where the kernel picks the local ports of outgoing connections: a port asked of the
+/// kernel with `bind(:0)` comes from that range, and a loaded suite's many client sockets took one between
+/// this choice and the name server's bind ("Address already in use"; the name server then never booted).
 pub fn free_port() -> u16 {
-    TcpListener::bind("0.0.0.0:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
+    loop {
+        let port: u16 = rand::random_range(20_000..32_000);
+        if TcpListener::bind(("0.0.0.0", port)).is_ok() {
+            return port;
+        }
+    }
 }
 
 /// Polls `check` every 100 ms until it holds or `timeout` passes.

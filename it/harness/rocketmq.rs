@@ -462,7 +462,8 @@ fn wait_for(log: &Path, needle: &str, timeout: Duration) {
         if text.contains(needle) {
             return;
         }
-        if text.contains("Exception in thread \"main\"") || text.contains("Error: Could not") {
+        let failed = ["Exception in thread \"main\"", "Error: Could not", "Address already in use"];
+        if failed.iter().any(|sign| text.contains(sign)) {
             panic!("RocketMQ process failed to start; {}:\n{}", log.display(), tail(&text));
         }
         assert!(Instant::now() < deadline, "`{needle}` not in {} after {timeout:?}:\n{}", log.display(), tail(&text));
