@@ -139,10 +139,15 @@ impl Transactions {
         let mut owed = HashMap::new();
         let mut topics = HashSet::new();
         let listing = store.list::<TransactionRecord>(Family::Transactions)?;
-        index_all(&store, &listing.records).await?;
+        // Housekeeping only: a store that cannot write now (disk full) must not stop popgate from serving.
+        if let Err(error) = index_all(&store, &listing.records).await {
+            tracing::warn!(%error, "Could not index the transaction records for expiry; they expire after a later boot.");
+        }
         for id in listing.undecodable.iter().filter(|k| !k.starts_with(EXPIRY_PREFIX)) {
             tracing::warn!(transaction = %id, "Removing a transaction record that no longer decodes.");
-            store.delete(Family::Transactions, id).await?;
+            if let Err(error) = store.delete(Family::Transactions, id).await {
+                tracing::warn!(%error, transaction = %id, "Could not remove an undecodable transaction record.");
+            }
         }
         for (id, record) in listing.records {
             if let State::Owed { next_try_ms, .. } = record.state {
