@@ -140,7 +140,10 @@ impl Transactions {
         let mut topics = HashSet::new();
         let listing = store.list::<TransactionRecord>(Family::Transactions)?;
         // Housekeeping only: a store that cannot write now (disk full) must not stop popgate from serving.
-        if let Err(error) = index_all(&store, &listing.records).await {
+        // The index entries are listed as undecodable records (their values are empty).
+        let indexed: HashSet<&str> =
+            listing.undecodable.iter().map(String::as_str).filter(|k| k.starts_with(EXPIRY_PREFIX)).collect();
+        if let Err(error) = index_unindexed(&store, &listing.records, &indexed).await {
             tracing::warn!(%error, "Could not index the transaction records for expiry; they expire after a later boot.");
         }
         for id in listing.undecodable.iter().filter(|k| !k.starts_with(EXPIRY_PREFIX)) {
@@ -576,11 +579,19 @@ impl Drop for Claim<'_> {
     }
 }
 
-/// Writes the expiry-index entry of every record (idempotent): records stored before the index existed get
-/// theirs, so they expire too.
-async fn index_all(store: &StateStore, records: &[(String, TransactionRecord)]) -> Result<(), StoreError> {
-    let index: Vec<String> = records.iter().map(|(id, r)| expiry_key(r.expires_ms, id)).collect();
-    for chunk in index.chunks(512) {
+/// Writes the expiry-index entry of each record that has none (`indexed` are the entries there are): records
+/// stored before the index existed get theirs, so they expire too.
+async fn index_unindexed(
+    store: &StateStore,
+    records: &[(String, TransactionRecord)],
+    indexed: &HashSet<&str>,
+) -> Result<(), StoreError> {
+    let missing: Vec<String> = records
+        .iter()
+        .map(|(id, r)| expiry_key(r.expires_ms, id))
+        .filter(|key| !indexed.contains(key.as_str()))
+        .collect();
+    for chunk in missing.chunks(512) {
         let changes: Vec<Change<'_>> = chunk.iter().map(|key| Change::Put(Family::Transactions, key, vec![])).collect();
         store.apply(&changes).await?;
     }
@@ -655,5 +666,41 @@ async fn expiry_loop(transactions: std::sync::Weak<Transactions>) {
         tick.tick().await;
         let Some(transactions) = transactions.upgrade() else { return };
         transactions.expire().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(id: &str, expires_ms: i64) -> TransactionRecord {
+        let half = HalfMessage {
+            topic: "t".into(),
+            producer_group: "g".into(),
+            message_id: id.into(),
+            broker_name: "broker-a".into(),
+            broker_addr: "127.0.0.1:10911".into(),
+            tran_state_table_offset: 0,
+            commit_log_offset: 0,
+        };
+        TransactionRecord { transaction_id: id.into(), half, sent_ms: 0, expires_ms, state: State::Open }
+    }
+
+    #[tokio::test]
+    async fn a_record_stored_before_the_expiry_index_gets_its_entry_and_an_indexed_one_is_left_as_it_is() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = StateStore::open(dir.path(), true).expect("open");
+        let (old, new) = (record("OLD", 1_000), record("NEW", 2_000));
+        store.put(Family::Transactions, "OLD", &old).await.expect("put");
+        store.put(Family::Transactions, "NEW", &new).await.expect("put");
+        store.put_raw(Family::Transactions, &expiry_key(2_000, "NEW"), b"").await.expect("index");
+        let listing = store.list::<TransactionRecord>(Family::Transactions).expect("list");
+        let indexed: HashSet<&str> =
+            listing.undecodable.iter().map(String::as_str).filter(|k| k.starts_with(EXPIRY_PREFIX)).collect();
+        assert_eq!(indexed.len(), 1);
+        index_unindexed(&store, &listing.records, &indexed).await.expect("index");
+        let due = store.due(Family::Transactions, 5_000).expect("due");
+        let ids: Vec<&str> = due.iter().map(|(_, id)| id.as_str()).collect();
+        assert_eq!(ids, ["OLD", "NEW"], "both expire, in their order");
     }
 }
