@@ -46,6 +46,10 @@ const OWED_MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// How often the owed resolutions are looked at, and the records past their retention removed.
 const SWEEP_EVERY: Duration = Duration::from_millis(500);
 const EXPIRE_EVERY: Duration = Duration::from_secs(60);
+/// Kept back from a producer's deadline when an end waits for its broker: storing the resolution as owed
+/// (a synced write) must still fit before the deadline on a loaded machine. 100 ms did not: an SDK with a 3 s
+/// timeout saw DEADLINE_EXCEEDED while popgate was storing its owed commit.
+const OWED_STORE_RESERVE: Duration = Duration::from_secs(1);
 /// How long an end waits while another task works on the same transaction.
 const CLAIM_WAIT: Duration = Duration::from_secs(10);
 
@@ -404,7 +408,8 @@ impl Transactions {
         }
         let sent = match answer_by {
             Some(by) => {
-                let waited = by.saturating_duration_since(std::time::Instant::now());
+                // What is left after the broker's wait must cover storing the resolution as owed.
+                let waited = by.saturating_duration_since(std::time::Instant::now()).saturating_sub(OWED_STORE_RESERVE);
                 tokio::time::timeout(waited, self.send_end(&record.half, resolution, from_check))
                     .await
                     .unwrap_or(Err(BrokerError::Timeout(waited)))
