@@ -99,8 +99,7 @@ pub struct Transactional {
     pub producer_group: Option<String>,
 }
 
-/// The transaction parameters of a request (`transaction`, `producerGroup`), from the query or a popgate JSON
-/// body. `None` when they are absent.
+/// The `?transaction=` and `?producerGroup=` parameters of a request, each `None` when absent.
 type TransactionParams<'a> = (Option<&'a str>, Option<&'a str>);
 
 /// Parses one publish request into a message ready to send. `query_transaction` are the `?transaction=` and
@@ -139,12 +138,14 @@ pub fn parse(
         return Err(RequestError::too_large(max_message_bytes));
     }
     limits.check(&message).map_err(|broken| RequestError::invalid_field(field_of(broken.part), broken.message))?;
-    let transaction = transactional(
-        query_transaction.0.map(str::to_owned).or(body_transaction.0.map(|b: bool| b.to_string())).as_deref(),
-        query_transaction.1.or(body_transaction.1.as_deref()),
-        &message,
-    )?;
+    let wanted = query_transaction.0.map(parse_flag).transpose()?.or(body_transaction.0);
+    let transaction = transactional(wanted, query_transaction.1.or(body_transaction.1.as_deref()), &message)?;
     Ok(PublishRequest { message, transaction })
+}
+
+/// `?transaction=`: `true` or `false`.
+fn parse_flag(text: &str) -> Result<bool, RequestError> {
+    text.parse().map_err(|_| RequestError::invalid_field("transaction", "must be true or false"))
 }
 
 /// The body's `transaction` (a boolean) and `producerGroup` (a string) fields.
@@ -160,16 +161,11 @@ fn transaction_fields(map: &Map<String, Value>) -> Result<(Option<bool>, Option<
 /// Whether the request starts a transaction, and with which checker. A half message cannot also be delayed
 /// or ordered: the broker would deliver it at its commit anyway, and RocketMQ's SDKs refuse the mix.
 fn transactional(
-    transaction: Option<&str>,
+    wanted: Option<bool>,
     producer_group: Option<&str>,
     message: &OutgoingMessage,
 ) -> Result<Option<Transactional>, RequestError> {
-    let wanted = match transaction {
-        None | Some("false") => false,
-        Some("true") => true,
-        Some(_) => return Err(RequestError::invalid_field("transaction", "must be true or false")),
-    };
-    if !wanted {
+    if wanted != Some(true) {
         return match producer_group {
             Some(_) => Err(RequestError::invalid_field("producerGroup", "only a transactional publish names one")),
             None => Ok(None),
