@@ -37,10 +37,11 @@ use rocketmq_model::common::sys_flag::message_sys_flag::MessageSysFlag;
 use rocketmq_protocol::code::request_code::RequestCode;
 use rocketmq_protocol::common::message::message_decoder::{decode_message_id, message_properties_to_string};
 use rocketmq_protocol::protocol::header::message_operation_header::send_message_request_header::SendMessageRequestHeader;
+use rocketmq_protocol::protocol::header::message_operation_header::send_message_request_header_v2::SendMessageRequestHeaderV2;
 use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
 use rocketmq_runtime::{RuntimeConfig, RuntimeOwner};
 
-use super::message::OutgoingMessage;
+use super::message::{ClientWire, OutgoingMessage};
 use crate::config::BrokerConfig;
 
 /// The topic whose route a producer borrows for a topic the broker will auto-create.
@@ -115,6 +116,14 @@ impl BrokerError {
         }
     }
 
+    /// The broker's response code, when the broker answered with one.
+    pub fn response_code(&self) -> Option<i32> {
+        match self {
+            BrokerError::Response { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+
     pub(crate) fn from_client(error: ClientError, timeout: Duration) -> BrokerError {
         if let Some(code) = error.broker_response_code() {
             return BrokerError::Response { code, detail: error.to_string() };
@@ -174,6 +183,11 @@ pub struct SendReceipt {
     pub queue_offset: u64,
     /// Where the broker's commit log holds it (from the offset message id it answered), when it said.
     pub commit_log_offset: Option<i64>,
+    /// The offset message id the broker answered (store host and commit-log offset), as a remoting client
+    /// reads it (`SendResult.offsetMsgId`).
+    pub offset_message_id: Option<String>,
+    /// The transaction id the broker answered for a half message.
+    pub transaction_id: Option<String>,
 }
 
 /// The broker's verdict on storing a message (RocketMQ's `SendStatus`).
@@ -217,6 +231,9 @@ pub struct BrokerClient {
     handles: Vec<ClientInstanceHandle>,
     /// A handle on the started POP instance, held so the instance lives while no POP loop holds one.
     pop_instance: ClientInstanceHandle,
+    /// A handle on the started relay instance (the remoting front's relayed requests), and its idle handles.
+    relay_instance: ClientInstanceHandle,
+    relay_handles: super::relay::RelayHandles,
     next_handle: std::sync::atomic::AtomicUsize,
     runtime: Arc<ClientRuntime>,
     routes: Mutex<HashMap<String, CachedRoute>>,
@@ -243,11 +260,15 @@ impl BrokerClient {
         handles[0].start().await.map_err(|e| BrokerError::Client(e.to_string()))?;
         let pop_instance = Self::handle(&runtime, config, POP_INSTANCE)?;
         pop_instance.start().await.map_err(|e| BrokerError::Client(e.to_string()))?;
+        let relay_instance = Self::handle(&runtime, config, super::relay::RELAY_INSTANCE)?;
+        relay_instance.start().await.map_err(|e| BrokerError::Client(e.to_string()))?;
         Ok(BrokerClient {
             config: config.clone(),
             producer_group: producer_group.to_owned(),
             handles,
             pop_instance,
+            relay_instance,
+            relay_handles: super::relay::RelayHandles::default(),
             next_handle: std::sync::atomic::AtomicUsize::new(0),
             runtime,
             routes: Mutex::new(HashMap::new()),
@@ -310,6 +331,11 @@ impl BrokerClient {
     /// The client runtime, for a client of the crate's own.
     pub(super) fn runtime(&self) -> Arc<ClientRuntime> {
         self.runtime.clone()
+    }
+
+    /// The relay instance's idle handles.
+    pub(super) fn relay_handles(&self) -> &super::relay::RelayHandles {
+        &self.relay_handles
     }
 
     /// The domain popgate's client instances live in.
@@ -435,6 +461,8 @@ impl BrokerClient {
             queue_id: field("queueId").and_then(|q| q.parse().ok()).unwrap_or(queue_id),
             queue_offset: field("queueOffset").and_then(|q| q.parse().ok()).unwrap_or_default(),
             commit_log_offset: field("msgId").and_then(|id| decode_message_id(&id).ok()).map(|id| id.offset),
+            offset_message_id: field("msgId"),
+            transaction_id: field("transactionId"),
         })
     }
 
@@ -452,17 +480,16 @@ impl BrokerClient {
 
     /// A `SEND_MESSAGE` request for `message`, and the client message id (`UNIQ_KEY`) it carries.
     fn send_request(&self, message: &OutgoingMessage, queue_id: i32) -> (RemotingCommand, String) {
+        if let Some(wire) = &message.wire {
+            return client_send_request(message, wire, queue_id);
+        }
         // A message that must keep an id it already has (a DLQ replay) carries it; all others get a new one.
         let message_id = message
             .properties
             .get(super::message::PROPERTY_UNIQ_KEY)
             .cloned()
             .unwrap_or_else(MessageClientIDSetter::create_uniq_id);
-        let mut properties: HashMap<CheetahString, CheetahString> = message
-            .properties
-            .iter()
-            .map(|(k, v)| (CheetahString::from(k.as_str()), CheetahString::from(v.as_str())))
-            .collect();
+        let mut properties = crate_properties(&message.properties);
         properties.insert("UNIQ_KEY".into(), message_id.as_str().into());
         properties.insert("WAIT".into(), "true".into());
         if let Some(tags) = &message.tags {
@@ -506,8 +533,45 @@ impl BrokerClient {
             handle.shutdown_owned().await;
         }
         self.pop_instance.shutdown_owned().await;
+        self.relay_instance.shutdown_owned().await;
         self.runtime.shutdown().await;
     }
+}
+
+/// A remoting client's message, sent as the client sent it but to `queue_id`: its header fields, its
+/// properties as they are (no `WAIT` or id added), a batch as one `SEND_BATCH_MESSAGE`. The id is the client's
+/// `UNIQ_KEY` (empty for a batch, whose messages carry their own).
+fn client_send_request(message: &OutgoingMessage, wire: &ClientWire, queue_id: i32) -> (RemotingCommand, String) {
+    let message_id = message.properties.get(super::message::PROPERTY_UNIQ_KEY).cloned().unwrap_or_default();
+    let properties = crate_properties(&message.properties);
+    let header = SendMessageRequestHeader {
+        producer_group: wire.producer_group.as_str().into(),
+        topic: message.topic.as_str().into(),
+        default_topic: AUTO_CREATE_TOPIC_KEY.into(),
+        default_topic_queue_nums: DEFAULT_TOPIC_QUEUE_NUMS,
+        queue_id,
+        sys_flag: wire.sys_flag,
+        born_timestamp: wire.born_timestamp,
+        flag: wire.flag,
+        properties: Some(message_properties_to_string(&properties)),
+        reconsume_times: wire.reconsume_times,
+        unit_mode: wire.unit_mode,
+        batch: Some(wire.batch),
+        max_reconsume_times: wire.max_reconsume_times,
+        topic_request_header: None,
+    };
+    let request = if wire.batch {
+        // The broker reads a batch's header only in the short-named V2 form.
+        let header = SendMessageRequestHeaderV2::create_send_message_request_header_v2_with_move(header);
+        RemotingCommand::create_request_command(RequestCode::SendBatchMessage, header)
+    } else {
+        RemotingCommand::create_request_command(RequestCode::SendMessage, header)
+    };
+    (request.set_body(message.body.clone()), message_id)
+}
+
+fn crate_properties(properties: &std::collections::BTreeMap<String, String>) -> HashMap<CheetahString, CheetahString> {
+    properties.iter().map(|(k, v)| (CheetahString::from(k.as_str()), CheetahString::from(v.as_str()))).collect()
 }
 
 /// popgate's clock, in epoch milliseconds: the wall clock read once, at the first call, then advanced by the

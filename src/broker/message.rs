@@ -34,11 +34,37 @@ pub struct OutgoingMessage {
     pub keys: Vec<String>,
     /// Properties: the user's, plus system ones popgate sets (delay, message group).
     pub properties: BTreeMap<String, String>,
+    /// What a RocketMQ remoting client set on the message itself, passed to the broker as is; `None` for the
+    /// messages popgate makes (HTTP, gRPC, DLQ).
+    pub wire: Option<ClientWire>,
+}
+
+/// The fields of a remoting client's `SEND_MESSAGE` header that popgate forwards unchanged, so the broker
+/// stores the message as it would straight from the client: a compressed body stays compressed (its
+/// `sys_flag` says so), a batch stays one batch, a retry keeps its reconsume count.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ClientWire {
+    /// The client's producer group (the broker checks transactions back with it).
+    pub producer_group: String,
+    /// `MessageSysFlag` bits as the client set them (compression, multiple tags, transaction type).
+    pub sys_flag: i32,
+    /// The message's `flag`.
+    pub flag: i32,
+    /// When the client made the message (epoch ms).
+    pub born_timestamp: i64,
+    /// A consumer's send of a message for retry: how often it was consumed before.
+    pub reconsume_times: Option<i32>,
+    /// A retry's limit of reconsumptions.
+    pub max_reconsume_times: Option<i32>,
+    /// `body` holds several messages, encoded as RocketMQ's `MessageBatch` (`SEND_BATCH_MESSAGE`).
+    pub batch: bool,
+    /// The client's unit mode flag.
+    pub unit_mode: Option<bool>,
 }
 
 impl OutgoingMessage {
     /// A message with just a topic and a body.
     pub fn new(topic: String, body: Bytes) -> OutgoingMessage {
-        OutgoingMessage { topic, body, tags: None, keys: Vec::new(), properties: BTreeMap::new() }
+        OutgoingMessage { topic, body, tags: None, keys: Vec::new(), properties: BTreeMap::new(), wire: None }
     }
 }

@@ -5,6 +5,7 @@
 //! - [`fault`]: the latency fault-avoidance table (MQFaultStrategy) and the broker choice for one attempt.
 //! - [`consumer`]: POP, ACK and ChangeInvisibleTime, and the receipt handle they use.
 //! - [`pull`]: reading a queue by offset without consuming it (DLQ browsing).
+//! - [`relay`]: a remoting client's request passed to a broker or name server unchanged (the remoting front).
 //! - [`stats`]: the broker's figures behind the operators' gauges (a group's backlog, a topic's depth).
 //! - [`message`]: popgate's message type, free of client-crate types.
 //! - [`transaction`]: half messages' END_TRANSACTION, and a topic's message type.
@@ -17,6 +18,7 @@ mod fake_peer;
 pub mod fault;
 pub mod message;
 pub mod pull;
+pub mod relay;
 pub mod stats;
 pub mod transaction;
 

@@ -38,6 +38,11 @@ struct Remembered {
     /// A half message's commit-log offset, which ending its transaction needs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     commit_log_offset: Option<i64>,
+    /// The broker's offset message id (a remoting producer's `offsetMsgId`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    offset_message_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    transaction_id: Option<String>,
     stored_at_ms: i64,
 }
 
@@ -50,6 +55,8 @@ impl Remembered {
             queue_id: self.queue_id,
             queue_offset: self.queue_offset,
             commit_log_offset: self.commit_log_offset,
+            offset_message_id: self.offset_message_id.clone(),
+            transaction_id: self.transaction_id.clone(),
         }
     }
 }
@@ -159,6 +166,8 @@ impl DedupWindow {
             queue_id: receipt.queue_id,
             queue_offset: receipt.queue_offset,
             commit_log_offset: receipt.commit_log_offset,
+            offset_message_id: receipt.offset_message_id.clone(),
+            transaction_id: receipt.transaction_id.clone(),
             stored_at_ms: now_millis(),
         };
         let Ok(value) = serde_json::to_vec(&remembered) else { return };
@@ -221,6 +230,8 @@ mod tests {
             queue_id: 1,
             queue_offset: 7,
             commit_log_offset: None,
+            offset_message_id: None,
+            transaction_id: None,
         }
     }
 

@@ -41,6 +41,10 @@ use crate::broker::{BrokerClient, BrokerError, BrokerRoute, StoreStatus};
 use crate::config::{FaultAvoidanceConfig, Profile, PublishConfig};
 use crate::metrics as m;
 
+/// RocketMQ's `ResponseCode.SERVICE_NOT_AVAILABLE`: what a broker placement that fault avoidance refuses is
+/// answered with.
+const SERVICE_NOT_AVAILABLE: i32 = 14;
+
 /// The least time an attempt is started with: a send given less would only time out.
 const MIN_ATTEMPT: Duration = Duration::from_millis(200);
 
@@ -67,6 +71,22 @@ impl SendMode {
     }
 }
 
+/// Where a publish's attempts go.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Placement {
+    /// popgate's producer policy: a queue chosen round-robin, retries on another broker, fault avoidance.
+    Policy,
+    /// One attempt at this queue of this broker: where a remoting client chose to send the message. Its client
+    /// retries on another broker itself, as it does straight at the cluster, and a message a
+    /// `MessageQueueSelector` put in a queue stays in that queue.
+    Queue {
+        /// The broker's name.
+        broker: String,
+        /// The queue id within that broker.
+        queue_id: i32,
+    },
+}
+
 /// One attempt of a publish, as reported to the client and in logs.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct Attempt {
@@ -75,6 +95,10 @@ pub struct Attempt {
     /// What went wrong, or `None` for the successful attempt.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// The broker's response code when the broker itself refused the message (a remoting front answers
+    /// its client with it, as the broker would have).
+    #[serde(skip)]
+    pub broker_code: Option<i32>,
 }
 
 /// A publish the broker accepted.
@@ -105,6 +129,16 @@ pub enum PublishError {
         /// The last failure.
         last_error: String,
     },
+}
+
+impl PublishError {
+    /// The response code the broker refused the last attempt with, when it answered with one.
+    pub fn broker_code(&self) -> Option<i32> {
+        match self {
+            PublishError::TopicNotFound(_) => None,
+            PublishError::Exhausted { attempts, .. } => attempts.last().and_then(|a| a.broker_code),
+        }
+    }
 }
 
 /// A keyed send the caller stopped waiting for: it goes on, and a retry under the same key gets its receipt.
@@ -203,8 +237,23 @@ impl Publisher {
         deadline: Option<Instant>,
         key: Option<&str>,
     ) -> Result<Published, PublishError> {
+        self.publish_once_at(message, &Placement::Policy, mode, deadline, key).await
+    }
+
+    /// [`Publisher::publish_once`] with the attempts placed as `placement` says.
+    ///
+    /// # Errors
+    /// As [`Publisher::publish_once`].
+    pub async fn publish_once_at(
+        self: &Arc<Self>,
+        message: &OutgoingMessage,
+        placement: &Placement,
+        mode: SendMode,
+        deadline: Option<Instant>,
+        key: Option<&str>,
+    ) -> Result<Published, PublishError> {
         let (Some(window), Some(key)) = (self.dedup.as_ref(), key.filter(|_| mode != SendMode::Oneway)) else {
-            return self.publish_before(message, mode, deadline).await;
+            return self.publish_at(message, placement, mode, deadline).await;
         };
         let claimed = match deadline {
             None => window.claim(&message.topic, key).await,
@@ -222,9 +271,9 @@ impl Publisher {
             }
             Claim::Send(pending) => pending,
         };
-        let (publisher, owned) = (Arc::clone(self), message.clone());
+        let (publisher, owned, placement) = (Arc::clone(self), message.clone(), placement.clone());
         let send = tokio::spawn(async move {
-            let published = publisher.publish_before(&owned, mode, None).await;
+            let published = publisher.publish_at(&owned, &placement, mode, None).await;
             if let Some(receipt) = published.as_ref().ok().and_then(|p| p.receipt.as_ref()) {
                 pending.sent(receipt).await;
             }
@@ -328,6 +377,21 @@ impl Publisher {
         mode: SendMode,
         deadline: Option<Instant>,
     ) -> Result<Published, PublishError> {
+        self.publish_at(message, &Placement::Policy, mode, deadline).await
+    }
+
+    /// [`Publisher::publish_before`] with the attempts placed as `placement` says.
+    ///
+    /// # Errors
+    /// As [`Publisher::publish_before`]; for [`Placement::Queue`], when the broker named has no writable
+    /// queue of the topic (no attempt).
+    pub async fn publish_at(
+        &self,
+        message: &OutgoingMessage,
+        placement: &Placement,
+        mode: SendMode,
+        deadline: Option<Instant>,
+    ) -> Result<Published, PublishError> {
         let route = self.broker.route(&message.topic).await.map_err(|e| match e {
             BrokerError::TopicNotFound(topic) => PublishError::TopicNotFound(topic),
             other => {
@@ -348,7 +412,22 @@ impl Publisher {
         // A FIFO message group always goes to the queue Apache's proxy picks for it, retries included and whatever
         // the fault table says: order over availability, as in Apache's proxy (one attempt on that queue; the
         // SDK's retries come back to the same queue).
-        let pinned = message.properties.get(PROPERTY_SHARDING_KEY).and_then(|group| group_queue(&route, group));
+        let (pinned, max_attempts) = match placement {
+            Placement::Policy => (
+                message.properties.get(PROPERTY_SHARDING_KEY).and_then(|group| group_queue(&route, group)),
+                max_attempts,
+            ),
+            Placement::Queue { broker, queue_id } => {
+                if !route.writable().any(|b| b.name == *broker) {
+                    let last_error = format!("broker `{broker}` has no writable queue of topic `{}`", message.topic);
+                    return Err(PublishError::Exhausted { attempts: Vec::new(), last_error });
+                }
+                if let Some(refused) = self.refuse_isolated(broker, &brokers) {
+                    return Err(refused);
+                }
+                (Some((broker.clone(), *queue_id)), 1)
+            }
+        };
         let mut attempts = Vec::new();
         let mut last_failed: Option<String> = None;
         let mut last_error = String::new();
@@ -375,22 +454,37 @@ impl Publisher {
             }
             match self.attempt(message, broker, queue_id, mode, timeout).await {
                 Ok(receipt) => {
-                    attempts.push(Attempt { broker: broker.name.clone(), error: None });
+                    attempts.push(Attempt { broker: broker.name.clone(), error: None, broker_code: None });
                     return Ok(Published { receipt, topic: message.topic.clone(), attempts, deduplicated: false });
                 }
-                Err(AttemptError::Fatal(error)) => {
-                    attempts.push(Attempt { broker: broker.name.clone(), error: Some(error.to_string()) });
+                Err(AttemptError::Fatal(error, broker_code)) => {
+                    attempts.push(Attempt { broker: broker.name.clone(), error: Some(error.to_string()), broker_code });
                     return Err(PublishError::Exhausted { attempts, last_error: error.to_string() });
                 }
-                Err(AttemptError::Retriable(error)) => {
+                Err(AttemptError::Retriable(error, broker_code)) => {
                     last_error = error.clone();
-                    attempts.push(Attempt { broker: broker.name.clone(), error: Some(error) });
+                    attempts.push(Attempt { broker: broker.name.clone(), error: Some(error), broker_code });
                     last_failed = Some(broker.name.clone());
                 }
             }
         }
         self.broker.invalidate_route(&message.topic);
         Err(PublishError::Exhausted { attempts, last_error })
+    }
+
+    /// A send placed on `broker` while fault avoidance isolates it and another of `writable` is available:
+    /// refused at once (`SERVICE_NOT_AVAILABLE`, which RocketMQ's producer retries on another broker) instead
+    /// of waiting out the send timeout on a broker known to be failing.
+    fn refuse_isolated(&self, broker: &str, writable: &[String]) -> Option<PublishError> {
+        let faults = self.faults.lock();
+        let now = Instant::now();
+        if faults.is_available(broker, now) || !writable.iter().any(|b| faults.is_available(b, now)) {
+            return None;
+        }
+        let error = format!("broker `{broker}` is isolated by popgate's fault avoidance; send to another broker");
+        let attempt =
+            Attempt { broker: broker.to_owned(), error: Some(error.clone()), broker_code: Some(SERVICE_NOT_AVAILABLE) };
+        Some(PublishError::Exhausted { attempts: vec![attempt], last_error: error })
     }
 
     fn choose(&self, brokers: &[String], last_failed: Option<&str>) -> String {
@@ -432,24 +526,27 @@ impl Publisher {
                     }
                     StoreVerdict::NotStored => {
                         counter!(m::SEND_FAILURES, "reason" => "not_stored").increment(1);
-                        Err(AttemptError::Retriable(format!(
-                            "broker answered {}, short of the {} profile",
-                            receipt.status.as_str(),
-                            self.profile.name()
-                        )))
+                        Err(AttemptError::Retriable(
+                            format!(
+                                "broker answered {}, short of the {} profile",
+                                receipt.status.as_str(),
+                                self.profile.name()
+                            ),
+                            None,
+                        ))
                     }
                 }
             }
             Err(error) => {
                 counter!(m::SEND_FAILURES, "reason" => error.reason_label()).increment(1);
                 if !error.is_retriable() {
-                    return Err(AttemptError::Fatal(error.to_string()));
+                    return Err(AttemptError::Fatal(error.to_string(), error.response_code()));
                 }
                 let isolation = self.faults.lock().record_failure(broker, latency, &error.to_string(), Instant::now());
                 if isolation.is_some() {
                     note_isolation(broker, IsolationCause::Unreachable);
                 }
-                Err(AttemptError::Retriable(error.to_string()))
+                Err(AttemptError::Retriable(error.to_string(), error.response_code()))
             }
         }
     }
@@ -481,11 +578,12 @@ impl Publisher {
     }
 }
 
+/// Why one attempt failed, and the broker's response code when the broker answered with one.
 enum AttemptError {
     /// Another attempt may succeed (the broker was unreachable, slow to store, or busy).
-    Retriable(String),
+    Retriable(String, Option<i32>),
     /// Retrying cannot help (the message was refused as such).
-    Fatal(String),
+    Fatal(String, Option<i32>),
 }
 
 fn note_isolation(broker: &str, cause: IsolationCause) {

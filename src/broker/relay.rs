@@ -1,0 +1,103 @@
+//! Passing a remoting client's request on to a broker or a name server unchanged, and its answer back: the
+//! remoting front's consumer requests (pulls, offsets, queue locks, send-backs), which the broker that owns
+//! the queue must answer itself, as Apache's proxy relays them.
+//!
+//! Relayed requests travel on a client instance of their own (`popgate-relay`): a PULL may be held at the
+//! broker for up to its suspend time (15 s by the Java client's default), and on the request pool's
+//! connections a held request would delay sends and ACKs (see [`super::client`]). The crate runs one call at
+//! a time per handle, so relays check a handle out of a pool that grows with the relays in flight.
+
+use std::time::Duration;
+
+use cheetah_string::CheetahString;
+use parking_lot::Mutex;
+use rocketmq_client_rust::ClientInstanceHandle;
+use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
+
+use super::client::{BrokerClient, BrokerError};
+
+/// The client instance relayed requests travel on.
+pub(super) const RELAY_INSTANCE: &str = "popgate-relay";
+/// Idle handles kept for the next relays; more may exist while more relays are in flight.
+const IDLE_HANDLES_KEPT: usize = 64;
+
+/// Handles on the relay instance not in use now.
+#[derive(Default)]
+pub(crate) struct RelayHandles {
+    idle: Mutex<Vec<ClientInstanceHandle>>,
+}
+
+impl BrokerClient {
+    /// Sends `request` (a client's command: code, header fields, body, version) to `addr` and returns the
+    /// answer, waiting at most `timeout`. The request goes out as a new two-way command of popgate's (its own
+    /// opaque), whatever the client's flags: a one-way request of the client is answered to nobody.
+    ///
+    /// # Errors
+    /// [`BrokerError`] when the peer cannot be reached or does not answer in time.
+    pub async fn relay(
+        &self,
+        addr: &str,
+        request: &RemotingCommand,
+        timeout: Duration,
+    ) -> Result<RemotingCommand, BrokerError> {
+        let handle = self.check_out_relay_handle()?;
+        let outgoing = copy_of_request(request);
+        let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
+        let answered = tokio::time::timeout(
+            // The crate enforces the timeout too; this outer bound only guards against a hang inside it.
+            timeout + Duration::from_millis(500),
+            handle.invoke_remoting(&CheetahString::from(addr), outgoing, timeout_ms),
+        )
+        .await;
+        self.check_in_relay_handle(handle);
+        answered.map_err(|_| BrokerError::Timeout(timeout))?.map_err(|e| BrokerError::from_client(e, timeout))
+    }
+
+    /// [`BrokerClient::relay`] to the first configured name server that answers.
+    ///
+    /// # Errors
+    /// The last failure when no name server answered.
+    pub async fn relay_to_name_server(
+        &self,
+        request: &RemotingCommand,
+        timeout: Duration,
+    ) -> Result<RemotingCommand, BrokerError> {
+        let mut last = BrokerError::Client("no name server is configured".to_owned());
+        for addr in self.namesrv_addrs() {
+            match self.relay(&addr, request, timeout).await {
+                Ok(answer) => return Ok(answer),
+                Err(error) => last = error,
+            }
+        }
+        Err(last)
+    }
+
+    fn check_out_relay_handle(&self) -> Result<ClientInstanceHandle, BrokerError> {
+        if let Some(handle) = self.relay_handles().idle.lock().pop() {
+            return Ok(handle);
+        }
+        self.instance_handle(RELAY_INSTANCE)
+    }
+
+    fn check_in_relay_handle(&self, handle: ClientInstanceHandle) {
+        let mut idle = self.relay_handles().idle.lock();
+        if idle.len() < IDLE_HANDLES_KEPT {
+            idle.push(handle);
+        }
+    }
+}
+
+/// A new request command with `request`'s code, version, language, header fields, remark and body.
+fn copy_of_request(request: &RemotingCommand) -> RemotingCommand {
+    let mut copy = RemotingCommand::create_remoting_command(request.code())
+        .set_version(request.version())
+        .set_language(request.language())
+        .set_remark_option(request.remark().cloned());
+    if let Some(fields) = request.ext_fields() {
+        copy = copy.set_ext_fields(fields.clone());
+    }
+    if let Some(body) = request.body() {
+        copy = copy.set_body(body.clone());
+    }
+    copy
+}
