@@ -76,6 +76,7 @@ pub async fn serve(
     };
     // The gRPC front's certificate too, and its port is bound before anything starts.
     let grpc = bind_grpc(&config).await?;
+    let remoting = bind_remoting(&config).await?;
     if !config.auth.enabled {
         tracing::warn!("Authentication is switched off (auth.enabled = false): every caller may do everything.");
     }
@@ -132,6 +133,20 @@ pub async fn serve(
             }
         })
     });
+    let remoting_server = remoting.map(|(listener, advertised)| {
+        let mut stop = stop_rx.clone();
+        let stopped = async move {
+            let _ = stop.wait_for(|stop| *stop).await;
+        };
+        let parts =
+            crate::remoting::Parts { publisher: publisher.clone(), broker: broker.clone(), tokens: tokens.clone() };
+        let front = crate::remoting::serve(listener, advertised, parts, config.clone(), stopped);
+        tokio::spawn(async move {
+            if let Err(error) = front.await {
+                tracing::error!(%error, "The remoting front stopped.");
+            }
+        })
+    });
     let state = AppState {
         dlq: Arc::new(DlqAdmin::new(broker.clone(), publisher.clone(), store)),
         tokens,
@@ -179,6 +194,10 @@ pub async fn serve(
             grpc_server.abort();
         }
     }
+    if let Some(remoting_server) = remoting_server {
+        // Its connections close with the listener; a request still being served is dropped with them.
+        remoting_server.abort();
+    }
     gauges.abort();
     profile_checks.abort();
     dispatcher.shutdown().await;
@@ -201,6 +220,16 @@ async fn bind_grpc(config: &Config) -> Result<Option<(TcpListener, Arc<rustls::S
     let bound = listener.local_addr()?;
     tracing::info!(addr = %bound, "popgate gRPC listening on {bound} (TLS and plaintext)");
     Ok(Some((listener, tls)))
+}
+
+/// Binds the remoting front's port, when the front is on; with the address clients are given for it.
+async fn bind_remoting(config: &Config) -> Result<Option<(TcpListener, String)>, AppError> {
+    let Some(addr) = config.remoting.listen_addr() else { return Ok(None) };
+    let listener = TcpListener::bind(addr).await?;
+    let bound = listener.local_addr()?;
+    let advertised = config.remoting.advertised(bound);
+    tracing::info!(addr = %bound, %advertised, "popgate remoting listening on {bound} (clients are given {advertised})");
+    Ok(Some((listener, advertised)))
 }
 
 /// Checks the brokers once before serving: a mismatch is a warning, or fatal when configured so. A cluster

@@ -109,6 +109,20 @@ impl TokenTable {
         Some(caller.clone())
     }
 
+    /// The caller a RocketMQ remoting client's ACL signature stands for (`AclClientRPCHook`): `access_key`
+    /// names a token configured with its secret, and `signature` is the base64 HMAC-SHA1 of `signed` keyed by
+    /// that secret. Compared in constant time.
+    pub fn authenticate_acl_signature(&self, access_key: &str, signed: &[u8], signature: &str) -> Option<Caller> {
+        use base64::Engine;
+        use hmac::{Hmac, Mac};
+        let presented = base64::engine::general_purpose::STANDARD.decode(signature.trim()).ok()?;
+        let (_, secret, caller) = self.signing.iter().find(|(name, _, _)| name == access_key)?;
+        let mut mac = Hmac::<sha1::Sha1>::new_from_slice(secret).ok()?;
+        mac.update(signed);
+        mac.verify_slice(&presented).ok()?;
+        Some(caller.clone())
+    }
+
     /// Whether requests must carry a token.
     pub fn enabled(&self) -> bool {
         self.enabled

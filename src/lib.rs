@@ -11,6 +11,9 @@
 //! - [`auth`]: bearer tokens and what each may do.
 //! - [`dlq`]: browsing and replaying dead-lettered events (the admin plane's DLQ).
 //! - [`api`]: the HTTP routes and the one error type they answer with.
+//! - [`grpc`]: the RocketMQ 5 gRPC front (`MessagingService`), for apps on the official 5.x SDKs.
+//! - [`remoting`]: the RocketMQ remoting front, for apps on the remoting Java client (4.x style).
+//! - [`transaction`]: transactional messages' durable records and their ends.
 //! - [`metrics`]: every metric's name, help text and buckets.
 //! - [`cli`]: the operator CLI's client of the admin API.
 //! - [`app`]: wiring and the serve loop; `main.rs` only parses the CLI and waits for a signal.
@@ -38,6 +41,7 @@ pub mod grpc;
 pub mod metrics;
 pub mod publish;
 pub mod reliability;
+pub mod remoting;
 pub mod store;
 pub mod transaction;
 
@@ -56,8 +60,11 @@ mod layering {
         ("delivery", &["api", "app", "auth", "cli", "dlq", "reliability"]),
         ("auth", &["api", "app", "cli", "delivery", "dlq", "publish", "store"]),
         ("dlq", &["api", "app", "auth", "cli"]),
-        ("api", &["app", "broker", "cli", "grpc"]),
-        ("grpc", &["api", "app", "broker", "cli", "dlq", "store"]),
+        ("api", &["app", "broker", "cli", "grpc", "remoting"]),
+        ("grpc", &["api", "app", "broker", "cli", "dlq", "remoting", "store"]),
+        // The remoting front relays consumers' queue requests to their broker as they are: it names the broker
+        // for that, and for the message type it forwards, but nothing of popgate's state.
+        ("remoting", &["api", "app", "cli", "delivery", "dlq", "grpc", "store"]),
         // Transaction records live in the state store, their ends go to the brokers; the fronts call it.
         ("transaction", &["api", "app", "auth", "cli", "delivery", "dlq", "grpc", "publish", "reliability"]),
     ];

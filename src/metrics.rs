@@ -101,6 +101,21 @@ pub const TRANSACTION_CHECKS: &str = "popgate_transaction_checks_total";
 pub const TRANSACTION_CHECK_ANSWERS: &str = "popgate_transaction_check_answers_total";
 /// Gauge: transaction resolutions the broker could not be given yet (retried until it has them).
 pub const TRANSACTIONS_OWED: &str = "popgate_transactions_owed";
+/// Counter (`code`, `result`): remoting requests answered, by request code (RocketMQ's name in lower case, or
+/// `other`) and result (`ok`, or the response code's name).
+pub const REMOTING_REQUESTS: &str = "popgate_remoting_requests_total";
+/// Counter (`code`, `result`): remoting requests relayed to a broker, by request code and result (`ok`: the
+/// broker answered, whatever it said; `refused`; `unreachable`).
+pub const REMOTING_RELAYS: &str = "popgate_remoting_relays_total";
+/// Gauge (`kind`): remoting clients with a live heartbeat (producer, push_consumer, pull_consumer).
+pub const REMOTING_CLIENTS: &str = "popgate_remoting_clients";
+/// Gauge: remoting connections open now.
+pub const REMOTING_CONNECTIONS: &str = "popgate_remoting_connections";
+/// Counter: remoting connections closed at once because `remoting.max_connections` were open.
+pub const REMOTING_CONNECTIONS_REFUSED: &str = "popgate_remoting_connections_refused_total";
+/// Counter (`reason`): remoting connections closed on a frame that cannot be read (`oversize`, `undecodable`,
+/// `truncated`: the client left in the middle of one).
+pub const REMOTING_FRAME_ERRORS: &str = "popgate_remoting_frame_errors_total";
 /// Gauge (`kind`): gRPC clients seen in the last minute (producer, push_consumer, simple_consumer, other).
 pub const GRPC_CLIENTS: &str = "popgate_grpc_clients";
 /// 1 while the broker is weaker than the reliability profile (flush or replication), else 0.
@@ -180,6 +195,7 @@ const ZERO_SERIES: &[(&str, &str, &[&str])] = &[
     (SEND_DEGRADED, "status", &["FLUSH_DISK_TIMEOUT", "FLUSH_SLAVE_TIMEOUT", "SLAVE_NOT_AVAILABLE"]),
     (DELIVERIES_DISPATCHED, "transport", &["poll", "sse", "websocket", "webhook", "grpc"]),
     (PUSH_WRITE_FAILURES, "transport", &["sse", "websocket", "webhook"]),
+    (REMOTING_FRAME_ERRORS, "reason", &["oversize", "undecodable", "truncated"]),
     (WEBHOOK_TARGETS_REFUSED, "reason", &["literal", "dns"]),
     (WEBHOOK_HEADERS_SKIPPED, "reason", &crate::delivery::webhook::headers::Skip::LABELS),
     (ACKS, "result", &["acked", "repeated", "unknown", "stale", "superseded", "not_in_flight", "busy", "store_error"]),
@@ -220,6 +236,7 @@ pub const STATS_REFRESH_OPS: &[&str] = &["backlog", "dlq_depth"];
 
 /// Counters without labels, registered at 0 at start for the same reason.
 const ZERO_COUNTERS: &[&str] = &[
+    REMOTING_CONNECTIONS_REFUSED,
     SEND_RETRIES,
     PUBLISH_DEDUPLICATED,
     PUBLISH_DEDUP_WRITE_FAILURES,
@@ -258,12 +275,13 @@ fn register_zeroes() {
     for name in ZERO_COUNTERS {
         metrics::counter!(*name).increment(0);
     }
-    for transport in ["http", "grpc"] {
+    for transport in ["http", "grpc", "remoting"] {
         for result in ["ok", "accepted", "bad_request", "too_large", "not_found", "unavailable"] {
             metrics::counter!(PUBLISH_REQUESTS, "result" => result, "transport" => transport).increment(0);
         }
     }
     metrics::gauge!(PENDING_DELIVERIES).set(0.0);
+    metrics::gauge!(REMOTING_CONNECTIONS).set(0.0);
     for rpc in GRPC_RPCS.iter().copied() {
         metrics::counter!(GRPC_REQUESTS, "rpc" => rpc, "code" => "OK").increment(0);
     }
@@ -290,6 +308,24 @@ fn describe_all() {
     describe_counter!(GRPC_REQUESTS, Unit::Count, "gRPC calls answered, by RPC and RocketMQ status code.");
     describe_histogram!(GRPC_REQUEST_DURATION, Unit::Seconds, "gRPC call duration, by RPC.");
     describe_gauge!(GRPC_CLIENTS, "gRPC clients seen in the last minute, by kind.");
+    describe_counter!(REMOTING_REQUESTS, Unit::Count, "Remoting requests answered, by request code and result.");
+    describe_counter!(
+        REMOTING_RELAYS,
+        Unit::Count,
+        "Remoting requests relayed to a broker, by request code and result."
+    );
+    describe_gauge!(REMOTING_CLIENTS, "Remoting clients with a live heartbeat, by kind.");
+    describe_gauge!(REMOTING_CONNECTIONS, "Remoting connections open now.");
+    describe_counter!(
+        REMOTING_CONNECTIONS_REFUSED,
+        Unit::Count,
+        "Remoting connections closed at once because remoting.max_connections were open."
+    );
+    describe_counter!(
+        REMOTING_FRAME_ERRORS,
+        Unit::Count,
+        "Remoting connections closed on a frame that cannot be read, by reason."
+    );
     describe_counter!(TRANSACTIONS_ENDED, Unit::Count, "Transaction ends, by resolution and result.");
     describe_counter!(TRANSACTION_CHECKS, Unit::Count, "Brokers' transaction check-backs, by outcome.");
     describe_counter!(

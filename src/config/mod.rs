@@ -73,6 +73,8 @@ pub struct Config {
     pub admin: AdminConfig,
     /// The RocketMQ 5 gRPC front, for apps built on the official SDKs.
     pub grpc: GrpcConfig,
+    /// The RocketMQ remoting front, for apps on the remoting Java client (`rocketmq-client`, 4.x style).
+    pub remoting: RemotingConfig,
     /// Which addresses webhook pushes may reach.
     pub webhook: WebhookConfig,
     /// Transactional messages: their producer group and how long their records are kept.
@@ -218,6 +220,55 @@ impl GrpcConfig {
     /// validation reports).
     pub fn listen_addr(&self) -> Option<SocketAddr> {
         self.listen.trim().parse().ok()
+    }
+}
+
+/// The RocketMQ remoting front: the protocol of Apache's `rocketmq-client` (`DefaultMQProducer`,
+/// `DefaultMQPushConsumer`, ...). An app sets its `namesrvAddr` to this address; popgate answers its name-server
+/// requests with itself as every broker.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct RemotingConfig {
+    /// Address the remoting front listens on; empty (the default) switches it off.
+    pub listen: String,
+    /// The `host:port` popgate gives clients as every broker's address in the routes it answers; empty means
+    /// the listen address, which must then name a host clients can reach (not `0.0.0.0`).
+    pub advertised_addr: String,
+    /// Largest frame popgate reads, its 4-byte length included; a longer one closes the connection.
+    pub max_frame_bytes: usize,
+    /// Most connections the front keeps open at once; one more is closed at once.
+    pub max_connections: usize,
+    /// A client that sent no heartbeat for this long is no longer a member of its consumer groups (the
+    /// client heartbeats every 30 s; RocketMQ's brokers drop it after 120 s).
+    pub client_expiry_secs: u64,
+}
+
+impl Default for RemotingConfig {
+    fn default() -> Self {
+        RemotingConfig {
+            listen: String::new(),
+            advertised_addr: String::new(),
+            // The broker's own limit (`maxMessageSize` 4 MiB) is per message; a batch or a pull answer is more.
+            max_frame_bytes: 16 * 1024 * 1024 + 4,
+            max_connections: 10_000,
+            client_expiry_secs: 120,
+        }
+    }
+}
+
+impl RemotingConfig {
+    /// The address to listen on, or `None` when the front is switched off (or the address is invalid, which
+    /// validation reports).
+    pub fn listen_addr(&self) -> Option<SocketAddr> {
+        self.listen.trim().parse().ok()
+    }
+
+    /// The address clients are told to connect to, given the address the front is bound to.
+    pub fn advertised(&self, bound: SocketAddr) -> String {
+        match self.advertised_addr.trim() {
+            "" => bound.to_string(),
+            given => given.to_owned(),
+        }
     }
 }
 

@@ -151,6 +151,7 @@ fn every_section_of_the_file_is_a_section_the_environment_may_set() {
         "grpc",
         "publish",
         "reliability",
+        "remoting",
         "server",
         "transactions",
         "webhook",

@@ -132,6 +132,36 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
     ] {
         check(value > 0, key, "must be > 0");
     }
+    let remoting = &config.remoting;
+    check(
+        remoting.listen.trim().is_empty() || remoting.listen_addr().is_some(),
+        "remoting.listen",
+        &format!("`{}` is not host:port (leave it empty to switch the remoting front off)", remoting.listen),
+    );
+    let unreachable = remoting.listen_addr().is_some_and(|a| a.ip().is_unspecified());
+    check(
+        !unreachable || !remoting.advertised_addr.trim().is_empty(),
+        "remoting.advertised_addr",
+        "must name the host:port clients reach popgate at when remoting.listen is an unspecified address",
+    );
+    let advertised = remoting.advertised_addr.trim();
+    check(
+        advertised.is_empty()
+            || advertised.rsplit_once(':').is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok()),
+        "remoting.advertised_addr",
+        &format!("`{advertised}` is not host:port"),
+    );
+    check(
+        (64 * 1024..=1024 * 1024 * 1024).contains(&remoting.max_frame_bytes),
+        "remoting.max_frame_bytes",
+        "must be in 65536..=1073741824",
+    );
+    check(remoting.max_connections > 0, "remoting.max_connections", "must be > 0");
+    check(
+        remoting.client_expiry_secs >= 30,
+        "remoting.client_expiry_secs",
+        "must be >= 30 (clients heartbeat every 30 s)",
+    );
     for (key, path) in [("server.tls_cert_path", &server.tls_cert_path), ("server.tls_key_path", &server.tls_key_path)]
     {
         if let Some(path) = path {

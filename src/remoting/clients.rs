@@ -1,0 +1,228 @@
+//! The remoting clients popgate knows of, from their heartbeats: which producer and consumer groups each is
+//! in, and the connection it is on. A consumer group's members are what `GET_CONSUMER_LIST_BY_GROUP` answers,
+//! which the client's rebalance divides the queues by; when they change, every member is told at once
+//! (`NOTIFY_CONSUMER_IDS_CHANGED`, as a broker does), instead of at its next 20 s rebalance.
+//!
+//! A client leaves its groups when it unregisters, when its connection closes, or when it has sent no
+//! heartbeat for `remoting.client_expiry_secs`.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Weak;
+use std::time::{Duration, Instant};
+
+use metrics::gauge;
+use parking_lot::Mutex;
+use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
+use serde::Deserialize;
+
+use super::codes;
+use super::connection::Connection;
+use crate::metrics as m;
+
+/// How often clients are checked for a missed heartbeat.
+const EXPIRY_CHECK: Duration = Duration::from_secs(10);
+
+/// A client's `HEART_BEAT` body (`HeartbeatData`), as far as popgate reads it.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub(super) struct Heartbeat {
+    #[serde(rename = "clientID")]
+    pub client_id: String,
+    #[serde(default)]
+    pub producer_data_set: Vec<ProducerData>,
+    #[serde(default)]
+    pub consumer_data_set: Vec<ConsumerData>,
+}
+
+/// A producer group in a heartbeat.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub(super) struct ProducerData {
+    pub group_name: String,
+}
+
+/// A consumer group in a heartbeat.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub(super) struct ConsumerData {
+    pub group_name: String,
+    /// `CONSUME_PASSIVELY` (push consumers) or `CONSUME_ACTIVELY` (pull consumers).
+    #[serde(default)]
+    pub consume_type: String,
+}
+
+/// What kind of client a heartbeat says this is, for the clients gauge.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Kind {
+    Producer,
+    PushConsumer,
+    PullConsumer,
+}
+
+impl Kind {
+    const ALL: [Kind; 3] = [Kind::Producer, Kind::PushConsumer, Kind::PullConsumer];
+
+    fn label(self) -> &'static str {
+        match self {
+            Kind::Producer => "producer",
+            Kind::PushConsumer => "push_consumer",
+            Kind::PullConsumer => "pull_consumer",
+        }
+    }
+}
+
+struct Client {
+    connection: Connection,
+    last_heartbeat: Instant,
+    producer_groups: BTreeSet<String>,
+    consumer_groups: BTreeMap<String, Kind>,
+}
+
+impl Client {
+    fn kinds(&self) -> BTreeSet<Kind> {
+        let mut kinds: BTreeSet<Kind> = self.consumer_groups.values().copied().collect();
+        if !self.producer_groups.is_empty() {
+            kinds.insert(Kind::Producer);
+        }
+        kinds
+    }
+}
+
+/// The clients, by client id.
+pub(super) struct Clients {
+    clients: Mutex<HashMap<String, Client>>,
+    expiry: Duration,
+}
+
+impl Clients {
+    pub fn new(expiry: Duration) -> Clients {
+        for kind in Kind::ALL {
+            gauge!(m::REMOTING_CLIENTS, "kind" => kind.label()).set(0.0);
+        }
+        Clients { clients: Mutex::new(HashMap::new()), expiry }
+    }
+
+    /// Takes a heartbeat from `connection`; the members of each consumer group it joined are told.
+    pub fn heartbeat(&self, connection: &Connection, heartbeat: &Heartbeat) {
+        let joined = {
+            let mut clients = self.clients.lock();
+            let client = clients.entry(heartbeat.client_id.clone()).or_insert_with(|| Client {
+                connection: connection.clone(),
+                last_heartbeat: Instant::now(),
+                producer_groups: BTreeSet::new(),
+                consumer_groups: BTreeMap::new(),
+            });
+            client.connection = connection.clone();
+            client.last_heartbeat = Instant::now();
+            client.producer_groups = heartbeat.producer_data_set.iter().map(|p| p.group_name.clone()).collect();
+            let before: BTreeSet<String> = client.consumer_groups.keys().cloned().collect();
+            client.consumer_groups = heartbeat
+                .consumer_data_set
+                .iter()
+                .map(|c| {
+                    let kind =
+                        if c.consume_type == "CONSUME_ACTIVELY" { Kind::PullConsumer } else { Kind::PushConsumer };
+                    (c.group_name.clone(), kind)
+                })
+                .collect();
+            let after: BTreeSet<String> = client.consumer_groups.keys().cloned().collect();
+            let changed: Vec<String> = after.symmetric_difference(&before).cloned().collect();
+            Self::count(&clients);
+            changed
+        };
+        self.notify(&joined);
+    }
+
+    /// `client_id` leaves `producer_group` and `consumer_group` (either may be absent); when it is then in no
+    /// group, it is forgotten.
+    pub fn unregister(&self, client_id: &str, producer_group: Option<&str>, consumer_group: Option<&str>) {
+        let left: Vec<String> = {
+            let mut clients = self.clients.lock();
+            let Some(client) = clients.get_mut(client_id) else { return };
+            if let Some(group) = producer_group {
+                client.producer_groups.remove(group);
+            }
+            let left = consumer_group.filter(|g| client.consumer_groups.remove(*g).is_some()).map(str::to_owned);
+            if client.producer_groups.is_empty() && client.consumer_groups.is_empty() {
+                clients.remove(client_id);
+            }
+            Self::count(&clients);
+            left.into_iter().collect()
+        };
+        self.notify(&left);
+    }
+
+    /// Every client of connection `id` leaves its groups.
+    pub fn connection_closed(&self, id: u64) {
+        self.remove_where(|client| client.connection.id == id);
+    }
+
+    /// The client ids of consumer group `group`'s members.
+    pub fn consumers_of(&self, group: &str) -> Vec<String> {
+        let clients = self.clients.lock();
+        let mut members: Vec<String> =
+            clients.iter().filter(|(_, c)| c.consumer_groups.contains_key(group)).map(|(id, _)| id.clone()).collect();
+        members.sort();
+        members
+    }
+
+    fn expire(&self) {
+        let expiry = self.expiry;
+        self.remove_where(|client| client.last_heartbeat.elapsed() > expiry);
+    }
+
+    fn remove_where(&self, gone: impl Fn(&Client) -> bool) {
+        let left: BTreeSet<String> = {
+            let mut clients = self.clients.lock();
+            let mut left = BTreeSet::new();
+            clients.retain(|_, client| {
+                if gone(client) {
+                    left.extend(client.consumer_groups.keys().cloned());
+                    return false;
+                }
+                true
+            });
+            Self::count(&clients);
+            left
+        };
+        self.notify(&left.into_iter().collect::<Vec<_>>());
+    }
+
+    /// Tells every member of each of `groups` that its members changed (one-way, as a broker does).
+    fn notify(&self, groups: &[String]) {
+        if groups.is_empty() {
+            return;
+        }
+        let clients = self.clients.lock();
+        for group in groups {
+            for client in clients.values().filter(|c| c.consumer_groups.contains_key(group)) {
+                let mut push =
+                    RemotingCommand::create_remoting_command(codes::NOTIFY_CONSUMER_IDS_CHANGED).mark_oneway_rpc();
+                push.add_ext_field("consumerGroup", group.as_str());
+                client.connection.push(push);
+            }
+        }
+    }
+
+    fn count(clients: &HashMap<String, Client>) {
+        let mut counts: BTreeMap<Kind, usize> = Kind::ALL.iter().map(|k| (*k, 0)).collect();
+        for client in clients.values() {
+            for kind in client.kinds() {
+                *counts.entry(kind).or_default() += 1;
+            }
+        }
+        for (kind, count) in counts {
+            gauge!(m::REMOTING_CLIENTS, "kind" => kind.label()).set(count as f64);
+        }
+    }
+}
+
+/// Drops clients whose heartbeats stopped, until the front is gone.
+pub(super) async fn expiry_loop(clients: Weak<Clients>) {
+    let mut tick = tokio::time::interval(EXPIRY_CHECK);
+    loop {
+        tick.tick().await;
+        let Some(clients) = clients.upgrade() else { return };
+        clients.expire();
+    }
+}

@@ -1,0 +1,188 @@
+//! Connections: RocketMQ remoting frames in, answers and popgate's own pushes out.
+//!
+//! Frames are decoded with the rocketmq-rust codec (`RemotingCommand::decode_with_max_frame_bytes`) and
+//! encoded with its `EncodedFrame`. Each request is served on a task of its own, as the Java broker serves a
+//! connection's requests on its executors: a held PULL does not hold up the sends behind it. Answers are
+//! matched by the client through their `opaque`, so they may leave in any order.
+//!
+//! A frame that cannot be a command (over the size limit, a header that does not decode) ends the
+//! connection: the stream cannot be resynchronised after it. A request is never half served: it is read
+//! whole before anything is done with it.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+use metrics::{counter, gauge};
+use rocketmq_protocol::protocol::encoded_frame::EncodedFrame;
+use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
+use rocketmq_protocol::protocol::LanguageCode;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, Semaphore};
+
+use super::service::Front;
+use crate::metrics as m;
+
+/// Frames waiting to be written to one connection; a client that stops reading holds up only its own.
+const OUTBOUND_QUEUE: usize = 1024;
+/// How much is read from a socket at once.
+const READ_CHUNK: usize = 64 * 1024;
+
+/// One client connection, as the rest of the front sees it: who is at the other end, and a way to write to it.
+#[derive(Clone, Debug)]
+pub(super) struct Connection {
+    /// Unique within this process.
+    pub id: u64,
+    /// The client's address.
+    pub peer: SocketAddr,
+    outbound: mpsc::Sender<Bytes>,
+}
+
+impl Connection {
+    /// Writes an answer to the client, waiting while its queue is full; `false` when the connection is gone.
+    pub async fn answer(&self, command: RemotingCommand) -> bool {
+        match self.encode(command) {
+            Some(frame) => self.outbound.send(frame).await.is_ok(),
+            None => false,
+        }
+    }
+
+    /// Writes one of popgate's own one-way pushes, unless the client's queue is full (a client that does not
+    /// read its answers will not read a push either); `false` when it was not queued.
+    pub fn push(&self, command: RemotingCommand) -> bool {
+        self.encode(command).is_some_and(|frame| self.outbound.try_send(frame).is_ok())
+    }
+
+    fn encode(&self, command: RemotingCommand) -> Option<Bytes> {
+        match EncodedFrame::from_command(command) {
+            Ok(frame) => Some(frame.into_bytes()),
+            Err(error) => {
+                tracing::warn!(%error, peer = %self.peer, "A remoting frame could not be encoded.");
+                None
+            }
+        }
+    }
+}
+
+/// Accepts connections until `shutdown` resolves; then the open ones are closed.
+pub(super) async fn accept_loop(
+    listener: TcpListener,
+    front: Arc<Front>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let slots = Arc::new(Semaphore::new(front.config.remoting.max_connections));
+    let next_id = AtomicU64::new(1);
+    let (closing, _) = tokio::sync::broadcast::channel::<()>(1);
+    tokio::pin!(shutdown);
+    loop {
+        let (socket, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(error) => {
+                    // Out of file descriptors and the like: the listener itself is fine; try again shortly.
+                    tracing::warn!(%error, "The remoting front could not accept a connection.");
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            counter!(m::REMOTING_CONNECTIONS_REFUSED).increment(1);
+            drop(socket);
+            continue;
+        };
+        let id = next_id.fetch_add(1, Ordering::Relaxed);
+        let (front, mut closed) = (front.clone(), closing.subscribe());
+        tokio::spawn(async move {
+            gauge!(m::REMOTING_CONNECTIONS).increment(1.0);
+            tokio::select! {
+                () = serve_connection(socket, peer, id, front.clone()) => {}
+                _ = closed.recv() => {}
+            }
+            front.clients.connection_closed(id);
+            gauge!(m::REMOTING_CONNECTIONS).decrement(1.0);
+            drop(slot);
+        });
+    }
+    let _ = closing.send(());
+    Ok(())
+}
+
+async fn serve_connection(socket: TcpStream, peer: SocketAddr, id: u64, front: Arc<Front>) {
+    let _ = socket.set_nodelay(true);
+    let (mut reader, writer) = socket.into_split();
+    let (outbound, queued) = mpsc::channel(OUTBOUND_QUEUE);
+    let connection = Connection { id, peer, outbound };
+    let writing = tokio::spawn(write_loop(writer, queued));
+    let max_frame = front.config.remoting.max_frame_bytes;
+    let mut buffer = BytesMut::with_capacity(READ_CHUNK);
+    loop {
+        let announced = announced_frame_len(&buffer);
+        match RemotingCommand::decode_with_max_frame_bytes(&mut buffer, max_frame) {
+            Ok(Some(command)) => {
+                dispatch(&front, &connection, command);
+                continue;
+            }
+            Ok(None) => {}
+            Err(error) => {
+                let reason = if announced.is_some_and(|len| len > max_frame) { "oversize" } else { "undecodable" };
+                counter!(m::REMOTING_FRAME_ERRORS, "reason" => reason).increment(1);
+                tracing::info!(%error, %peer, "Closing a remoting connection whose frame cannot be read.");
+                break;
+            }
+        }
+        buffer.reserve(READ_CHUNK);
+        match reader.read_buf(&mut buffer).await {
+            Ok(0) => {
+                if !buffer.is_empty() {
+                    // The client went away in the middle of a frame: nothing of it was acted on.
+                    counter!(m::REMOTING_FRAME_ERRORS, "reason" => "truncated").increment(1);
+                }
+                break;
+            }
+            Ok(_) => {}
+            Err(_) => break,
+        }
+    }
+    // Answers still being computed are dropped with the connection: the client has gone.
+    drop(connection);
+    writing.abort();
+}
+
+/// The length a frame at the start of `buffer` announces, its 4-byte length field included.
+fn announced_frame_len(buffer: &[u8]) -> Option<usize> {
+    let prefix: [u8; 4] = buffer.get(..4)?.try_into().ok()?;
+    usize::try_from(u32::from_be_bytes(prefix)).ok().map(|len| len.saturating_add(4))
+}
+
+/// Serves one command: a request on a task of its own; an answer to one of popgate's pushes is ignored (the
+/// pushes popgate sends are one-way).
+fn dispatch(front: &Arc<Front>, connection: &Connection, request: RemotingCommand) {
+    if request.is_response_type() {
+        return;
+    }
+    let (front, connection) = (front.clone(), connection.clone());
+    tokio::spawn(async move {
+        let oneway = request.is_oneway_rpc();
+        let opaque = request.opaque();
+        let answer = front.serve(&connection, request).await;
+        if let (Some(answer), false) = (answer, oneway) {
+            // A 4.9.3 client has no language code for RUST, the crate's default.
+            let answer = answer.set_opaque(opaque).set_language(LanguageCode::JAVA).mark_response_type();
+            connection.answer(answer).await;
+        }
+    });
+}
+
+async fn write_loop(mut writer: tokio::net::tcp::OwnedWriteHalf, mut queued: mpsc::Receiver<Bytes>) {
+    while let Some(frame) = queued.recv().await {
+        if writer.write_all(&frame).await.is_err() {
+            return;
+        }
+    }
+    let _ = writer.shutdown().await;
+}

@@ -1,0 +1,64 @@
+//! The RocketMQ remoting front: the protocol of Apache's remoting Java client (`rocketmq-client`:
+//! `DefaultMQProducer`, `TransactionMQProducer`, `DefaultMQPushConsumer`, `DefaultLitePullConsumer`), so an app
+//! on it points at popgate by setting its `namesrvAddr` to this front's address.
+//!
+//! The front is both of what such a client talks to. As its name server it answers routes with the cluster's
+//! real queues and brokers, but with popgate's own address as every broker's address, so the client's broker
+//! requests come here too. As its broker it sends producers' messages through popgate's publish path, keeps
+//! the clients' heartbeats (consumer group membership, rebalance notifications), and relays consumer
+//! requests (pulls, offsets, queue locks, send-backs) to the broker owning the queue, which must answer them.
+//!
+//! ```text
+//! connection (frames) ──▶ service::Front ──▶ route ────▶ the name server (routes rewritten)
+//!                                        ├─▶ clients ──▶ heartbeats, group membership, pushes to clients
+//!                                        ├─▶ send ─────▶ publish::Publisher
+//!                                        └─▶ relay ────▶ the broker of the queue
+//! ```
+//!
+//! Like the other fronts it holds no message or delivery state.
+
+mod auth;
+mod clients;
+mod codes;
+mod connection;
+mod relay;
+mod route;
+mod send;
+mod service;
+
+use std::future::Future;
+use std::sync::Arc;
+
+use tokio::net::TcpListener;
+
+use crate::auth::TokenTable;
+use crate::broker::BrokerClient;
+use crate::config::Config;
+use crate::publish::Publisher;
+
+/// The layers the front calls, and who may call it.
+pub struct Parts {
+    /// The publish path.
+    pub publisher: Arc<Publisher>,
+    /// The cluster connection, for the requests relayed to a broker or the name server as they are.
+    pub broker: Arc<BrokerClient>,
+    /// The tokens.
+    pub tokens: Arc<TokenTable>,
+}
+
+/// Serves the remoting front on `listener` until `shutdown` resolves; `advertised` is the address clients are
+/// given as every broker's.
+///
+/// # Errors
+/// When the listener fails.
+pub async fn serve(
+    listener: TcpListener,
+    advertised: String,
+    parts: Parts,
+    config: Arc<Config>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let front = Arc::new(service::Front::new(parts, config, advertised));
+    tokio::spawn(clients::expiry_loop(Arc::downgrade(&front.clients)));
+    connection::accept_loop(listener, front, shutdown).await
+}

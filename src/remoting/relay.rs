@@ -1,0 +1,346 @@
+//! Consumers' requests: the client lifecycle popgate answers itself (heartbeats, group membership), and the
+//! queue requests the broker owning the queue must answer (pulls, offsets, queue locks, send-backs), relayed
+//! to it unchanged, as Apache's proxy relays them.
+//!
+//! Which broker a queue request is for: the client names it (`bname`, from client 4.9.5 on; the broker name
+//! in a lock request's queues). An older client does not; popgate then finds the broker itself from the
+//! topic's route: the one broker that has a queue of that id. A topic with a queue of that id on several
+//! brokers cannot be told apart, and the request is refused saying so.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use metrics::counter;
+use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
+use serde::Deserialize;
+use sha2::Digest;
+
+use super::clients::Heartbeat;
+use super::codes;
+use super::connection::Connection;
+use super::service::{error, field, Front};
+use crate::auth::{Action, Caller};
+use crate::metrics as m;
+
+/// The most a relayed pull may be held at the broker beyond what the client asked (its suspend time).
+const PULL_ANSWER_MARGIN: Duration = Duration::from_secs(5);
+/// A heartbeat whose content did not change is passed on to the brokers at most this often (the client
+/// sends one per broker of its routes every 30 s, all of which reach popgate).
+const HEARTBEAT_FORWARD_INTERVAL: Duration = Duration::from_secs(20);
+/// How long the master list of the cluster is reused.
+const MASTERS_TTL: Duration = Duration::from_secs(5);
+
+/// `HEART_BEAT`: the client's groups are recorded here (membership, rebalance notifications), and its consumer
+/// groups are passed on to every master broker, which needs a group's subscription to serve its pulls.
+pub(super) async fn heartbeat(
+    front: &Front,
+    connection: &Connection,
+    caller: &Caller,
+    request: &RemotingCommand,
+) -> RemotingCommand {
+    let Some(body) = request.body() else {
+        return error(codes::SYSTEM_ERROR, "HEART_BEAT without a body (HeartbeatData)");
+    };
+    let heartbeat: Heartbeat = match serde_json::from_slice(body) {
+        Ok(heartbeat) => heartbeat,
+        Err(why) => {
+            return error(codes::SYSTEM_ERROR, format!("the HEART_BEAT body (HeartbeatData) does not decode: {why}"))
+        }
+    };
+    if let Some(group) = heartbeat.consumer_data_set.iter().find(|c| !caller.may(Action::Consume(&c.group_name))) {
+        counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
+        return error(codes::NO_PERMISSION, format!("may not consume as group `{}`", group.group_name));
+    }
+    front.clients.heartbeat(connection, &heartbeat);
+    if !heartbeat.consumer_data_set.is_empty() && should_forward(front, &heartbeat.client_id, body) {
+        forward_to_masters(front, request).await;
+    }
+    RemotingCommand::create_success_response_command()
+}
+
+fn should_forward(front: &Front, client_id: &str, body: &[u8]) -> bool {
+    let digest: [u8; 32] = sha2::Sha256::digest(body).into();
+    let mut forwarded = front.forwarded_heartbeats.lock();
+    let fresh =
+        forwarded.get(client_id).is_some_and(|(seen, at)| *seen == digest && at.elapsed() < HEARTBEAT_FORWARD_INTERVAL);
+    if !fresh {
+        forwarded.insert(client_id.to_owned(), (digest, Instant::now()));
+    }
+    !fresh
+}
+
+/// Passes `request` on to every master broker, and waits for their answers (a pull right after start-up
+/// needs the subscription there). A broker that fails gets the next heartbeat.
+async fn forward_to_masters(front: &Front, request: &RemotingCommand) {
+    let masters = match masters(front).await {
+        Ok(masters) => masters,
+        Err(why) => {
+            tracing::warn!(%why, "A remoting heartbeat could not be passed on: no broker list.");
+            return;
+        }
+    };
+    let timeout = front.config.broker.request_timeout();
+    let sends = masters.values().map(|addr| front.broker.relay(addr, request, timeout));
+    for (result, (name, _)) in futures::future::join_all(sends).await.into_iter().zip(masters.iter()) {
+        let outcome = match result {
+            Ok(answer) if answer.code() == codes::SUCCESS => "ok",
+            Ok(_) => "refused",
+            Err(_) => "unreachable",
+        };
+        counter!(m::REMOTING_RELAYS, "code" => "heart_beat", "result" => outcome).increment(1);
+        if outcome != "ok" {
+            tracing::debug!(broker = %name, outcome, "A remoting heartbeat was not taken by a broker.");
+        }
+    }
+}
+
+/// `UNREGISTER_CLIENT`: the client leaves the groups named; the brokers learn it when its heartbeats stop.
+pub(super) fn unregister(front: &Front, request: &RemotingCommand) -> RemotingCommand {
+    let Some(client_id) = field(request, "clientID") else {
+        return error(codes::SYSTEM_ERROR, "UNREGISTER_CLIENT without clientID");
+    };
+    front.clients.unregister(client_id, field(request, "producerGroup"), field(request, "consumerGroup"));
+    front.forwarded_heartbeats.lock().remove(client_id);
+    RemotingCommand::create_success_response_command()
+}
+
+/// `GET_CONSUMER_LIST_BY_GROUP`: the group's members connected to this popgate.
+pub(super) fn consumer_list(front: &Front, caller: &Caller, request: &RemotingCommand) -> RemotingCommand {
+    let Some(group) = field(request, "consumerGroup") else {
+        return error(codes::SYSTEM_ERROR, "GET_CONSUMER_LIST_BY_GROUP without consumerGroup");
+    };
+    if !caller.may(Action::Consume(group)) {
+        counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
+        return error(codes::NO_PERMISSION, format!("may not consume as group `{group}`"));
+    }
+    let members = front.clients.consumers_of(group);
+    if members.is_empty() {
+        // The broker's own words for a group without members.
+        return error(codes::SYSTEM_ERROR, format!("no consumer for this group, {group}"));
+    }
+    let body = serde_json::json!({ "consumerIdList": members }).to_string();
+    RemotingCommand::create_success_response_command().set_body(body.into_bytes())
+}
+
+/// `CHECK_CLIENT_CONFIG` (a consumer's subscription, e.g. an SQL filter, checked at start): asked of a master
+/// broker, which knows whether it can serve it.
+pub(super) async fn check_client_config(front: &Front, request: &RemotingCommand) -> RemotingCommand {
+    let masters = match masters(front).await {
+        Ok(masters) => masters,
+        Err(why) => return error(codes::SYSTEM_ERROR, format!("popgate has no broker to ask: {why}")),
+    };
+    let Some(addr) = masters.values().next() else {
+        return error(codes::SYSTEM_ERROR, "no master broker has registered with the name server");
+    };
+    relay_counted(front, "check_client_config", addr, request, front.config.broker.request_timeout()).await.command
+}
+
+/// A queue request, relayed to the broker that owns the queue; `None` (no answer: the client times out and
+/// asks again) where an error answer would mislead it.
+///
+/// A 4.9.x client takes any error answer to `QUERY_CONSUMER_OFFSET` for "this group has no offset", and a new
+/// push consumer then starts at the queue's end, skipping what is there; so a failure to ask the broker is not
+/// answered.
+pub(super) async fn to_queue_broker(
+    front: &Front,
+    caller: &Caller,
+    request: &RemotingCommand,
+) -> Option<RemotingCommand> {
+    let answer = relayed(front, caller, request).await;
+    let refused_here =
+        answer.code() != codes::SUCCESS && answer.code() != codes::QUERY_NOT_FOUND && !answer.from_broker;
+    if request.code() == codes::QUERY_CONSUMER_OFFSET && refused_here {
+        tracing::info!(remark = ?answer.command.remark(), "An offset query was not answered: popgate could not ask its broker.");
+        return None;
+    }
+    Some(answer.command)
+}
+
+/// An answer, and whether the broker gave it (rather than popgate, which could not ask it).
+struct Relayed {
+    command: RemotingCommand,
+    from_broker: bool,
+}
+
+impl Relayed {
+    fn code(&self) -> i32 {
+        self.command.code()
+    }
+}
+
+impl From<RemotingCommand> for Relayed {
+    fn from(command: RemotingCommand) -> Relayed {
+        Relayed { command, from_broker: false }
+    }
+}
+
+async fn relayed(front: &Front, caller: &Caller, request: &RemotingCommand) -> Relayed {
+    let code = request.code();
+    let label = codes::request_label(code);
+    let target = match QueueTarget::of(request) {
+        Ok(target) => target,
+        Err(why) => return error(codes::SYSTEM_ERROR, why).into(),
+    };
+    if let Some(group) = &target.group {
+        if !caller.may(Action::Consume(group)) {
+            counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
+            return error(codes::NO_PERMISSION, format!("may not consume as group `{group}`")).into();
+        }
+    }
+    let broker_name = match &target.broker {
+        Some(name) => name.clone(),
+        None => match broker_of_queue(front, &target).await {
+            Ok(name) => name,
+            Err(why) => return error(codes::SYSTEM_ERROR, why).into(),
+        },
+    };
+    let addr = match masters(front).await.map(|m| m.get(&broker_name).cloned()) {
+        Ok(Some(addr)) => addr,
+        Ok(None) => {
+            front.forget_masters();
+            return error(codes::SERVICE_NOT_AVAILABLE, format!("broker `{broker_name}` has no master now")).into();
+        }
+        Err(why) => return error(codes::SYSTEM_ERROR, format!("popgate has no broker list: {why}")).into(),
+    };
+    let timeout = relay_timeout(front, code, request);
+    relay_counted(front, label, &addr, request, timeout).await
+}
+
+async fn relay_counted(
+    front: &Front,
+    label: &'static str,
+    addr: &str,
+    request: &RemotingCommand,
+    timeout: Duration,
+) -> Relayed {
+    match front.broker.relay(addr, request, timeout).await {
+        Ok(answer) => {
+            counter!(m::REMOTING_RELAYS, "code" => label, "result" => "ok").increment(1);
+            Relayed { command: answer_from(answer), from_broker: true }
+        }
+        Err(failure) => {
+            counter!(m::REMOTING_RELAYS, "code" => label, "result" => "unreachable").increment(1);
+            error(codes::SYSTEM_ERROR, format!("popgate could not reach broker {addr}: {failure}")).into()
+        }
+    }
+}
+
+/// A held pull may take its suspend time at the broker; everything else the usual request timeout.
+fn relay_timeout(front: &Front, code: i32, request: &RemotingCommand) -> Duration {
+    let usual = front.config.broker.request_timeout();
+    if code != codes::PULL_MESSAGE && code != codes::LITE_PULL_MESSAGE {
+        return usual;
+    }
+    let suspend = field(request, "suspendTimeoutMillis").and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    // The client waits 30 s for a held pull at most; a longer suspend is not one it would wait for.
+    usual.max(Duration::from_millis(suspend.min(30_000)) + PULL_ANSWER_MARGIN)
+}
+
+/// The answer to give the client for a peer's `answer`: its code, remark, header fields and body.
+pub(super) fn answer_from(mut answer: RemotingCommand) -> RemotingCommand {
+    let mut reply = RemotingCommand::create_response_command_with_code(answer.code())
+        .set_remark_option(answer.remark().cloned())
+        .set_version(answer.version());
+    if let Some(fields) = answer.ext_fields() {
+        reply = reply.set_ext_fields(fields.clone());
+    }
+    if let Some(body) = answer.take_body() {
+        reply = reply.set_body(body);
+    }
+    reply
+}
+
+/// What a queue request names: its broker (when the client says), topic, queue and group.
+struct QueueTarget {
+    broker: Option<String>,
+    topic: Option<String>,
+    queue_id: Option<i32>,
+    group: Option<String>,
+}
+
+/// The body of `LOCK_BATCH_MQ` / `UNLOCK_BATCH_MQ`, as far as popgate reads it.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct LockBody {
+    consumer_group: String,
+    #[serde(default)]
+    mq_set: Vec<LockedQueue>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct LockedQueue {
+    topic: String,
+    broker_name: String,
+    queue_id: i32,
+}
+
+impl QueueTarget {
+    fn of(request: &RemotingCommand) -> Result<QueueTarget, String> {
+        let code = request.code();
+        if code == codes::LOCK_BATCH_MQ || code == codes::UNLOCK_BATCH_MQ {
+            let body = request.body().ok_or("a queue lock request without a body")?;
+            let lock: LockBody = serde_json::from_slice(body)
+                .map_err(|e| format!("the queue lock request's body does not decode: {e}"))?;
+            let first = lock.mq_set.first();
+            return Ok(QueueTarget {
+                broker: first.map(|q| q.broker_name.clone()),
+                topic: first.map(|q| q.topic.clone()),
+                queue_id: first.map(|q| q.queue_id),
+                group: Some(lock.consumer_group),
+            });
+        }
+        let topic_field = if code == codes::CONSUMER_SEND_MSG_BACK { "originTopic" } else { "topic" };
+        let group = field(request, "consumerGroup").or_else(|| field(request, "group")).map(str::to_owned);
+        Ok(QueueTarget {
+            broker: field(request, "bname").or_else(|| field(request, "brokerName")).map(str::to_owned),
+            topic: field(request, topic_field).map(str::to_owned),
+            queue_id: field(request, "queueId").and_then(|q| q.parse().ok()),
+            group,
+        })
+    }
+}
+
+/// The broker a request that does not name one is for: the only broker of the topic with that queue.
+async fn broker_of_queue(front: &Front, target: &QueueTarget) -> Result<String, String> {
+    let topic = target.topic.as_deref().ok_or("the request names neither its broker (bname) nor its topic")?;
+    let route = front
+        .publisher
+        .existing_topic(topic)
+        .await?
+        .ok_or_else(|| format!("topic[{topic}] not exist, apply first please!"))?;
+    let queue_id = target.queue_id.and_then(|q| u32::try_from(q).ok());
+    let candidates: Vec<&str> = route
+        .brokers
+        .iter()
+        .filter(|b| queue_id.is_none_or(|q| q < b.read_queues.max(b.write_queues)))
+        .map(|b| b.name.as_str())
+        .collect();
+    match candidates.as_slice() {
+        [only] => Ok((*only).to_owned()),
+        [] => Err(format!("topic `{topic}` has no queue {:?} on any broker", target.queue_id)),
+        several => Err(format!(
+            "the request does not name its broker (a client before 4.9.5), and topic `{topic}` has this queue on \
+             {} brokers ({}): use a client of 4.9.5 or later",
+            several.len(),
+            several.join(", ")
+        )),
+    }
+}
+
+/// The cluster's master brokers by name, reused for a few seconds.
+async fn masters(front: &Front) -> Result<HashMap<String, String>, String> {
+    if let Some(masters) = front.cached_masters(MASTERS_TTL) {
+        return Ok(masters);
+    }
+    let masters: HashMap<String, String> = front
+        .broker
+        .cluster_masters()
+        .await
+        .map_err(|e| e.to_string())?
+        .into_iter()
+        .map(|m| (m.name, m.addr))
+        .collect();
+    front.remember_masters(masters.clone());
+    Ok(masters)
+}

@@ -1,0 +1,179 @@
+//! Producers' sends (`SEND_MESSAGE`, `SEND_MESSAGE_V2`, `SEND_BATCH_MESSAGE`), through popgate's publish path.
+//!
+//! The message goes to the broker as the client made it (header fields, properties, a compressed body, a
+//! batch: see `broker::message::ClientWire`), to the queue the client chose: the client's own producer policy
+//! chose it from the route popgate gave (round-robin, or a `MessageQueueSelector` for ordered sends), and its
+//! retry after a failure goes to another broker, as straight at the cluster. What popgate adds on every send
+//! is its own: the reliability profile's store-status rule, de-duplication of a client's retry by the
+//! message's id (`UNIQ_KEY`; a batch by its content), fault accounting, metrics and auth.
+//!
+//! A client before 4.9.5 does not name the broker in its send; popgate then uses the one broker of the topic
+//! with that queue, or, when several have it, places the message by its own policy.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use metrics::{counter, histogram};
+use rocketmq_model::common::sys_flag::message_sys_flag::MessageSysFlag;
+use rocketmq_protocol::code::request_code::RequestCode;
+use rocketmq_protocol::common::message::message_decoder::string_to_message_properties;
+use rocketmq_protocol::protocol::header::message_operation_header::send_message_request_header::{
+    parse_request_header, SendMessageRequestHeader,
+};
+use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
+use sha2::Digest;
+
+use super::codes;
+use super::service::{error, Front, Refusal};
+use crate::auth::{Action, Caller};
+use crate::broker::message::{is_reserved_property, ClientWire, PROPERTY_UNIQ_KEY};
+use crate::broker::{SendReceipt, StoreStatus};
+use crate::metrics as m;
+use crate::publish::{OutgoingMessage, Placement, PublishError, SendMode};
+
+/// The property popgate keeps for itself among the reserved ones: a client may not set it.
+const POPGATE_PROPERTY_PREFIX: &str = "__POPGATE";
+/// The property of a transactional half message (`MessageConst.PROPERTY_TRANSACTION_PREPARED`).
+const PROPERTY_TRANSACTION_PREPARED: &str = "TRAN_MSG";
+/// The retry topic of a consumer group: a consumer's fallback when a send-back fails.
+const RETRY_TOPIC_PREFIX: &str = "%RETRY%";
+
+pub(super) async fn send_message(front: &Front, caller: &Caller, request: RemotingCommand) -> RemotingCommand {
+    let started = Instant::now();
+    let answer = send_checked(front, caller, &request).await;
+    let result = match answer.code() {
+        codes::SUCCESS | 10..=12 => "ok",
+        codes::TOPIC_NOT_EXIST => "not_found",
+        codes::MESSAGE_ILLEGAL => "bad_request",
+        // Counted in `popgate_requests_rejected_total`, as the other fronts' refusals are.
+        codes::NO_PERMISSION => return answer,
+        _ => "unavailable",
+    };
+    counter!(m::PUBLISH_REQUESTS, "result" => result, "transport" => "remoting").increment(1);
+    histogram!(m::PUBLISH_DURATION).record(started.elapsed().as_secs_f64());
+    answer
+}
+
+async fn send_checked(front: &Front, caller: &Caller, request: &RemotingCommand) -> RemotingCommand {
+    let header = match parse_request_header(request, RequestCode::from(request.code())) {
+        Ok(header) => header,
+        Err(why) => return error(codes::MESSAGE_ILLEGAL, format!("the send's header does not decode: {why}")),
+    };
+    let message = match to_outgoing(&header, request) {
+        Ok(message) => message,
+        Err(refusal) => return refusal.answer(),
+    };
+    if !caller.may(action_of(&message.topic)) {
+        counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
+        return error(codes::NO_PERMISSION, format!("may not publish to `{}`", message.topic));
+    }
+    let placement = placement(front, &header).await;
+    let mode = if request.is_oneway_rpc() { SendMode::Oneway } else { SendMode::Sync };
+    let key = dedup_key(&message);
+    match front.publisher.publish_once_at(&message, &placement, mode, None, key.as_deref()).await {
+        Ok(published) => match published.receipt {
+            Some(receipt) => stored(&receipt),
+            None => RemotingCommand::create_success_response_command(),
+        },
+        Err(PublishError::TopicNotFound(topic)) => {
+            error(codes::TOPIC_NOT_EXIST, format!("topic[{topic}] not exist, apply first please!"))
+        }
+        Err(failed) => error(failed.broker_code().unwrap_or(codes::SYSTEM_ERROR), failed.to_string()),
+    }
+}
+
+/// What publishing to `topic` needs: a consumer's fallback for a failed send-back (its group's retry topic)
+/// is part of consuming as that group.
+fn action_of(topic: &str) -> Action<'_> {
+    match topic.strip_prefix(RETRY_TOPIC_PREFIX) {
+        Some(group) => Action::Consume(group),
+        None => Action::Publish(topic),
+    }
+}
+
+/// The message to publish, or the answer refusing it.
+fn to_outgoing(header: &SendMessageRequestHeader, request: &RemotingCommand) -> Result<OutgoingMessage, Refusal> {
+    let properties: BTreeMap<String, String> = string_to_message_properties(header.properties.as_ref())
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    if let Some(name) = properties.keys().find(|k| k.starts_with(POPGATE_PROPERTY_PREFIX) && is_reserved_property(k)) {
+        return Err(Refusal::new(
+            codes::MESSAGE_ILLEGAL,
+            format!("the message property {name} is reserved by popgate"),
+        ));
+    }
+    let transactional = header.sys_flag & MessageSysFlag::TRANSACTION_PREPARED_TYPE != 0
+        || properties.get(PROPERTY_TRANSACTION_PREPARED).is_some_and(|v| v == "true");
+    if transactional {
+        return Err(Refusal::new(
+            codes::MESSAGE_ILLEGAL,
+            "transactional messages are not served by popgate's remoting front yet: send them over gRPC or HTTP",
+        ));
+    }
+    let body = request.body().cloned().unwrap_or_default();
+    let mut message = OutgoingMessage::new(header.topic.to_string(), body);
+    message.properties = properties;
+    message.wire = Some(ClientWire {
+        producer_group: header.producer_group.to_string(),
+        sys_flag: header.sys_flag,
+        flag: header.flag,
+        born_timestamp: header.born_timestamp,
+        reconsume_times: header.reconsume_times,
+        max_reconsume_times: header.max_reconsume_times,
+        batch: header.batch.unwrap_or(false) || request.code() == codes::SEND_BATCH_MESSAGE,
+        unit_mode: header.unit_mode,
+    });
+    Ok(message)
+}
+
+/// The client's queue, at the broker it names; for a client that names none, at the only broker of the topic
+/// with that queue, else wherever popgate's policy puts it.
+async fn placement(front: &Front, header: &SendMessageRequestHeader) -> Placement {
+    let named = header.topic_request_header.as_ref().and_then(|t| t.get_broker_name()).map(|b| b.to_string());
+    if let Some(broker) = named {
+        return Placement::Queue { broker, queue_id: header.queue_id };
+    }
+    let route = front.publisher.existing_topic(header.topic.as_str()).await.ok().flatten();
+    let queue_id = u32::try_from(header.queue_id).unwrap_or(u32::MAX);
+    let owners: Vec<&str> = route
+        .iter()
+        .flat_map(|r| r.brokers.iter())
+        .filter(|b| queue_id < b.write_queues)
+        .map(|b| b.name.as_str())
+        .collect();
+    match owners.as_slice() {
+        [only] => Placement::Queue { broker: (*only).to_owned(), queue_id: header.queue_id },
+        _ => Placement::Policy,
+    }
+}
+
+/// What a retry of this send is known by: the message's id; a batch (whose messages carry theirs inside the
+/// body) by its content, which a retry repeats byte for byte.
+fn dedup_key(message: &OutgoingMessage) -> Option<String> {
+    if message.wire.as_ref().is_some_and(|w| w.batch) {
+        return Some(format!("batch:{}", hex::encode(sha2::Sha256::digest(&message.body))));
+    }
+    message.properties.get(PROPERTY_UNIQ_KEY).cloned()
+}
+
+/// The broker's answer to a stored message, as the client reads it (`SendMessageResponseHeader`).
+fn stored(receipt: &SendReceipt) -> RemotingCommand {
+    let code = match receipt.status {
+        StoreStatus::SendOk => codes::SUCCESS,
+        StoreStatus::FlushDiskTimeout => 10,
+        StoreStatus::SlaveNotAvailable => 11,
+        StoreStatus::FlushSlaveTimeout => 12,
+    };
+    let mut answer = RemotingCommand::create_response_command_with_code(code);
+    answer.add_ext_field("msgId", receipt.offset_message_id.clone().unwrap_or_else(|| receipt.message_id.clone()));
+    answer.add_ext_field("queueId", receipt.queue_id.to_string());
+    answer.add_ext_field("queueOffset", receipt.queue_offset.to_string());
+    if let Some(transaction_id) = &receipt.transaction_id {
+        answer.add_ext_field("transactionId", transaction_id.as_str());
+    }
+    // What the broker adds to every send answer; the client reads the region and whether tracing is on.
+    answer.add_ext_field("MSG_REGION", "DefaultRegion");
+    answer.add_ext_field("TRACE_ON", "true");
+    answer
+}

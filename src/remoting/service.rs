@@ -1,0 +1,153 @@
+//! The front's request dispatch: which request code is served how, and the counting every request gets.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use metrics::counter;
+use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
+
+use super::clients::Clients;
+use super::codes;
+use super::connection::Connection;
+use super::{auth, relay, route, send, Parts};
+use crate::auth::{Caller, TokenTable};
+use crate::broker::BrokerClient;
+use crate::config::Config;
+use crate::metrics as m;
+use crate::publish::Publisher;
+
+/// The remoting front's shared state.
+pub(super) struct Front {
+    pub publisher: Arc<Publisher>,
+    pub broker: Arc<BrokerClient>,
+    pub tokens: Arc<TokenTable>,
+    pub config: Arc<Config>,
+    pub clients: Arc<Clients>,
+    /// The address clients are given as every broker's.
+    pub advertised: String,
+    /// Consumer heartbeats already passed on to the brokers, by client id: (body digest, when).
+    pub forwarded_heartbeats: Mutex<HashMap<String, ([u8; 32], Instant)>>,
+    /// The cluster's master brokers (name to address), and when they were asked for.
+    masters: Mutex<Option<(Instant, HashMap<String, String>)>>,
+}
+
+impl Front {
+    pub fn new(parts: Parts, config: Arc<Config>, advertised: String) -> Front {
+        for (_, label) in codes::SERVED {
+            counter!(m::REMOTING_REQUESTS, "code" => *label, "result" => "ok").increment(0);
+        }
+        for label in ["pull_message", "heart_beat"] {
+            counter!(m::REMOTING_RELAYS, "code" => label, "result" => "ok").increment(0);
+        }
+        let expiry = Duration::from_secs(config.remoting.client_expiry_secs);
+        Front {
+            publisher: parts.publisher,
+            broker: parts.broker,
+            tokens: parts.tokens,
+            clients: Arc::new(Clients::new(expiry)),
+            config,
+            advertised,
+            forwarded_heartbeats: Mutex::new(HashMap::new()),
+            masters: Mutex::new(None),
+        }
+    }
+
+    /// The master brokers asked for less than `ttl` ago.
+    pub fn cached_masters(&self, ttl: Duration) -> Option<HashMap<String, String>> {
+        self.masters.lock().as_ref().filter(|(at, _)| at.elapsed() < ttl).map(|(_, masters)| masters.clone())
+    }
+
+    pub fn remember_masters(&self, masters: HashMap<String, String>) {
+        *self.masters.lock() = Some((Instant::now(), masters));
+    }
+
+    /// The next request asks for the master brokers again (one was missing).
+    pub fn forget_masters(&self) {
+        *self.masters.lock() = None;
+    }
+
+    /// Serves one request; `None` when it has no answer (a one-way request's is dropped by the caller anyway).
+    pub async fn serve(&self, connection: &Connection, request: RemotingCommand) -> Option<RemotingCommand> {
+        let code = request.code();
+        // As RocketMQ's name server, popgate answers route queries unsigned: a client whose signature is missing
+        // or wrong then learns why from the refusal of its first broker request, not from a missing route.
+        let answer = if code == codes::GET_ROUTEINFO_BY_TOPIC {
+            Some(route::topic_route(self, &request).await)
+        } else {
+            match auth::caller(&self.tokens, &request) {
+                Ok(caller) => self.serve_as(connection, &caller, request).await,
+                Err(refusal) => Some(refusal.answer()),
+            }
+        };
+        let result = answer.as_ref().map_or("ok", |a| codes::result_label(a.code()));
+        counter!(m::REMOTING_REQUESTS, "code" => codes::request_label(code), "result" => result).increment(1);
+        answer
+    }
+
+    async fn serve_as(
+        &self,
+        connection: &Connection,
+        caller: &Caller,
+        request: RemotingCommand,
+    ) -> Option<RemotingCommand> {
+        let answer = match request.code() {
+            codes::SEND_MESSAGE | codes::SEND_MESSAGE_V2 | codes::SEND_BATCH_MESSAGE => {
+                send::send_message(self, caller, request).await
+            }
+            codes::HEART_BEAT => relay::heartbeat(self, connection, caller, &request).await,
+            codes::UNREGISTER_CLIENT => relay::unregister(self, &request),
+            codes::GET_CONSUMER_LIST_BY_GROUP => relay::consumer_list(self, caller, &request),
+            codes::CHECK_CLIENT_CONFIG => relay::check_client_config(self, &request).await,
+            codes::PULL_MESSAGE
+            | codes::LITE_PULL_MESSAGE
+            | codes::QUERY_CONSUMER_OFFSET
+            | codes::UPDATE_CONSUMER_OFFSET
+            | codes::SEARCH_OFFSET_BY_TIMESTAMP
+            | codes::GET_MAX_OFFSET
+            | codes::GET_MIN_OFFSET
+            | codes::GET_EARLIEST_MSG_STORETIME
+            | codes::CONSUMER_SEND_MSG_BACK
+            | codes::LOCK_BATCH_MQ
+            | codes::UNLOCK_BATCH_MQ => return relay::to_queue_broker(self, caller, &request).await,
+            code => not_supported(code),
+        };
+        Some(answer)
+    }
+}
+
+/// The answer to a request code popgate does not serve, in the words of Apache's broker.
+fn not_supported(code: i32) -> RemotingCommand {
+    tracing::debug!(code, "A remoting request code popgate does not serve.");
+    error(codes::REQUEST_CODE_NOT_SUPPORTED, format!(" request type {code} not supported"))
+}
+
+/// An answer with `code` and `remark`.
+pub(super) fn error(code: i32, remark: impl Into<String>) -> RemotingCommand {
+    RemotingCommand::create_response_command_with_code_remark(code, remark.into())
+}
+
+/// A request refused before it was served: the response code and the words the client is given.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Refusal {
+    pub code: i32,
+    pub remark: String,
+}
+
+impl Refusal {
+    pub fn new(code: i32, remark: impl Into<String>) -> Refusal {
+        Refusal { code, remark: remark.into() }
+    }
+
+    /// The answer that says so.
+    pub fn answer(self) -> RemotingCommand {
+        error(self.code, self.remark)
+    }
+}
+
+/// The value of header field `name` of `request`.
+pub(super) fn field<'a>(request: &'a RemotingCommand, name: &str) -> Option<&'a str> {
+    request.ext_fields().and_then(|fields| fields.get(name)).map(|v| v.as_str())
+}
