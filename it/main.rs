@@ -21,6 +21,7 @@ mod ordered;
 mod publish;
 mod push;
 mod reliability;
+mod remoting;
 mod security;
 mod transaction;
 mod transaction_http;

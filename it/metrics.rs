@@ -1,6 +1,6 @@
 //! `/metrics` is valid Prometheus text: `promtool check metrics` finds nothing to complain about, and every
 //! metric family the README's table lists is there with its HELP and TYPE once the paths behind it ran (HTTP
-//! and gRPC).
+//! gRPC and remoting).
 
 use std::io::Write;
 use std::process::{Command, Stdio};
@@ -15,8 +15,12 @@ use crate::publish::shared_cluster;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_pass_promtool_and_describe_every_family() {
     let cluster = shared_cluster();
-    let config = "[delivery]\nlease_ms = 10000\npop_poll_ms = 500\ngauge_refresh_ms = 500\n";
-    let popgate = Popgate::start(&cluster.namesrv_addr, config).await;
+    // The remoting front on too, so its families are there.
+    let remoting = format!("127.0.0.1:{}", crate::harness::free_port());
+    let config = format!(
+        "[delivery]\nlease_ms = 10000\npop_poll_ms = 500\ngauge_refresh_ms = 500\n\n[remoting]\nlisten = \"{remoting}\"\n"
+    );
+    let popgate = Popgate::start(&cluster.namesrv_addr, &config).await;
     let (topic, group) = (unique_topic("metrics"), unique_topic("g_metrics"));
     let (status, _) = popgate.publish(&json!({"topic": topic, "data": "m"})).await;
     assert_eq!(status, 200);

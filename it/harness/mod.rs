@@ -2,11 +2,13 @@
 //!
 //! - [`rocketmq`]: Java name server + brokers (`java -cp`, jars fetched by `docker/rocketmq/rocketmq.sh jars`).
 //! - [`popgate`]: the popgate binary under test, with a generated config.
+//! - [`sdk`], [`remoting`]: Apache's Java clients (gRPC SDK, remoting client) run by the test drivers.
 //! - [`direct`]: a direct RocketMQ client, to check what reached the broker without trusting popgate.
 
 pub mod direct;
 pub mod popgate;
 pub mod push;
+pub mod remoting;
 pub mod rocketmq;
 pub mod sdk;
 

@@ -71,18 +71,24 @@ impl Scenario {
 
     /// As [`Scenario::start_on`], with the JVM options `jvm` (a load program wants the optimising compiler).
     pub fn start_in(sdk: Sdk, jvm: &[&str], scenario: &str, args: &Value) -> Scenario {
+        Self::start_jar(sdk.driver_jar(), &format!("SDK {}", sdk.0), jvm, scenario, args)
+    }
+
+    /// Starts `scenario` of the driver jar `jar` (a gRPC or a remoting driver; `client` says which client
+    /// version, for messages).
+    pub fn start_jar(jar: &std::path::Path, client: &str, jvm: &[&str], scenario: &str, args: &Value) -> Scenario {
         let child = Command::new("java")
             .args(jvm)
             .arg("-jar")
-            .arg(sdk.driver_jar())
+            .arg(jar)
             .arg(scenario)
             .arg(ascii_json(args))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
-            .expect("spawn the gRPC driver");
-        Scenario { child: Some(child), what: format!("{scenario} on SDK {} {args}", sdk.0) }
+            .expect("spawn the driver");
+        Scenario { child: Some(child), what: format!("{scenario} on {client} {args}") }
     }
 
     /// Waits (at most `timeout`) for the scenario's JSON result, which must not be an error. Panics with the
@@ -92,7 +98,7 @@ impl Scenario {
         let (result, stderr) = self.output(timeout).await;
         assert!(
             result.get("error").is_none(),
-            "the gRPC driver failed ({what}): {result}\nstderr (last 4000 bytes): {}",
+            "the driver failed ({what}): {result}\nstderr (last 4000 bytes): {}",
             &stderr[stderr.len().saturating_sub(4000)..]
         );
         result
@@ -111,7 +117,7 @@ impl Scenario {
             Ok(joined) => joined.expect("join").expect("driver output"),
             Err(_) => {
                 let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
-                panic!("the gRPC driver ({}) did not finish within {timeout:?}", self.what);
+                panic!("the driver ({}) did not finish within {timeout:?}", self.what);
             }
         };
         let stdout = String::from_utf8_lossy(&output.stdout);
@@ -120,7 +126,7 @@ impl Scenario {
             .lines()
             .rev()
             .find_map(|line| serde_json::from_str(line).ok())
-            .unwrap_or_else(|| panic!("no JSON from the gRPC driver ({}): {stdout}\n{stderr}", self.what));
+            .unwrap_or_else(|| panic!("no JSON from the driver ({}): {stdout}\n{stderr}", self.what));
         (result, stderr.into_owned())
     }
 }

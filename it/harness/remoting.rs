@@ -1,0 +1,54 @@
+//! Apache's remoting Java client (`org.apache.rocketmq:rocketmq-client`: `DefaultMQProducer`,
+//! `DefaultMQPushConsumer`, `DefaultLitePullConsumer`, `TransactionMQProducer`), run through the test driver
+//! in `it/remoting-driver`: one scenario per process, its JSON result on stdout, as for the gRPC SDK
+//! ([`super::sdk`]). Each scenario runs under [`RemotingClient::ALL`]: a 4.9.x client (the apps most
+//! deployed) and the newest 5.x one; they differ in what they send (4.9.5 started naming the broker in its
+//! requests; 5.x sends `LITE_PULL_MESSAGE` for lite pull consumers).
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use serde_json::Value;
+
+use super::sdk::Scenario;
+
+/// One version of the remoting client the driver is built against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemotingClient(pub &'static str);
+
+impl RemotingClient {
+    /// The newest 4.x client that resolves here.
+    pub const V4: RemotingClient = RemotingClient("4.9.8");
+    /// The newest 5.x client that resolves here.
+    pub const V5: RemotingClient = RemotingClient("5.4.0");
+    /// Every version each scenario runs under.
+    pub const ALL: [RemotingClient; 2] = [RemotingClient::V4, RemotingClient::V5];
+
+    /// The driver jar for this version, built by `it/remoting-driver/build.sh <version>` when missing or stale
+    /// (idempotent, cached under `$HOME`; `docker/test.sh` builds every version up front).
+    pub fn driver_jar(self) -> &'static PathBuf {
+        static JARS: OnceLock<Vec<(RemotingClient, PathBuf)>> = OnceLock::new();
+        let jars = JARS.get_or_init(|| RemotingClient::ALL.iter().map(|c| (*c, c.build())).collect());
+        &jars.iter().find(|(client, _)| *client == self).expect("a tested client version").1
+    }
+
+    /// Starts `scenario` with `args` on this client version.
+    pub fn start(self, scenario: &str, args: &Value) -> Scenario {
+        let jvm = ["-Xmx256m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1"];
+        Scenario::start_jar(self.driver_jar(), &format!("rocketmq-client {}", self.0), &jvm, scenario, args)
+    }
+
+    /// Runs `scenario` on this version to its end; panics when it fails as a whole.
+    pub async fn run(self, scenario: &str, args: &Value, timeout: Duration) -> Value {
+        self.start(scenario, args).finish(timeout).await
+    }
+
+    fn build(self) -> PathBuf {
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/it/remoting-driver/build.sh");
+        let out = Command::new("bash").arg(script).arg(self.0).stderr(Stdio::inherit()).output().expect("run build.sh");
+        assert!(out.status.success(), "the remoting driver did not build against rocketmq-client {}", self.0);
+        PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+    }
+}

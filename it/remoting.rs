@@ -1,0 +1,554 @@
+//! The remoting front, spoken to by Apache's remoting Java client (`rocketmq-client`, through
+//! `it/remoting-driver`, under every version of [`RemotingClient::ALL`]) pointed at popgate as its name
+//! server, and by raw frames for what the client never sends. Each test checks what the client saw and what
+//! the brokers hold, read straight from them.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use bytes::BytesMut;
+use rocketmq_protocol::protocol::encoded_frame::EncodedFrame;
+use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
+use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::harness::direct::{Direct, StoredMessage};
+use crate::harness::popgate::Popgate;
+use crate::harness::remoting::RemotingClient;
+use crate::harness::rocketmq::Cluster;
+use crate::harness::sdk::{bodies, Sdk};
+use crate::harness::{eventually, free_port, unique_topic};
+use crate::publish::shared_cluster;
+
+/// How long one driver run may take on a loaded machine.
+const DRIVER_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// Runs each scenario under every remoting client version, as a test of its own.
+macro_rules! on_every_remoting_client {
+    ($($scenario:ident),* $(,)?) => {$(
+        mod $scenario {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn client_4_9_8() {
+                super::$scenario(crate::harness::remoting::RemotingClient::V4).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn client_5_4_0() {
+                super::$scenario(crate::harness::remoting::RemotingClient::V5).await;
+            }
+        }
+    )*};
+}
+
+on_every_remoting_client!(
+    every_kind_of_send_is_stored_at_the_broker_with_its_properties_in_the_queue_the_client_chose,
+    a_push_consumer_gets_every_message_and_one_it_asks_to_reconsume_later_comes_back_then_goes_to_the_dlq,
+    an_orderly_push_consumer_gets_each_queue_in_order,
+    broadcasting_consumers_each_get_every_message,
+    a_lite_pull_consumer_resumes_from_its_committed_offset_after_a_restart,
+    messages_sent_over_remoting_reach_http_and_grpc_consumers_and_the_reverse,
+);
+
+/// popgate with its remoting front on a port of its own; the address is what clients set as `namesrvAddr`.
+pub(crate) async fn popgate_with_remoting(cluster: &Cluster, extra_toml: &str) -> (Popgate, String) {
+    let addr = format!("127.0.0.1:{}", free_port());
+    let popgate =
+        Popgate::start(&cluster.namesrv_addr, &format!("[remoting]\nlisten = \"{addr}\"\n{extra_toml}")).await;
+    (popgate, addr)
+}
+
+async fn create_topic(cluster: &Cluster, topic: &str) {
+    let addrs: Vec<String> = cluster.brokers.iter().map(|b| format!("127.0.0.1:{}", b.port)).collect();
+    Direct::connect(&cluster.namesrv_addr).await.create_topic(topic, &addrs).await;
+}
+
+/// A scenario's arguments: `extra`, the name server (popgate), and the client's refresh intervals shortened
+/// (a route every second: a consumer sees its group's new retry topic at once; a heartbeat every 2 s: a 5.x
+/// consumer that skipped its first one is not left without a subscription at the broker for 30 s).
+fn args(namesrv: &str, mut extra: Value) -> Value {
+    extra["namesrv"] = json!(namesrv);
+    extra["pollNameServerIntervalMs"] = json!(1000);
+    extra["heartbeatBrokerIntervalMs"] = json!(2000);
+    extra
+}
+
+/// What the brokers hold in `topic`, by body, once there are at least `count` messages (at most 30 s).
+async fn stored(cluster: &Cluster, topic: &str, count: usize) -> BTreeMap<String, StoredMessage> {
+    let direct = Direct::connect(&cluster.namesrv_addr).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let messages: BTreeMap<String, StoredMessage> = direct
+            .try_read_all(topic)
+            .await
+            .unwrap_or_default()
+            .into_iter()
+            .map(|m| (String::from_utf8_lossy(&m.body).into_owned(), m))
+            .collect();
+        if messages.len() >= count || std::time::Instant::now() > deadline {
+            assert!(messages.len() >= count, "{count} messages stored in {topic}: {:?}", messages.keys());
+            return messages;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+async fn every_kind_of_send_is_stored_at_the_broker_with_its_properties_in_the_queue_the_client_chose(
+    client: RemotingClient,
+) {
+    let cluster = shared_cluster();
+    let (popgate, namesrv) = popgate_with_remoting(cluster, "").await;
+    let topic = unique_topic("rm_send");
+    create_topic(cluster, &topic).await;
+
+    let sync = json!({"topic": topic, "group": "rm_send_p", "mode": "sync", "count": 3, "bodyPrefix": "sync",
+        "tag": "TagA", "keys": "k1 k2", "properties": {"color": "red"}});
+    let result = client.run("produce", &args(&namesrv, sync), DRIVER_TIMEOUT).await;
+    assert_eq!(result["errors"], json!([]), "{result}");
+    for sent in result["sent"].as_array().expect("sent") {
+        assert_eq!(sent["status"], "SEND_OK", "{result}");
+        assert!(sent["offsetMsgId"].as_str().is_some_and(|id| id.len() == 32), "the broker's offset id: {result}");
+    }
+    for (mode, extra) in [
+        ("async", json!({})),
+        ("oneway", json!({})),
+        ("batch", json!({})),
+        ("sync", json!({"queueId": 2, "bodyPrefix": "selected"})),
+        ("sync", json!({"delayLevel": 1, "bodyPrefix": "delayed"})),
+        // Over 4 KiB: the client compresses the body; the broker stores it compressed, consumers get it back.
+        ("sync", json!({"bodyBytes": 6000, "bodyPrefix": "big"})),
+    ] {
+        let mut run = json!({"topic": topic, "group": "rm_send_p", "mode": mode, "count": 2, "bodyPrefix": mode});
+        for (k, v) in extra.as_object().expect("object") {
+            run[k] = v.clone();
+        }
+        let result = client.run("produce", &args(&namesrv, run), DRIVER_TIMEOUT).await;
+        assert_eq!(result["errors"], json!([]), "{mode} {extra}: {result}");
+    }
+    let messages = stored(cluster, &topic, 3 + 6 * 2).await;
+    let first = &messages["sync-0"];
+    assert_eq!(first.property("TAGS"), Some("TagA"));
+    assert_eq!(first.property("KEYS"), Some("k1 k2"));
+    assert_eq!(first.property("color"), Some("red"));
+    assert!(first.property("UNIQ_KEY").is_some(), "the client's message id");
+    assert_eq!(
+        result_ids(&result_of(&messages, "sync")),
+        result_ids(&ids_of(&result)),
+        "the client's ids are the stored ones"
+    );
+    for body in ["async-0", "async-1", "oneway-0", "oneway-1", "batch-0", "batch-1", "delayed-0", "big-0"] {
+        assert!(messages.contains_key(body) || messages.keys().any(|k| k.starts_with(body)), "{body} stored");
+    }
+    for body in ["selected-0", "selected-1"] {
+        assert_eq!(messages[body].queue_id, 2, "a selector's queue is kept");
+    }
+    assert_eq!(messages["delayed-0"].property("DELAY"), Some("1"), "the delay level reached the broker");
+    assert!(popgate.metric("popgate_publish_requests_total{result=\"ok\",transport=\"remoting\"}").await >= 14.0);
+    assert!(
+        popgate.metric("popgate_remoting_requests_total{code=\"get_routeinfo_by_topic\",result=\"ok\"}").await >= 1.0
+    );
+}
+
+fn ids_of(result: &Value) -> Vec<String> {
+    result["sent"].as_array().into_iter().flatten().filter_map(|s| s["msgId"].as_str().map(str::to_owned)).collect()
+}
+
+fn result_of(messages: &BTreeMap<String, StoredMessage>, prefix: &str) -> Vec<String> {
+    messages
+        .iter()
+        .filter(|(body, _)| body.starts_with(&format!("{prefix}-")))
+        .filter_map(|(_, m)| m.property("UNIQ_KEY").map(str::to_owned))
+        .collect()
+}
+
+fn result_ids(ids: &[String]) -> Vec<String> {
+    let mut ids = ids.to_vec();
+    ids.sort();
+    ids
+}
+
+async fn a_push_consumer_gets_every_message_and_one_it_asks_to_reconsume_later_comes_back_then_goes_to_the_dlq(
+    client: RemotingClient,
+) {
+    let cluster = shared_cluster();
+    let (popgate, namesrv) = popgate_with_remoting(cluster, "").await;
+    let topic = unique_topic("rm_push");
+    let group = unique_topic("rm_push_g");
+    create_topic(cluster, &topic).await;
+    let produce = json!({"topic": topic, "group": "rm_push_p", "count": 4, "bodyPrefix": "p"});
+    let sent = client.run("produce", &args(&namesrv, produce), DRIVER_TIMEOUT).await;
+    assert_eq!(sent["errors"], json!([]), "{sent}");
+
+    // Every message once; "p-0" is asked to be reconsumed every time: after the group's limit of one
+    // reconsumption it is dead-lettered (RocketMQ's retry topic, then %DLQ%<group>). A 4.x client starts
+    // pulling its group's retry topic at its next rebalance (every 20 s), as straight at the cluster.
+    let consume = json!({"topic": topic, "group": group, "expect": 4, "failBodies": ["p-0"], "failTimes": 99,
+        "maxReconsumeTimes": 1, "retryDelayLevel": 1, "settleMs": 25000});
+    let result = client.run("push-consume", &args(&namesrv, consume), DRIVER_TIMEOUT).await;
+    assert_eq!(result["timedOut"], false, "{result}");
+    let mut got = bodies(&result, "received");
+    got.sort();
+    let deliveries_of = |body: &str| got.iter().filter(|b| *b == body).count();
+    for body in ["p-1", "p-2", "p-3"] {
+        assert_eq!(deliveries_of(body), 1, "{body} once: {result}");
+    }
+    assert_eq!(deliveries_of("p-0"), 2, "p-0 delivered, then once more from the retry topic: {result}");
+    let retried =
+        result["received"].as_array().expect("received").iter().filter(|r| r["body"] == "p-0").nth(1).cloned();
+    assert_eq!(retried.as_ref().map(|r| r["reconsumeTimes"].clone()), Some(json!(1)), "{result}");
+    let dead = stored(cluster, &format!("%DLQ%{group}"), 1).await;
+    assert!(dead.contains_key("p-0"), "p-0 is in the group's DLQ: {:?}", dead.keys());
+    assert!(popgate.metric("popgate_remoting_relays_total{code=\"pull_message\",result=\"ok\"}").await >= 1.0);
+    assert!(
+        popgate.metric("popgate_remoting_relays_total{code=\"consumer_send_msg_back\",result=\"ok\"}").await >= 1.0
+    );
+}
+
+async fn an_orderly_push_consumer_gets_each_queue_in_order(client: RemotingClient) {
+    let cluster = shared_cluster();
+    let (_popgate, namesrv) = popgate_with_remoting(cluster, "").await;
+    let topic = unique_topic("rm_order");
+    let group = unique_topic("rm_order_g");
+    create_topic(cluster, &topic).await;
+    for key in ["order-a", "order-b"] {
+        let produce = json!({"topic": topic, "group": "rm_order_p", "count": 10, "orderKey": key, "bodyPrefix": key});
+        let sent = client.run("produce", &args(&namesrv, produce), DRIVER_TIMEOUT).await;
+        assert_eq!(sent["errors"], json!([]), "{sent}");
+    }
+    // The second message of order-a fails once: the queue is held and it comes back before what follows.
+    let consume = json!({"topic": topic, "group": group, "expect": 20, "orderly": true,
+        "failBodies": ["order-a-1"], "failTimes": 1});
+    let result = client.run("push-consume", &args(&namesrv, consume), DRIVER_TIMEOUT).await;
+    assert_eq!(result["timedOut"], false, "{result}");
+    for key in ["order-a", "order-b"] {
+        let seen: Vec<String> = bodies(&result, "received").into_iter().filter(|b| b.starts_with(key)).collect();
+        let mut expected: Vec<String> = (0..10).map(|i| format!("{key}-{i}")).collect();
+        if key == "order-a" {
+            expected.insert(1, "order-a-1".to_owned());
+        }
+        assert_eq!(seen, expected, "{key} in order, its failed message again before the next: {result}");
+    }
+}
+
+async fn broadcasting_consumers_each_get_every_message(client: RemotingClient) {
+    let cluster = shared_cluster();
+    let (_popgate, namesrv) = popgate_with_remoting(cluster, "").await;
+    let topic = unique_topic("rm_bcast");
+    let group = unique_topic("rm_bcast_g");
+    create_topic(cluster, &topic).await;
+    let consume = |instance: &str| {
+        json!({"topic": topic, "group": group, "expect": 5, "broadcasting": true, "consumeFromWhere": "first",
+            "instanceName": instance})
+    };
+    let first = client.start("push-consume", &args(&namesrv, consume("one")));
+    let second = client.start("push-consume", &args(&namesrv, consume("two")));
+    let produce = json!({"topic": topic, "group": "rm_bcast_p", "count": 5, "bodyPrefix": "b"});
+    let sent = client.run("produce", &args(&namesrv, produce), DRIVER_TIMEOUT).await;
+    assert_eq!(sent["errors"], json!([]), "{sent}");
+    for consumer in [first, second] {
+        let result = consumer.finish(DRIVER_TIMEOUT).await;
+        let mut got = bodies(&result, "received");
+        got.sort();
+        assert_eq!(got, ["b-0", "b-1", "b-2", "b-3", "b-4"], "each consumer gets every message: {result}");
+    }
+}
+
+async fn a_lite_pull_consumer_resumes_from_its_committed_offset_after_a_restart(client: RemotingClient) {
+    let cluster = shared_cluster();
+    let (_popgate, namesrv) = popgate_with_remoting(cluster, "").await;
+    let topic = unique_topic("rm_lite");
+    let group = unique_topic("rm_lite_g");
+    create_topic(cluster, &topic).await;
+    let produce = json!({"topic": topic, "group": "rm_lite_p", "count": 6, "bodyPrefix": "l"});
+    let sent = client.run("produce", &args(&namesrv, produce), DRIVER_TIMEOUT).await;
+    assert_eq!(sent["errors"], json!([]), "{sent}");
+    let pull = json!({"topic": topic, "group": group, "expect": 6, "autoCommit": false});
+    let first = client.run("lite-pull", &args(&namesrv, pull.clone()), DRIVER_TIMEOUT).await;
+    assert_eq!(first["timedOut"], false, "{first}");
+    let produce = json!({"topic": topic, "group": "rm_lite_p", "count": 2, "bodyPrefix": "later"});
+    client.run("produce", &args(&namesrv, produce), DRIVER_TIMEOUT).await;
+    // A new consumer of the group starts at the committed offsets: only what came after.
+    let again = json!({"topic": topic, "group": group, "expect": 2, "autoCommit": false, "settleMs": 3000});
+    let second = client.run("lite-pull", &args(&namesrv, again), DRIVER_TIMEOUT).await;
+    let mut got = bodies(&second, "received");
+    got.sort();
+    assert_eq!(got, ["later-0", "later-1"], "the committed messages are not read again: {second}");
+}
+
+async fn messages_sent_over_remoting_reach_http_and_grpc_consumers_and_the_reverse(client: RemotingClient) {
+    let cluster = shared_cluster();
+    let (popgate, namesrv) = popgate_with_remoting(cluster, "").await;
+    let topic = unique_topic("rm_mixed");
+    create_topic(cluster, &topic).await;
+    let produce = json!({"topic": topic, "group": "rm_mixed_p", "count": 3, "bodyPrefix": "r", "tag": "T"});
+    let sent = client.run("produce", &args(&namesrv, produce), DRIVER_TIMEOUT).await;
+    assert_eq!(sent["errors"], json!([]), "{sent}");
+
+    let over_http = popgate.poll_until("rm_mixed_http", &topic, 3, Duration::from_secs(60)).await;
+    let mut got: Vec<String> = over_http.iter().map(crate::harness::popgate::data).collect();
+    got.sort();
+    assert_eq!(got, ["r-0", "r-1", "r-2"], "HTTP consumers get remoting sends");
+    for delivery in &over_http {
+        assert_eq!(popgate.ack(&crate::harness::popgate::id(delivery)).await.0, 200);
+    }
+    let grpc = json!({"endpoint": popgate.grpc, "group": "rm_mixed_grpc", "topic": topic, "expect": 3});
+    let over_grpc = Sdk::NEWEST.run("simple-consume", &grpc, DRIVER_TIMEOUT).await;
+    let mut got = bodies(&over_grpc, "received");
+    got.sort();
+    assert_eq!(got, ["r-0", "r-1", "r-2"], "gRPC consumers get remoting sends: {over_grpc}");
+
+    popgate.publish_bodies(&topic, &["h-0", "h-1"]).await;
+    let consume = json!({"topic": topic, "group": unique_topic("rm_mixed_g"), "expect": 5});
+    let result = client.run("push-consume", &args(&namesrv, consume), DRIVER_TIMEOUT).await;
+    let mut got = bodies(&result, "received");
+    got.sort();
+    assert_eq!(got, ["h-0", "h-1", "r-0", "r-1", "r-2"], "remoting consumers get HTTP sends: {result}");
+}
+
+/// One request over a raw connection: its frame, then the answer (or `None` when the connection closed).
+async fn ask(stream: &mut TcpStream, request: RemotingCommand) -> Option<RemotingCommand> {
+    let frame = EncodedFrame::from_command(request).expect("encodes").into_bytes();
+    stream.write_all(&frame).await.expect("write");
+    read_answer(stream).await
+}
+
+async fn read_answer(stream: &mut TcpStream) -> Option<RemotingCommand> {
+    let mut buffer = BytesMut::new();
+    loop {
+        if let Some(answer) = RemotingCommand::decode(&mut buffer).expect("an answer decodes") {
+            return Some(answer);
+        }
+        let read = tokio::time::timeout(Duration::from_secs(30), stream.read_buf(&mut buffer)).await.expect("answered");
+        if read.expect("read") == 0 {
+            return None;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routes_name_popgate_as_every_broker_and_an_unknown_topic_is_answered_as_the_name_server_does() {
+    let cluster = shared_cluster();
+    let (popgate, namesrv) = popgate_with_remoting(cluster, "").await;
+    let topic = unique_topic("rm_route");
+    create_topic(cluster, &topic).await;
+    let mut stream = TcpStream::connect(&namesrv).await.expect("connect");
+
+    let mut request = RemotingCommand::create_remoting_command(105);
+    request.add_ext_field("topic", topic.as_str());
+    let answer = ask(&mut stream, request).await.expect("answered");
+    assert_eq!(answer.code(), 0, "{:?}", answer.remark());
+    let route: Value = serde_json::from_slice(answer.body().expect("a route")).expect("JSON");
+    let brokers = route["brokerDatas"].as_array().expect("brokers");
+    let mut names: Vec<&str> = brokers.iter().filter_map(|b| b["brokerName"].as_str()).collect();
+    names.sort();
+    assert_eq!(names, ["broker-a", "broker-b"], "the cluster's brokers: {route}");
+    for broker in brokers {
+        assert_eq!(broker["brokerAddrs"], json!({"0": namesrv}), "popgate is every broker: {route}");
+    }
+    assert_eq!(route["queueDatas"].as_array().map(Vec::len), Some(2), "the real queues: {route}");
+
+    let mut unknown = RemotingCommand::create_remoting_command(105);
+    unknown.add_ext_field("topic", "rm_route_no_such_topic");
+    let answer = ask(&mut stream, unknown).await.expect("answered");
+    assert_eq!(answer.code(), 17, "TOPIC_NOT_EXIST, as the name server answers: {:?}", answer.remark());
+    assert!(
+        popgate
+            .metric("popgate_remoting_requests_total{code=\"get_routeinfo_by_topic\",result=\"topic_not_exist\"}")
+            .await
+            >= 1.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_frames_get_a_clear_answer_or_a_closed_connection_and_are_counted() {
+    let cluster = shared_cluster();
+    let (popgate, namesrv) = popgate_with_remoting(cluster, "max_frame_bytes = 65536\n").await;
+
+    // An unknown request code: answered, and the connection stays usable.
+    let mut stream = TcpStream::connect(&namesrv).await.expect("connect");
+    let answer = ask(&mut stream, RemotingCommand::create_remoting_command(424_242)).await.expect("answered");
+    assert_eq!(answer.code(), 3, "REQUEST_CODE_NOT_SUPPORTED");
+    assert_eq!(answer.remark().map(|r| r.as_str()), Some(" request type 424242 not supported"));
+    let answer = ask(&mut stream, RemotingCommand::create_remoting_command(38)).await.expect("still served");
+    assert_eq!(answer.code(), 1, "GET_CONSUMER_LIST_BY_GROUP without a group: {:?}", answer.remark());
+
+    // A send whose header does not decode: refused as an illegal message, nothing sent.
+    let mut send = RemotingCommand::create_remoting_command(310);
+    send.add_ext_field("b", "rm_bad_topic");
+    send.add_ext_field("e", "not-a-number");
+    let answer = ask(&mut stream, send).await.expect("answered");
+    assert_eq!(answer.code(), 13, "MESSAGE_ILLEGAL: {:?}", answer.remark());
+
+    // A frame over the limit: the connection is closed before it is read.
+    let mut stream = TcpStream::connect(&namesrv).await.expect("connect");
+    stream.write_all(&(1_000_000u32).to_be_bytes()).await.expect("write");
+    assert!(read_answer(&mut stream).await.is_none(), "closed");
+
+    // A header that is not a header: closed.
+    let mut stream = TcpStream::connect(&namesrv).await.expect("connect");
+    let mut garbage = Vec::new();
+    garbage.extend_from_slice(&12u32.to_be_bytes());
+    garbage.extend_from_slice(&(0x0100_0000u32 | 8).to_be_bytes());
+    garbage.extend_from_slice(b"{not json");
+    stream.write_all(&garbage[..16]).await.expect("write");
+    assert!(read_answer(&mut stream).await.is_none(), "closed");
+
+    // Half a frame, then the client goes away.
+    let mut stream = TcpStream::connect(&namesrv).await.expect("connect");
+    stream.write_all(&100u32.to_be_bytes()).await.expect("write");
+    stream.write_all(&[0u8; 10]).await.expect("write");
+    drop(stream);
+
+    eventually(Duration::from_secs(10), "every bad frame counted", || async {
+        popgate.metric("popgate_remoting_frame_errors_total{reason=\"oversize\"}").await >= 1.0
+            && popgate.metric("popgate_remoting_frame_errors_total{reason=\"undecodable\"}").await >= 1.0
+            && popgate.metric("popgate_remoting_frame_errors_total{reason=\"truncated\"}").await >= 1.0
+    })
+    .await;
+    assert!(popgate.metric("popgate_remoting_requests_total{code=\"other\",result=\"not_supported\"}").await >= 1.0);
+    assert!(Direct::connect(&cluster.namesrv_addr)
+        .await
+        .try_read_all("rm_bad_topic")
+        .await
+        .unwrap_or_default()
+        .is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_must_sign_with_a_token_and_may_only_do_what_the_token_allows() {
+    let cluster = shared_cluster();
+    let auth = "[auth]\nenabled = true\n\n[[auth.tokens]]\nname = \"rm-app\"\ntoken = \"rm-app-secret-0123456789\"\n\
+                publish = [\"rm_auth_*\"]\nconsume = [\"rm_auth_g*\"]\n";
+    let (popgate, namesrv) = popgate_with_remoting(cluster, auth).await;
+    let topic = unique_topic("rm_auth");
+    create_topic(cluster, &topic).await;
+    let client = RemotingClient::V5;
+
+    let unsigned = json!({"topic": topic, "group": "rm_auth_p", "count": 1, "retryTimes": 0});
+    let refused = client.start("produce", &args(&namesrv, unsigned)).finish_allowing_error(DRIVER_TIMEOUT).await;
+    assert!(refused.to_string().contains("AccessKey"), "an unsigned client is told why: {refused}");
+
+    let wrong = json!({"topic": topic, "group": "rm_auth_p", "count": 1, "retryTimes": 0,
+        "accessKey": "rm-app", "secretKey": "not-the-secret-0123456789"});
+    let refused = client.start("produce", &args(&namesrv, wrong)).finish_allowing_error(DRIVER_TIMEOUT).await;
+    assert!(refused.to_string().contains("Signature"), "a bad signature is refused: {refused}");
+
+    let signed = json!({"topic": topic, "group": "rm_auth_p", "count": 2, "bodyPrefix": "s",
+        "accessKey": "rm-app", "secretKey": "rm-app-secret-0123456789"});
+    let result = client.run("produce", &args(&namesrv, signed.clone()), DRIVER_TIMEOUT).await;
+    assert_eq!(result["errors"], json!([]), "a signed client is served: {result}");
+    let mut other = signed.clone();
+    other["topic"] = json!(unique_topic("rm_other"));
+    create_topic(cluster, other["topic"].as_str().unwrap_or_default()).await;
+    let refused = client.start("produce", &args(&namesrv, other)).finish_allowing_error(DRIVER_TIMEOUT).await;
+    assert!(refused.to_string().contains("may not publish"), "another topic is not the token's: {refused}");
+
+    let consume = json!({"topic": topic, "group": unique_topic("rm_auth_g"), "expect": 2,
+        "accessKey": "rm-app", "secretKey": "rm-app-secret-0123456789"});
+    let result = client.run("push-consume", &args(&namesrv, consume), DRIVER_TIMEOUT).await;
+    assert_eq!(bodies(&result, "received").len(), 2, "a signed consumer is served: {result}");
+    assert!(popgate.metric("popgate_requests_rejected_total{reason=\"unauthenticated\"}").await >= 2.0);
+}
+
+on_every_remoting_client!(
+    a_send_to_a_sigstopped_broker_is_answered_in_time_for_the_client_to_retry_on_the_other,
+    a_transactional_send_is_refused_saying_so,
+);
+
+async fn a_send_to_a_sigstopped_broker_is_answered_in_time_for_the_client_to_retry_on_the_other(
+    client: RemotingClient,
+) {
+    let cluster = Cluster::start(&crate::harness::rocketmq::ClusterSpec::brokers(&["broker-a", "broker-b"]));
+    // popgate gives up on a broker within 1 s, inside the client's 3 s send timeout; fault avoidance then
+    // isolates the hung broker, and sends the client places there are refused at once.
+    let config = "[publish]\nsend_timeout_ms = 1000\n\n[fault_avoidance]\nnetwork_error_isolation_ms = 30000\n";
+    let (popgate, namesrv) = popgate_with_remoting(&cluster, config).await;
+    let topic = unique_topic("rm_stop");
+    create_topic(&cluster, &topic).await;
+    let warm = json!({"topic": topic, "group": "rm_stop_p", "count": 4, "bodyPrefix": "warm"});
+    let warmed = client.run("produce", &args(&namesrv, warm), DRIVER_TIMEOUT).await;
+    assert_eq!(warmed["errors"], json!([]), "{warmed}");
+
+    cluster.pause_broker("broker-b");
+    let sends = json!({"topic": topic, "group": "rm_stop_p", "count": 8, "bodyPrefix": "s", "retryTimes": 2});
+    let result = client.run("produce", &args(&namesrv, sends), DRIVER_TIMEOUT).await;
+    cluster.resume_broker("broker-b");
+    assert_eq!(result["errors"], json!([]), "every send landed, retried by the client on broker-a: {result}");
+    for sent in result["sent"].as_array().expect("sent") {
+        assert_eq!(sent["broker"], "broker-a", "{result}");
+    }
+    let stored = stored(&cluster, &topic, 12).await;
+    assert!(
+        (0..8).all(|i| stored.get(&format!("s-{i}")).is_some_and(|m| m.broker == "broker-a")),
+        "{:?}",
+        stored.keys()
+    );
+    assert!(
+        popgate.metric("popgate_broker_isolations_total{broker=\"broker-b\",cause=\"unreachable\"}").await >= 1.0,
+        "the hung broker was isolated"
+    );
+}
+
+async fn a_transactional_send_is_refused_saying_so(client: RemotingClient) {
+    let cluster = shared_cluster();
+    let (_popgate, namesrv) = popgate_with_remoting(cluster, "").await;
+    let topic = unique_topic("rm_tx");
+    crate::transaction::create_transaction_topic(cluster, &topic).await;
+    let transact = json!({"topic": topic, "group": "rm_tx_p", "resolution": "commit"});
+    let result = client.start("transact", &args(&namesrv, transact)).finish_allowing_error(DRIVER_TIMEOUT).await;
+    assert!(
+        result.to_string().contains("transactional messages are not served by popgate's remoting front yet"),
+        "the app is told at once: {result}"
+    );
+    let direct = Direct::connect(&cluster.namesrv_addr).await;
+    assert!(direct.try_read_all(&topic).await.unwrap_or_default().is_empty(), "nothing stored");
+}
+
+/// A `SEND_MESSAGE_V2` of one message with id `uniq_key` to queue 0 of `broker`, as a client makes it.
+fn raw_send(topic: &str, broker: &str, uniq_key: &str, body: &'static [u8]) -> RemotingCommand {
+    let mut send = RemotingCommand::create_remoting_command(310).set_body(bytes::Bytes::from_static(body));
+    for (name, value) in [
+        ("a", "rm_raw_p"),
+        ("b", topic),
+        ("c", "TBW102"),
+        ("d", "4"),
+        ("e", "0"),
+        ("f", "0"),
+        ("g", "1796000000000"),
+        ("h", "0"),
+        ("j", "0"),
+        ("k", "false"),
+        ("m", "false"),
+        ("n", broker),
+    ] {
+        send.add_ext_field(name, value);
+    }
+    send.add_ext_field("i", format!("UNIQ_KEY\u{1}{uniq_key}\u{2}WAIT\u{1}true\u{2}"));
+    send
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clients_retry_of_a_stored_send_to_another_broker_is_answered_with_the_first_receipt_and_not_stored_again() {
+    let cluster = shared_cluster();
+    let (popgate, namesrv) = popgate_with_remoting(cluster, "").await;
+    let topic = unique_topic("rm_dedup");
+    create_topic(cluster, &topic).await;
+    let mut stream = TcpStream::connect(&namesrv).await.expect("connect");
+    let id = format!("7F0000010000{:020X}", rand::random::<u64>());
+    let first = ask(&mut stream, raw_send(&topic, "broker-a", &id, b"once")).await.expect("answered");
+    assert_eq!(first.code(), 0, "{:?}", first.remark());
+    // The client's retry after a timeout goes to another broker, with the same message id.
+    let retry = ask(&mut stream, raw_send(&topic, "broker-b", &id, b"once")).await.expect("answered");
+    assert_eq!(retry.code(), 0, "{:?}", retry.remark());
+    let field = |answer: &RemotingCommand, name: &str| {
+        answer.ext_fields().and_then(|f| f.get(name)).map(|v| v.to_string()).unwrap_or_default()
+    };
+    assert_eq!(field(&retry, "msgId"), field(&first, "msgId"), "the first receipt");
+    assert_eq!(field(&retry, "queueOffset"), field(&first, "queueOffset"));
+    let stored = stored(cluster, &topic, 1).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let again = Direct::connect(&cluster.namesrv_addr).await.read_all(&topic).await;
+    assert_eq!(again.len(), 1, "stored once: {:?}", stored.keys());
+    assert_eq!(again[0].broker, "broker-a");
+    assert!(popgate.metric("popgate_publish_deduplicated_total").await >= 1.0);
+}
