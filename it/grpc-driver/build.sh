@@ -21,7 +21,7 @@ jar="$out/popgate-grpc-driver.jar"
 stamp="$out/.popgate-grpc-driver.inputs.sha256"
 
 inputs_hash() {
-  (cd "$here" && echo "sdk $version" && { echo pom.xml; find src -type f | LC_ALL=C sort; } | while read -r f; do
+  (cd "$here" && echo "sdk $version" && { echo pom.xml; find src ../driver-common/src -type f | LC_ALL=C sort; } | while read -r f; do
       printf '%s  ' "$f"; sha256sum < "$f"
     done) | sha256sum | cut -d' ' -f1
 }

@@ -27,7 +27,7 @@ acl_separate=false
 if [[ "$(printf '%s\n%s\n' "$version" 5.4.0 | sort -V | head -n1)" != "5.4.0" ]]; then acl_separate=true; fi
 
 inputs_hash() {
-  (cd "$here" && echo "client $version acl-separate $acl_separate" && { echo build.sh; echo pom.xml; find src -type f | LC_ALL=C sort; } |
+  (cd "$here" && echo "client $version acl-separate $acl_separate" && { echo build.sh; echo pom.xml; find src ../driver-common/src -type f | LC_ALL=C sort; } |
     while read -r f; do
       printf '%s  ' "$f"; sha256sum < "$f"
     done) | sha256sum | cut -d' ' -f1

@@ -253,3 +253,27 @@ fn webhooks_reach_public_addresses_only_unless_networks_are_allowed() {
         }
     }
 }
+
+#[test]
+fn the_remoting_front_is_off_by_default_and_its_bad_keys_are_named() {
+    let config = parse("").expect("defaults are valid");
+    assert_eq!(config.remoting.listen_addr(), None, "off unless switched on");
+    let on = parse("[remoting]\nlisten = \"127.0.0.1:9876\"\n").expect("valid");
+    let bound: std::net::SocketAddr = "127.0.0.1:9876".parse().expect("addr");
+    assert_eq!(on.remoting.advertised(bound), "127.0.0.1:9876", "clients are given the listen address");
+    for (text, key) in [
+        ("[remoting]\nlisten = \"nine-eight\"\n", "remoting.listen"),
+        // Clients cannot connect to 0.0.0.0: the address they are given must be said.
+        ("[remoting]\nlisten = \"0.0.0.0:9876\"\n", "remoting.advertised_addr"),
+        ("[remoting]\nadvertised_addr = \"popgate\"\n", "remoting.advertised_addr"),
+        ("[remoting]\nmax_frame_bytes = 100\n", "remoting.max_frame_bytes"),
+        ("[remoting]\nmax_connections = 0\n", "remoting.max_connections"),
+        ("[remoting]\nclient_expiry_secs = 5\n", "remoting.client_expiry_secs"),
+    ] {
+        let err = parse(text).unwrap_err().to_string();
+        assert!(err.contains(key), "{text}: {err}");
+    }
+    let behind =
+        parse("[remoting]\nlisten = \"0.0.0.0:9876\"\nadvertised_addr = \"popgate.internal:9876\"\n").expect("valid");
+    assert_eq!(behind.remoting.advertised(bound), "popgate.internal:9876");
+}

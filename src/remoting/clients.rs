@@ -8,12 +8,14 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Weak;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use metrics::gauge;
 use parking_lot::Mutex;
 use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
 use serde::Deserialize;
+// Tokio's clock, so a unit test on paused time can let heartbeats lapse.
+use tokio::time::Instant;
 
 use super::codes;
 use super::connection::Connection;
@@ -224,5 +226,71 @@ pub(super) async fn expiry_loop(clients: Weak<Clients>) {
         tick.tick().await;
         let Some(clients) = clients.upgrade() else { return };
         clients.expire();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::BytesMut;
+    use tokio::sync::mpsc;
+
+    use super::*;
+
+    fn heartbeat(client_id: &str, consumer_groups: &[&str]) -> Heartbeat {
+        let body = serde_json::json!({
+            "clientID": client_id,
+            "producerDataSet": [{"groupName": "CLIENT_INNER_PRODUCER"}],
+            "consumerDataSet": consumer_groups.iter().map(|g| serde_json::json!({
+                "groupName": g, "consumeType": "CONSUME_PASSIVELY", "messageModel": "CLUSTERING",
+                "consumeFromWhere": "CONSUME_FROM_LAST_OFFSET", "subscriptionDataSet": [], "unitMode": false
+            })).collect::<Vec<_>>(),
+        });
+        serde_json::from_value(body).expect("a client's HeartbeatData")
+    }
+
+    /// The groups named by the NOTIFY_CONSUMER_IDS_CHANGED pushes queued so far.
+    fn notified(queued: &mut mpsc::Receiver<bytes::Bytes>) -> Vec<String> {
+        let mut groups = Vec::new();
+        while let Ok(frame) = queued.try_recv() {
+            let mut buffer = BytesMut::from(&frame[..]);
+            let push = RemotingCommand::decode(&mut buffer).expect("decodes").expect("a whole frame");
+            assert_eq!(push.code(), codes::NOTIFY_CONSUMER_IDS_CHANGED);
+            assert!(push.is_oneway_rpc(), "a push is one-way");
+            groups.push(
+                push.ext_fields().and_then(|f| f.get("consumerGroup")).map(|g| g.to_string()).unwrap_or_default(),
+            );
+        }
+        groups
+    }
+
+    #[tokio::test]
+    async fn every_member_is_told_when_a_group_gains_or_loses_one() {
+        let clients = Clients::new(Duration::from_secs(120));
+        let (first, mut first_queue) = Connection::for_test(1);
+        let (second, mut second_queue) = Connection::for_test(2);
+        clients.heartbeat(&first, &heartbeat("a@1", &["orders"]));
+        assert_eq!(notified(&mut first_queue), ["orders"], "the first member too: it rebalances at once");
+        clients.heartbeat(&first, &heartbeat("a@1", &["orders"]));
+        assert!(notified(&mut first_queue).is_empty(), "a heartbeat that changes nothing tells no one");
+        clients.heartbeat(&second, &heartbeat("b@2", &["orders"]));
+        assert_eq!(notified(&mut first_queue), ["orders"]);
+        assert_eq!(notified(&mut second_queue), ["orders"]);
+        assert_eq!(clients.consumers_of("orders"), ["a@1", "b@2"]);
+
+        clients.connection_closed(2);
+        assert_eq!(clients.consumers_of("orders"), ["a@1"], "a closed connection's clients leave");
+        assert_eq!(notified(&mut first_queue), ["orders"], "and the others are told");
+        clients.unregister("a@1", None, Some("orders"));
+        assert!(clients.consumers_of("orders").is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_client_whose_heartbeats_stopped_leaves_its_groups() {
+        let clients = Clients::new(Duration::from_secs(120));
+        let (connection, _queue) = Connection::for_test(1);
+        clients.heartbeat(&connection, &heartbeat("a@1", &["orders"]));
+        tokio::time::advance(Duration::from_secs(121)).await;
+        clients.expire();
+        assert!(clients.consumers_of("orders").is_empty());
     }
 }

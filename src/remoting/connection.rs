@@ -56,6 +56,13 @@ impl Connection {
         self.encode(command).is_some_and(|frame| self.outbound.try_send(frame).is_ok())
     }
 
+    /// A connection whose frames land in the returned receiver (unit tests of what is pushed to clients).
+    #[cfg(test)]
+    pub fn for_test(id: u64) -> (Connection, mpsc::Receiver<Bytes>) {
+        let (outbound, queued) = mpsc::channel(OUTBOUND_QUEUE);
+        (Connection { id, peer: SocketAddr::from(([127, 0, 0, 1], 40_000)), outbound }, queued)
+    }
+
     fn encode(&self, command: RemotingCommand) -> Option<Bytes> {
         match EncodedFrame::from_command(command) {
             Ok(frame) => Some(frame.into_bytes()),

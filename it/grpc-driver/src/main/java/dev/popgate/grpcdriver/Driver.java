@@ -1,5 +1,9 @@
 package dev.popgate.grpcdriver;
 
+import dev.popgate.driver.Args;
+import dev.popgate.driver.BadArgs;
+import dev.popgate.driver.Json;
+
 import java.io.FileDescriptor;
 import java.io.FileOutputStream;
 import java.io.IOException;
@@ -798,140 +802,5 @@ public final class Driver {
             Thread.currentThread().interrupt();
         }
         return closer.isAlive() ? -1 : System.currentTimeMillis() - t0;
-    }
-
-    // ---------------------------------------------------------------------------------------------- arguments
-
-    /** A bad argument: exit code 2. */
-    static final class BadArgs extends RuntimeException {
-        BadArgs(String message) {
-            super(message);
-        }
-    }
-
-    /** Scenario arguments, from one JSON object or key=value words; unknown keys are an error (typos). */
-    static final class Args {
-        private final Map<String, Object> values;
-        private final Set<String> used = new HashSet<>();
-
-        private Args(Map<String, Object> values) {
-            this.values = values;
-        }
-
-        @SuppressWarnings("unchecked")
-        static Args parse(String[] words) {
-            Map<String, Object> m = new LinkedHashMap<>();
-            if (words.length == 1 && words[0].trim().startsWith("{")) {
-                Object v = Json.parse(words[0]);
-                if (!(v instanceof Map)) {
-                    throw new IllegalArgumentException("arguments must be a JSON object");
-                }
-                m.putAll((Map<String, Object>) v);
-            } else {
-                for (String w : words) {
-                    int eq = w.indexOf('=');
-                    if (eq <= 0) {
-                        throw new IllegalArgumentException("expected a JSON object or key=value words, got '" + w
-                            + "'");
-                    }
-                    m.put(w.substring(0, eq), w.substring(eq + 1));
-                }
-            }
-            return new Args(m);
-        }
-
-        boolean has(String key) {
-            used.add(key);
-            return values.get(key) != null;
-        }
-
-        String string(String key, String dflt) {
-            used.add(key);
-            Object v = values.get(key);
-            if (v == null) {
-                return dflt;
-            }
-            if (v instanceof Map || v instanceof List) {
-                throw new BadArgs(key + " must be a string");
-            }
-            if (v instanceof Double && ((Double) v) == Math.rint((Double) v)) {
-                return Long.toString(((Double) v).longValue());
-            }
-            return v.toString();
-        }
-
-        String required(String key) {
-            String v = string(key, null);
-            if (v == null || v.isEmpty()) {
-                throw new BadArgs("missing required argument '" + key + "'");
-            }
-            return v;
-        }
-
-        long longValue(String key, long dflt) {
-            String v = string(key, null);
-            if (v == null) {
-                return dflt;
-            }
-            try {
-                return Long.parseLong(v.trim());
-            } catch (NumberFormatException e) {
-                throw new BadArgs(key + " must be an integer, got '" + v + "'");
-            }
-        }
-
-        int integer(String key, int dflt) {
-            long v = longValue(key, dflt);
-            if (v < Integer.MIN_VALUE || v > Integer.MAX_VALUE) {
-                throw new BadArgs(key + " out of range");
-            }
-            return (int) v;
-        }
-
-        boolean bool(String key, boolean dflt) {
-            String v = string(key, null);
-            if (v == null) {
-                return dflt;
-            }
-            switch (v.trim().toLowerCase()) {
-                case "true": case "1": case "yes": return true;
-                case "false": case "0": case "no": return false;
-                default: throw new BadArgs(key + " must be true or false, got '" + v + "'");
-            }
-        }
-
-        /** A JSON array of strings, or one comma-separated string; empty when absent. */
-        List<String> list(String key) {
-            used.add(key);
-            Object v = values.get(key);
-            List<String> out = new ArrayList<>();
-            if (v == null) {
-                return out;
-            }
-            if (v instanceof List) {
-                for (Object o : (List<?>) v) {
-                    out.add(String.valueOf(o));
-                }
-                return out;
-            }
-            for (String s : string(key, "").split(",")) {
-                if (!s.trim().isEmpty()) {
-                    out.add(s.trim());
-                }
-            }
-            return out;
-        }
-
-        void rejectUnknown() {
-            List<String> unknown = new ArrayList<>();
-            for (String k : values.keySet()) {
-                if (!used.contains(k)) {
-                    unknown.add(k);
-                }
-            }
-            if (!unknown.isEmpty()) {
-                throw new BadArgs("unknown argument(s) " + unknown + "; known: " + new java.util.TreeSet<>(used));
-            }
-        }
     }
 }

@@ -1,5 +1,8 @@
 package dev.popgate.grpcdriver;
 
+import dev.popgate.driver.Args;
+import dev.popgate.driver.BadArgs;
+
 import java.nio.ByteBuffer;
 import java.time.Duration;
 import java.util.ArrayList;
@@ -88,13 +91,13 @@ final class Load {
     /** Simple mode: pollers between a non-empty receive and the end of its acks. */
     private final AtomicInteger batchesInFlight = new AtomicInteger();
 
-    private Load(Driver.Args a) {
+    private Load(Args a) {
         String endpoint = a.required("endpoint");
         topic = a.required("topic");
         group = a.required("group");
         String mode = a.string("mode", "simple");
         if (!mode.equals("simple") && !mode.equals("push")) {
-            throw new Driver.BadArgs("mode must be simple or push, got '" + mode + "'");
+            throw new BadArgs("mode must be simple or push, got '" + mode + "'");
         }
         push = mode.equals("push");
         seconds = positive(a, "seconds", 15);
@@ -108,13 +111,13 @@ final class Load {
         drainSeconds = number(a, "drainSeconds", 15);
         warmupSeconds = number(a, "warmupSeconds", 2);
         if (rate < 0 || drainSeconds < 0 || warmupSeconds < 0) {
-            throw new Driver.BadArgs("rate, drainSeconds and warmupSeconds must not be negative");
+            throw new BadArgs("rate, drainSeconds and warmupSeconds must not be negative");
         }
         config = Driver.clientConfiguration(a, endpoint);
         a.rejectUnknown();
     }
 
-    static Map<String, Object> run(Driver.Args a) throws Exception {
+    static Map<String, Object> run(Args a) throws Exception {
         return new Load(a).execute();
     }
 
@@ -564,23 +567,23 @@ final class Load {
         }
     }
 
-    private static double positive(Driver.Args a, String key, double dflt) {
+    private static double positive(Args a, String key, double dflt) {
         double v = number(a, key, dflt);
         if (!(v > 0)) {
-            throw new Driver.BadArgs(key + " must be positive");
+            throw new BadArgs(key + " must be positive");
         }
         return v;
     }
 
-    private static long atLeast(Driver.Args a, String key, int dflt, int min) {
+    private static long atLeast(Args a, String key, int dflt, int min) {
         int v = a.integer(key, dflt);
         if (v < min) {
-            throw new Driver.BadArgs(key + " must be at least " + min);
+            throw new BadArgs(key + " must be at least " + min);
         }
         return v;
     }
 
-    private static double number(Driver.Args a, String key, double dflt) {
+    private static double number(Args a, String key, double dflt) {
         String v = a.string(key, null);
         if (v == null) {
             return dflt;
@@ -588,7 +591,7 @@ final class Load {
         try {
             return Double.parseDouble(v.trim());
         } catch (NumberFormatException e) {
-            throw new Driver.BadArgs(key + " must be a number, got '" + v + "'");
+            throw new BadArgs(key + " must be a number, got '" + v + "'");
         }
     }
 }

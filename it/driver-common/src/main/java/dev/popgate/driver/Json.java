@@ -1,4 +1,4 @@
-package dev.popgate.remotingdriver;
+package dev.popgate.driver;
 
 import java.util.ArrayList;
 import java.util.LinkedHashMap;
@@ -9,7 +9,7 @@ import java.util.Map;
  * A minimal JSON reader and writer (JDK only): objects become LinkedHashMap, arrays ArrayList, numbers Long or
  * Double, plus String, Boolean and null. Enough for the driver's arguments and results.
  */
-final class Json {
+public final class Json {
     private final String s;
     private int i;
 
@@ -17,7 +17,7 @@ final class Json {
         this.s = s;
     }
 
-    static Object parse(String text) {
+    public static Object parse(String text) {
         Json p = new Json(text);
         p.ws();
         Object v = p.value();
@@ -169,7 +169,7 @@ final class Json {
         }
     }
 
-    static String write(Object v) {
+    public static String write(Object v) {
         StringBuilder b = new StringBuilder();
         write(b, v);
         return b.toString();
