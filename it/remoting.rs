@@ -73,6 +73,15 @@ fn args(namesrv: &str, mut extra: Value) -> Value {
     extra
 }
 
+/// [`args`] for a producer: a first send asks for the topic's route and opens connections, which takes
+/// seconds on a loaded machine, so a send may take 10 s (the client's default is 3 s) unless the test says.
+fn send_args(namesrv: &str, mut extra: Value) -> Value {
+    if extra.get("sendTimeoutMs").is_none() {
+        extra["sendTimeoutMs"] = json!(10_000);
+    }
+    args(namesrv, extra)
+}
+
 /// What the brokers hold in `topic`, by body, once there are at least `count` messages (at most 30 s).
 async fn stored(cluster: &Cluster, topic: &str, count: usize) -> BTreeMap<String, StoredMessage> {
     let direct = Direct::connect(&cluster.namesrv_addr).await;
@@ -103,7 +112,7 @@ async fn every_kind_of_send_is_stored_at_the_broker_with_its_properties_in_the_q
 
     let sync = json!({"topic": topic, "group": "rm_send_p", "mode": "sync", "count": 3, "bodyPrefix": "sync",
         "tag": "TagA", "keys": "k1 k2", "properties": {"color": "red"}});
-    let result = client.run("produce", &args(&namesrv, sync), DRIVER_TIMEOUT).await;
+    let result = client.run("produce", &send_args(&namesrv, sync), DRIVER_TIMEOUT).await;
     assert_eq!(result["errors"], json!([]), "{result}");
     for sent in result["sent"].as_array().expect("sent") {
         assert_eq!(sent["status"], "SEND_OK", "{result}");
@@ -122,7 +131,7 @@ async fn every_kind_of_send_is_stored_at_the_broker_with_its_properties_in_the_q
         for (k, v) in extra.as_object().expect("object") {
             run[k] = v.clone();
         }
-        let result = client.run("produce", &args(&namesrv, run), DRIVER_TIMEOUT).await;
+        let result = client.run("produce", &send_args(&namesrv, run), DRIVER_TIMEOUT).await;
         assert_eq!(result["errors"], json!([]), "{mode} {extra}: {result}");
     }
     let messages = stored(cluster, &topic, 3 + 6 * 2).await;
@@ -176,7 +185,7 @@ async fn a_push_consumer_gets_every_message_and_one_it_asks_to_reconsume_later_c
     let group = unique_topic("rm_push_g");
     create_topic(cluster, &topic).await;
     let produce = json!({"topic": topic, "group": "rm_push_p", "count": 4, "bodyPrefix": "p"});
-    let sent = client.run("produce", &args(&namesrv, produce), DRIVER_TIMEOUT).await;
+    let sent = client.run("produce", &send_args(&namesrv, produce), DRIVER_TIMEOUT).await;
     assert_eq!(sent["errors"], json!([]), "{sent}");
 
     // Every message once; "p-0" is asked to be reconsumed every time: after the group's limit of one
@@ -212,7 +221,7 @@ async fn an_orderly_push_consumer_gets_each_queue_in_order(client: RemotingClien
     create_topic(cluster, &topic).await;
     for key in ["order-a", "order-b"] {
         let produce = json!({"topic": topic, "group": "rm_order_p", "count": 10, "orderKey": key, "bodyPrefix": key});
-        let sent = client.run("produce", &args(&namesrv, produce), DRIVER_TIMEOUT).await;
+        let sent = client.run("produce", &send_args(&namesrv, produce), DRIVER_TIMEOUT).await;
         assert_eq!(sent["errors"], json!([]), "{sent}");
     }
     // The second message of order-a fails once: the queue is held and it comes back before what follows.
@@ -243,7 +252,7 @@ async fn broadcasting_consumers_each_get_every_message(client: RemotingClient) {
     let first = client.start("push-consume", &args(&namesrv, consume("one")));
     let second = client.start("push-consume", &args(&namesrv, consume("two")));
     let produce = json!({"topic": topic, "group": "rm_bcast_p", "count": 5, "bodyPrefix": "b"});
-    let sent = client.run("produce", &args(&namesrv, produce), DRIVER_TIMEOUT).await;
+    let sent = client.run("produce", &send_args(&namesrv, produce), DRIVER_TIMEOUT).await;
     assert_eq!(sent["errors"], json!([]), "{sent}");
     for consumer in [first, second] {
         let result = consumer.finish(DRIVER_TIMEOUT).await;
@@ -260,13 +269,13 @@ async fn a_lite_pull_consumer_resumes_from_its_committed_offset_after_a_restart(
     let group = unique_topic("rm_lite_g");
     create_topic(cluster, &topic).await;
     let produce = json!({"topic": topic, "group": "rm_lite_p", "count": 6, "bodyPrefix": "l"});
-    let sent = client.run("produce", &args(&namesrv, produce), DRIVER_TIMEOUT).await;
+    let sent = client.run("produce", &send_args(&namesrv, produce), DRIVER_TIMEOUT).await;
     assert_eq!(sent["errors"], json!([]), "{sent}");
     let pull = json!({"topic": topic, "group": group, "expect": 6, "autoCommit": false});
     let first = client.run("lite-pull", &args(&namesrv, pull.clone()), DRIVER_TIMEOUT).await;
     assert_eq!(first["timedOut"], false, "{first}");
     let produce = json!({"topic": topic, "group": "rm_lite_p", "count": 2, "bodyPrefix": "later"});
-    client.run("produce", &args(&namesrv, produce), DRIVER_TIMEOUT).await;
+    client.run("produce", &send_args(&namesrv, produce), DRIVER_TIMEOUT).await;
     // A new consumer of the group starts at the committed offsets: only what came after.
     let again = json!({"topic": topic, "group": group, "expect": 2, "autoCommit": false, "settleMs": 3000});
     let second = client.run("lite-pull", &args(&namesrv, again), DRIVER_TIMEOUT).await;
@@ -281,7 +290,7 @@ async fn messages_sent_over_remoting_reach_http_and_grpc_consumers_and_the_rever
     let topic = unique_topic("rm_mixed");
     create_topic(cluster, &topic).await;
     let produce = json!({"topic": topic, "group": "rm_mixed_p", "count": 3, "bodyPrefix": "r", "tag": "T"});
-    let sent = client.run("produce", &args(&namesrv, produce), DRIVER_TIMEOUT).await;
+    let sent = client.run("produce", &send_args(&namesrv, produce), DRIVER_TIMEOUT).await;
     assert_eq!(sent["errors"], json!([]), "{sent}");
 
     let over_http = popgate.poll_until("rm_mixed_http", &topic, 3, Duration::from_secs(60)).await;
@@ -425,22 +434,22 @@ async fn a_client_must_sign_with_a_token_and_may_only_do_what_the_token_allows()
     let client = RemotingClient::V5;
 
     let unsigned = json!({"topic": topic, "group": "rm_auth_p", "count": 1, "retryTimes": 0});
-    let refused = client.start("produce", &args(&namesrv, unsigned)).finish_allowing_error(DRIVER_TIMEOUT).await;
+    let refused = client.start("produce", &send_args(&namesrv, unsigned)).finish_allowing_error(DRIVER_TIMEOUT).await;
     assert!(refused.to_string().contains("AccessKey"), "an unsigned client is told why: {refused}");
 
     let wrong = json!({"topic": topic, "group": "rm_auth_p", "count": 1, "retryTimes": 0,
         "accessKey": "rm-app", "secretKey": "not-the-secret-0123456789"});
-    let refused = client.start("produce", &args(&namesrv, wrong)).finish_allowing_error(DRIVER_TIMEOUT).await;
+    let refused = client.start("produce", &send_args(&namesrv, wrong)).finish_allowing_error(DRIVER_TIMEOUT).await;
     assert!(refused.to_string().contains("Signature"), "a bad signature is refused: {refused}");
 
     let signed = json!({"topic": topic, "group": "rm_auth_p", "count": 2, "bodyPrefix": "s",
         "accessKey": "rm-app", "secretKey": "rm-app-secret-0123456789"});
-    let result = client.run("produce", &args(&namesrv, signed.clone()), DRIVER_TIMEOUT).await;
+    let result = client.run("produce", &send_args(&namesrv, signed.clone()), DRIVER_TIMEOUT).await;
     assert_eq!(result["errors"], json!([]), "a signed client is served: {result}");
     let mut other = signed.clone();
     other["topic"] = json!(unique_topic("rm_other"));
     create_topic(cluster, other["topic"].as_str().unwrap_or_default()).await;
-    let refused = client.start("produce", &args(&namesrv, other)).finish_allowing_error(DRIVER_TIMEOUT).await;
+    let refused = client.start("produce", &send_args(&namesrv, other)).finish_allowing_error(DRIVER_TIMEOUT).await;
     assert!(refused.to_string().contains("may not publish"), "another topic is not the token's: {refused}");
 
     let consume = json!({"topic": topic, "group": unique_topic("rm_auth_g"), "expect": 2,
@@ -452,26 +461,31 @@ async fn a_client_must_sign_with_a_token_and_may_only_do_what_the_token_allows()
 
 on_every_remoting_client!(
     a_send_to_a_sigstopped_broker_is_answered_in_time_for_the_client_to_retry_on_the_other,
-    a_transactional_send_is_refused_saying_so,
+    a_committed_transaction_is_stored_once_and_a_rolled_back_one_never,
+    an_undecided_transaction_is_checked_back_through_its_producer_and_committed,
+    a_commit_after_popgate_was_killed_between_send_and_commit_lands,
 );
 
 async fn a_send_to_a_sigstopped_broker_is_answered_in_time_for_the_client_to_retry_on_the_other(
     client: RemotingClient,
 ) {
     let cluster = Cluster::start(&crate::harness::rocketmq::ClusterSpec::brokers(&["broker-a", "broker-b"]));
-    // popgate gives up on a broker within 1 s, inside the client's 3 s send timeout; fault avoidance then
+    // popgate gives up on a broker within 1 s, well inside the client's send timeout; fault avoidance then
     // isolates the hung broker, and sends the client places there are refused at once.
     let config = "[publish]\nsend_timeout_ms = 1000\n\n[fault_avoidance]\nnetwork_error_isolation_ms = 30000\n";
     let (popgate, namesrv) = popgate_with_remoting(&cluster, config).await;
     let topic = unique_topic("rm_stop");
     create_topic(&cluster, &topic).await;
     let warm = json!({"topic": topic, "group": "rm_stop_p", "count": 4, "bodyPrefix": "warm"});
-    let warmed = client.run("produce", &args(&namesrv, warm), DRIVER_TIMEOUT).await;
+    let warmed = client.run("produce", &send_args(&namesrv, warm), DRIVER_TIMEOUT).await;
     assert_eq!(warmed["errors"], json!([]), "{warmed}");
 
     cluster.pause_broker("broker-b");
-    let sends = json!({"topic": topic, "group": "rm_stop_p", "count": 8, "bodyPrefix": "s", "retryTimes": 2});
-    let result = client.run("produce", &args(&namesrv, sends), DRIVER_TIMEOUT).await;
+    // The client waits 6 s for each send: popgate gives up on the hung broker after 1 s, so the client's retry
+    // on the other broker fits even on a loaded machine.
+    let sends = json!({"topic": topic, "group": "rm_stop_p", "count": 8, "bodyPrefix": "s", "retryTimes": 2,
+        "sendTimeoutMs": 6000});
+    let result = client.run("produce", &send_args(&namesrv, sends), DRIVER_TIMEOUT).await;
     cluster.resume_broker("broker-b");
     assert_eq!(result["errors"], json!([]), "every send landed, retried by the client on broker-a: {result}");
     for sent in result["sent"].as_array().expect("sent") {
@@ -489,19 +503,92 @@ async fn a_send_to_a_sigstopped_broker_is_answered_in_time_for_the_client_to_ret
     );
 }
 
-async fn a_transactional_send_is_refused_saying_so(client: RemotingClient) {
+/// The bodies stored in `topic` now, sorted.
+async fn stored_bodies(cluster: &Cluster, topic: &str) -> Vec<String> {
+    let direct = Direct::connect(&cluster.namesrv_addr).await;
+    let mut bodies: Vec<String> = direct
+        .try_read_all(topic)
+        .await
+        .unwrap_or_default()
+        .into_iter()
+        .map(|m| String::from_utf8_lossy(&m.body).into_owned())
+        .collect();
+    bodies.sort();
+    bodies
+}
+
+async fn a_committed_transaction_is_stored_once_and_a_rolled_back_one_never(client: RemotingClient) {
     let cluster = shared_cluster();
-    let (_popgate, namesrv) = popgate_with_remoting(cluster, "").await;
+    let (popgate, namesrv) = popgate_with_remoting(cluster, "").await;
     let topic = unique_topic("rm_tx");
     crate::transaction::create_transaction_topic(cluster, &topic).await;
-    let transact = json!({"topic": topic, "group": "rm_tx_p", "resolution": "commit"});
-    let result = client.start("transact", &args(&namesrv, transact)).finish_allowing_error(DRIVER_TIMEOUT).await;
+    for (resolution, prefix) in [("commit", "kept"), ("rollback", "dropped")] {
+        let transact = json!({"topic": topic, "group": "rm_tx_p", "resolution": resolution, "bodyPrefix": prefix,
+            "checkResolution": "unknown"});
+        let result = client.run("transact", &send_args(&namesrv, transact), DRIVER_TIMEOUT).await;
+        assert_eq!(result["errors"], json!([]), "{resolution}: {result}");
+        assert_eq!(result["sent"][0]["status"], "SEND_OK", "{result}");
+    }
+    eventually(Duration::from_secs(20), "the committed message is stored", || async {
+        !stored_bodies(cluster, &topic).await.is_empty()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(stored_bodies(cluster, &topic).await, ["kept-0"], "the commit once, the rollback never");
+    // Ended from popgate's record at once, not left to the broker's check-back as Apache's proxy leaves it.
+    assert!(popgate.metric("popgate_transactions_ended_total{resolution=\"commit\",result=\"landed\"}").await >= 1.0);
+    assert!(popgate.metric("popgate_transactions_ended_total{resolution=\"rollback\",result=\"landed\"}").await >= 1.0);
+}
+
+async fn an_undecided_transaction_is_checked_back_through_its_producer_and_committed(client: RemotingClient) {
+    let mut spec = crate::harness::rocketmq::ClusterSpec::brokers(&["broker-a"]);
+    spec.broker_conf = vec!["transactionTimeOut=3000".into(), "transactionCheckInterval=3000".into()];
+    let cluster = Cluster::start(&spec);
+    let (popgate, namesrv) = popgate_with_remoting(&cluster, "").await;
+    let topic = unique_topic("rm_tx_check");
+    crate::transaction::create_transaction_topic(&cluster, &topic).await;
+    let transact = json!({"topic": topic, "group": "rm_tx_check_p", "resolution": "unknown",
+        "checkResolution": "commit", "bodyPrefix": "checked", "lingerMs": 20000});
+    let producer = client.start("transact", &send_args(&namesrv, transact));
+    eventually(Duration::from_secs(60), "the checked-back message is committed", || async {
+        !stored_bodies(&cluster, &topic).await.is_empty()
+    })
+    .await;
+    let result = producer.finish(DRIVER_TIMEOUT).await;
+    let checks = result["checks"].as_array().cloned().unwrap_or_default();
+    assert!(!checks.is_empty(), "the producer was asked: {result}");
+    assert_eq!(checks[0]["body"], "checked-0", "about its own message: {result}");
+    assert_eq!(checks[0]["uniqKey"], result["sent"][0]["msgId"], "{result}");
+    assert_eq!(stored_bodies(&cluster, &topic).await, ["checked-0"], "stored once");
     assert!(
-        result.to_string().contains("transactional messages are not served by popgate's remoting front yet"),
-        "the app is told at once: {result}"
+        popgate.metric("popgate_transaction_check_answers_total{front=\"remoting\",answer=\"commit\"}").await >= 1.0
     );
-    let direct = Direct::connect(&cluster.namesrv_addr).await;
-    assert!(direct.try_read_all(&topic).await.unwrap_or_default().is_empty(), "nothing stored");
+}
+
+async fn a_commit_after_popgate_was_killed_between_send_and_commit_lands(client: RemotingClient) {
+    let cluster = shared_cluster();
+    let (mut popgate, namesrv) = popgate_with_remoting(cluster, "").await;
+    let topic = unique_topic("rm_tx_kill");
+    crate::transaction::create_transaction_topic(cluster, &topic).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let end_now = dir.path().join("end");
+    let transact = json!({"topic": topic, "group": "rm_tx_kill_p", "resolution": "commit", "bodyPrefix": "survived",
+        "checkResolution": "unknown", "endWhenFile": end_now, "lingerMs": 3000, "timeoutMs": 120000});
+    let producer = client.start("transact", &send_args(&namesrv, transact));
+    eventually(Duration::from_secs(60), "the half message was sent", || async {
+        popgate.metric("popgate_publish_requests_total{result=\"ok\",transport=\"remoting\"}").await >= 1.0
+    })
+    .await;
+    popgate.kill9();
+    popgate.restart().await;
+    std::fs::write(&end_now, b"").expect("write");
+    let result = producer.finish(DRIVER_TIMEOUT).await;
+    assert_eq!(result["errors"], json!([]), "{result}");
+    eventually(Duration::from_secs(20), "the commit landed", || async {
+        !stored_bodies(cluster, &topic).await.is_empty()
+    })
+    .await;
+    assert_eq!(stored_bodies(cluster, &topic).await, ["survived-0"], "stored once");
 }
 
 /// A `SEND_MESSAGE_V2` of one message with id `uniq_key` to queue 0 of `broker`, as a client makes it.

@@ -138,8 +138,12 @@ pub async fn serve(
         let stopped = async move {
             let _ = stop.wait_for(|stop| *stop).await;
         };
-        let parts =
-            crate::remoting::Parts { publisher: publisher.clone(), broker: broker.clone(), tokens: tokens.clone() };
+        let parts = crate::remoting::Parts {
+            publisher: publisher.clone(),
+            broker: broker.clone(),
+            tokens: tokens.clone(),
+            transactions: transactions.clone(),
+        };
         let front = crate::remoting::serve(listener, advertised, parts, config.clone(), stopped);
         tokio::spawn(async move {
             if let Err(error) = front.await {

@@ -292,7 +292,7 @@ fn register_zeroes() {
         metrics::counter!(TRANSACTIONS_ENDED, "resolution" => resolution, "result" => result).increment(0);
     }
     metrics::gauge!(TRANSACTIONS_OWED).set(0.0);
-    for front in ["http", "grpc"] {
+    for front in ["http", "grpc", "remoting"] {
         for answer in ["commit", "rollback", "unknown", "failed"] {
             metrics::counter!(TRANSACTION_CHECK_ANSWERS, "front" => front, "answer" => answer).increment(0);
         }

@@ -18,7 +18,9 @@ pub use crate::config::names::{is_valid_name, MAX_NAME_LEN};
 
 /// Property names the broker (or popgate) gives meaning to; a user property may not take one of them.
 pub fn is_reserved_property(name: &str) -> bool {
-    rocketmq_model::common::message::STRING_HASH_SET.contains(name) || name == super::transaction::PROPERTY_HTTP_CHECKER
+    rocketmq_model::common::message::STRING_HASH_SET.contains(name)
+        || name == super::transaction::PROPERTY_HTTP_CHECKER
+        || name == super::transaction::PROPERTY_REMOTING_GROUP
 }
 
 /// One message to send: body, routing attributes and properties (user and system ones popgate sets).

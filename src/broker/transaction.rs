@@ -40,6 +40,10 @@ pub const PROPERTY_PRODUCER_GROUP: &str = "PGROUP";
 /// It travels in the message, so any popgate the broker asks can find the checker; it is reserved, so
 /// consumers through popgate never see it.
 pub const PROPERTY_HTTP_CHECKER: &str = "__POPGATE_TX_CHECKER";
+/// popgate's property naming, in a half message a remoting producer sent, that producer's own group: popgate
+/// sends the half message under its own transactional group (the broker checks back with popgate), and asks
+/// a live producer of this group when the broker does. Reserved like the one above.
+pub const PROPERTY_REMOTING_GROUP: &str = "__POPGATE_TX_REMOTING_GROUP";
 /// The topic attribute that says which message types a topic takes (`mqadmin updateTopic -a +message.type=…`).
 const MESSAGE_TYPE_ATTRIBUTE: &str = "message.type";
 
@@ -227,6 +231,47 @@ pub struct OrphanCheck {
     pub event: PoppedEvent,
     /// The HTTP checker its producer named, if any ([`PROPERTY_HTTP_CHECKER`]).
     pub http_checker: Option<String>,
+    /// What a remoting producer is asked, when one sent it ([`PROPERTY_REMOTING_GROUP`]).
+    pub remoting: Option<RemotingCheck>,
+}
+
+/// A check-back as a remoting producer is asked it (`CHECK_TRANSACTION_STATE`): its header fields, and the
+/// half message as the broker would have sent it to that producer.
+#[derive(Debug, Clone)]
+pub struct RemotingCheck {
+    /// The producer's own group: who is asked.
+    pub producer_group: String,
+    /// The half message, encoded as a broker sends it, with the producer's group as its `PGROUP` (the
+    /// client picks the producer to ask by it) and without popgate's own properties.
+    pub encoded: bytes::Bytes,
+    /// The broker's message id of the half message as stored now.
+    pub offset_message_id: String,
+    /// Its offset in the broker's half topic now.
+    pub tran_state_table_offset: i64,
+    /// Its commit-log offset now.
+    pub commit_log_offset: i64,
+}
+
+/// The remoting producer's check of `message`, when a remoting producer (of the group in `group`) sent it.
+fn remoting_check(message: &MessageExt, group: String) -> Option<RemotingCheck> {
+    let mut as_sent = message.clone();
+    as_sent.put_property(CheetahString::from(PROPERTY_PRODUCER_GROUP), CheetahString::from(group.as_str()));
+    as_sent.clear_property(PROPERTY_REMOTING_GROUP);
+    as_sent.clear_property(PROPERTY_HTTP_CHECKER);
+    let encoded = match rocketmq_protocol::common::message::message_decoder::encode(&as_sent, false) {
+        Ok(encoded) => encoded,
+        Err(error) => {
+            tracing::warn!(%error, "A half message could not be encoded for its remoting producer's check.");
+            return None;
+        }
+    };
+    Some(RemotingCheck {
+        producer_group: group,
+        encoded,
+        offset_message_id: message.msg_id().to_string(),
+        tran_state_table_offset: message.queue_offset(),
+        commit_log_offset: message.commit_log_offset(),
+    })
 }
 
 /// Most check-backs waiting to be handled; more are dropped (the broker asks again at its next pass).
@@ -296,6 +341,7 @@ impl TransactionListener for ForwardChecks {
             half,
             event: super::consumer::event_of(message, &topic, None),
             http_checker: property(PROPERTY_HTTP_CHECKER),
+            remoting: property(PROPERTY_REMOTING_GROUP).and_then(|group| remoting_check(message, group)),
         };
         if self.0.try_send(check).is_err() {
             tracing::warn!("Too many transaction check-backs waiting; the broker will ask again.");

@@ -168,6 +168,16 @@ impl Clients {
         members
     }
 
+    /// The connection of the producer of `group` that sent a heartbeat last, if one is connected.
+    pub fn producer_connection(&self, group: &str) -> Option<Connection> {
+        let clients = self.clients.lock();
+        clients
+            .values()
+            .filter(|c| c.producer_groups.contains(group))
+            .max_by_key(|c| c.last_heartbeat)
+            .map(|c| c.connection.clone())
+    }
+
     fn expire(&self) {
         let expiry = self.expiry;
         self.remove_where(|client| client.last_heartbeat.elapsed() > expiry);

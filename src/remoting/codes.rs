@@ -13,7 +13,9 @@ pub(super) const GET_EARLIEST_MSG_STORETIME: i32 = 32;
 pub(super) const HEART_BEAT: i32 = 34;
 pub(super) const UNREGISTER_CLIENT: i32 = 35;
 pub(super) const CONSUMER_SEND_MSG_BACK: i32 = 36;
+pub(super) const END_TRANSACTION: i32 = 37;
 pub(super) const GET_CONSUMER_LIST_BY_GROUP: i32 = 38;
+pub(super) const CHECK_TRANSACTION_STATE: i32 = 39;
 pub(super) const NOTIFY_CONSUMER_IDS_CHANGED: i32 = 40;
 pub(super) const LOCK_BATCH_MQ: i32 = 41;
 pub(super) const UNLOCK_BATCH_MQ: i32 = 42;
@@ -50,6 +52,7 @@ pub(super) const SERVED: &[(i32, &str)] = &[
     (HEART_BEAT, "heart_beat"),
     (UNREGISTER_CLIENT, "unregister_client"),
     (CONSUMER_SEND_MSG_BACK, "consumer_send_msg_back"),
+    (END_TRANSACTION, "end_transaction"),
     (GET_CONSUMER_LIST_BY_GROUP, "get_consumer_list_by_group"),
     (LOCK_BATCH_MQ, "lock_batch_mq"),
     (UNLOCK_BATCH_MQ, "unlock_batch_mq"),

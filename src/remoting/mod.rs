@@ -12,6 +12,7 @@
 //! connection (frames) ──▶ service::Front ──▶ route ────▶ the name server (routes rewritten)
 //!                                        ├─▶ clients ──▶ heartbeats, group membership, pushes to clients
 //!                                        ├─▶ send ─────▶ publish::Publisher
+//!                                        ├─▶ transaction ▶ transaction::Transactions (ends, check-backs)
 //!                                        └─▶ relay ────▶ the broker of the queue
 //! ```
 //!
@@ -25,6 +26,7 @@ mod relay;
 mod route;
 mod send;
 mod service;
+mod transaction;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -35,6 +37,7 @@ use crate::auth::TokenTable;
 use crate::broker::BrokerClient;
 use crate::config::Config;
 use crate::publish::Publisher;
+use crate::transaction::Transactions;
 
 /// The layers the front calls, and who may call it.
 pub struct Parts {
@@ -44,6 +47,8 @@ pub struct Parts {
     pub broker: Arc<BrokerClient>,
     /// The tokens.
     pub tokens: Arc<TokenTable>,
+    /// Transactional messages' records.
+    pub transactions: Arc<Transactions>,
 }
 
 /// Serves the remoting front on `listener` until `shutdown` resolves; `advertised` is the address clients are
@@ -59,6 +64,9 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let front = Arc::new(service::Front::new(parts, config, advertised));
+    // The brokers' check-backs of remoting producers' transactions are asked of those producers.
+    let forwarder: std::sync::Weak<dyn crate::transaction::CheckForwarder> = Arc::downgrade(&front) as _;
+    front.transactions.add_forwarder(forwarder);
     tokio::spawn(clients::expiry_loop(Arc::downgrade(&front.clients)));
     connection::accept_loop(listener, front, shutdown).await
 }

@@ -7,6 +7,11 @@
 //! is its own: the reliability profile's store-status rule, de-duplication of a client's retry by the
 //! message's id (`UNIQ_KEY`; a batch by its content), fault accounting, metrics and auth.
 //!
+//! A transactional producer's half message is sent under popgate's transactional group and recorded as the
+//! other fronts' are (see `transaction`), so its `END_TRANSACTION` ends it from popgate's record, after a
+//! popgate restart too, and the broker's check-backs come to popgate, which asks a live producer of the
+//! client's group (`super::transaction`).
+//!
 //! A client before 4.9.5 does not name the broker in its send; popgate then uses the one broker of the topic
 //! with that queue, or, when several have it, places the message by its own policy.
 
@@ -30,11 +35,14 @@ use crate::broker::message::{is_reserved_property, ClientWire, PROPERTY_UNIQ_KEY
 use crate::broker::{SendReceipt, StoreStatus};
 use crate::metrics as m;
 use crate::publish::{OutgoingMessage, Placement, PublishError, SendMode};
+use crate::transaction::PROPERTY_REMOTING_GROUP;
 
 /// The property popgate keeps for itself among the reserved ones: a client may not set it.
 const POPGATE_PROPERTY_PREFIX: &str = "__POPGATE";
-/// The property of a transactional half message (`MessageConst.PROPERTY_TRANSACTION_PREPARED`).
+/// The properties of a transactional half message (`MessageConst.PROPERTY_TRANSACTION_PREPARED`,
+/// `PROPERTY_PRODUCER_GROUP`).
 const PROPERTY_TRANSACTION_PREPARED: &str = "TRAN_MSG";
+const PROPERTY_PRODUCER_GROUP: &str = "PGROUP";
 /// The retry topic of a consumer group: a consumer's fallback when a send-back fails.
 const RETRY_TOPIC_PREFIX: &str = "%RETRY%";
 
@@ -67,11 +75,20 @@ async fn send_checked(front: &Front, caller: &Caller, request: &RemotingCommand)
         counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
         return error(codes::NO_PERMISSION, format!("may not publish to `{}`", message.topic));
     }
+    let transactional = is_half(&header, &message);
+    let mut message = message;
+    if transactional {
+        as_popgates_half(&mut message, front.transactions.producer_group());
+    }
     let placement = placement(front, &header).await;
     let mode = if request.is_oneway_rpc() { SendMode::Oneway } else { SendMode::Sync };
     let key = dedup_key(&message);
     match front.publisher.publish_once_at(&message, &placement, mode, None, key.as_deref()).await {
         Ok(published) => match published.receipt {
+            Some(receipt) if transactional => match record_half(front, &message, &receipt).await {
+                Ok(()) => stored(&receipt),
+                Err(why) => error(codes::SYSTEM_ERROR, format!("the transaction could not be recorded: {why}")),
+            },
             Some(receipt) => stored(&receipt),
             None => RemotingCommand::create_success_response_command(),
         },
@@ -103,14 +120,6 @@ fn to_outgoing(header: &SendMessageRequestHeader, request: &RemotingCommand) -> 
             format!("the message property {name} is reserved by popgate"),
         ));
     }
-    let transactional = header.sys_flag & MessageSysFlag::TRANSACTION_PREPARED_TYPE != 0
-        || properties.get(PROPERTY_TRANSACTION_PREPARED).is_some_and(|v| v == "true");
-    if transactional {
-        return Err(Refusal::new(
-            codes::MESSAGE_ILLEGAL,
-            "transactional messages are not served by popgate's remoting front yet: send them over gRPC or HTTP",
-        ));
-    }
     let body = request.body().cloned().unwrap_or_default();
     let mut message = OutgoingMessage::new(header.topic.to_string(), body);
     message.properties = properties;
@@ -125,6 +134,36 @@ fn to_outgoing(header: &SendMessageRequestHeader, request: &RemotingCommand) -> 
         unit_mode: header.unit_mode,
     });
     Ok(message)
+}
+
+/// Whether the client sent a transactional half message (`TransactionMQProducer`).
+fn is_half(header: &SendMessageRequestHeader, message: &OutgoingMessage) -> bool {
+    header.sys_flag & MessageSysFlag::TRANSACTION_PREPARED_TYPE != 0
+        || message.properties.get(PROPERTY_TRANSACTION_PREPARED).is_some_and(|v| v == "true")
+}
+
+/// A client's half message as popgate sends it: under popgate's transactional group (`PGROUP` and the
+/// header's), so the broker checks it back with popgate, which asks a live producer of the client's group
+/// (kept in popgate's property) and ends it with popgate's durable record.
+fn as_popgates_half(message: &mut OutgoingMessage, popgate_group: &str) {
+    let client_group = message
+        .properties
+        .get(PROPERTY_PRODUCER_GROUP)
+        .cloned()
+        .or_else(|| message.wire.as_ref().map(|w| w.producer_group.clone()))
+        .unwrap_or_default();
+    message.properties.insert(PROPERTY_REMOTING_GROUP.to_owned(), client_group);
+    message.properties.insert(PROPERTY_PRODUCER_GROUP.to_owned(), popgate_group.to_owned());
+    if let Some(wire) = message.wire.as_mut() {
+        wire.producer_group = popgate_group.to_owned();
+    }
+}
+
+/// The record that lets any popgate end the transaction, written before the send is answered.
+async fn record_half(front: &Front, message: &OutgoingMessage, receipt: &SendReceipt) -> Result<(), String> {
+    let group = front.transactions.producer_group();
+    let half = front.publisher.half_message(&message.topic, group, Some(receipt)).await?;
+    front.transactions.record(half).await.map_err(|e| e.to_string())
 }
 
 /// The client's queue, at the broker it names; for a client that names none, at the only broker of the topic

@@ -12,18 +12,20 @@ use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
 use super::clients::Clients;
 use super::codes;
 use super::connection::Connection;
-use super::{auth, relay, route, send, Parts};
+use super::{auth, relay, route, send, transaction, Parts};
 use crate::auth::{Caller, TokenTable};
 use crate::broker::BrokerClient;
 use crate::config::Config;
 use crate::metrics as m;
 use crate::publish::Publisher;
+use crate::transaction::Transactions;
 
 /// The remoting front's shared state.
 pub(super) struct Front {
     pub publisher: Arc<Publisher>,
     pub broker: Arc<BrokerClient>,
     pub tokens: Arc<TokenTable>,
+    pub transactions: Arc<Transactions>,
     pub config: Arc<Config>,
     pub clients: Arc<Clients>,
     /// The address clients are given as every broker's.
@@ -47,6 +49,7 @@ impl Front {
             publisher: parts.publisher,
             broker: parts.broker,
             tokens: parts.tokens,
+            transactions: parts.transactions,
             clients: Arc::new(Clients::new(expiry)),
             config,
             advertised,
@@ -97,6 +100,7 @@ impl Front {
             codes::SEND_MESSAGE | codes::SEND_MESSAGE_V2 | codes::SEND_BATCH_MESSAGE => {
                 send::send_message(self, caller, request).await
             }
+            codes::END_TRANSACTION => transaction::end_transaction(self, caller, &request).await,
             codes::HEART_BEAT => relay::heartbeat(self, connection, caller, &request).await,
             codes::UNREGISTER_CLIENT => relay::unregister(self, &request),
             codes::GET_CONSUMER_LIST_BY_GROUP => relay::consumer_list(self, caller, &request),

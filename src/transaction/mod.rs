@@ -33,7 +33,7 @@ use rand::Rng;
 pub use self::record::{State, TransactionRecord};
 use crate::broker::client::now_millis;
 pub use crate::broker::consumer::PoppedEvent as Event;
-pub use crate::broker::transaction::{mark_half, HalfMessage, Resolution};
+pub use crate::broker::transaction::{mark_half, HalfMessage, RemotingCheck, Resolution, PROPERTY_REMOTING_GROUP};
 use crate::broker::transaction::{CheckBacks, OrphanCheck};
 use crate::broker::{BrokerClient, BrokerError};
 use crate::config::TransactionConfig;
@@ -101,6 +101,8 @@ pub struct Orphan {
     pub event: Event,
     /// The HTTP checker its producer named when it sent it (`transactions.checkers`), if any.
     pub http_checker: Option<String>,
+    /// What its producer is asked when a remoting producer sent it.
+    pub remoting: Option<RemotingCheck>,
 }
 
 /// Where check-backs go: a front that can ask a live producer of the topic. The producer's answer comes back as
@@ -281,7 +283,7 @@ impl Transactions {
     /// any other is recorded with the offsets the broker names now (a record made here lets a producer on
     /// this popgate end a transaction sent through another) and asked of a producer of its topic.
     async fn on_check(&self, check: OrphanCheck) {
-        let OrphanCheck { mut half, event, http_checker } = check;
+        let OrphanCheck { mut half, event, http_checker, remoting } = check;
         let id = half.message_id.clone();
         let Ok(_claim) = self.claim(&id).await else { return };
         half.broker_name = self.broker_name_at(&half).await.unwrap_or_default();
@@ -324,7 +326,7 @@ impl Transactions {
             tracing::warn!(%error, transaction = %id, "Could not record a checked-back transaction; the broker will ask again.");
             return;
         }
-        let orphan = Orphan { transaction_id: id, event, http_checker };
+        let orphan = Orphan { transaction_id: id, event, http_checker, remoting };
         let forwarders: Vec<_> = self.forwarders.lock().iter().filter_map(std::sync::Weak::upgrade).collect();
         let forwarded = forwarders.iter().any(|f| f.forward(&orphan));
         let outcome = if forwarded { "forwarded" } else { "no_producer" };

@@ -966,7 +966,8 @@ public final class Driver {
      * A TransactionMQProducer sends `count` half messages with sendMessageInTransaction; executeLocalTransaction
      * answers `resolution` (commit | rollback | unknown), checkLocalTransaction answers `checkResolution` (default
      * commit) and records every check-back. The producer then stays up `lingerMs`, and, with `holdFile`, until that
-     * file exists (at most until `timeoutMs` from the start: "holdTimedOut").
+     * file exists (at most until `timeoutMs` from the start: "holdTimedOut"). With `endWhenFile`, each local
+     * transaction waits until that file exists before it answers (so before the end is sent).
      */
     private static Map<String, Object> transact(Args a, long startMs) throws Exception {
         Common c = Common.parse(a);
@@ -979,8 +980,10 @@ public final class Driver {
         LocalTransactionState check = transactionState(a.string("checkResolution", "commit"), "checkResolution");
         long lingerMs = a.longValue("lingerMs", 0);
         String holdFile = a.string("holdFile", null);
+        String endWhenFile = a.string("endWhenFile", null);
         int sendTimeoutMs = a.integer("sendTimeoutMs", 3000);
         a.rejectUnknown();
+        long endWaitDeadline = startMs + c.timeoutMs;
 
         Map<String, Object> out = new LinkedHashMap<>();
         out.put("startMs", startMs);
@@ -992,6 +995,17 @@ public final class Driver {
         producer.setTransactionListener(new TransactionListener() {
             @Override
             public LocalTransactionState executeLocalTransaction(Message msg, Object arg) {
+                // With endWhenFile, the local transaction "runs" until that file exists: the half message is
+                // stored and the end not yet sent (a test restarts popgate meanwhile).
+                while (endWhenFile != null && !new java.io.File(endWhenFile).exists()
+                    && System.currentTimeMillis() < endWaitDeadline) {
+                    try {
+                        Thread.sleep(50);
+                    } catch (InterruptedException e) {
+                        Thread.currentThread().interrupt();
+                        break;
+                    }
+                }
                 return local;
             }
 
