@@ -146,8 +146,12 @@ async fn load(popgate: &Popgate) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_dashboard_panel_query_returns_data_from_a_real_prometheus() {
     let cluster = shared_cluster();
-    let config = "[delivery]\nlease_ms = 10000\npop_poll_ms = 500\ngauge_refresh_ms = 500\n";
-    let popgate = Popgate::start(&cluster.namesrv_addr, config).await;
+    // The remoting front on too, so its panels have series.
+    let remoting = format!("127.0.0.1:{}", crate::harness::free_port());
+    let config = format!(
+        "[delivery]\nlease_ms = 10000\npop_poll_ms = 500\ngauge_refresh_ms = 500\n\n[remoting]\nlisten = \"{remoting}\"\n"
+    );
+    let popgate = Popgate::start(&cluster.namesrv_addr, &config).await;
     let target = popgate.base.trim_start_matches("http://").to_owned();
     let prometheus = Prometheus::start(&target);
     eventually(Duration::from_secs(30), "prometheus scrapes popgate", || async {

@@ -116,40 +116,24 @@ pub async fn serve(
     let config = Arc::new(config);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let grpc_server = grpc.map(|(listener, tls)| {
-        let mut stop = stop_rx.clone();
-        let stopped = async move {
-            let _ = stop.wait_for(|stop| *stop).await;
-        };
         let parts = crate::grpc::Parts {
             publisher: publisher.clone(),
             dispatcher: dispatcher.clone(),
             transactions: transactions.clone(),
             tokens: tokens.clone(),
         };
-        let front = crate::grpc::serve(listener, tls, parts, config.clone(), stopped);
-        tokio::spawn(async move {
-            if let Err(error) = front.await {
-                tracing::error!(%error, "The gRPC front stopped.");
-            }
-        })
+        let front = crate::grpc::serve(listener, tls, parts, config.clone(), stop_asked(&stop_rx));
+        spawn_front("gRPC", front)
     });
     let remoting_server = remoting.map(|(listener, advertised)| {
-        let mut stop = stop_rx.clone();
-        let stopped = async move {
-            let _ = stop.wait_for(|stop| *stop).await;
-        };
         let parts = crate::remoting::Parts {
             publisher: publisher.clone(),
             broker: broker.clone(),
             tokens: tokens.clone(),
             transactions: transactions.clone(),
         };
-        let front = crate::remoting::serve(listener, advertised, parts, config.clone(), stopped);
-        tokio::spawn(async move {
-            if let Err(error) = front.await {
-                tracing::error!(%error, "The remoting front stopped.");
-            }
-        })
+        let front = crate::remoting::serve(listener, advertised, parts, config.clone(), stop_asked(&stop_rx));
+        spawn_front("remoting", front)
     });
     let state = AppState {
         dlq: Arc::new(DlqAdmin::new(broker.clone(), publisher.clone(), store)),
@@ -213,6 +197,26 @@ pub async fn serve(
         broker.shutdown().await;
     }
     result.map_err(AppError::from)
+}
+
+/// Resolves once shutdown is asked for.
+fn stop_asked(stop: &tokio::sync::watch::Receiver<bool>) -> impl Future<Output = ()> + Send + 'static {
+    let mut stop = stop.clone();
+    async move {
+        let _ = stop.wait_for(|stop| *stop).await;
+    }
+}
+
+/// Runs a front's server on a task of its own; a failure is logged, and the other fronts go on.
+fn spawn_front<E: std::fmt::Display>(
+    name: &'static str,
+    front: impl Future<Output = Result<(), E>> + Send + 'static,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        if let Err(error) = front.await {
+            tracing::error!(%error, "The {name} front stopped.");
+        }
+    })
 }
 
 /// Binds the gRPC front's port and loads (or generates) its certificate, when the front is on.

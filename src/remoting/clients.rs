@@ -76,6 +76,8 @@ impl Kind {
 struct Client {
     connection: Connection,
     last_heartbeat: Instant,
+    /// The digest of the heartbeat last passed on to the brokers, and when.
+    forwarded: Option<([u8; 32], Instant)>,
     producer_groups: BTreeSet<String>,
     consumer_groups: BTreeMap<String, Kind>,
 }
@@ -111,6 +113,7 @@ impl Clients {
             let client = clients.entry(heartbeat.client_id.clone()).or_insert_with(|| Client {
                 connection: connection.clone(),
                 last_heartbeat: Instant::now(),
+                forwarded: None,
                 producer_groups: BTreeSet::new(),
                 consumer_groups: BTreeMap::new(),
             });
@@ -166,6 +169,19 @@ impl Clients {
             clients.iter().filter(|(_, c)| c.consumer_groups.contains_key(group)).map(|(id, _)| id.clone()).collect();
         members.sort();
         members
+    }
+
+    /// Whether `client_id`'s heartbeat (of digest `digest`) is to be passed on to the brokers: when it changed,
+    /// or the last one passed on is `interval` old. A client sends the same heartbeat once per broker of its
+    /// routes, and all of them reach popgate. Kept with the client, so it goes when the client does.
+    pub fn should_forward(&self, client_id: &str, digest: [u8; 32], interval: Duration) -> bool {
+        let mut clients = self.clients.lock();
+        let Some(client) = clients.get_mut(client_id) else { return true };
+        let fresh = client.forwarded.is_some_and(|(seen, at)| seen == digest && at.elapsed() < interval);
+        if !fresh {
+            client.forwarded = Some((digest, Instant::now()));
+        }
+        !fresh
     }
 
     /// The connection of the producer of `group` that sent a heartbeat last, if one is connected.
@@ -292,6 +308,19 @@ mod tests {
         assert_eq!(notified(&mut first_queue), ["orders"], "and the others are told");
         clients.unregister("a@1", None, Some("orders"));
         assert!(clients.consumers_of("orders").is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_same_heartbeat_is_passed_on_once_per_interval_and_a_changed_one_at_once() {
+        let clients = Clients::new(Duration::from_secs(120));
+        let (connection, _queue) = Connection::for_test(1);
+        clients.heartbeat(&connection, &heartbeat("a@1", &["orders"]));
+        let interval = Duration::from_secs(20);
+        assert!(clients.should_forward("a@1", [1; 32], interval));
+        assert!(!clients.should_forward("a@1", [1; 32], interval), "the same one, once per broker of its routes");
+        assert!(clients.should_forward("a@1", [2; 32], interval), "a changed subscription goes at once");
+        tokio::time::advance(Duration::from_secs(21)).await;
+        assert!(clients.should_forward("a@1", [2; 32], interval), "and the same one again after the interval");
     }
 
     #[tokio::test(start_paused = true)]

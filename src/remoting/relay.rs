@@ -8,7 +8,7 @@
 //! brokers cannot be told apart, and the request is refused saying so.
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use metrics::counter;
 use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
@@ -52,21 +52,12 @@ pub(super) async fn heartbeat(
         return error(codes::NO_PERMISSION, format!("may not consume as group `{}`", group.group_name));
     }
     front.clients.heartbeat(connection, &heartbeat);
-    if !heartbeat.consumer_data_set.is_empty() && should_forward(front, &heartbeat.client_id, body) {
+    let digest: [u8; 32] = sha2::Sha256::digest(body).into();
+    let forward = front.clients.should_forward(&heartbeat.client_id, digest, HEARTBEAT_FORWARD_INTERVAL);
+    if !heartbeat.consumer_data_set.is_empty() && forward {
         forward_to_masters(front, request).await;
     }
     RemotingCommand::create_success_response_command()
-}
-
-fn should_forward(front: &Front, client_id: &str, body: &[u8]) -> bool {
-    let digest: [u8; 32] = sha2::Sha256::digest(body).into();
-    let mut forwarded = front.forwarded_heartbeats.lock();
-    let fresh =
-        forwarded.get(client_id).is_some_and(|(seen, at)| *seen == digest && at.elapsed() < HEARTBEAT_FORWARD_INTERVAL);
-    if !fresh {
-        forwarded.insert(client_id.to_owned(), (digest, Instant::now()));
-    }
-    !fresh
 }
 
 /// Passes `request` on to every master broker, and waits for their answers (a pull right after start-up
@@ -100,7 +91,6 @@ pub(super) fn unregister(front: &Front, request: &RemotingCommand) -> RemotingCo
         return error(codes::SYSTEM_ERROR, "UNREGISTER_CLIENT without clientID");
     };
     front.clients.unregister(client_id, field(request, "producerGroup"), field(request, "consumerGroup"));
-    front.forwarded_heartbeats.lock().remove(client_id);
     RemotingCommand::create_success_response_command()
 }
 

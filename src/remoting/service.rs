@@ -30,8 +30,6 @@ pub(super) struct Front {
     pub clients: Arc<Clients>,
     /// The address clients are given as every broker's.
     pub advertised: String,
-    /// Consumer heartbeats already passed on to the brokers, by client id: (body digest, when).
-    pub forwarded_heartbeats: Mutex<HashMap<String, ([u8; 32], Instant)>>,
     /// The cluster's master brokers (name to address), and when they were asked for.
     masters: Mutex<Option<(Instant, HashMap<String, String>)>>,
 }
@@ -53,7 +51,6 @@ impl Front {
             clients: Arc::new(Clients::new(expiry)),
             config,
             advertised,
-            forwarded_heartbeats: Mutex::new(HashMap::new()),
             masters: Mutex::new(None),
         }
     }
