@@ -204,6 +204,27 @@ pub enum StoreStatus {
 }
 
 impl StoreStatus {
+    /// The status a broker's answer to `SEND_MESSAGE` with response code `code` means; `None` for a refusal.
+    pub fn of_response_code(code: i32) -> Option<StoreStatus> {
+        match code {
+            CODE_SUCCESS => Some(StoreStatus::SendOk),
+            CODE_FLUSH_DISK_TIMEOUT => Some(StoreStatus::FlushDiskTimeout),
+            CODE_FLUSH_SLAVE_TIMEOUT => Some(StoreStatus::FlushSlaveTimeout),
+            CODE_SLAVE_NOT_AVAILABLE => Some(StoreStatus::SlaveNotAvailable),
+            _ => None,
+        }
+    }
+
+    /// The response code a broker answers a send stored this way with (the inverse of `of_response_code`).
+    pub fn response_code(self) -> i32 {
+        match self {
+            StoreStatus::SendOk => CODE_SUCCESS,
+            StoreStatus::FlushDiskTimeout => CODE_FLUSH_DISK_TIMEOUT,
+            StoreStatus::FlushSlaveTimeout => CODE_FLUSH_SLAVE_TIMEOUT,
+            StoreStatus::SlaveNotAvailable => CODE_SLAVE_NOT_AVAILABLE,
+        }
+    }
+
     /// RocketMQ's name for the status, as returned to HTTP clients.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -443,15 +464,9 @@ impl BrokerClient {
         .await
         .map_err(|_| BrokerError::Timeout(timeout))?
         .map_err(|e| BrokerError::from_client(e, timeout))?;
-        let status = match response.code() {
-            CODE_SUCCESS => StoreStatus::SendOk,
-            CODE_FLUSH_DISK_TIMEOUT => StoreStatus::FlushDiskTimeout,
-            CODE_FLUSH_SLAVE_TIMEOUT => StoreStatus::FlushSlaveTimeout,
-            CODE_SLAVE_NOT_AVAILABLE => StoreStatus::SlaveNotAvailable,
-            code => {
-                let detail = response.remark().map(ToString::to_string).unwrap_or_default();
-                return Err(BrokerError::Response { code, detail });
-            }
+        let Some(status) = StoreStatus::of_response_code(response.code()) else {
+            let detail = response.remark().map(ToString::to_string).unwrap_or_default();
+            return Err(BrokerError::Response { code: response.code(), detail });
         };
         let field = |name: &str| response.ext_fields().and_then(|f| f.get(name)).map(ToString::to_string);
         Ok(SendReceipt {

@@ -32,6 +32,7 @@ use super::codes;
 use super::service::{error, Front, Refusal};
 use crate::auth::{Action, Caller};
 use crate::broker::message::{is_reserved_property, ClientWire, PROPERTY_UNIQ_KEY};
+use crate::broker::transaction::{PROPERTY_PRODUCER_GROUP, PROPERTY_TRANSACTION_PREPARED};
 use crate::broker::{SendReceipt, StoreStatus};
 use crate::metrics as m;
 use crate::publish::{OutgoingMessage, Placement, PublishError, SendMode};
@@ -39,10 +40,6 @@ use crate::transaction::PROPERTY_REMOTING_GROUP;
 
 /// The property popgate keeps for itself among the reserved ones: a client may not set it.
 const POPGATE_PROPERTY_PREFIX: &str = "__POPGATE";
-/// The properties of a transactional half message (`MessageConst.PROPERTY_TRANSACTION_PREPARED`,
-/// `PROPERTY_PRODUCER_GROUP`).
-const PROPERTY_TRANSACTION_PREPARED: &str = "TRAN_MSG";
-const PROPERTY_PRODUCER_GROUP: &str = "PGROUP";
 /// The retry topic of a consumer group: a consumer's fallback when a send-back fails.
 const RETRY_TOPIC_PREFIX: &str = "%RETRY%";
 
@@ -50,7 +47,7 @@ pub(super) async fn send_message(front: &Front, caller: &Caller, request: Remoti
     let started = Instant::now();
     let answer = send_checked(front, caller, &request).await;
     let result = match answer.code() {
-        codes::SUCCESS | 10..=12 => "ok",
+        code if StoreStatus::of_response_code(code).is_some() => "ok",
         codes::TOPIC_NOT_EXIST => "not_found",
         codes::MESSAGE_ILLEGAL => "bad_request",
         // Counted in `popgate_requests_rejected_total`, as the other fronts' refusals are.
@@ -198,13 +195,7 @@ fn dedup_key(message: &OutgoingMessage) -> Option<String> {
 
 /// The broker's answer to a stored message, as the client reads it (`SendMessageResponseHeader`).
 fn stored(receipt: &SendReceipt) -> RemotingCommand {
-    let code = match receipt.status {
-        StoreStatus::SendOk => codes::SUCCESS,
-        StoreStatus::FlushDiskTimeout => 10,
-        StoreStatus::SlaveNotAvailable => 11,
-        StoreStatus::FlushSlaveTimeout => 12,
-    };
-    let mut answer = RemotingCommand::create_response_command_with_code(code);
+    let mut answer = RemotingCommand::create_response_command_with_code(receipt.status.response_code());
     answer.add_ext_field("msgId", receipt.offset_message_id.clone().unwrap_or_else(|| receipt.message_id.clone()));
     answer.add_ext_field("queueId", receipt.queue_id.to_string());
     answer.add_ext_field("queueOffset", receipt.queue_offset.to_string());
