@@ -11,8 +11,8 @@ for sdk_version in 5.0.3 5.2.0; do
   it/grpc-driver/build.sh "$sdk_version" >/dev/null
 done
 # The remoting tests drive Apache's remoting Java client (rocketmq-client), a 4.9.x and the newest 5.x, through
-# it/remoting-driver, built the same way.
-for client_version in 4.9.8 5.4.0; do
+# it/remoting-driver, built the same way (and 5.1.0, the oldest whose POP consumer popgate serves).
+for client_version in 4.9.8 5.1.0 5.4.0; do
   it/remoting-driver/build.sh "$client_version" >/dev/null
 done
 # The bench's smoke run (part of --all-targets) also starts Apache's own gRPC proxy: fetch its jars up front.

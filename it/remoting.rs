@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::harness::direct::{Direct, StoredMessage};
+use crate::harness::direct::{Direct, DirectConsumer, StoredMessage};
 use crate::harness::popgate::Popgate;
 use crate::harness::remoting::RemotingClient;
 use crate::harness::rocketmq::Cluster;
@@ -48,6 +48,28 @@ on_every_remoting_client!(
     broadcasting_consumers_each_get_every_message,
     a_lite_pull_consumer_resumes_from_its_committed_offset_after_a_restart,
     messages_sent_over_remoting_reach_http_and_grpc_consumers_and_the_reverse,
+);
+
+/// Runs each POP consumer scenario under every client version that consumes by POP, as a test of its own.
+macro_rules! on_every_pop_client {
+    ($($scenario:ident),* $(,)?) => {$(
+        mod $scenario {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn client_5_1_0() {
+                super::$scenario(crate::harness::remoting::RemotingClient::V5_1).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn client_5_4_0() {
+                super::$scenario(crate::harness::remoting::RemotingClient::V5).await;
+            }
+        }
+    )*};
+}
+
+on_every_pop_client!(
+    a_pop_consumer_acks_with_handles_issued_before_popgate_was_killed_and_nothing_is_delivered_twice,
+    a_pop_consumers_reconsume_later_comes_back_on_popgates_backoff_then_goes_to_the_dlq,
 );
 
 /// popgate with its remoting front on a port of its own; the address is what clients set as `namesrvAddr`.
@@ -638,4 +660,234 @@ async fn a_clients_retry_of_a_stored_send_to_another_broker_is_answered_with_the
     assert_eq!(again.len(), 1, "stored once: {:?}", stored.keys());
     assert_eq!(again[0].broker, "broker-a");
     assert!(popgate.metric("popgate_publish_deduplicated_total").await >= 1.0);
+}
+
+/// The listener's deliveries of each body, in arrival order.
+fn received_by_body(result: &Value) -> BTreeMap<String, Vec<Value>> {
+    let mut by_body: BTreeMap<String, Vec<Value>> = BTreeMap::new();
+    for entry in result["received"].as_array().into_iter().flatten() {
+        by_body.entry(entry["body"].as_str().unwrap_or_default().to_owned()).or_default().push(entry.clone());
+    }
+    by_body
+}
+
+/// The arguments of a push consumer that consumes by POP (`setClientRebalance(false)`).
+fn pop_consumer_args(namesrv: &str, mut extra: Value) -> Value {
+    extra["clientRebalance"] = json!(false);
+    args(namesrv, extra)
+}
+
+async fn a_pop_consumer_acks_with_handles_issued_before_popgate_was_killed_and_nothing_is_delivered_twice(
+    client: RemotingClient,
+) {
+    let cluster = shared_cluster();
+    // A short broker lease: a message whose ACK were lost would come back from the broker within seconds.
+    let (mut popgate, namesrv) = popgate_with_remoting(cluster, "[delivery]\nlease_ms = 5000\n").await;
+    let topic = unique_topic("rm_pop_kill");
+    let group = unique_topic("rm_pop_kill_g");
+    create_topic(cluster, &topic).await;
+    let bodies_sent: Vec<String> = (0..4).map(|n| format!("k-{n}")).collect();
+    popgate.publish_bodies(&topic, &bodies_sent).await;
+
+    // Each listener call holds its message for 25 s: past popgate's restart, well within the 60 s invisible
+    // time the client asks for. The driver counts a message when its listener call starts, and then settles
+    // for 30 s: the calls end and their ACKs are sent before the consumer shuts down.
+    let consume = json!({"topic": topic, "group": group, "expect": 4, "holdMs": 25_000, "settleMs": 30_000,
+        "popInvisibleTimeMs": 60_000, "timeoutMs": 150_000});
+    let consumer = client.start("push-consume", &pop_consumer_args(&namesrv, consume));
+    eventually(Duration::from_secs(90), "the listener holds all four", || async {
+        let (_, body) = popgate.get_json(&format!("/admin/deliveries?group={group}")).await;
+        body["deliveries"].as_array().is_some_and(|d| d.len() == 4 && d.iter().all(|d| d["phase"] == "awaiting_ack"))
+    })
+    .await;
+    // The client hands popped messages to its listener threads a moment later.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    popgate.restart().await;
+
+    let result = consumer.finish(DRIVER_TIMEOUT).await;
+    assert_eq!(result["timedOut"], false, "{result}");
+    let by_body = received_by_body(&result);
+    for body in &bodies_sent {
+        let deliveries = by_body.get(body).map(Vec::as_slice).unwrap_or_default();
+        assert_eq!(deliveries.len(), 1, "{body} reached the listener exactly once: {result}");
+        let pop_ck = deliveries[0]["properties"]["POP_CK"].as_str().unwrap_or_default();
+        assert!(pop_ck.contains(" pgr:"), "the message carries popgate's handle: {pop_ck}");
+        assert_eq!(deliveries[0]["reconsumeTimes"], 0, "{result}");
+        assert_eq!(deliveries[0]["topic"], topic.as_str(), "{result}");
+    }
+    eventually(Duration::from_secs(20), "the post-crash ACKs are settled at the broker", || async {
+        popgate.get_json(&format!("/admin/deliveries?group={group}")).await.1["deliveries"]
+            .as_array()
+            .is_some_and(Vec::is_empty)
+    })
+    .await;
+    assert!(popgate.metric("popgate_acks_total{result=\"acked\"}").await >= 4.0, "the restarted popgate took the ACKs");
+    assert!(
+        popgate.metric("popgate_remoting_requests_total{code=\"ack_message\",result=\"ok\"}").await >= 4.0,
+        "four ACK_MESSAGE answered SUCCESS"
+    );
+    drop(popgate);
+    // Past the 5 s lease: an unACKed message would be back at the broker by now.
+    let again =
+        DirectConsumer::connect(&cluster.namesrv_addr).await.drain(&group, &topic, Duration::from_secs(10)).await;
+    assert_eq!(again, Vec::<String>::new(), "nothing comes back from the broker");
+}
+
+async fn a_pop_consumers_reconsume_later_comes_back_on_popgates_backoff_then_goes_to_the_dlq(client: RemotingClient) {
+    let cluster = shared_cluster();
+    let (popgate, namesrv) = popgate_with_remoting(cluster, "").await;
+    let topic = unique_topic("rm_pop_dlq");
+    let group = unique_topic("rm_pop_dlq_g");
+    create_topic(cluster, &topic).await;
+    let produce = json!({"topic": topic, "group": "rm_pop_dlq_p", "count": 3, "bodyPrefix": "b", "tag": "TagA",
+        "keys": "k1 k2", "properties": {"color": "red"}});
+    let sent = client.run("produce", &send_args(&namesrv, produce), DRIVER_TIMEOUT).await;
+    assert_eq!(sent["errors"], json!([]), "{sent}");
+
+    // "b-1" fails every time: 6 attempts on popgate's backoff (1 s, 2 s, 4 s, 8 s, 16 s, ±20 %), then the DLQ.
+    let consume = json!({"topic": topic, "group": group, "subExpression": "TagA", "expect": 3, "failBodies": ["b-1"],
+        "failTimes": 99, "settleMs": 45_000, "timeoutMs": 150_000});
+    let result = client.run("push-consume", &pop_consumer_args(&namesrv, consume), DRIVER_TIMEOUT).await;
+    assert_eq!(result["timedOut"], false, "{result}");
+    let by_body = received_by_body(&result);
+    for body in ["b-0", "b-2"] {
+        assert_eq!(by_body[body].len(), 1, "{body} once: {result}");
+        let delivered = &by_body[body][0];
+        assert_eq!(delivered["tags"], "TagA", "{result}");
+        assert_eq!(delivered["keys"], "k1 k2", "{result}");
+        assert_eq!(delivered["properties"]["color"], "red", "{result}");
+    }
+    let sent_ids = ids_of(&sent);
+    assert!(sent_ids.contains(&by_body["b-0"][0]["msgId"].as_str().unwrap_or_default().to_owned()), "{result}");
+    let bad = &by_body["b-1"];
+    assert_eq!(bad.len(), 6, "6 attempts in all: {result}");
+    let reconsumed: Vec<i64> = bad.iter().map(|e| e["reconsumeTimes"].as_i64().unwrap_or(-1)).collect();
+    assert_eq!(reconsumed, [0, 1, 2, 3, 4, 5], "popgate counts the attempts: {result}");
+    let at: Vec<i64> = bad.iter().map(|e| e["atMs"].as_i64().unwrap_or(0)).collect();
+    for (n, pair) in at.windows(2).enumerate() {
+        let expected = 1_000i64 << n;
+        let gap = pair[1] - pair[0];
+        // ±20 % jitter; the upper bound also allows for a loaded machine's POP and listener latency.
+        assert!(
+            gap >= expected * 8 / 10 - 100 && gap <= expected * 12 / 10 + 2_000,
+            "retry {} after {gap} ms, not {expected} ms ±20 %: {at:?}",
+            n + 1
+        );
+    }
+    let dead = stored(cluster, &format!("%DLQ%{group}"), 1).await;
+    assert_eq!(dead.keys().collect::<Vec<_>>(), ["b-1"], "only b-1 is in the group's DLQ");
+    assert_eq!(dead["b-1"].property("DLQ_ORIGIN_TOPIC"), Some(topic.as_str()));
+    assert!(popgate.metric(&format!("popgate_dlq_messages_total{{group=\"{group}\"}}")).await >= 1.0);
+    assert!(
+        popgate.metric("popgate_remoting_requests_total{code=\"change_message_invisibletime\",result=\"ok\"}").await
+            >= 5.0
+    );
+}
+
+/// A request with `fields` as its header, as a 5.4.0 client makes it.
+fn raw_request(code: i32, fields: &[(&str, &str)]) -> RemotingCommand {
+    let mut request = RemotingCommand::create_remoting_command(code);
+    for (name, value) in fields {
+        request.add_ext_field(*name, *value);
+    }
+    request
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pop_requests_are_answered_as_a_pop_broker_answers_them_and_what_popgate_cannot_settle_is_refused_clearly() {
+    let cluster = shared_cluster();
+    let (popgate, namesrv) = popgate_with_remoting(cluster, "").await;
+    let topic = unique_topic("rm_pop_raw");
+    let group = unique_topic("rm_pop_raw_g");
+    create_topic(cluster, &topic).await;
+    let mut stream = TcpStream::connect(&namesrv).await.expect("connect");
+
+    // QUERY_ASSIGNMENT: every broker of the topic, one POP queue each.
+    let query = json!({"topic": topic, "consumerGroup": group, "clientId": "raw@1", "strategyName": "AVG",
+        "messageModel": "CLUSTERING"});
+    let ask_assignment = raw_request(400, &[]).set_body(query.to_string().into_bytes());
+    let answer = ask(&mut stream, ask_assignment).await.expect("answered");
+    assert_eq!(answer.code(), 0, "{:?}", answer.remark());
+    let body: Value = serde_json::from_slice(answer.body().expect("a body")).expect("json");
+    let mut assigned: Vec<(String, String, i64)> = body["messageQueueAssignments"]
+        .as_array()
+        .expect("assignments")
+        .iter()
+        .map(|a| {
+            let queue = &a["messageQueue"];
+            (
+                queue["brokerName"].as_str().unwrap_or_default().to_owned(),
+                a["mode"].to_string(),
+                queue["queueId"].as_i64().unwrap_or(0),
+            )
+        })
+        .collect();
+    assigned.sort();
+    let expected: Vec<(String, String, i64)> =
+        ["broker-a", "broker-b"].iter().map(|b| ((*b).to_owned(), "\"POP\"".to_owned(), -1)).collect();
+    assert_eq!(assigned, expected);
+
+    // A POP that asks for more than the broker's 32.
+    let pop = |max: &str| {
+        raw_request(
+            200050,
+            &[
+                ("consumerGroup", group.as_str()),
+                ("topic", topic.as_str()),
+                ("queueId", "-1"),
+                ("maxMsgNums", max),
+                ("invisibleTime", "60000"),
+                ("pollTime", "0"),
+                ("bornTime", "0"),
+                ("initMode", "0"),
+                ("bname", "broker-a"),
+            ],
+        )
+    };
+    let answer = ask(&mut stream, pop("33")).await.expect("answered");
+    assert_eq!(answer.code(), 29, "INVALID_PARAMETER: {:?}", answer.remark());
+    // Nothing to pop: POLLING_TIMEOUT, with the header the client decodes.
+    let answer = ask(&mut stream, pop("32")).await.expect("answered");
+    assert_eq!(answer.code(), 210, "POLLING_TIMEOUT: {:?}", answer.remark());
+    let header = answer.ext_fields().expect("a header");
+    for field in ["popTime", "invisibleTime", "reviveQid", "restNum"] {
+        assert!(header.contains_key(field), "{field} in {header:?}");
+    }
+
+    // An ACK of a message popped elsewhere (a broker's own POP_CK, no popgate handle).
+    let foreign = raw_request(
+        200051,
+        &[
+            ("consumerGroup", group.as_str()),
+            ("topic", topic.as_str()),
+            ("queueId", "0"),
+            ("offset", "0"),
+            ("extraInfo", "0 1796000000000 60000 0 0 broker-a 0 0"),
+            ("bname", "broker-a"),
+        ],
+    );
+    let answer = ask(&mut stream, foreign).await.expect("answered");
+    assert_eq!(answer.code(), 29, "INVALID_PARAMETER: {:?}", answer.remark());
+    // A handle popgate issued once but holds no more.
+    let gone = raw_request(
+        200051,
+        &[
+            ("consumerGroup", group.as_str()),
+            ("topic", topic.as_str()),
+            ("queueId", "0"),
+            ("offset", "0"),
+            ("extraInfo", "0 1796000000000 60000 0 0 broker-a 0 0 pgr:00ff.1"),
+            ("bname", "broker-a"),
+        ],
+    );
+    let answer = ask(&mut stream, gone).await.expect("answered");
+    assert_eq!(answer.code(), 208, "NO_MESSAGE: {:?}", answer.remark());
+    // BATCH_ACK_MESSAGE (sent by proxies, not clients).
+    let answer = ask(&mut stream, raw_request(200151, &[]).set_body(b"{}".to_vec())).await.expect("answered");
+    assert_eq!(answer.code(), 3, "REQUEST_CODE_NOT_SUPPORTED: {:?}", answer.remark());
+    assert!(
+        popgate.metric("popgate_remoting_requests_total{code=\"pop_message\",result=\"invalid_parameter\"}").await
+            >= 1.0
+    );
+    assert!(popgate.metric("popgate_remoting_requests_total{code=\"ack_message\",result=\"no_message\"}").await >= 1.0);
 }

@@ -129,6 +129,7 @@ pub async fn serve(
         let parts = crate::remoting::Parts {
             publisher: publisher.clone(),
             broker: broker.clone(),
+            dispatcher: dispatcher.clone(),
             tokens: tokens.clone(),
             transactions: transactions.clone(),
         };

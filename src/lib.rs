@@ -62,9 +62,9 @@ mod layering {
         ("dlq", &["api", "app", "auth", "cli"]),
         ("api", &["app", "broker", "cli", "grpc", "remoting"]),
         ("grpc", &["api", "app", "broker", "cli", "dlq", "remoting", "store"]),
-        // The remoting front relays consumers' queue requests to their broker as they are: it names the broker
-        // for that, and for the message type it forwards, but nothing of popgate's state.
-        ("remoting", &["api", "app", "cli", "delivery", "dlq", "grpc", "store"]),
+        // The remoting front relays pull consumers' queue requests to their broker as they are: it names the
+        // broker for that, and for the message type it forwards; POP consumers it serves from the delivery core.
+        ("remoting", &["api", "app", "cli", "dlq", "grpc", "store"]),
         // Transaction records live in the state store, their ends go to the brokers; the fronts call it.
         ("transaction", &["api", "app", "auth", "cli", "delivery", "dlq", "grpc", "publish", "reliability"]),
     ];

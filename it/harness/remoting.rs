@@ -3,7 +3,9 @@
 //! in `it/remoting-driver`: one scenario per process, its JSON result on stdout, as for the gRPC SDK
 //! ([`super::sdk`]). Each scenario runs under [`RemotingClient::ALL`]: a 4.9.x client (the apps most
 //! deployed) and the newest 5.x one; they differ in what they send (4.9.5 started naming the broker in its
-//! requests; 5.x sends `LITE_PULL_MESSAGE` for lite pull consumers).
+//! requests; 5.x sends `LITE_PULL_MESSAGE` for lite pull consumers). Consumers that consume by POP are 5.x
+//! only: their scenarios run under [`RemotingClient::POP`], the oldest client that keeps popgate's handle
+//! (5.1.0) and the newest.
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -23,14 +25,24 @@ impl RemotingClient {
     pub const V4: RemotingClient = RemotingClient("4.9.8");
     /// The newest 5.x client that resolves here.
     pub const V5: RemotingClient = RemotingClient("5.4.0");
+    /// The oldest client whose POP consumer keeps the handle popgate puts in a message (`POP_CK`).
+    pub const V5_1: RemotingClient = RemotingClient("5.1.0");
     /// Every version each scenario runs under.
     pub const ALL: [RemotingClient; 2] = [RemotingClient::V4, RemotingClient::V5];
+    /// Every version each POP consumer scenario runs under (4.x clients cannot consume by POP).
+    pub const POP: [RemotingClient; 2] = [RemotingClient::V5_1, RemotingClient::V5];
 
     /// The driver jar for this version, built by `it/remoting-driver/build.sh <version>` when missing or stale
     /// (idempotent, cached under `$HOME`; `docker/test.sh` builds every version up front).
     pub fn driver_jar(self) -> &'static PathBuf {
         static JARS: OnceLock<Vec<(RemotingClient, PathBuf)>> = OnceLock::new();
-        let jars = JARS.get_or_init(|| RemotingClient::ALL.iter().map(|c| (*c, c.build())).collect());
+        let jars = JARS.get_or_init(|| {
+            let mut every: Vec<RemotingClient> = RemotingClient::ALL.into_iter().chain(RemotingClient::POP).collect();
+            every.dedup();
+            every.sort_by_key(|c| c.0);
+            every.dedup();
+            every.into_iter().map(|c| (c, c.build())).collect()
+        });
         &jars.iter().find(|(client, _)| *client == self).expect("a tested client version").1
     }
 

@@ -88,6 +88,10 @@ pub struct StoredFacts {
     /// `DELAY`, `TIMER_DELIVER_MS`, `TIMER_DELAY_SEC`, `TRACE_CONTEXT` (only those present).
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub system: BTreeMap<String, String>,
+    /// Its offset in the broker's commit log (with `store_host`, the broker's message id).
+    pub commit_log_offset: i64,
+    /// The producer's flag (`Message.flag`).
+    pub flag: i32,
 }
 
 /// The system properties kept in [`StoredFacts::system`].
@@ -104,6 +108,8 @@ impl StoredFacts {
             store_timestamp: message.store_timestamp(),
             queue_id: message.queue_id(),
             queue_offset: message.queue_offset(),
+            commit_log_offset: message.commit_log_offset(),
+            flag: message.flag(),
             system: DESCRIBING_PROPERTIES
                 .iter()
                 .filter_map(|name| Some(((*name).to_owned(), property(name)?)))

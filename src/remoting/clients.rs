@@ -171,6 +171,15 @@ impl Clients {
         members
     }
 
+    /// The id of the client on connection `connection_id` that said in its heartbeat it consumes as `group`.
+    pub fn consumer_on(&self, connection_id: u64, group: &str) -> Option<String> {
+        let clients = self.clients.lock();
+        clients
+            .iter()
+            .find(|(_, c)| c.connection.id == connection_id && c.consumer_groups.contains_key(group))
+            .map(|(id, _)| id.clone())
+    }
+
     /// Whether `client_id`'s heartbeat (of digest `digest`) is to be passed on to the brokers: when it changed,
     /// or the last one passed on is `interval` old. A client sends the same heartbeat once per broker of its
     /// routes, and all of them reach popgate. Kept with the client, so it goes when the client does.
@@ -261,6 +270,7 @@ mod tests {
     use tokio::sync::mpsc;
 
     use super::*;
+    use crate::remoting::connection::Outbound;
 
     fn heartbeat(client_id: &str, consumer_groups: &[&str]) -> Heartbeat {
         let body = serde_json::json!({
@@ -275,10 +285,10 @@ mod tests {
     }
 
     /// The groups named by the NOTIFY_CONSUMER_IDS_CHANGED pushes queued so far.
-    fn notified(queued: &mut mpsc::Receiver<bytes::Bytes>) -> Vec<String> {
+    fn notified(queued: &mut mpsc::Receiver<Outbound>) -> Vec<String> {
         let mut groups = Vec::new();
-        while let Ok(frame) = queued.try_recv() {
-            let mut buffer = BytesMut::from(&frame[..]);
+        while let Ok(outbound) = queued.try_recv() {
+            let mut buffer = BytesMut::from(&outbound.frame()[..]);
             let push = RemotingCommand::decode(&mut buffer).expect("decodes").expect("a whole frame");
             assert_eq!(push.code(), codes::NOTIFY_CONSUMER_IDS_CHANGED);
             assert!(push.is_oneway_rpc(), "a push is one-way");

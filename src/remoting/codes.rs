@@ -24,6 +24,11 @@ pub(super) const GET_ROUTEINFO_BY_TOPIC: i32 = 105;
 pub(super) const SEND_MESSAGE_V2: i32 = 310;
 pub(super) const SEND_BATCH_MESSAGE: i32 = 320;
 pub(super) const LITE_PULL_MESSAGE: i32 = 361;
+pub(super) const QUERY_ASSIGNMENT: i32 = 400;
+pub(super) const POP_MESSAGE: i32 = 200050;
+pub(super) const ACK_MESSAGE: i32 = 200051;
+pub(super) const CHANGE_MESSAGE_INVISIBLETIME: i32 = 200053;
+pub(super) const BATCH_ACK_MESSAGE: i32 = 200151;
 
 // Response codes.
 pub(super) const SUCCESS: i32 = 0;
@@ -38,6 +43,10 @@ pub(super) const PULL_NOT_FOUND: i32 = 19;
 pub(super) const PULL_RETRY_IMMEDIATELY: i32 = 20;
 pub(super) const PULL_OFFSET_MOVED: i32 = 21;
 pub(super) const QUERY_NOT_FOUND: i32 = 22;
+pub(super) const SUBSCRIPTION_PARSE_FAILED: i32 = 23;
+pub(super) const INVALID_PARAMETER: i32 = 29;
+pub(super) const NO_MESSAGE: i32 = 208;
+pub(super) const POLLING_TIMEOUT: i32 = 210;
 
 /// Every request code the front serves, with its metric label (RocketMQ's name, lower case).
 pub(super) const SERVED: &[(i32, &str)] = &[
@@ -61,6 +70,10 @@ pub(super) const SERVED: &[(i32, &str)] = &[
     (SEND_MESSAGE_V2, "send_message_v2"),
     (SEND_BATCH_MESSAGE, "send_batch_message"),
     (LITE_PULL_MESSAGE, "lite_pull_message"),
+    (QUERY_ASSIGNMENT, "query_assignment"),
+    (POP_MESSAGE, "pop_message"),
+    (ACK_MESSAGE, "ack_message"),
+    (CHANGE_MESSAGE_INVISIBLETIME, "change_message_invisibletime"),
 ];
 
 /// The label of request code `code` in the front's metrics; `other` for a code it does not serve.
@@ -69,10 +82,12 @@ pub(super) fn request_label(code: i32) -> &'static str {
 }
 
 /// The result label of an answer with response code `code`: `ok` for what a client takes as a normal answer
-/// (a pull that found nothing, an offset the broker does not have yet), else the code's name.
+/// (a pull or POP that found nothing, an offset the broker does not have yet), else the code's name.
 pub(super) fn result_label(code: i32) -> &'static str {
     match code {
-        SUCCESS | PULL_NOT_FOUND | PULL_RETRY_IMMEDIATELY | PULL_OFFSET_MOVED | QUERY_NOT_FOUND => "ok",
+        SUCCESS | PULL_NOT_FOUND | PULL_RETRY_IMMEDIATELY | PULL_OFFSET_MOVED | QUERY_NOT_FOUND | POLLING_TIMEOUT => {
+            "ok"
+        }
         SYSTEM_ERROR => "system_error",
         SYSTEM_BUSY => "system_busy",
         REQUEST_CODE_NOT_SUPPORTED => "not_supported",
@@ -80,6 +95,9 @@ pub(super) fn result_label(code: i32) -> &'static str {
         SERVICE_NOT_AVAILABLE => "service_not_available",
         NO_PERMISSION => "no_permission",
         TOPIC_NOT_EXIST => "topic_not_exist",
+        SUBSCRIPTION_PARSE_FAILED => "subscription_parse_failed",
+        INVALID_PARAMETER => "invalid_parameter",
+        NO_MESSAGE => "no_message",
         _ => "other_error",
     }
 }

@@ -21,7 +21,7 @@ use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
 use rocketmq_protocol::protocol::LanguageCode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::{mpsc, oneshot, Semaphore};
 
 use super::service::Front;
 use crate::metrics as m;
@@ -38,27 +38,58 @@ pub(super) struct Connection {
     pub id: u64,
     /// The client's address.
     pub peer: SocketAddr,
-    outbound: mpsc::Sender<Bytes>,
+    outbound: mpsc::Sender<Outbound>,
+}
+
+/// A frame to write, and who wants to know when it was.
+#[derive(Debug)]
+pub(super) struct Outbound {
+    frame: Bytes,
+    written: Option<oneshot::Sender<()>>,
+}
+
+impl Outbound {
+    /// The frame (unit tests of what is pushed to clients).
+    #[cfg(test)]
+    pub fn frame(&self) -> &Bytes {
+        &self.frame
+    }
 }
 
 impl Connection {
     /// Writes an answer to the client, waiting while its queue is full; `false` when the connection is gone.
     pub async fn answer(&self, command: RemotingCommand) -> bool {
         match self.encode(command) {
-            Some(frame) => self.outbound.send(frame).await.is_ok(),
+            Some(frame) => self.outbound.send(Outbound { frame, written: None }).await.is_ok(),
             None => false,
         }
+    }
+
+    /// Writes an answer and waits until it has been written to the socket; `false` when it was not (the
+    /// connection went first).
+    pub async fn answer_written(&self, command: RemotingCommand) -> bool {
+        let Some(frame) = self.encode(command) else { return false };
+        let (written, wrote) = oneshot::channel();
+        if self.outbound.send(Outbound { frame, written: Some(written) }).await.is_err() {
+            return false;
+        }
+        wrote.await.is_ok()
     }
 
     /// Writes one of popgate's own one-way pushes, unless the client's queue is full (a client that does not
     /// read its answers will not read a push either); `false` when it was not queued.
     pub fn push(&self, command: RemotingCommand) -> bool {
-        self.encode(command).is_some_and(|frame| self.outbound.try_send(frame).is_ok())
+        self.encode(command).is_some_and(|frame| self.outbound.try_send(Outbound { frame, written: None }).is_ok())
+    }
+
+    /// Resolves when the connection has closed.
+    pub async fn closed(&self) {
+        self.outbound.closed().await;
     }
 
     /// A connection whose frames land in the returned receiver (unit tests of what is pushed to clients).
     #[cfg(test)]
-    pub fn for_test(id: u64) -> (Connection, mpsc::Receiver<Bytes>) {
+    pub fn for_test(id: u64) -> (Connection, mpsc::Receiver<Outbound>) {
         let (outbound, queued) = mpsc::channel(OUTBOUND_QUEUE);
         (Connection { id, peer: SocketAddr::from(([127, 0, 0, 1], 40_000)), outbound }, queued)
     }
@@ -176,19 +207,28 @@ fn dispatch(front: &Arc<Front>, connection: &Connection, request: RemotingComman
     tokio::spawn(async move {
         let oneway = request.is_oneway_rpc();
         let opaque = request.opaque();
-        let answer = front.serve(&connection, request).await;
-        if let (Some(answer), false) = (answer, oneway) {
-            // A 4.9.3 client has no language code for RUST, the crate's default.
-            let answer = answer.set_opaque(opaque).set_language(LanguageCode::JAVA).mark_response_type();
-            connection.answer(answer).await;
+        let Some(reply) = front.serve(&connection, request).await else { return };
+        // A 4.9.3 client has no language code for RUST, the crate's default.
+        let answer = reply.command.set_opaque(opaque).set_language(LanguageCode::JAVA).mark_response_type();
+        let written = match (oneway, reply.handed.is_empty()) {
+            (true, _) => false,
+            (false, true) => connection.answer(answer).await,
+            // An answer that hands out deliveries: whether it left decides what becomes of them.
+            (false, false) => connection.answer_written(answer).await,
+        };
+        if !reply.handed.is_empty() || !reply.unsent.is_empty() {
+            front.after_reply(reply.handed, reply.unsent, written).await;
         }
     });
 }
 
-async fn write_loop(mut writer: tokio::net::tcp::OwnedWriteHalf, mut queued: mpsc::Receiver<Bytes>) {
-    while let Some(frame) = queued.recv().await {
+async fn write_loop(mut writer: tokio::net::tcp::OwnedWriteHalf, mut queued: mpsc::Receiver<Outbound>) {
+    while let Some(Outbound { frame, written }) = queued.recv().await {
         if writer.write_all(&frame).await.is_err() {
             return;
+        }
+        if let Some(written) = written {
+            let _ = written.send(());
         }
     }
     let _ = writer.shutdown().await;

@@ -7,12 +7,14 @@
 //! requests come here too. As its broker it sends producers' messages through popgate's publish path, keeps
 //! the clients' heartbeats (consumer group membership, rebalance notifications), and relays consumer
 //! requests (pulls, offsets, queue locks, send-backs) to the broker owning the queue, which must answer them.
+//! Consumers that consume by POP (5.x clients with `setClientRebalance(false)`) are served from the delivery core.
 //!
 //! ```text
 //! connection (frames) ──▶ service::Front ──▶ route ────▶ the name server (routes rewritten)
 //!                                        ├─▶ clients ──▶ heartbeats, group membership, pushes to clients
 //!                                        ├─▶ send ─────▶ publish::Publisher
 //!                                        ├─▶ transaction ▶ transaction::Transactions (ends, check-backs)
+//!                                        ├─▶ pop ──────▶ delivery::Dispatcher (POP, ACK, retry)
 //!                                        └─▶ relay ────▶ the broker of the queue
 //! ```
 //!
@@ -22,6 +24,7 @@ mod auth;
 mod clients;
 mod codes;
 mod connection;
+mod pop;
 mod relay;
 mod route;
 mod send;
@@ -36,6 +39,7 @@ use tokio::net::TcpListener;
 use crate::auth::TokenTable;
 use crate::broker::BrokerClient;
 use crate::config::Config;
+use crate::delivery::Dispatcher;
 use crate::publish::Publisher;
 use crate::transaction::Transactions;
 
@@ -45,6 +49,8 @@ pub struct Parts {
     pub publisher: Arc<Publisher>,
     /// The cluster connection, for the requests relayed to a broker or the name server as they are.
     pub broker: Arc<BrokerClient>,
+    /// The delivery core, for consumers that consume by POP.
+    pub dispatcher: Arc<Dispatcher>,
     /// The tokens.
     pub tokens: Arc<TokenTable>,
     /// Transactional messages' records.

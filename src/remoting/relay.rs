@@ -85,12 +85,25 @@ async fn forward_to_masters(front: &Front, request: &RemotingCommand) {
     }
 }
 
-/// `UNREGISTER_CLIENT`: the client leaves the groups named; the brokers learn it when its heartbeats stop.
-pub(super) fn unregister(front: &Front, request: &RemotingCommand) -> RemotingCommand {
+/// `UNREGISTER_CLIENT`: the client leaves the groups named; the brokers learn it when its heartbeats stop. A
+/// consumer that leaves gives back what it popped and did not settle, due again at once (as a gRPC client's
+/// termination does).
+pub(super) async fn unregister(front: &Front, request: &RemotingCommand) -> RemotingCommand {
     let Some(client_id) = field(request, "clientID") else {
         return error(codes::SYSTEM_ERROR, "UNREGISTER_CLIENT without clientID");
     };
-    front.clients.unregister(client_id, field(request, "producerGroup"), field(request, "consumerGroup"));
+    let consumer_group = field(request, "consumerGroup");
+    front.clients.unregister(client_id, field(request, "producerGroup"), consumer_group);
+    if consumer_group.is_some() {
+        let released = front.dispatcher.release_client(client_id).await;
+        if released > 0 {
+            tracing::info!(
+                client_id,
+                released,
+                "A remoting consumer left; what it popped and did not settle is due again."
+            );
+        }
+    }
     RemotingCommand::create_success_response_command()
 }
 
@@ -115,6 +128,11 @@ pub(super) fn consumer_list(front: &Front, caller: &Caller, request: &RemotingCo
 /// `CHECK_CLIENT_CONFIG` (a consumer's subscription, e.g. an SQL filter, checked at start): asked of a master
 /// broker, which knows whether it can serve it.
 pub(super) async fn check_client_config(front: &Front, request: &RemotingCommand) -> RemotingCommand {
+    to_a_master(front, "check_client_config", request).await
+}
+
+/// A request any master broker can answer, relayed to one of them.
+pub(super) async fn to_a_master(front: &Front, label: &'static str, request: &RemotingCommand) -> RemotingCommand {
     let masters = match masters(front).await {
         Ok(masters) => masters,
         Err(why) => return error(codes::SYSTEM_ERROR, format!("popgate has no broker to ask: {why}")),
@@ -122,7 +140,7 @@ pub(super) async fn check_client_config(front: &Front, request: &RemotingCommand
     let Some(addr) = masters.values().next() else {
         return error(codes::SYSTEM_ERROR, "no master broker has registered with the name server");
     };
-    relay_counted(front, "check_client_config", addr, request, front.config.broker.request_timeout()).await.command
+    relay_counted(front, label, addr, request, front.config.broker.request_timeout()).await.command
 }
 
 /// A queue request, relayed to the broker that owns the queue; `None` (no answer: the client times out and

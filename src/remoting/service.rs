@@ -12,10 +12,11 @@ use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
 use super::clients::Clients;
 use super::codes;
 use super::connection::Connection;
-use super::{auth, relay, route, send, transaction, Parts};
+use super::{auth, pop, relay, route, send, transaction, Parts};
 use crate::auth::{Caller, TokenTable};
 use crate::broker::BrokerClient;
 use crate::config::Config;
+use crate::delivery::Dispatcher;
 use crate::metrics as m;
 use crate::publish::Publisher;
 use crate::transaction::Transactions;
@@ -24,6 +25,7 @@ use crate::transaction::Transactions;
 pub(super) struct Front {
     pub publisher: Arc<Publisher>,
     pub broker: Arc<BrokerClient>,
+    pub dispatcher: Arc<Dispatcher>,
     pub tokens: Arc<TokenTable>,
     pub transactions: Arc<Transactions>,
     pub config: Arc<Config>,
@@ -46,6 +48,7 @@ impl Front {
         Front {
             publisher: parts.publisher,
             broker: parts.broker,
+            dispatcher: parts.dispatcher,
             tokens: parts.tokens,
             transactions: parts.transactions,
             clients: Arc::new(Clients::new(expiry)),
@@ -70,36 +73,38 @@ impl Front {
     }
 
     /// Serves one request; `None` when it has no answer (a one-way request's is dropped by the caller anyway).
-    pub async fn serve(&self, connection: &Connection, request: RemotingCommand) -> Option<RemotingCommand> {
+    pub async fn serve(&self, connection: &Connection, request: RemotingCommand) -> Option<Reply> {
         let code = request.code();
         // As RocketMQ's name server, popgate answers route queries unsigned: a client whose signature is missing
         // or wrong then learns why from the refusal of its first broker request, not from a missing route.
-        let answer = if code == codes::GET_ROUTEINFO_BY_TOPIC {
-            Some(route::topic_route(self, &request).await)
+        let reply = if code == codes::GET_ROUTEINFO_BY_TOPIC {
+            Some(route::topic_route(self, &request).await.into())
         } else {
             match auth::caller(&self.tokens, &request) {
                 Ok(caller) => self.serve_as(connection, &caller, request).await,
-                Err(refusal) => Some(refusal.answer()),
+                Err(refusal) => Some(refusal.answer().into()),
             }
         };
-        let result = answer.as_ref().map_or("ok", |a| codes::result_label(a.code()));
+        let result = reply.as_ref().map_or("ok", |r| codes::result_label(r.command.code()));
         counter!(m::REMOTING_REQUESTS, "code" => codes::request_label(code), "result" => result).increment(1);
-        answer
+        reply
     }
 
-    async fn serve_as(
-        &self,
-        connection: &Connection,
-        caller: &Caller,
-        request: RemotingCommand,
-    ) -> Option<RemotingCommand> {
+    /// What follows writing `reply` (`written`: it left for the client): its hand-outs are stored as written,
+    /// or handed out again.
+    pub async fn after_reply(&self, handed: Vec<(String, u32)>, unsent: Vec<String>, written: bool) {
+        pop::never_sent(self, &unsent).await;
+        pop::after_answer(self, handed, written).await;
+    }
+
+    async fn serve_as(&self, connection: &Connection, caller: &Caller, request: RemotingCommand) -> Option<Reply> {
         let answer = match request.code() {
             codes::SEND_MESSAGE | codes::SEND_MESSAGE_V2 | codes::SEND_BATCH_MESSAGE => {
                 send::send_message(self, caller, request).await
             }
             codes::END_TRANSACTION => transaction::end_transaction(self, caller, &request).await,
             codes::HEART_BEAT => relay::heartbeat(self, connection, caller, &request).await,
-            codes::UNREGISTER_CLIENT => relay::unregister(self, &request),
+            codes::UNREGISTER_CLIENT => relay::unregister(self, &request).await,
             codes::GET_CONSUMER_LIST_BY_GROUP => relay::consumer_list(self, caller, &request),
             codes::CHECK_CLIENT_CONFIG => relay::check_client_config(self, &request).await,
             codes::PULL_MESSAGE
@@ -112,10 +117,33 @@ impl Front {
             | codes::GET_EARLIEST_MSG_STORETIME
             | codes::CONSUMER_SEND_MSG_BACK
             | codes::LOCK_BATCH_MQ
-            | codes::UNLOCK_BATCH_MQ => return relay::to_queue_broker(self, caller, &request).await,
+            | codes::UNLOCK_BATCH_MQ => return relay::to_queue_broker(self, caller, &request).await.map(Reply::from),
+            codes::QUERY_ASSIGNMENT => pop::query_assignment(self, caller, &request).await,
+            codes::POP_MESSAGE => return Some(pop::pop_message(self, connection, caller, &request).await),
+            codes::ACK_MESSAGE => pop::ack_message(self, caller, &request).await,
+            codes::CHANGE_MESSAGE_INVISIBLETIME => pop::change_invisible_time(self, caller, &request).await,
+            codes::BATCH_ACK_MESSAGE => error(
+                codes::REQUEST_CODE_NOT_SUPPORTED,
+                "popgate settles POP messages one by one (ACK_MESSAGE, as Apache's clients send them)",
+            ),
             code => not_supported(code),
         };
-        Some(answer)
+        Some(answer.into())
+    }
+}
+
+/// An answer, and the deliveries it hands out (a POP's): stored as written once the answer has left.
+pub(super) struct Reply {
+    pub command: RemotingCommand,
+    /// The hand-outs it carries (delivery id, hand-out number).
+    pub handed: Vec<(String, u32)>,
+    /// Deliveries handed out for it that it could not carry: out again at once.
+    pub unsent: Vec<String>,
+}
+
+impl From<RemotingCommand> for Reply {
+    fn from(command: RemotingCommand) -> Reply {
+        Reply { command, handed: Vec::new(), unsent: Vec::new() }
     }
 }
 

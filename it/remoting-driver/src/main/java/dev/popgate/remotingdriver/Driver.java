@@ -557,7 +557,8 @@ public final class Driver {
      * delayLevelWhenNextConsume when given; else the broker picks 3 + reconsumeTimes, 10 s for the first retry) or,
      * `orderly`, SUSPEND_CURRENT_QUEUE_A_MOMENT (for `suspendMs`, default 1000). "received" lists every delivery in
      * arrival order, each with its "delivery" number (per body) and the "result" the listener answered;
-     * "consumedBodies" counts the bodies answered with success.
+     * "consumedBodies" counts the bodies answered with success. `clientRebalance` false (5.x clients) makes the
+     * consumer ask its queues of the broker and consume by POP when told to, with `popInvisibleTimeMs`.
      */
     private static Map<String, Object> pushConsume(Args a, long startMs) throws Exception {
         Common c = Common.parse(a);
@@ -580,6 +581,8 @@ public final class Driver {
         Integer consumeBatchSize = a.has("consumeBatchSize") ? a.integer("consumeBatchSize", 1) : null;
         long holdMs = a.longValue("holdMs", 0);
         String offsetStoreDir = a.string("offsetStoreDir", null);
+        boolean pop = !a.bool("clientRebalance", true);
+        Long popInvisibleTimeMs = a.has("popInvisibleTimeMs") ? a.longValue("popInvisibleTimeMs", 60000) : null;
         a.rejectUnknown();
         Path tempOffsets = broadcasting ? localOffsetStore(offsetStoreDir) : null;
 
@@ -610,6 +613,14 @@ public final class Driver {
         }
         if (consumeBatchSize != null) {
             consumer.setConsumeMessageBatchMaxSize(consumeBatchSize);
+        }
+        if (pop) {
+            // 5.x only: the consumer asks the broker for its queues (QUERY_ASSIGNMENT) and consumes by POP when
+            // the answer says so.
+            setter(consumer, "setClientRebalance", boolean.class).invoke(consumer, false);
+        }
+        if (popInvisibleTimeMs != null) {
+            setter(consumer, "setPopInvisibleTime", long.class).invoke(consumer, popInvisibleTimeMs);
         }
         // Shutdown waits (bounded) for listener calls in flight, so what they answered is what gets committed.
         consumer.setAwaitTerminationMillisWhenShutdown(5000);
@@ -918,6 +929,16 @@ public final class Driver {
      * org.apache.rocketmq.remoting.protocol.heartbeat (5.x): set BROADCASTING through whichever setMessageModel the
      * consumer has.
      */
+    /** A setter this client version may not have (5.x POP settings): a clear error on 4.9.x. */
+    private static Method setter(Object target, String name, Class<?> type) {
+        try {
+            return target.getClass().getMethod(name, type);
+        } catch (NoSuchMethodException e) {
+            throw new BadArgs("this client (" + MQVersion.getVersionDesc(MQVersion.CURRENT_VERSION) + ") has no "
+                + name + ": POP consumption needs a 5.x client");
+        }
+    }
+
     private static void setBroadcasting(Object consumer) throws ReflectiveOperationException {
         for (Method m : consumer.getClass().getMethods()) {
             if (m.getName().equals("setMessageModel") && m.getParameterCount() == 1
