@@ -10,9 +10,10 @@ source docker/setup.sh
 for sdk_version in 5.0.3 5.2.0; do
   it/grpc-driver/build.sh "$sdk_version" >/dev/null
 done
-# The remoting tests drive Apache's remoting Java client (rocketmq-client), a 4.9.x and the newest 5.x, through
-# it/remoting-driver, built the same way (and 5.1.0, the oldest whose POP consumer popgate serves).
-for client_version in 4.9.8 5.1.0 5.4.0; do
+# The remoting tests drive Apache's remoting Java client (rocketmq-client) through it/remoting-driver, built the
+# same way: 4.9.3 (before clients named their broker), 4.9.8, 5.1.0 (the oldest whose POP consumer popgate
+# serves) and the newest 5.x.
+for client_version in 4.9.3 4.9.8 5.1.0 5.4.0; do
   it/remoting-driver/build.sh "$client_version" >/dev/null
 done
 # The bench's smoke run (part of --all-targets) also starts Apache's own gRPC proxy: fetch its jars up front.

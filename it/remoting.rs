@@ -29,6 +29,11 @@ macro_rules! on_every_remoting_client {
     ($($scenario:ident),* $(,)?) => {$(
         mod $scenario {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn client_4_9_3() {
+                super::$scenario(crate::harness::remoting::RemotingClient::V4_9_3).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn client_4_9_8() {
                 super::$scenario(crate::harness::remoting::RemotingClient::V4).await;
             }
@@ -48,6 +53,7 @@ on_every_remoting_client!(
     broadcasting_consumers_each_get_every_message,
     a_lite_pull_consumer_resumes_from_its_committed_offset_after_a_restart,
     messages_sent_over_remoting_reach_http_and_grpc_consumers_and_the_reverse,
+    a_client_that_uses_tls_sends_and_consumes_through_popgate,
 );
 
 /// Runs each POP consumer scenario under every client version that consumes by POP, as a test of its own.
@@ -377,6 +383,39 @@ async fn routes_name_popgate_as_every_broker_and_an_unknown_topic_is_answered_as
         assert_eq!(broker["brokerAddrs"], json!({"0": namesrv}), "popgate is every broker: {route}");
     }
     assert_eq!(route["queueDatas"].as_array().map(Vec::len), Some(2), "the real queues: {route}");
+
+    // A client before 4.9.5 (it names no broker in its requests) is given a port per broker, the same each time.
+    let old_route = || {
+        let mut request = RemotingCommand::create_remoting_command(105)
+            .set_version(i32::try_from(rocketmq_model::version::RocketMqVersion::V4_9_3.ordinal()).expect("fits"));
+        request.add_ext_field("topic", topic.as_str());
+        request
+    };
+    let ports_of = |answer: RemotingCommand| -> BTreeMap<String, String> {
+        let route: Value = serde_json::from_slice(answer.body().expect("a route")).expect("JSON");
+        route["brokerDatas"]
+            .as_array()
+            .expect("brokers")
+            .iter()
+            .map(|b| (b["brokerName"].as_str().unwrap_or_default().to_owned(), b["brokerAddrs"]["0"].to_string()))
+            .collect()
+    };
+    let first = ports_of(ask(&mut stream, old_route()).await.expect("answered"));
+    let again = ports_of(ask(&mut stream, old_route()).await.expect("answered"));
+    assert_eq!(first, again, "a broker keeps its port");
+    let addrs: std::collections::BTreeSet<&String> = first.values().collect();
+    assert_eq!(addrs.len(), 2, "one port per broker: {first:?}");
+    assert!(!addrs.contains(&format!("\"{namesrv}\"")), "not the front's own port: {first:?}");
+    // On a broker's port, a queue request that names no broker is that broker's (on the front's own port the
+    // same request is refused: queue 0 is on both brokers).
+    for addr in first.values() {
+        let mut broker_port = TcpStream::connect(addr.trim_matches('"')).await.expect("connect");
+        let mut max_offset = RemotingCommand::create_remoting_command(30);
+        max_offset.add_ext_field("topic", topic.as_str());
+        max_offset.add_ext_field("queueId", "0");
+        let answer = ask(&mut broker_port, max_offset).await.expect("answered");
+        assert_eq!(answer.code(), 0, "{addr}: {:?}", answer.remark());
+    }
 
     let mut unknown = RemotingCommand::create_remoting_command(105);
     unknown.add_ext_field("topic", "rm_route_no_such_topic");
@@ -890,4 +929,29 @@ async fn pop_requests_are_answered_as_a_pop_broker_answers_them_and_what_popgate
             >= 1.0
     );
     assert!(popgate.metric("popgate_remoting_requests_total{code=\"ack_message\",result=\"no_message\"}").await >= 1.0);
+}
+
+async fn a_client_that_uses_tls_sends_and_consumes_through_popgate(client: RemotingClient) {
+    let cluster = shared_cluster();
+    let (popgate, namesrv) = popgate_with_remoting(cluster, "").await;
+    let topic = unique_topic("rm_tls");
+    let group = unique_topic("rm_tls_g");
+    create_topic(cluster, &topic).await;
+    // A client with TLS on cannot talk to a plaintext server at all: what it sends and receives went over TLS
+    // (popgate's self-signed certificate, which the client accepts in its default mode).
+    let produce = json!({"topic": topic, "group": "rm_tls_p", "count": 3, "bodyPrefix": "tls", "useTLS": true});
+    let sent = client.run("produce", &send_args(&namesrv, produce), DRIVER_TIMEOUT).await;
+    assert_eq!(sent["errors"], json!([]), "{sent}");
+    let consume = json!({"topic": topic, "group": group, "expect": 3, "useTLS": true});
+    let result = client.run("push-consume", &args(&namesrv, consume), DRIVER_TIMEOUT).await;
+    assert_eq!(result["timedOut"], false, "{result}");
+    let mut got = bodies(&result, "received");
+    got.sort();
+    assert_eq!(got, ["tls-0", "tls-1", "tls-2"], "{result}");
+    assert_eq!(popgate.metric("popgate_tls_handshake_failures_total").await, 0.0);
+    // Plaintext clients keep the same port.
+    let mut plain = TcpStream::connect(&namesrv).await.expect("connect");
+    let mut route = RemotingCommand::create_remoting_command(105);
+    route.add_ext_field("topic", topic.as_str());
+    assert_eq!(ask(&mut plain, route).await.expect("answered").code(), 0);
 }

@@ -56,6 +56,9 @@ pub enum AppError {
     /// The gRPC front's certificate cannot be used.
     #[error("{0}")]
     GrpcTls(#[from] crate::grpc::GrpcTlsError),
+    /// The remoting front's certificate cannot be used.
+    #[error("remoting TLS: {0}")]
+    RemotingTls(#[from] crate::tls::TlsError),
 }
 
 /// Runs popgate on `listener` until `shutdown` resolves; in-flight requests then get
@@ -125,13 +128,14 @@ pub async fn serve(
         let front = crate::grpc::serve(listener, tls, parts, config.clone(), stop_asked(&stop_rx));
         spawn_front("gRPC", front)
     });
-    let remoting_server = remoting.map(|(listener, advertised)| {
+    let remoting_server = remoting.map(|(listener, advertised, tls)| {
         let parts = crate::remoting::Parts {
             publisher: publisher.clone(),
             broker: broker.clone(),
             dispatcher: dispatcher.clone(),
             tokens: tokens.clone(),
             transactions: transactions.clone(),
+            tls,
         };
         let front = crate::remoting::serve(listener, advertised, parts, config.clone(), stop_asked(&stop_rx));
         spawn_front("remoting", front)
@@ -231,14 +235,17 @@ async fn bind_grpc(config: &Config) -> Result<Option<(TcpListener, Arc<rustls::S
     Ok(Some((listener, tls)))
 }
 
-/// Binds the remoting front's port, when the front is on; with the address clients are given for it.
-async fn bind_remoting(config: &Config) -> Result<Option<(TcpListener, String)>, AppError> {
+/// Binds the remoting front's port, when the front is on; with the address clients are given for it and its
+/// TLS configuration (a client with `useTLS` speaks TLS, the others plaintext, on the same port).
+async fn bind_remoting(config: &Config) -> Result<Option<(TcpListener, String, Arc<rustls::ServerConfig>)>, AppError> {
     let Some(addr) = config.remoting.listen_addr() else { return Ok(None) };
+    let cert_and_key = config.remoting.tls_cert_path.as_deref().zip(config.remoting.tls_key_path.as_deref());
+    let tls = crate::tls::server_config(cert_and_key, &[])?;
     let listener = TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
     let advertised = config.remoting.advertised(bound);
-    tracing::info!(addr = %bound, %advertised, "popgate remoting listening on {bound} (clients are given {advertised})");
-    Ok(Some((listener, advertised)))
+    tracing::info!(addr = %bound, %advertised, "popgate remoting listening on {bound} (TLS and plaintext; clients are given {advertised})");
+    Ok(Some((listener, advertised, tls)))
 }
 
 /// Checks the brokers once before serving: a mismatch is a warning, or fatal when configured so. A cluster

@@ -43,6 +43,7 @@ pub mod publish;
 pub mod reliability;
 pub mod remoting;
 pub mod store;
+pub mod tls;
 pub mod transaction;
 
 pub use app::{serve, AppError};

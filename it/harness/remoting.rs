@@ -1,9 +1,9 @@
 //! Apache's remoting Java client (`org.apache.rocketmq:rocketmq-client`: `DefaultMQProducer`,
 //! `DefaultMQPushConsumer`, `DefaultLitePullConsumer`, `TransactionMQProducer`), run through the test driver
 //! in `it/remoting-driver`: one scenario per process, its JSON result on stdout, as for the gRPC SDK
-//! ([`super::sdk`]). Each scenario runs under [`RemotingClient::ALL`]: a 4.9.x client (the apps most
-//! deployed) and the newest 5.x one; they differ in what they send (4.9.5 started naming the broker in its
-//! requests; 5.x sends `LITE_PULL_MESSAGE` for lite pull consumers). Consumers that consume by POP are 5.x
+//! ([`super::sdk`]). Each scenario runs under [`RemotingClient::ALL`]: two 4.9.x clients (the apps most
+//! deployed), one before 4.9.5 and the newest, and the newest 5.x one; they differ in what they send (4.9.5
+//! started naming the broker in its requests; 5.x sends `LITE_PULL_MESSAGE` for lite pull consumers). Consumers that consume by POP are 5.x
 //! only: their scenarios run under [`RemotingClient::POP`], the oldest client that keeps popgate's handle
 //! (5.1.0) and the newest.
 
@@ -21,6 +21,9 @@ use super::sdk::Scenario;
 pub struct RemotingClient(pub &'static str);
 
 impl RemotingClient {
+    /// The client Apache's own end-to-end tests pin: it does not name the broker in its requests (4.9.5 began
+    /// to), so popgate gives it a port per broker.
+    pub const V4_9_3: RemotingClient = RemotingClient("4.9.3");
     /// The newest 4.x client that resolves here.
     pub const V4: RemotingClient = RemotingClient("4.9.8");
     /// The newest 5.x client that resolves here.
@@ -28,7 +31,7 @@ impl RemotingClient {
     /// The oldest client whose POP consumer keeps the handle popgate puts in a message (`POP_CK`).
     pub const V5_1: RemotingClient = RemotingClient("5.1.0");
     /// Every version each scenario runs under.
-    pub const ALL: [RemotingClient; 2] = [RemotingClient::V4, RemotingClient::V5];
+    pub const ALL: [RemotingClient; 3] = [RemotingClient::V4_9_3, RemotingClient::V4, RemotingClient::V5];
     /// Every version each POP consumer scenario runs under (4.x clients cannot consume by POP).
     pub const POP: [RemotingClient; 2] = [RemotingClient::V5_1, RemotingClient::V5];
 

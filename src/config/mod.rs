@@ -241,6 +241,15 @@ pub struct RemotingConfig {
     /// A client that sent no heartbeat for this long is no longer a member of its consumer groups (the
     /// client heartbeats every 30 s; RocketMQ's brokers drop it after 120 s).
     pub client_expiry_secs: u64,
+    /// The port popgate opens for each broker, by broker name, for clients before 4.9.5 (which do not name
+    /// the broker in their requests: they are given a route with an address per broker). A broker not listed
+    /// gets a free port when such a client first asks for a route naming it.
+    pub broker_ports: BTreeMap<String, u16>,
+    /// PEM certificate chain for the clients that use TLS (`useTLS`); without it (and `tls_key_path`) popgate
+    /// generates a self-signed one at start (the client accepts any certificate unless told otherwise).
+    pub tls_cert_path: Option<PathBuf>,
+    /// PEM private key of `tls_cert_path`.
+    pub tls_key_path: Option<PathBuf>,
 }
 
 impl Default for RemotingConfig {
@@ -252,6 +261,9 @@ impl Default for RemotingConfig {
             max_frame_bytes: 16 * 1024 * 1024 + 4,
             max_connections: 10_000,
             client_expiry_secs: 120,
+            broker_ports: BTreeMap::new(),
+            tls_cert_path: None,
+            tls_key_path: None,
         }
     }
 }

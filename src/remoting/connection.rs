@@ -19,17 +19,20 @@ use metrics::{counter, gauge};
 use rocketmq_protocol::protocol::encoded_frame::EncodedFrame;
 use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
 use rocketmq_protocol::protocol::LanguageCode;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, WriteHalf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio::sync::{mpsc, oneshot};
 
 use super::service::Front;
 use crate::metrics as m;
+use crate::tls::MaybeTls;
 
 /// Frames waiting to be written to one connection; a client that stops reading holds up only its own.
 const OUTBOUND_QUEUE: usize = 1024;
 /// How much is read from a socket at once.
 const READ_CHUNK: usize = 64 * 1024;
+/// Longest time a client may take to send its first byte and finish its TLS handshake.
+const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// One client connection, as the rest of the front sees it: who is at the other end, and a way to write to it.
 #[derive(Clone, Debug)]
@@ -38,6 +41,8 @@ pub(super) struct Connection {
     pub id: u64,
     /// The client's address.
     pub peer: SocketAddr,
+    /// The broker this connection's port stands for ([`super::ports`]); `None` on the front's own port.
+    pub broker: Option<Arc<str>>,
     outbound: mpsc::Sender<Outbound>,
 }
 
@@ -91,7 +96,7 @@ impl Connection {
     #[cfg(test)]
     pub fn for_test(id: u64) -> (Connection, mpsc::Receiver<Outbound>) {
         let (outbound, queued) = mpsc::channel(OUTBOUND_QUEUE);
-        (Connection { id, peer: SocketAddr::from(([127, 0, 0, 1], 40_000)), outbound }, queued)
+        (Connection { id, peer: SocketAddr::from(([127, 0, 0, 1], 40_000)), broker: None, outbound }, queued)
     }
 
     fn encode(&self, command: RemotingCommand) -> Option<Bytes> {
@@ -105,14 +110,15 @@ impl Connection {
     }
 }
 
-/// Accepts connections until `shutdown` resolves; then the open ones are closed.
+/// Accepts connections until `shutdown` resolves; then the open ones are closed. `broker`: the broker this
+/// port stands for, if it is one of the brokers' own ports.
 pub(super) async fn accept_loop(
     listener: TcpListener,
     front: Arc<Front>,
     shutdown: impl Future<Output = ()> + Send + 'static,
+    broker: Option<Arc<str>>,
 ) -> std::io::Result<()> {
-    let slots = Arc::new(Semaphore::new(front.config.remoting.max_connections));
-    let next_id = AtomicU64::new(1);
+    let slots = front.connection_slots.clone();
     let (closing, _) = tokio::sync::broadcast::channel::<()>(1);
     tokio::pin!(shutdown);
     loop {
@@ -133,12 +139,12 @@ pub(super) async fn accept_loop(
             drop(socket);
             continue;
         };
-        let id = next_id.fetch_add(1, Ordering::Relaxed);
-        let (front, mut closed) = (front.clone(), closing.subscribe());
+        let id = NEXT_CONNECTION_ID.fetch_add(1, Ordering::Relaxed);
+        let (front, mut closed, broker) = (front.clone(), closing.subscribe(), broker.clone());
         tokio::spawn(async move {
             gauge!(m::REMOTING_CONNECTIONS).increment(1.0);
             tokio::select! {
-                () = serve_connection(socket, peer, id, front.clone()) => {}
+                () = serve_connection(socket, peer, id, broker, front.clone()) => {}
                 _ = closed.recv() => {}
             }
             front.clients.connection_closed(id);
@@ -150,11 +156,21 @@ pub(super) async fn accept_loop(
     Ok(())
 }
 
-async fn serve_connection(socket: TcpStream, peer: SocketAddr, id: u64, front: Arc<Front>) {
+/// Connection ids, unique across all of the front's ports.
+static NEXT_CONNECTION_ID: AtomicU64 = AtomicU64::new(1);
+
+async fn serve_connection(socket: TcpStream, peer: SocketAddr, id: u64, broker: Option<Arc<str>>, front: Arc<Front>) {
     let _ = socket.set_nodelay(true);
-    let (mut reader, writer) = socket.into_split();
+    // TLS or plaintext, told by the first byte; a client that sends nothing in time, or fails its handshake, is
+    // dropped and counted.
+    let socket = match tokio::time::timeout(HANDSHAKE_TIMEOUT, crate::tls::sniff(socket, &front.tls)).await {
+        Ok(Ok(socket)) => socket,
+        Ok(Err(error)) => return handshake_failed(peer, &error.to_string()),
+        Err(_) => return handshake_failed(peer, "no first byte or handshake in time"),
+    };
+    let (mut reader, writer) = tokio::io::split(socket);
     let (outbound, queued) = mpsc::channel(OUTBOUND_QUEUE);
-    let connection = Connection { id, peer, outbound };
+    let connection = Connection { id, peer, broker, outbound };
     let writing = tokio::spawn(write_loop(writer, queued));
     let max_frame = front.config.remoting.max_frame_bytes;
     let mut buffer = BytesMut::with_capacity(READ_CHUNK);
@@ -222,7 +238,12 @@ fn dispatch(front: &Arc<Front>, connection: &Connection, request: RemotingComman
     });
 }
 
-async fn write_loop(mut writer: tokio::net::tcp::OwnedWriteHalf, mut queued: mpsc::Receiver<Outbound>) {
+fn handshake_failed(peer: SocketAddr, error: &str) {
+    counter!(m::TLS_HANDSHAKE_FAILURES).increment(1);
+    tracing::debug!(%peer, error, "A remoting connection was dropped before it was served.");
+}
+
+async fn write_loop(mut writer: WriteHalf<MaybeTls>, mut queued: mpsc::Receiver<Outbound>) {
     while let Some(Outbound { frame, written }) = queued.recv().await {
         if writer.write_all(&frame).await.is_err() {
             return;

@@ -25,6 +25,7 @@ mod clients;
 mod codes;
 mod connection;
 mod pop;
+mod ports;
 mod relay;
 mod route;
 mod send;
@@ -55,6 +56,8 @@ pub struct Parts {
     pub tokens: Arc<TokenTable>,
     /// Transactional messages' records.
     pub transactions: Arc<Transactions>,
+    /// TLS for the clients that use it, on the same ports as plaintext.
+    pub tls: Arc<rustls::ServerConfig>,
 }
 
 /// Serves the remoting front on `listener` until `shutdown` resolves; `advertised` is the address clients are
@@ -69,10 +72,16 @@ pub async fn serve(
     config: Arc<Config>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let front = Arc::new(service::Front::new(parts, config, advertised));
+    let (stop, stopping) = tokio::sync::watch::channel(false);
+    let front = Arc::new(service::Front::new(parts, config, advertised, stopping));
     // The brokers' check-backs of remoting producers' transactions are asked of those producers.
     let forwarder: std::sync::Weak<dyn crate::transaction::CheckForwarder> = Arc::downgrade(&front) as _;
     front.transactions.add_forwarder(forwarder);
     tokio::spawn(clients::expiry_loop(Arc::downgrade(&front.clients)));
-    connection::accept_loop(listener, front, shutdown).await
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = stop.send(true);
+    });
+    let stopped = front.stopped();
+    connection::accept_loop(listener, front, stopped, None).await
 }

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
+use tokio::sync::{watch, Semaphore};
 
 use metrics::counter;
 use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
@@ -12,6 +13,7 @@ use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
 use super::clients::Clients;
 use super::codes;
 use super::connection::Connection;
+use super::ports::{self, BrokerPorts};
 use super::{auth, pop, relay, route, send, transaction, Parts};
 use crate::auth::{Caller, TokenTable};
 use crate::broker::BrokerClient;
@@ -32,12 +34,20 @@ pub(super) struct Front {
     pub clients: Arc<Clients>,
     /// The address clients are given as every broker's.
     pub advertised: String,
+    /// The brokers' own ports, for clients before 4.9.5.
+    pub broker_ports: BrokerPorts,
+    /// The TLS handshakes of the clients that use TLS.
+    pub tls: tokio_rustls::TlsAcceptor,
+    /// The connections all of the front's ports may keep open together.
+    pub connection_slots: Arc<Semaphore>,
+    /// Turns true when popgate stops.
+    stopping: watch::Receiver<bool>,
     /// The cluster's master brokers (name to address), and when they were asked for.
     masters: Mutex<Option<(Instant, HashMap<String, String>)>>,
 }
 
 impl Front {
-    pub fn new(parts: Parts, config: Arc<Config>, advertised: String) -> Front {
+    pub fn new(parts: Parts, config: Arc<Config>, advertised: String, stopping: watch::Receiver<bool>) -> Front {
         for (_, label) in codes::SERVED {
             counter!(m::REMOTING_REQUESTS, "code" => *label, "result" => "ok").increment(0);
         }
@@ -52,9 +62,21 @@ impl Front {
             tokens: parts.tokens,
             transactions: parts.transactions,
             clients: Arc::new(Clients::new(expiry)),
+            broker_ports: BrokerPorts::default(),
+            tls: tokio_rustls::TlsAcceptor::from(parts.tls),
+            connection_slots: Arc::new(Semaphore::new(config.remoting.max_connections)),
             config,
             advertised,
+            stopping,
             masters: Mutex::new(None),
+        }
+    }
+
+    /// Resolves when popgate stops (each of the front's ports stops accepting then).
+    pub fn stopped(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut stopping = self.stopping.clone();
+        async move {
+            let _ = stopping.wait_for(|stop| *stop).await;
         }
     }
 
@@ -73,7 +95,7 @@ impl Front {
     }
 
     /// Serves one request; `None` when it has no answer (a one-way request's is dropped by the caller anyway).
-    pub async fn serve(&self, connection: &Connection, request: RemotingCommand) -> Option<Reply> {
+    pub async fn serve(self: &Arc<Self>, connection: &Connection, request: RemotingCommand) -> Option<Reply> {
         let code = request.code();
         // As RocketMQ's name server, popgate answers route queries unsigned: a client whose signature is missing
         // or wrong then learns why from the refusal of its first broker request, not from a missing route.
@@ -81,7 +103,8 @@ impl Front {
             Some(route::topic_route(self, &request).await.into())
         } else {
             match auth::caller(&self.tokens, &request) {
-                Ok(caller) => self.serve_as(connection, &caller, request).await,
+                // After the signature check: the name is popgate's, not signed by the client.
+                Ok(caller) => self.serve_as(connection, &caller, ports::name_the_broker(connection, request)).await,
                 Err(refusal) => Some(refusal.answer().into()),
             }
         };

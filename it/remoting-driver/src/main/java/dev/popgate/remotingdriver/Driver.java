@@ -77,7 +77,7 @@ import org.apache.rocketmq.remoting.RPCHook;
  * ({"error":...} on stdout); 3 the result could not be written to stdout.
  *
  * <p>Common arguments: namesrv (host:port[;host:port], the client's namesrvAddr; required), group, topic,
- * timeoutMs (overall, default 30000), accessKey + secretKey (AclClientRPCHook), instanceName, namespace,
+ * timeoutMs (overall, default 30000), accessKey + secretKey (AclClientRPCHook), useTLS, instanceName, namespace,
  * pollNameServerIntervalMs, heartbeatBrokerIntervalMs, persistConsumerOffsetIntervalMs. The VIP channel (broker
  * port - 2) is always off.
  */
@@ -1135,6 +1135,7 @@ public final class Driver {
         Integer pollNameServerIntervalMs;
         Integer heartbeatBrokerIntervalMs;
         Integer persistConsumerOffsetIntervalMs;
+        boolean useTLS;
 
         static Common parse(Args a) {
             Common c = new Common();
@@ -1156,6 +1157,8 @@ public final class Driver {
                 ? a.integer("heartbeatBrokerIntervalMs", 30000) : null;
             c.persistConsumerOffsetIntervalMs = a.has("persistConsumerOffsetIntervalMs")
                 ? a.integer("persistConsumerOffsetIntervalMs", 5000) : null;
+            // TLS to popgate; the client accepts any certificate (its default tls.test.mode.enable=true).
+            c.useTLS = a.bool("useTLS", false);
             return c;
         }
 
@@ -1178,6 +1181,7 @@ public final class Driver {
             if (persistConsumerOffsetIntervalMs != null) {
                 config.setPersistConsumerOffsetInterval(persistConsumerOffsetIntervalMs);
             }
+            config.setUseTLS(useTLS);
         }
     }
 

@@ -1,0 +1,152 @@
+//! TLS and plaintext on one port, for the fronts that serve both (gRPC, remoting), as Apache's proxy serves them
+//! in its permissive mode: the first byte of a connection tells them apart (0x16 opens a TLS handshake; neither
+//! an h2c preface nor a remoting frame, whose length would be over 350 MiB, starts with it). Clients of both
+//! protocols accept any certificate by default, so without a configured one popgate generates a self-signed
+//! certificate at start.
+
+use std::io;
+use std::path::Path;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tokio_rustls::server::TlsStream;
+use tokio_rustls::TlsAcceptor;
+
+/// The first byte of a TLS record carrying a handshake.
+const TLS_HANDSHAKE: u8 = 0x16;
+
+/// Why a certificate cannot be used.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct TlsError(String);
+
+/// A rustls server configuration: the configured PEM files, or a self-signed certificate for `localhost`
+/// and `127.0.0.1` generated now; ALPN offers `alpn` (none: no ALPN).
+///
+/// # Errors
+/// [`TlsError`] naming the file that cannot be read or used.
+pub fn server_config(
+    cert_and_key: Option<(&Path, &Path)>,
+    alpn: &[&[u8]],
+) -> Result<Arc<rustls::ServerConfig>, TlsError> {
+    let (certs, key) = match cert_and_key {
+        Some((cert_path, key_path)) => read_pem(cert_path, key_path)?,
+        None => self_signed()?,
+    };
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| TlsError(e.to_string()))?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .map_err(|e| TlsError(e.to_string()))?;
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(Arc::new(config))
+}
+
+type CertAndKey = (Vec<CertificateDer<'static>>, PrivateKeyDer<'static>);
+
+fn read_pem(cert_path: &Path, key_path: &Path) -> Result<CertAndKey, TlsError> {
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert_path)
+        .and_then(Iterator::collect)
+        .map_err(|e| TlsError(format!("{}: {e}", cert_path.display())))?;
+    if certs.is_empty() {
+        return Err(TlsError(format!("{}: no certificate found", cert_path.display())));
+    }
+    let key = PrivateKeyDer::from_pem_file(key_path).map_err(|e| TlsError(format!("{}: {e}", key_path.display())))?;
+    Ok((certs, key))
+}
+
+fn self_signed() -> Result<CertAndKey, TlsError> {
+    let names = vec!["localhost".to_owned(), "127.0.0.1".to_owned()];
+    let generated = rcgen::generate_simple_self_signed(names).map_err(|e| TlsError(e.to_string()))?;
+    let key = PrivatePkcs8KeyDer::from(generated.signing_key.serialize_der());
+    Ok((vec![generated.cert.der().clone()], key.into()))
+}
+
+/// One accepted connection, plaintext or TLS.
+pub enum MaybeTls {
+    /// Plaintext.
+    Plain(TcpStream),
+    /// TLS, handshaken.
+    Tls(Box<TlsStream<TcpStream>>),
+}
+
+impl MaybeTls {
+    /// Whether the connection is TLS.
+    pub fn is_tls(&self) -> bool {
+        matches!(self, MaybeTls::Tls(_))
+    }
+}
+
+/// Waits for the connection's first byte; a TLS handshake is then completed with `acceptor`.
+///
+/// # Errors
+/// When the client closes before sending anything, or the handshake fails.
+pub async fn sniff(tcp: TcpStream, acceptor: &TlsAcceptor) -> io::Result<MaybeTls> {
+    let mut first = [0u8; 1];
+    if tcp.peek(&mut first).await? == 0 {
+        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "closed before sending anything"));
+    }
+    if first[0] == TLS_HANDSHAKE {
+        Ok(MaybeTls::Tls(Box::new(acceptor.accept(tcp).await?)))
+    } else {
+        Ok(MaybeTls::Plain(tcp))
+    }
+}
+
+/// Runs `$body` with `$io` bound to the pinned inner stream, whichever kind the connection is.
+macro_rules! with_inner {
+    ($self:ident, $io:ident => $body:expr) => {
+        match $self.get_mut() {
+            MaybeTls::Plain(tcp) => {
+                let $io = Pin::new(tcp);
+                $body
+            }
+            MaybeTls::Tls(tls) => {
+                let $io = Pin::new(&mut **tls);
+                $body
+            }
+        }
+    };
+}
+
+impl AsyncRead for MaybeTls {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        with_inner!(self, io => io.poll_read(cx, buf))
+    }
+}
+
+impl AsyncWrite for MaybeTls {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        with_inner!(self, io => io.poll_write(cx, buf))
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        with_inner!(self, io => io.poll_write_vectored(cx, bufs))
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            MaybeTls::Plain(tcp) => tcp.is_write_vectored(),
+            MaybeTls::Tls(tls) => tls.is_write_vectored(),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        with_inner!(self, io => io.poll_flush(cx))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        with_inner!(self, io => io.poll_shutdown(cx))
+    }
+}
