@@ -82,6 +82,7 @@ pub async fn serve(
         shutdown.await;
         let _ = stop.send(true);
     });
+    front.broker_ports.restore(&front).await;
     let stopped = front.stopped();
     connection::accept_loop(listener, front, stopped, None).await
 }

@@ -4,10 +4,12 @@
 //! a port popgate listens on for that broker alone; a request that comes in on it, and names no broker, is for
 //! that broker ([`name_the_broker`]). Clients from 4.9.5 on are given popgate's one address for every broker.
 //!
-//! A broker's port is `remoting.broker_ports.<broker name>` when configured (stable across restarts, for
-//! firewalls), else a free port chosen when a client first asks for a route naming that broker.
+//! A broker's port is `remoting.broker_ports.<broker name>` when configured (for firewalls), else a free port
+//! chosen when a client first asks for a route naming that broker. Either way it is remembered in the state
+//! directory (`remoting-broker-ports.json`) and bound again at start: a client keeps its route for up to 30 s,
+//! and a one-way request (a transaction's end) sent to a port popgate no longer listens on would be lost.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -33,7 +35,25 @@ pub(super) struct BrokerPorts {
     bound: tokio::sync::Mutex<HashMap<String, String>>,
 }
 
+/// The file, in the state directory, that remembers each broker's port.
+const REMEMBERED: &str = "remoting-broker-ports.json";
+
 impl BrokerPorts {
+    /// Binds again every broker port popgate listened on before (and every configured one), so the clients
+    /// that kept their route find them after a restart. A port that cannot be bound is logged; it is chosen
+    /// anew when a client asks for a route naming its broker.
+    pub async fn restore(&self, front: &Arc<Front>) {
+        let mut brokers: Vec<String> = remembered(front).into_keys().collect();
+        brokers.extend(front.config.remoting.broker_ports.keys().cloned());
+        brokers.sort();
+        brokers.dedup();
+        for broker in brokers {
+            if let Err(why) = self.address_of(front, &broker).await {
+                tracing::warn!(broker, %why, "A broker's remoting port could not be bound again.");
+            }
+        }
+    }
+
     /// The address a client before 4.9.5 is given for `broker`: its own port, bound on first use.
     ///
     /// # Errors
@@ -50,15 +70,57 @@ impl BrokerPorts {
         let serving: Arc<str> = broker.into();
         tokio::spawn(connection::accept_loop(listener, front.clone(), front.stopped(), Some(serving)));
         bound.insert(broker.to_owned(), advertised.clone());
+        remember(front, broker, local.port());
         Ok(advertised)
     }
 }
 
+/// Binds `broker`'s port: the configured one, else the one it had before, else (that one taken) a free one.
 async fn bind(front: &Front, broker: &str) -> Result<TcpListener, String> {
     let listen = front.config.remoting.listen_addr().ok_or("the remoting front has no listen address")?;
-    let port = front.config.remoting.broker_ports.get(broker).copied().unwrap_or(0);
-    let addr = SocketAddr::new(listen.ip(), port);
+    if let Some(port) = front.config.remoting.broker_ports.get(broker) {
+        let addr = SocketAddr::new(listen.ip(), *port);
+        return TcpListener::bind(addr)
+            .await
+            .map_err(|e| format!("could not listen on {addr} for broker {broker}: {e}"));
+    }
+    if let Some(port) = remembered(front).get(broker) {
+        match TcpListener::bind(SocketAddr::new(listen.ip(), *port)).await {
+            Ok(listener) => return Ok(listener),
+            Err(why) => {
+                tracing::warn!(broker, port, %why, "A broker's former remoting port is taken; it gets a new one.")
+            }
+        }
+    }
+    let addr = SocketAddr::new(listen.ip(), 0);
     TcpListener::bind(addr).await.map_err(|e| format!("could not listen on {addr} for broker {broker}: {e}"))
+}
+
+fn remembered_path(front: &Front) -> std::path::PathBuf {
+    front.config.delivery.state_dir.join(REMEMBERED)
+}
+
+/// The ports remembered from before (none when the file is missing or unreadable).
+fn remembered(front: &Front) -> BTreeMap<String, u16> {
+    std::fs::read(remembered_path(front)).ok().and_then(|bytes| serde_json::from_slice(&bytes).ok()).unwrap_or_default()
+}
+
+/// Adds `broker`'s port to the remembered ones (written to a temporary file, then renamed: never half written).
+fn remember(front: &Front, broker: &str, port: u16) {
+    let mut ports = remembered(front);
+    if ports.get(broker) == Some(&port) {
+        return;
+    }
+    ports.insert(broker.to_owned(), port);
+    let path = remembered_path(front);
+    let temporary = path.with_extension("json.tmp");
+    let written = serde_json::to_vec(&ports)
+        .map_err(std::io::Error::other)
+        .and_then(|bytes| std::fs::write(&temporary, bytes))
+        .and_then(|()| std::fs::rename(&temporary, &path));
+    if let Err(why) = written {
+        tracing::warn!(broker, port, %why, "A broker's remoting port could not be remembered; after a restart it may change.");
+    }
 }
 
 /// The address clients reach a port bound at `local` by: the advertised host, with that port.
