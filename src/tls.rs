@@ -38,13 +38,15 @@ pub fn server_config(
         Some((cert_path, key_path)) => read_pem(cert_path, key_path)?,
         None => self_signed()?,
     };
+    // A key that does not match the certificate is the key file's fault, as far as an operator can tell.
+    let key_file = cert_and_key.map_or_else(|| "the generated key".to_owned(), |(_, k)| k.display().to_string());
     let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
     let mut config = rustls::ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
         .map_err(|e| TlsError(e.to_string()))?
         .with_no_client_auth()
         .with_single_cert(certs, key)
-        .map_err(|e| TlsError(e.to_string()))?;
+        .map_err(|e| TlsError(format!("{key_file}: {e}")))?;
     config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     Ok(Arc::new(config))
 }

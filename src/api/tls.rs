@@ -10,8 +10,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use metrics::counter;
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio_rustls::server::TlsStream;
@@ -34,22 +32,7 @@ pub struct TlsError(String);
 /// # Errors
 /// [`TlsError`] naming the file that cannot be read or used.
 pub fn server_config(cert_path: &Path, key_path: &Path) -> Result<Arc<rustls::ServerConfig>, TlsError> {
-    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert_path)
-        .and_then(Iterator::collect)
-        .map_err(|e| TlsError(format!("{}: {e}", cert_path.display())))?;
-    if certs.is_empty() {
-        return Err(TlsError(format!("{}: no certificate found", cert_path.display())));
-    }
-    let key = PrivateKeyDer::from_pem_file(key_path).map_err(|e| TlsError(format!("{}: {e}", key_path.display())))?;
-    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
-    let mut config = rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| TlsError(e.to_string()))?
-        .with_no_client_auth()
-        .with_single_cert(certs, key)
-        .map_err(|e| TlsError(format!("{}: {e}", key_path.display())))?;
-    config.alpn_protocols = vec![b"http/1.1".to_vec()];
-    Ok(Arc::new(config))
+    crate::tls::server_config(Some((cert_path, key_path)), &[b"http/1.1"]).map_err(|e| TlsError(e.to_string()))
 }
 
 /// A listener that yields only connections whose TLS handshake succeeded.
