@@ -540,8 +540,12 @@ async fn a_send_to_a_sigstopped_broker_is_answered_in_time_for_the_client_to_ret
 ) {
     let cluster = Cluster::start(&crate::harness::rocketmq::ClusterSpec::brokers(&["broker-a", "broker-b"]));
     // popgate gives up on a broker within 1 s, well inside the client's send timeout; fault avoidance then
-    // isolates the hung broker, and sends the client places there are refused at once.
-    let config = "[publish]\nsend_timeout_ms = 1000\n\n[fault_avoidance]\nnetwork_error_isolation_ms = 30000\n";
+    // isolates the hung broker, and sends the client places there are refused at once. A slow send isolates
+    // nothing here (`not_available_ms` all 0): on a loaded machine a warm-up send to broker-b took over 550 ms,
+    // isolated it for latency before the pause, and every later send to it was refused without reaching it,
+    // so the hung broker's own isolation, which this test is about, never happened.
+    let config = "[publish]\nsend_timeout_ms = 1000\n\n[fault_avoidance]\nnetwork_error_isolation_ms = 30000\n\
+                  latency_max_ms = [50, 100, 550, 1000, 2000, 3000, 15000]\nnot_available_ms = [0, 0, 0, 0, 0, 0, 0]\n";
     let (popgate, namesrv) = popgate_with_remoting(&cluster, config).await;
     let topic = unique_topic("rm_stop");
     create_topic(&cluster, &topic).await;
