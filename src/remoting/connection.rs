@@ -232,8 +232,8 @@ fn dispatch(front: &Arc<Front>, connection: &Connection, request: RemotingComman
             // An answer that hands out deliveries: whether it left decides what becomes of them.
             (false, false) => connection.answer_written(answer).await,
         };
-        if !reply.handed.is_empty() || !reply.unsent.is_empty() {
-            front.after_reply(reply.handed, reply.unsent, written).await;
+        if !reply.handed.is_empty() {
+            front.after_reply(reply.handed, written).await;
         }
     });
 }

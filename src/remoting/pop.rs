@@ -177,7 +177,20 @@ pub(super) async fn pop_message(
         Ok(deliveries) => deliveries,
         Err(refusal) => return delivery_error(refusal).into(),
     };
-    popped_answer(&deliveries, field(request, "bname").unwrap_or_default(), pop.invisible_time)
+    let (reply, unencodable) =
+        popped_answer(&deliveries, field(request, "bname").unwrap_or_default(), pop.invisible_time);
+    spend_unencodable(front, &unencodable).await;
+    reply
+}
+
+/// Deliveries handed out for a POP that its answer could not carry: their attempt is spent (a NACK, so a
+/// message no remoting client can be sent ends in the DLQ after its last attempt instead of coming back forever).
+async fn spend_unencodable(front: &Front, unencodable: &[(String, u32)]) {
+    for (id, handout) in unencodable {
+        if let Err(why) = front.dispatcher.nack(Target { id, handout: Some(*handout) }, None).await {
+            tracing::warn!(delivery = %id, %why, "An unencodable delivery could not be NACKed; it comes back at its deadline.");
+        }
+    }
 }
 
 /// A POP's filter as the broker reads `expType` and `exp`: SQL92, else tags (none or `*`: every message).
@@ -191,8 +204,8 @@ fn filter_of(exp_type: Option<&str>, exp: Option<&str>) -> (String, FilterType) 
 }
 
 /// The answer to a POP: `POLLING_TIMEOUT` when nothing came, else the messages, each as the broker encodes a
-/// stored message, and the hand-outs they carry.
-fn popped_answer(deliveries: &[Dispatched], bname: &str, invisible_ms: u64) -> Reply {
+/// stored message, and the hand-outs they carry; with it the hand-outs it could not encode.
+fn popped_answer(deliveries: &[Dispatched], bname: &str, invisible_ms: u64) -> (Reply, Vec<(String, u32)>) {
     let pop_time = now_ms();
     let mut encoded = BytesMut::new();
     let mut handed = Vec::with_capacity(deliveries.len());
@@ -207,7 +220,7 @@ fn popped_answer(deliveries: &[Dispatched], bname: &str, invisible_ms: u64) -> R
             }
             Err(why) => {
                 tracing::warn!(delivery = %delivery.id, %why, "A delivery could not be encoded for a remoting client.");
-                unencodable.push(delivery.id.clone());
+                unencodable.push((delivery.id.clone(), delivery.handout));
             }
         }
     }
@@ -231,7 +244,7 @@ fn popped_answer(deliveries: &[Dispatched], bname: &str, invisible_ms: u64) -> R
         answer.add_ext_field("msgOffsetInfo", each.join(";"));
         answer = answer.set_body(encoded.freeze());
     }
-    Reply { command: answer, handed, unsent: unencodable }
+    (Reply { command: answer, handed }, unencodable)
 }
 
 /// A delivery as the broker stores a message (`MessageDecoder.encode`), with the attempt as its
@@ -311,13 +324,6 @@ pub(super) async fn after_answer(front: &Front, handed: Vec<(String, u32)>, writ
     } else {
         let ids: Vec<String> = handed.into_iter().map(|(id, _)| id).collect();
         front.dispatcher.unsent(&ids, "remoting").await;
-    }
-}
-
-/// Deliveries handed out but never put in an answer (they could not be encoded): out again at once.
-pub(super) async fn never_sent(front: &Front, ids: &[String]) {
-    if !ids.is_empty() {
-        front.dispatcher.unsent(ids, "remoting").await;
     }
 }
 

@@ -115,8 +115,7 @@ impl Front {
 
     /// What follows writing `reply` (`written`: it left for the client): its hand-outs are stored as written,
     /// or handed out again.
-    pub async fn after_reply(&self, handed: Vec<(String, u32)>, unsent: Vec<String>, written: bool) {
-        pop::never_sent(self, &unsent).await;
+    pub async fn after_reply(&self, handed: Vec<(String, u32)>, written: bool) {
         pop::after_answer(self, handed, written).await;
     }
 
@@ -160,13 +159,11 @@ pub(super) struct Reply {
     pub command: RemotingCommand,
     /// The hand-outs it carries (delivery id, hand-out number).
     pub handed: Vec<(String, u32)>,
-    /// Deliveries handed out for it that it could not carry: out again at once.
-    pub unsent: Vec<String>,
 }
 
 impl From<RemotingCommand> for Reply {
     fn from(command: RemotingCommand) -> Reply {
-        Reply { command, handed: Vec::new(), unsent: Vec::new() }
+        Reply { command, handed: Vec::new() }
     }
 }
 
