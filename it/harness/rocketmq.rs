@@ -2,12 +2,12 @@
 //! its own store directory, on 127.0.0.1.
 //!
 //! Every process is owned by a [`JavaProcess`] guard that SIGKILLs it on drop. For clusters kept in a
-//! `static` (which is never dropped), a watchdog shell kills them when the test process exits, so a failing
+//! `static` (which is never dropped), a [`Watchdog`] shell kills them when the test process exits, so a failing
 //! or aborted test run leaves nothing behind.
 
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
@@ -33,6 +33,11 @@ fn jar_dir(command: &str) -> PathBuf {
     assert!(output.status.success(), "rocketmq.sh {command} failed: {}", String::from_utf8_lossy(&output.stderr));
     PathBuf::from(String::from_utf8_lossy(&output.stdout).trim().to_owned())
 }
+
+/// A process could not bind a port it was given: between choosing it free and binding it, another process
+/// (a concurrent test's broker or popgate) took it. Holds the log's path and tail.
+#[derive(Debug)]
+struct PortTaken(String);
 
 /// A Java child process, killed on drop.
 pub struct JavaProcess {
@@ -78,6 +83,41 @@ impl JavaProcess {
     /// The OS process id.
     pub fn pid(&self) -> u32 {
         self.child.id()
+    }
+
+    /// Waits until the process's log contains `needle`, failing at once with the log when the process exits
+    /// (a JVM killed by a signal prints nothing: its log alone would keep the wait going until the timeout).
+    /// `Err` when a port it was given had been taken meanwhile (the caller may start it on others).
+    fn wait_for_log(&mut self, needle: &str) -> Result<(), PortTaken> {
+        let deadline = Instant::now() + BOOT_TIMEOUT;
+        loop {
+            let text = fs::read_to_string(&self.log).unwrap_or_default();
+            if text.contains(needle) {
+                return Ok(());
+            }
+            if text.contains("Address already in use") {
+                return Err(PortTaken(format!("{}:\n{}", self.log.display(), tail(&text))));
+            }
+            let failed = ["Exception in thread \"main\"", "Error: Could not"];
+            if failed.iter().any(|sign| text.contains(sign)) {
+                panic!("RocketMQ process failed to start; {}:\n{}", self.log.display(), tail(&text));
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!(
+                    "RocketMQ process {} before `{needle}`; {}:\n{}",
+                    exited(status),
+                    self.log.display(),
+                    tail(&text)
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "`{needle}` not in {} after {BOOT_TIMEOUT:?}:\n{}",
+                self.log.display(),
+                tail(&text)
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
     }
 
     /// Sends a signal (`STOP`, `CONT`, `KILL`) to the process.
@@ -279,7 +319,7 @@ pub struct Cluster {
     pub brokers: Vec<Broker>,
     lib: PathBuf,
     _namesrv: JavaProcess,
-    _watchdog: Option<Child>,
+    _watchdog: Option<Watchdog>,
     dir: TempDir,
 }
 
@@ -304,49 +344,57 @@ impl Cluster {
     pub fn start(spec: &ClusterSpec) -> Cluster {
         let lib = rocketmq_lib();
         let dir = tempfile::Builder::new().prefix("popgate-rmq-").tempdir().expect("tempdir");
-        let ns_port = free_port();
-        let ns_home = dir.path().join("namesrv");
-        fs::create_dir_all(&ns_home).expect("namesrv home");
-        let ns_conf = ns_home.join("namesrv.conf");
-        fs::write(&ns_conf, format!("listenPort={ns_port}\nbindAddress=127.0.0.1\n")).expect("namesrv conf");
-        let namesrv = JavaProcess::spawn(
-            &lib,
-            &ns_home,
-            256,
-            "org.apache.rocketmq.namesrv.NamesrvStartup",
-            &["-c", &ns_conf.to_string_lossy()],
-        );
-        let namesrv_addr = format!("127.0.0.1:{ns_port}");
-        wait_for(&namesrv.log, "boot success", BOOT_TIMEOUT);
+        let (namesrv, namesrv_addr) = on_free_ports(|| Self::start_namesrv(&lib, dir.path()));
 
         // Masters first, each booted and registered before anything else starts: a slave learns its master's
         // HA address from its own registration with the name server, and the next one is 30 s away.
-        let mut brokers = Vec::new();
         let master_role = if spec.sync_replication { "SYNC_MASTER" } else { "ASYNC_MASTER" };
-        for name in &spec.brokers {
-            brokers.push(Self::new_broker(&lib, dir.path(), &namesrv_addr, name, master_role, &spec.broker_conf));
-        }
-        Self::wait_started(&brokers);
-        if spec.with_slaves {
-            let slaves: Vec<Broker> = spec
-                .brokers
-                .iter()
-                .map(|name| Self::new_broker(&lib, dir.path(), &namesrv_addr, name, "SLAVE", &spec.broker_conf))
-                .collect();
-            Self::wait_started(&slaves);
-            brokers.extend(slaves);
+        let roles: &[&str] = if spec.with_slaves { &[master_role, "SLAVE"] } else { &[master_role] };
+        let mut brokers = Vec::new();
+        for role in roles {
+            let new_broker =
+                |name: &str| Self::new_broker(&lib, dir.path(), &namesrv_addr, name, role, &spec.broker_conf);
+            let spawned: Vec<Broker> = spec.brokers.iter().map(|name| new_broker(name)).collect();
+            brokers.extend(Self::wait_started(spawned, new_broker));
         }
         let mut cluster = Cluster { namesrv_addr, brokers, lib, _namesrv: namesrv, _watchdog: None, dir };
         cluster.arm_watchdog();
         cluster
     }
 
-    /// Waits until each broker booted and registered with the name server.
-    fn wait_started(brokers: &[Broker]) {
-        for broker in brokers {
-            wait_for(&broker.process.as_ref().expect("started").log, "boot success", BOOT_TIMEOUT);
+    fn start_namesrv(lib: &Path, root: &Path) -> Result<(JavaProcess, String), PortTaken> {
+        let port = free_port();
+        let home = root.join("namesrv");
+        fs::create_dir_all(&home).expect("namesrv home");
+        let conf = home.join("namesrv.conf");
+        fs::write(&conf, format!("listenPort={port}\nbindAddress=127.0.0.1\n")).expect("namesrv conf");
+        let mut namesrv = JavaProcess::spawn(
+            lib,
+            &home,
+            256,
+            "org.apache.rocketmq.namesrv.NamesrvStartup",
+            &["-c", &conf.to_string_lossy()],
+        );
+        namesrv.wait_for_log("boot success")?;
+        Ok((namesrv, format!("127.0.0.1:{port}")))
+    }
+
+    /// Waits until each broker booted and registered with the name server; one whose port was taken meanwhile
+    /// is started again on new ports (`new_broker`).
+    fn wait_started(spawned: Vec<Broker>, new_broker: impl Fn(&str) -> Broker) -> Vec<Broker> {
+        let mut started = Vec::with_capacity(spawned.len());
+        for broker in spawned {
+            let name = broker.name.clone();
+            let mut first = Some(broker);
+            let broker = on_free_ports(|| {
+                let mut broker = first.take().unwrap_or_else(|| new_broker(&name));
+                broker.process.as_mut().expect("started").wait_for_log("boot success")?;
+                Ok(broker)
+            });
             broker.wait_registered(1);
+            started.push(broker);
         }
+        started
     }
 
     fn new_broker(lib: &Path, root: &Path, namesrv: &str, name: &str, role: &str, extra: &[String]) -> Broker {
@@ -387,26 +435,14 @@ impl Cluster {
     }
 
     /// Kills every process of this cluster when the test process exits, even if the cluster is never dropped.
+    /// Armed again whenever a process is killed or started, so it never names a process that has gone (the
+    /// previous watchdog is killed as it is replaced).
     fn arm_watchdog(&mut self) {
-        let pids: Vec<String> = std::iter::once(self._namesrv.pid())
+        let pids: Vec<u32> = std::iter::once(self._namesrv.pid())
             .chain(self.brokers.iter().filter_map(|b| b.process.as_ref().map(JavaProcess::pid)))
-            .map(|p| p.to_string())
             .collect();
-        let script = format!(
-            "while kill -0 {parent} 2>/dev/null; do sleep 1; done; kill -CONT {pids} 2>/dev/null; kill -9 {pids} 2>/dev/null; \
-             sleep 1; rm -rf '{dir}'",
-            parent = std::process::id(),
-            pids = pids.join(" "),
-            dir = self.dir.path().display()
-        );
-        self._watchdog = Command::new("sh")
-            .arg("-c")
-            .arg(script)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .ok();
+        self._watchdog = None;
+        self._watchdog = Watchdog::arm(&pids, self.dir.path());
     }
 
     /// The broker named `name` (its master).
@@ -418,6 +454,7 @@ impl Cluster {
     pub fn kill_slave(&mut self, name: &str) {
         let slave = self.brokers.iter_mut().filter(|b| b.name == name).nth(1).expect("a slave");
         slave.process = None;
+        self.arm_watchdog();
     }
 
     /// `kill -STOP` the broker: it keeps its sockets but answers nothing (a hung broker).
@@ -434,6 +471,7 @@ impl Cluster {
     pub fn kill_broker(&mut self, name: &str) {
         let broker = self.brokers.iter_mut().find(|b| b.name == name).expect("broker");
         broker.process = None;
+        self.arm_watchdog();
     }
 
     /// Starts a killed broker again on the same port and store.
@@ -443,31 +481,82 @@ impl Cluster {
         assert!(broker.process.is_none(), "restart_broker needs a killed broker");
         let conf = broker.conf.to_string_lossy().into_owned();
         let registrations = broker.registrations();
-        let process =
-            JavaProcess::spawn(&lib, &broker.home, 512, "org.apache.rocketmq.broker.BrokerStartup", &["-c", &conf]);
-        let log = process.log.clone();
-        broker.process = Some(process);
-        // The console log is recreated by each spawn, so "boot success" in it is this start's.
-        wait_for(&log, "boot success", BOOT_TIMEOUT);
+        let process = broker.process.insert(JavaProcess::spawn(
+            &lib,
+            &broker.home,
+            512,
+            "org.apache.rocketmq.broker.BrokerStartup",
+            &["-c", &conf],
+        ));
+        // The console log is recreated by each spawn, so "boot success" in it is this start's. Its ports are
+        // the test's (clients know them): no others are tried.
+        if let Err(PortTaken(log)) = process.wait_for_log("boot success") {
+            panic!("the restarted broker's ports were taken while it was down; {log}");
+        }
         broker.wait_registered(registrations + 1);
         self.arm_watchdog();
     }
 }
 
-/// Waits until `log` contains `needle`, failing fast with the log when the process died.
-fn wait_for(log: &Path, needle: &str, timeout: Duration) {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let text = fs::read_to_string(log).unwrap_or_default();
-        if text.contains(needle) {
-            return;
+/// Runs `start` until it is not refused a port, a few times: ports are chosen free, then bound by another
+/// process, and in between a concurrent test may take one.
+fn on_free_ports<T>(mut start: impl FnMut() -> Result<T, PortTaken>) -> T {
+    const TRIES: usize = 5;
+    for attempt in 1.. {
+        match start() {
+            Ok(started) => return started,
+            Err(PortTaken(log)) if attempt < TRIES => eprintln!("harness: a port was taken, trying others; {log}"),
+            Err(PortTaken(log)) => panic!("RocketMQ process failed to start {TRIES} times, its ports taken; {log}"),
         }
-        let failed = ["Exception in thread \"main\"", "Error: Could not", "Address already in use"];
-        if failed.iter().any(|sign| text.contains(sign)) {
-            panic!("RocketMQ process failed to start; {}:\n{}", log.display(), tail(&text));
-        }
-        assert!(Instant::now() < deadline, "`{needle}` not in {} after {timeout:?}:\n{}", log.display(), tail(&text));
-        std::thread::sleep(Duration::from_millis(200));
+    }
+    unreachable!("the loop returns or panics")
+}
+
+/// How a child process ended, for a panic message.
+fn exited(status: ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match status.signal() {
+        Some(signal) => format!("was killed by signal {signal}"),
+        None => format!("exited with {status}"),
+    }
+}
+
+/// Kills a cluster's processes and removes its directory once the test process has exited, however it exits.
+///
+/// A shell blocked reading a pipe whose write end only this process holds (std's pipes are close-on-exec, so
+/// no child inherits it): the pipe closes when this process exits, and the shell wakes. It forks nothing while
+/// it waits. (A shell polling the parent with `sleep 1` forked a process a second per cluster, wrapped the
+/// machine's 32768 pids within a suite, and at exit SIGKILLed pids that had gone to other processes: the
+/// bench's name server, started right after the it suite, died silently.)
+struct Watchdog {
+    shell: Child,
+}
+
+impl Watchdog {
+    fn arm(pids: &[u32], dir: &Path) -> Option<Watchdog> {
+        let pids = pids.iter().map(u32::to_string).collect::<Vec<_>>().join(" ");
+        let script = format!(
+            "read _; kill -CONT {pids} 2>/dev/null; kill -9 {pids} 2>/dev/null; sleep 1; rm -rf '{}'",
+            dir.display()
+        );
+        let shell = Command::new("sh")
+            .arg("-c")
+            .arg(script)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .ok()?;
+        Some(Watchdog { shell })
+    }
+}
+
+impl Drop for Watchdog {
+    /// The cluster is being dropped or re-armed: the processes it names are killed by their own guards, and
+    /// their pids may soon be other processes'. Killed before its pipe closes, the shell kills nothing.
+    fn drop(&mut self) {
+        let _ = self.shell.kill();
+        let _ = self.shell.wait();
     }
 }
 
