@@ -154,7 +154,11 @@ pub(super) async fn to_queue_broker(
     caller: &Caller,
     request: &RemotingCommand,
 ) -> Option<RemotingCommand> {
-    let answer = relayed(front, caller, request).await;
+    let answer = if request.is_oneway_rpc() {
+        relayed_one_way(front, caller, request).await
+    } else {
+        relayed(front, caller, request).await
+    };
     let refused_here =
         answer.code() != codes::SUCCESS && answer.code() != codes::QUERY_NOT_FOUND && !answer.from_broker;
     if request.code() == codes::QUERY_CONSUMER_OFFSET && refused_here {
@@ -164,13 +168,45 @@ pub(super) async fn to_queue_broker(
     Some(answer.command)
 }
 
-/// An answer, and whether the broker gave it (rather than popgate, which could not ask it).
+/// A one-way request (an offset commit or queue unlock at the client's shutdown, say) is relayed again when the
+/// broker could not be reached: its client never learns of a failure and never sends it again, while straight
+/// at the broker it would have arrived. These requests set a state (an offset, a lock), so a repeat is harmless.
+async fn relayed_one_way(front: &Front, caller: &Caller, request: &RemotingCommand) -> Relayed {
+    let mut answer = relayed(front, caller, request).await;
+    for pause in ONE_WAY_RETRY_PAUSES {
+        if !answer.unreachable {
+            return answer;
+        }
+        tokio::time::sleep(pause).await;
+        answer = relayed(front, caller, request).await;
+    }
+    if answer.unreachable {
+        tracing::warn!(
+            code = codes::request_label(request.code()),
+            remark = ?answer.command.remark(),
+            "A client's one-way request could not be relayed to its broker and is lost."
+        );
+    }
+    answer
+}
+
+/// Pauses before relaying a one-way request again.
+const ONE_WAY_RETRY_PAUSES: [Duration; 2] = [Duration::from_millis(200), Duration::from_millis(1_000)];
+
+/// An answer, whether the broker gave it (rather than popgate, which refused it or could not ask), and whether
+/// popgate tried and could not reach the broker.
 struct Relayed {
     command: RemotingCommand,
     from_broker: bool,
+    unreachable: bool,
 }
 
 impl Relayed {
+    /// popgate's answer when it could not reach the broker (or learn where it is).
+    fn unreachable(command: RemotingCommand) -> Relayed {
+        Relayed { command, from_broker: false, unreachable: true }
+    }
+
     fn code(&self) -> i32 {
         self.command.code()
     }
@@ -178,7 +214,7 @@ impl Relayed {
 
 impl From<RemotingCommand> for Relayed {
     fn from(command: RemotingCommand) -> Relayed {
-        Relayed { command, from_broker: false }
+        Relayed { command, from_broker: false, unreachable: false }
     }
 }
 
@@ -206,9 +242,12 @@ async fn relayed(front: &Front, caller: &Caller, request: &RemotingCommand) -> R
         Ok(Some(addr)) => addr,
         Ok(None) => {
             front.forget_masters();
-            return error(codes::SERVICE_NOT_AVAILABLE, format!("broker `{broker_name}` has no master now")).into();
+            let why = format!("broker `{broker_name}` has no master now");
+            return Relayed::unreachable(error(codes::SERVICE_NOT_AVAILABLE, why));
         }
-        Err(why) => return error(codes::SYSTEM_ERROR, format!("popgate has no broker list: {why}")).into(),
+        Err(why) => {
+            return Relayed::unreachable(error(codes::SYSTEM_ERROR, format!("popgate has no broker list: {why}")));
+        }
     };
     let timeout = relay_timeout(front, code, request);
     relay_counted(front, label, &addr, request, timeout).await
@@ -224,11 +263,14 @@ async fn relay_counted(
     match front.broker.relay(addr, request, timeout).await {
         Ok(answer) => {
             counter!(m::REMOTING_RELAYS, "code" => label, "result" => "ok").increment(1);
-            Relayed { command: answer_from(answer), from_broker: true }
+            Relayed { command: answer_from(answer), from_broker: true, unreachable: false }
         }
         Err(failure) => {
             counter!(m::REMOTING_RELAYS, "code" => label, "result" => "unreachable").increment(1);
-            error(codes::SYSTEM_ERROR, format!("popgate could not reach broker {addr}: {failure}")).into()
+            Relayed::unreachable(error(
+                codes::SYSTEM_ERROR,
+                format!("popgate could not reach broker {addr}: {failure}"),
+            ))
         }
     }
 }
