@@ -441,7 +441,6 @@ impl Cluster {
         let pids: Vec<u32> = std::iter::once(self._namesrv.pid())
             .chain(self.brokers.iter().filter_map(|b| b.process.as_ref().map(JavaProcess::pid)))
             .collect();
-        self._watchdog = None;
         self._watchdog = Watchdog::arm(&pids, self.dir.path());
     }
 

@@ -160,7 +160,7 @@ pub(super) async fn to_queue_broker(
         relayed(front, caller, request).await
     };
     let refused_here =
-        answer.code() != codes::SUCCESS && answer.code() != codes::QUERY_NOT_FOUND && !answer.from_broker;
+        answer.code() != codes::SUCCESS && answer.code() != codes::QUERY_NOT_FOUND && answer.by != AnsweredBy::Broker;
     if request.code() == codes::QUERY_CONSUMER_OFFSET && refused_here {
         tracing::info!(remark = ?answer.command.remark(), "An offset query was not answered: popgate could not ask its broker.");
         return None;
@@ -174,13 +174,13 @@ pub(super) async fn to_queue_broker(
 async fn relayed_one_way(front: &Front, caller: &Caller, request: &RemotingCommand) -> Relayed {
     let mut answer = relayed(front, caller, request).await;
     for pause in ONE_WAY_RETRY_PAUSES {
-        if !answer.unreachable {
+        if answer.by != AnsweredBy::Unreachable {
             return answer;
         }
         tokio::time::sleep(pause).await;
         answer = relayed(front, caller, request).await;
     }
-    if answer.unreachable {
+    if answer.by == AnsweredBy::Unreachable {
         tracing::warn!(
             code = codes::request_label(request.code()),
             remark = ?answer.command.remark(),
@@ -193,18 +193,27 @@ async fn relayed_one_way(front: &Front, caller: &Caller, request: &RemotingComma
 /// Pauses before relaying a one-way request again.
 const ONE_WAY_RETRY_PAUSES: [Duration; 2] = [Duration::from_millis(200), Duration::from_millis(1_000)];
 
-/// An answer, whether the broker gave it (rather than popgate, which refused it or could not ask), and whether
-/// popgate tried and could not reach the broker.
+/// An answer, and who gave it.
 struct Relayed {
     command: RemotingCommand,
-    from_broker: bool,
-    unreachable: bool,
+    by: AnsweredBy,
+}
+
+/// Who gave a relayed request's answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum AnsweredBy {
+    /// The broker that owns the queue.
+    Broker,
+    /// popgate, refusing the request (its signature's scopes, a header it cannot read).
+    Popgate,
+    /// popgate, which could not reach the broker or learn where it is.
+    Unreachable,
 }
 
 impl Relayed {
     /// popgate's answer when it could not reach the broker (or learn where it is).
     fn unreachable(command: RemotingCommand) -> Relayed {
-        Relayed { command, from_broker: false, unreachable: true }
+        Relayed { command, by: AnsweredBy::Unreachable }
     }
 
     fn code(&self) -> i32 {
@@ -214,7 +223,7 @@ impl Relayed {
 
 impl From<RemotingCommand> for Relayed {
     fn from(command: RemotingCommand) -> Relayed {
-        Relayed { command, from_broker: false, unreachable: false }
+        Relayed { command, by: AnsweredBy::Popgate }
     }
 }
 
@@ -250,7 +259,18 @@ async fn relayed(front: &Front, caller: &Caller, request: &RemotingCommand) -> R
         }
     };
     let timeout = relay_timeout(front, code, request);
-    relay_counted(front, label, &addr, request, timeout).await
+    let relayed = relay_counted(front, label, &addr, request, timeout).await;
+    // At debug: what a consumer asked of which broker and what it was told (offsets, chiefly).
+    tracing::debug!(
+        code = label,
+        broker = %broker_name,
+        fields = ?request.ext_fields(),
+        answer = relayed.command.code(),
+        answer_fields = ?relayed.command.ext_fields(),
+        remark = ?relayed.command.remark(),
+        "Relayed a request to its broker."
+    );
+    relayed
 }
 
 async fn relay_counted(
@@ -263,7 +283,7 @@ async fn relay_counted(
     match front.broker.relay(addr, request, timeout).await {
         Ok(answer) => {
             counter!(m::REMOTING_RELAYS, "code" => label, "result" => "ok").increment(1);
-            Relayed { command: answer_from(answer), from_broker: true, unreachable: false }
+            Relayed { command: answer_from(answer), by: AnsweredBy::Broker }
         }
         Err(failure) => {
             counter!(m::REMOTING_RELAYS, "code" => label, "result" => "unreachable").increment(1);
