@@ -214,16 +214,24 @@ fn announced_frame_len(buffer: &[u8]) -> Option<usize> {
 }
 
 /// Serves one command: a request on a task of its own; an answer to one of popgate's pushes is ignored (the
-/// pushes popgate sends are one-way).
+/// pushes popgate sends are one-way). An offset commit or query takes its turn here, as its frame is read, and is
+/// served once the turns before it are over ([`super::offset_turns`]).
 fn dispatch(front: &Arc<Front>, connection: &Connection, request: RemotingCommand) {
     if request.is_response_type() {
         return;
     }
+    let mut turn = front.offset_turns.take(&request);
     let (front, connection) = (front.clone(), connection.clone());
     tokio::spawn(async move {
         let oneway = request.is_oneway_rpc();
         let opaque = request.opaque();
-        let Some(reply) = front.serve(&connection, request).await else { return };
+        if let Some(turn) = &mut turn {
+            turn.wait().await;
+        }
+        let reply = front.serve(&connection, request).await;
+        // Served (a one-way request's retries included): the next offset request of its lane may go.
+        drop(turn);
+        let Some(reply) = reply else { return };
         // A 4.9.3 client has no language code for RUST, the crate's default.
         let answer = reply.command.set_opaque(opaque).set_language(LanguageCode::JAVA).mark_response_type();
         let written = match (oneway, reply.handed.is_empty()) {

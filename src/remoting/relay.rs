@@ -170,7 +170,8 @@ pub(super) async fn to_queue_broker(
 
 /// A one-way request (an offset commit or queue unlock at the client's shutdown, say) is relayed again when the
 /// broker could not be reached: its client never learns of a failure and never sends it again, while straight
-/// at the broker it would have arrived. These requests set a state (an offset, a lock), so a repeat is harmless.
+/// at the broker it would have arrived. These requests set a state (an offset, a lock), so a repeat is harmless;
+/// a commit's repeats stay within its turn ([`super::offset_turns`]), so none lands after a later commit.
 async fn relayed_one_way(front: &Front, caller: &Caller, request: &RemotingCommand) -> Relayed {
     let mut answer = relayed(front, caller, request).await;
     for pause in ONE_WAY_RETRY_PAUSES {

@@ -13,6 +13,7 @@ use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
 use super::clients::Clients;
 use super::codes;
 use super::connection::Connection;
+use super::offset_turns::OffsetTurns;
 use super::ports::{self, BrokerPorts};
 use super::{auth, pop, relay, route, send, transaction, Parts};
 use crate::auth::{Caller, TokenTable};
@@ -40,6 +41,8 @@ pub(super) struct Front {
     pub tls: tokio_rustls::TlsAcceptor,
     /// The connections all of the front's ports may keep open together.
     pub connection_slots: Arc<Semaphore>,
+    /// Offset commits and queries of a topic and group, relayed one at a time in the order they came.
+    pub offset_turns: OffsetTurns,
     /// Turns true when popgate stops.
     stopping: watch::Receiver<bool>,
     /// The cluster's master brokers (name to address), and when they were asked for.
@@ -65,6 +68,7 @@ impl Front {
             broker_ports: BrokerPorts::default(),
             tls: tokio_rustls::TlsAcceptor::from(parts.tls),
             connection_slots: Arc::new(Semaphore::new(config.remoting.max_connections)),
+            offset_turns: OffsetTurns::default(),
             config,
             advertised,
             stopping,
