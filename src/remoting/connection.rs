@@ -220,7 +220,7 @@ fn dispatch(front: &Arc<Front>, connection: &Connection, request: RemotingComman
     if request.is_response_type() {
         return;
     }
-    let mut turn = front.offset_turns.take(&request);
+    let mut turn = front.offset_turns.take(&request, connection.broker.as_deref());
     let (front, connection) = (front.clone(), connection.clone());
     tokio::spawn(async move {
         let oneway = request.is_oneway_rpc();

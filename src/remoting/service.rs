@@ -41,7 +41,7 @@ pub(super) struct Front {
     pub tls: tokio_rustls::TlsAcceptor,
     /// The connections all of the front's ports may keep open together.
     pub connection_slots: Arc<Semaphore>,
-    /// Offset commits and queries of a topic and group, relayed one at a time in the order they came.
+    /// A broker's offset commits and queries of a topic and group, relayed one at a time in the order they came.
     pub offset_turns: OffsetTurns,
     /// Turns true when popgate stops.
     stopping: watch::Receiver<bool>,
