@@ -53,6 +53,52 @@ async fn removed_half_offsets(cluster: &Cluster, broker: &str) -> Vec<i64> {
         .collect()
 }
 
+/// popgate dies while its broker holds a commit it has taken but not answered (the broker paused); the broker
+/// then commits. Nothing but popgate's stored intent tells it after the restart that the commit may have landed:
+/// the producer's retry and the owed retries look the committed message up instead of committing it twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_popgate_died_waiting_for_is_looked_up_after_the_restart_and_stored_once() {
+    // A broker of its own: it is paused. popgate waits 60 s for a broker's answer, so it is killed while waiting.
+    let cluster = Cluster::start(&ClusterSpec::brokers(&["broker-a"]));
+    let debug = "info,popgate::transaction=debug,rocketmq_client_rust=warn,rocketmq_transport=warn";
+    let config = "[broker]\nrequest_timeout_ms = 60000\n";
+    let mut popgate = Popgate::start_with_env(&cluster.namesrv_addr, config, &[("RUST_LOG", debug)]).await;
+    let topic = unique_topic("txh_lost_answer");
+    create_transaction_topic(&cluster, &topic).await;
+    let sent = publish_half(&popgate, &topic, "once", json!({})).await;
+    let id = sent["transactionId"].as_str().unwrap_or_default().to_owned();
+
+    cluster.pause_broker("broker-a");
+    let url = format!("{}/events/transactions/{id}", popgate.base);
+    let waiting = tokio::spawn(async move {
+        let _ = reqwest::Client::new().post(url).json(&json!({"resolution": "commit"})).send().await;
+    });
+    crate::harness::eventually(Duration::from_secs(30), "popgate sends the commit", || async {
+        popgate.output().contains("END_TRANSACTION")
+    })
+    .await;
+    // The frame is in the broker's socket; popgate dies before any answer.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    popgate.kill9();
+    waiting.abort();
+    cluster.resume_broker("broker-a");
+    crate::harness::eventually(Duration::from_secs(30), "the broker commits what it took", || async {
+        stored_bodies(&cluster, &topic).await == ["once"]
+    })
+    .await;
+
+    popgate.restart().await;
+    // The producer never heard back, and commits again.
+    let (status, answer) = end(&popgate, &id, "commit").await;
+    assert!(status == 200 || status == 202, "{status} {answer}");
+    crate::harness::eventually(Duration::from_secs(30), "the end is stored as landed", || async {
+        popgate.metric("popgate_transactions_ended_total{resolution=\"commit\",result=\"landed\"}").await >= 1.0
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(stored_bodies(&cluster, &topic).await, ["once"], "committed once, not twice");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http_transaction_is_delivered_once_after_its_commit_and_never_after_its_rollback() {
     let cluster = shared_cluster();

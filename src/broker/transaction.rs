@@ -51,6 +51,9 @@ const MESSAGE_TYPE_ATTRIBUTE: &str = "message.type";
 const QUERY_NOT_FOUND: i32 = 22;
 /// `ResponseCode.TOPIC_NOT_EXIST`.
 const TOPIC_NOT_EXIST: i32 = 17;
+/// How long before its half message's send a committed message is looked for: the broker's index has whole
+/// seconds, and its clock is not popgate's.
+const LOOKUP_MARGIN_MS: i64 = 10 * 60 * 1000;
 
 /// How a transaction ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -151,7 +154,10 @@ impl BrokerClient {
             topic: half.topic.as_str().into(),
             key: half.message_id.as_str().into(),
             max_num: 1,
-            begin_timestamp: since_ms,
+            // The broker's index keeps store times in whole seconds from its file's start (`IndexFile`), and its
+            // clock is not popgate's: a message stored just after `since_ms` can read as stored before it. The
+            // unique key finds the message; the time only narrows the files searched.
+            begin_timestamp: since_ms.saturating_sub(LOOKUP_MARGIN_MS),
             end_timestamp: i64::MAX,
             index_type: Some(CheetahString::from_static_str(MessageConst::INDEX_UNIQUE_TYPE)),
             last_key: None,

@@ -408,6 +408,10 @@ impl Transactions {
                 return Err(TransactionError::AlreadyEnded { id: id.to_owned(), ended });
             }
         }
+        // The intent first: should popgate die after the broker took the end, or fail to store that it did, the
+        // record says the end may have landed, and whoever tries it again (the owed retries after a restart, a
+        // caller's retry) looks the committed message up instead of committing it a second time.
+        self.store_intent(&record, resolution, from_check).await?;
         let sent = match answer_by {
             Some(by) => {
                 // What is left after the broker's wait must cover storing the resolution as owed.
@@ -420,7 +424,13 @@ impl Transactions {
         };
         match sent {
             Ok(()) => {
-                self.store_ended(record, resolution).await?;
+                if let Err(error) = self.store_ended(record, resolution).await {
+                    // It landed: the caller is told so. The stored intent says it may have, so the owed retries
+                    // find the committed message (or send a rollback again, which the broker refuses harmlessly)
+                    // and store the end then.
+                    tracing::warn!(%error, transaction = id, "A transaction's end landed but could not be stored; it is looked up again.");
+                    self.owe_again_now(id);
+                }
                 Ok(Ended::Landed)
             }
             Err(error) if worth_retrying(&error) => {
@@ -431,9 +441,33 @@ impl Transactions {
             Err(error) => {
                 counter!(m::TRANSACTIONS_ENDED, "resolution" => resolution.as_str(), "result" => "refused")
                     .increment(1);
+                // The broker took nothing: the record is open again, as it was.
+                self.store.put(Family::Transactions, id, &record).await?;
                 Err(TransactionError::Refused { id: id.to_owned(), error })
             }
         }
+    }
+
+    /// Stores that `record` is being ended with `resolution` and may have landed, before the end is sent. It is
+    /// not retried from here while its end is under way (the end holds the transaction's claim); a restart loads
+    /// it as owed.
+    async fn store_intent(
+        &self,
+        record: &TransactionRecord,
+        resolution: Resolution,
+        from_check: bool,
+    ) -> Result<(), StoreError> {
+        let mut intent = record.clone();
+        let next_try_ms = now_millis() + backoff(0).as_millis() as i64;
+        intent.state = State::Owed { resolution, from_check, maybe_landed: true, attempts: 0, next_try_ms };
+        self.store.put(Family::Transactions, &intent.transaction_id, &intent).await
+    }
+
+    /// Transaction `id`'s stored intent is to be retried (with its look-up) at once.
+    fn owe_again_now(&self, id: &str) {
+        let mut owed = self.owed.lock();
+        owed.insert(id.to_owned(), now_millis());
+        gauge!(m::TRANSACTIONS_OWED).set(owed.len() as f64);
     }
 
     /// `END_TRANSACTION` to the broker that holds `half` (its master's address as the route has it now).
