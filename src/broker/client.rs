@@ -27,7 +27,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cheetah_string::CheetahString;
-use parking_lot::Mutex;
 use rocketmq_client_rust::{
     ClientConfig, ClientError, ClientInstanceHandle, ClientRuntime, ClientRuntimeConfig, TelemetryHandle,
 };
@@ -236,9 +235,19 @@ impl StoreStatus {
     }
 }
 
+#[derive(Clone)]
 struct CachedRoute {
     route: Arc<TopicRoute>,
     fetched: Instant,
+}
+
+/// Most topics whose route (or absence of one) is cached, in each cache: topic names come from clients (a
+/// remoting offset request may name any), so the caches are bounded; the least recently used go first.
+const MAX_CACHED_ROUTES: u64 = 10_000;
+
+/// A cache of at most [`MAX_CACHED_ROUTES`] topics, whose entries are dropped after `ttl` in any case.
+fn route_cache<V: Clone + Send + Sync + 'static>(ttl: Duration) -> moka::sync::Cache<String, V> {
+    moka::sync::Cache::builder().max_capacity(MAX_CACHED_ROUTES).time_to_live(ttl.max(NO_ROUTE_TTL)).build()
 }
 
 /// How long "no such topic" is remembered by [`BrokerClient::existing_route_cached`].
@@ -257,11 +266,11 @@ pub struct BrokerClient {
     relay_handles: super::relay::RelayHandles,
     next_handle: std::sync::atomic::AtomicUsize,
     runtime: Arc<ClientRuntime>,
-    routes: Mutex<HashMap<String, CachedRoute>>,
+    routes: moka::sync::Cache<String, CachedRoute>,
     /// What the name server said of exactly one topic (no auto-create fallback), for the checks a receive or
     /// a gRPC route query makes: one name-server request per topic and TTL, not one per call, so thousands of
     /// groups coming and going never saturate the client's requests to the name server.
-    exact_routes: Mutex<HashMap<String, (Option<TopicRoute>, Instant)>>,
+    exact_routes: moka::sync::Cache<String, (Option<TopicRoute>, Instant)>,
     /// The client crate runs its own Tokio runtime; it lives as long as the client and is dropped last.
     _owner: RuntimeOwner,
 }
@@ -292,8 +301,8 @@ impl BrokerClient {
             relay_handles: super::relay::RelayHandles::default(),
             next_handle: std::sync::atomic::AtomicUsize::new(0),
             runtime,
-            routes: Mutex::new(HashMap::new()),
-            exact_routes: Mutex::new(HashMap::new()),
+            routes: route_cache(config.route_ttl()),
+            exact_routes: route_cache(config.route_ttl()),
             _owner: owner,
         })
     }
@@ -370,13 +379,13 @@ impl BrokerClient {
     /// [`BrokerError::TopicNotFound`] when the topic has no route and cannot be auto-created; the failure
     /// when no name server answered.
     pub async fn route(&self, topic: &str) -> Result<Arc<TopicRoute>, BrokerError> {
-        if let Some(cached) = self.routes.lock().get(topic) {
+        if let Some(cached) = self.routes.get(topic) {
             if cached.fetched.elapsed() < self.config.route_ttl() {
                 return Ok(cached.route.clone());
             }
         }
         let route = Arc::new(self.fetch_route(topic).await?);
-        self.routes.lock().insert(topic.to_owned(), CachedRoute { route: route.clone(), fetched: Instant::now() });
+        self.routes.insert(topic.to_owned(), CachedRoute { route: route.clone(), fetched: Instant::now() });
         Ok(route)
     }
 
@@ -388,8 +397,8 @@ impl BrokerClient {
 
     /// Forgets a cached route, so the next send asks the name server again (after a broker failure).
     pub fn invalidate_route(&self, topic: &str) {
-        self.routes.lock().remove(topic);
-        self.exact_routes.lock().remove(topic);
+        self.routes.invalidate(topic);
+        self.exact_routes.invalidate(topic);
     }
 
     /// [`BrokerClient::existing_route`], answered from a cache: a route for `broker.route_ttl_ms`, the
@@ -398,14 +407,14 @@ impl BrokerClient {
     /// # Errors
     /// The failure when no name server answered.
     pub async fn existing_route_cached(&self, topic: &str) -> Result<Option<TopicRoute>, BrokerError> {
-        if let Some((route, fetched)) = self.exact_routes.lock().get(topic) {
+        if let Some((route, fetched)) = self.exact_routes.get(topic) {
             let ttl = if route.is_some() { self.config.route_ttl() } else { NO_ROUTE_TTL };
             if fetched.elapsed() < ttl {
-                return Ok(route.clone());
+                return Ok(route);
             }
         }
         let route = self.existing_route(topic).await?;
-        self.exact_routes.lock().insert(topic.to_owned(), (route.clone(), Instant::now()));
+        self.exact_routes.insert(topic.to_owned(), (route.clone(), Instant::now()));
         Ok(route)
     }
 
