@@ -24,6 +24,7 @@ mod auth;
 mod clients;
 mod codes;
 mod connection;
+mod frame;
 mod offset_turns;
 mod pop;
 mod ports;
