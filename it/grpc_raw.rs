@@ -324,7 +324,7 @@ async fn open_receives_per_token_and_tracked_clients_are_bounded() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_terminated_clients_auto_renewed_deliveries_are_due_again_at_once() {
+async fn a_terminated_clients_auto_renewed_deliveries_of_the_group_it_left_are_due_again_at_once() {
     let cluster = shared_cluster();
     let popgate = Popgate::start(&cluster.namesrv_addr, "").await;
     let topic = unique_topic("grpc_raw_term");
@@ -333,10 +333,14 @@ async fn a_terminated_clients_auto_renewed_deliveries_are_due_again_at_once() {
     popgate.publish_bodies(&topic, &["held"]).await;
     let mut client = connect(&popgate).await;
 
-    let (_, messages) = receive_published(&mut client, receive_request(&group, &topic, true)).await;
-    assert_eq!(messages.len(), 1);
-    let deliveries = popgate.get_json(&format!("/admin/deliveries?group={group}")).await.1;
-    assert_eq!(deliveries["deliveries"][0]["phase"], "awaiting_ack", "{deliveries}");
+    // The same client also consumes as a second group (one client instance, two consumers).
+    let other_group = format!("g2_{topic}");
+    for group in [&group, &other_group] {
+        let (_, messages) = receive_published(&mut client, receive_request(group, &topic, true)).await;
+        assert_eq!(messages.len(), 1);
+        let deliveries = popgate.get_json(&format!("/admin/deliveries?group={group}")).await.1;
+        assert_eq!(deliveries["deliveries"][0]["phase"], "awaiting_ack", "{deliveries}");
+    }
 
     let bye = pb::NotifyClientTerminationRequest { group: resource(&group) };
     let answer = client.notify_client_termination(request(bye, None)).await.expect("call").into_inner();
@@ -347,6 +351,10 @@ async fn a_terminated_clients_auto_renewed_deliveries_are_due_again_at_once() {
         d["deliveries"][0]["phase"] == "ready" && d["deliveries"][0]["attempt"] == 2
     })
     .await;
+    // What the client holds as the other group, which it did not leave, stays held.
+    let others = popgate.get_json(&format!("/admin/deliveries?group={other_group}")).await.1;
+    assert_eq!(others["deliveries"][0]["phase"], "awaiting_ack", "the other group's hand-out is kept: {others}");
+    assert_eq!(others["deliveries"][0]["attempt"], 1, "{others}");
     let polled = popgate.poll(&group, &topic, 1, 5_000).await;
     assert_eq!(polled.len(), 1, "another subscriber gets it at once");
     assert_eq!(polled[0]["attempt"], json!(2));

@@ -22,6 +22,7 @@ mod publish;
 mod push;
 mod reliability;
 mod remoting;
+mod remoting_hostile;
 mod security;
 mod transaction;
 mod transaction_http;

@@ -86,7 +86,7 @@ pub(crate) async fn popgate_with_remoting(cluster: &Cluster, extra_toml: &str) -
     (popgate, addr)
 }
 
-async fn create_topic(cluster: &Cluster, topic: &str) {
+pub(crate) async fn create_topic(cluster: &Cluster, topic: &str) {
     let addrs: Vec<String> = cluster.brokers.iter().map(|b| format!("127.0.0.1:{}", b.port)).collect();
     Direct::connect(&cluster.namesrv_addr).await.create_topic(topic, &addrs).await;
 }
@@ -362,13 +362,13 @@ async fn messages_sent_over_remoting_reach_http_and_grpc_consumers_and_the_rever
 }
 
 /// One request over a raw connection: its frame, then the answer (or `None` when the connection closed).
-async fn ask(stream: &mut TcpStream, request: RemotingCommand) -> Option<RemotingCommand> {
+pub(crate) async fn ask(stream: &mut TcpStream, request: RemotingCommand) -> Option<RemotingCommand> {
     send(stream, request).await;
     read_answer(stream).await
 }
 
 /// Writes one request's frame to a raw connection.
-async fn send(stream: &mut TcpStream, request: RemotingCommand) {
+pub(crate) async fn send(stream: &mut TcpStream, request: RemotingCommand) {
     let frame = EncodedFrame::from_command(request).expect("encodes").into_bytes();
     stream.write_all(&frame).await.expect("write");
 }
@@ -378,11 +378,15 @@ fn offset_commit_relays(result: &str) -> String {
     format!("popgate_remoting_relays_total{{code=\"update_consumer_offset\",result=\"{result}\"}}")
 }
 
-async fn read_answer(stream: &mut TcpStream) -> Option<RemotingCommand> {
+/// The next answer on a raw connection, past popgate's own one-way pushes (`NOTIFY_CONSUMER_IDS_CHANGED` after
+/// a heartbeat, say); `None` when the connection closed.
+pub(crate) async fn read_answer(stream: &mut TcpStream) -> Option<RemotingCommand> {
     let mut buffer = BytesMut::new();
     loop {
-        if let Some(answer) = RemotingCommand::decode(&mut buffer).expect("an answer decodes") {
-            return Some(answer);
+        while let Some(frame) = RemotingCommand::decode(&mut buffer).expect("an answer decodes") {
+            if frame.is_response_type() {
+                return Some(frame);
+            }
         }
         let read = tokio::time::timeout(Duration::from_secs(30), stream.read_buf(&mut buffer)).await.expect("answered");
         if read.expect("read") == 0 {
@@ -478,6 +482,17 @@ async fn bad_frames_get_a_clear_answer_or_a_closed_connection_and_are_counted() 
     assert_eq!(answer.remark().map(|r| r.as_str()), Some(" request type 424242 not supported"));
     let answer = ask(&mut stream, RemotingCommand::create_remoting_command(38)).await.expect("still served");
     assert_eq!(answer.code(), 1, "GET_CONSUMER_LIST_BY_GROUP without a group: {:?}", answer.remark());
+
+    // A route query as the Go client (rocketmq-client-go v2) writes it: its JSON header has no
+    // `serializeTypeCurrentRPC`. Answered as a name server answers it, not closed.
+    let go_header = r#"{"code":105,"language":"GO","version":317,"opaque":42,"flag":0,"remark":"","extFields":{"topic":"rm_bad_go_no_such_topic"}}"#;
+    let mut go_frame = Vec::new();
+    go_frame.extend_from_slice(&u32::try_from(4 + go_header.len()).expect("small").to_be_bytes());
+    go_frame.extend_from_slice(&u32::try_from(go_header.len()).expect("small").to_be_bytes());
+    go_frame.extend_from_slice(go_header.as_bytes());
+    stream.write_all(&go_frame).await.expect("write");
+    let answer = read_answer(&mut stream).await.expect("a Go client's frame is answered");
+    assert_eq!((answer.code(), answer.opaque()), (17, 42), "TOPIC_NOT_EXIST, to its request: {:?}", answer.remark());
 
     // A send whose header does not decode: refused as an illegal message, nothing sent.
     let mut send = RemotingCommand::create_remoting_command(310);
@@ -606,7 +621,7 @@ async fn a_send_to_a_sigstopped_broker_is_answered_in_time_for_the_client_to_ret
 }
 
 /// The bodies stored in `topic` now, sorted.
-async fn stored_bodies(cluster: &Cluster, topic: &str) -> Vec<String> {
+pub(crate) async fn stored_bodies(cluster: &Cluster, topic: &str) -> Vec<String> {
     let direct = Direct::connect(&cluster.namesrv_addr).await;
     let mut bodies: Vec<String> = direct
         .try_read_all(topic)
@@ -928,7 +943,7 @@ async fn offset_commits_sent_back_to_back_all_hold_at_the_broker() {
 }
 
 /// A 5.x pull consumer's `HEART_BEAT` for `group`, subscribed to all of `topic`.
-fn consumer_heartbeat(client_id: &str, group: &str, topic: &str) -> RemotingCommand {
+pub(crate) fn consumer_heartbeat(client_id: &str, group: &str, topic: &str) -> RemotingCommand {
     let subscription = json!({"topic": topic, "subString": "*", "tagsSet": [], "codeSet": [], "subVersion": 0,
         "expressionType": "TAG", "classFilterMode": false});
     let body = json!({"clientID": client_id, "producerDataSet": [], "consumerDataSet": [{"groupName": group,
@@ -938,7 +953,7 @@ fn consumer_heartbeat(client_id: &str, group: &str, topic: &str) -> RemotingComm
 }
 
 /// A request with `fields` as its header, as a 5.4.0 client makes it.
-fn raw_request(code: i32, fields: &[(&str, &str)]) -> RemotingCommand {
+pub(crate) fn raw_request(code: i32, fields: &[(&str, &str)]) -> RemotingCommand {
     let mut request = RemotingCommand::create_remoting_command(code);
     for (name, value) in fields {
         request.add_ext_field(*name, *value);

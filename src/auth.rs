@@ -46,6 +46,11 @@ impl Caller {
         Caller { name: "anonymous".to_owned(), publish: vec![], consume: vec![], admin: true, unrestricted: true }
     }
 
+    /// Whether this is the caller of a popgate whose authentication is off (allowed everything).
+    pub fn is_unrestricted(&self) -> bool {
+        self.unrestricted
+    }
+
     /// Whether this caller may do `action`.
     pub fn may(&self, action: Action<'_>) -> bool {
         if self.unrestricted {

@@ -9,6 +9,7 @@
 //! - [`store`]: the RocksDB state store the consume path writes before it acts, and the publish path's de-duplication window.
 //! - [`reliability`]: the reliability profile checked against each broker's running settings.
 //! - [`auth`]: bearer tokens and what each may do.
+//! - [`gateway`]: the decisions every front makes the same way (what a caller may do, and what it does).
 //! - [`dlq`]: browsing and replaying dead-lettered events (the admin plane's DLQ).
 //! - [`api`]: the HTTP routes and the one error type they answer with.
 //! - [`grpc`]: the RocketMQ 5 gRPC front (`MessagingService`), for apps on the official 5.x SDKs.
@@ -37,6 +38,7 @@ pub mod cli;
 pub mod config;
 pub mod delivery;
 pub mod dlq;
+pub mod gateway;
 pub mod grpc;
 pub mod metrics;
 pub mod publish;
@@ -62,6 +64,8 @@ mod layering {
         ("auth", &["api", "app", "cli", "delivery", "dlq", "publish", "store"]),
         ("dlq", &["api", "app", "auth", "cli"]),
         ("api", &["app", "broker", "cli", "grpc", "remoting"]),
+        // The gateway is below every front and above the layers it decides for.
+        ("gateway", &["api", "app", "cli", "grpc", "remoting"]),
         ("grpc", &["api", "app", "broker", "cli", "dlq", "remoting", "store"]),
         // The remoting front relays pull consumers' queue requests to their broker as they are: it names the
         // broker for that, and for the message type it forwards; POP consumers it serves from the delivery core.

@@ -116,6 +116,14 @@ pub const REMOTING_CONNECTIONS_REFUSED: &str = "popgate_remoting_connections_ref
 /// Counter (`reason`): remoting connections closed on a frame that cannot be read (`oversize`, `undecodable`,
 /// `truncated`: the client left in the middle of one).
 pub const REMOTING_FRAME_ERRORS: &str = "popgate_remoting_frame_errors_total";
+/// Counter (`reason`): remoting connections popgate closed on a client that went quiet (`idle`: no frame
+/// completed for `remoting.idle_timeout_secs`) or stopped reading its answers (`not_reading`).
+pub const REMOTING_CONNECTIONS_CLOSED: &str = "popgate_remoting_connections_closed_total";
+/// Counter: times popgate stopped reading a remoting connection because it had
+/// `remoting.max_requests_per_connection` requests in flight (back-pressure on a client that pipelines).
+pub const REMOTING_READS_PAUSED: &str = "popgate_remoting_reads_paused_total";
+/// Gauge: remoting requests being served now, over every connection.
+pub const REMOTING_REQUESTS_IN_FLIGHT: &str = "popgate_remoting_requests_in_flight";
 /// Gauge (`kind`): gRPC clients seen in the last minute (producer, push_consumer, simple_consumer, other).
 pub const GRPC_CLIENTS: &str = "popgate_grpc_clients";
 /// 1 while the broker is weaker than the reliability profile (flush or replication), else 0.
@@ -196,6 +204,7 @@ const ZERO_SERIES: &[(&str, &str, &[&str])] = &[
     (DELIVERIES_DISPATCHED, "transport", &["poll", "sse", "websocket", "webhook", "grpc"]),
     (PUSH_WRITE_FAILURES, "transport", &["sse", "websocket", "webhook"]),
     (REMOTING_FRAME_ERRORS, "reason", &["oversize", "undecodable", "truncated"]),
+    (REMOTING_CONNECTIONS_CLOSED, "reason", &["idle", "not_reading"]),
     (WEBHOOK_TARGETS_REFUSED, "reason", &["literal", "dns"]),
     (WEBHOOK_HEADERS_SKIPPED, "reason", &crate::delivery::webhook::headers::Skip::LABELS),
     (ACKS, "result", &["acked", "repeated", "unknown", "stale", "superseded", "not_in_flight", "busy", "store_error"]),
@@ -237,6 +246,7 @@ pub const STATS_REFRESH_OPS: &[&str] = &["backlog", "dlq_depth"];
 /// Counters without labels, registered at 0 at start for the same reason.
 const ZERO_COUNTERS: &[&str] = &[
     REMOTING_CONNECTIONS_REFUSED,
+    REMOTING_READS_PAUSED,
     SEND_RETRIES,
     PUBLISH_DEDUPLICATED,
     PUBLISH_DEDUP_WRITE_FAILURES,
@@ -282,6 +292,7 @@ fn register_zeroes() {
     }
     metrics::gauge!(PENDING_DELIVERIES).set(0.0);
     metrics::gauge!(REMOTING_CONNECTIONS).set(0.0);
+    metrics::gauge!(REMOTING_REQUESTS_IN_FLIGHT).set(0.0);
     for rpc in GRPC_RPCS.iter().copied() {
         metrics::counter!(GRPC_REQUESTS, "rpc" => rpc, "code" => "OK").increment(0);
     }
@@ -326,6 +337,17 @@ fn describe_all() {
         Unit::Count,
         "Remoting connections closed on a frame that cannot be read, by reason."
     );
+    describe_counter!(
+        REMOTING_CONNECTIONS_CLOSED,
+        Unit::Count,
+        "Remoting connections closed on a client that went idle or stopped reading, by reason."
+    );
+    describe_counter!(
+        REMOTING_READS_PAUSED,
+        Unit::Count,
+        "Times a remoting connection was not read because it had its most requests in flight."
+    );
+    describe_gauge!(REMOTING_REQUESTS_IN_FLIGHT, "Remoting requests being served now.");
     describe_counter!(TRANSACTIONS_ENDED, Unit::Count, "Transaction ends, by resolution and result.");
     describe_counter!(TRANSACTION_CHECKS, Unit::Count, "Brokers' transaction check-backs, by outcome.");
     describe_counter!(

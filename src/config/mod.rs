@@ -241,6 +241,15 @@ pub struct RemotingConfig {
     /// A client that sent no heartbeat for this long is no longer a member of its consumer groups (the
     /// client heartbeats every 30 s; RocketMQ's brokers drop it after 120 s).
     pub client_expiry_secs: u64,
+    /// A connection that completes no frame for this long (idle, or sending a frame byte by byte) is closed,
+    /// and so is one whose answers cannot be written for this long (a client that stopped reading). Clients
+    /// send a heartbeat and a route query every 30 s; RocketMQ's broker closes idle channels after 120 s.
+    pub idle_timeout_secs: u64,
+    /// Most requests of one connection served at once; past it popgate stops reading that connection until one
+    /// is answered (back-pressure, nothing buffered). A push consumer holds one pull per queue it consumes.
+    pub max_requests_per_connection: usize,
+    /// Most client ids the front keeps (from heartbeats); a new client past it is refused until others leave.
+    pub max_clients: usize,
     /// The port popgate opens for each broker, by broker name, for clients before 4.9.5 (which do not name
     /// the broker in their requests: they are given a route with an address per broker). A broker not listed
     /// gets a free port when such a client first asks for a route naming it.
@@ -261,6 +270,9 @@ impl Default for RemotingConfig {
             max_frame_bytes: 16 * 1024 * 1024 + 4,
             max_connections: 10_000,
             client_expiry_secs: 120,
+            idle_timeout_secs: 120,
+            max_requests_per_connection: 1024,
+            max_clients: 10_000,
             broker_ports: BTreeMap::new(),
             tls_cert_path: None,
             tls_key_path: None,

@@ -157,6 +157,9 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
         "must be in 65536..=1073741824",
     );
     check(remoting.max_connections > 0, "remoting.max_connections", "must be > 0");
+    check(remoting.idle_timeout_secs > 0, "remoting.idle_timeout_secs", "must be > 0");
+    check(remoting.max_requests_per_connection > 0, "remoting.max_requests_per_connection", "must be > 0");
+    check(remoting.max_clients > 0, "remoting.max_clients", "must be > 0");
     check(
         remoting.client_expiry_secs >= 30,
         "remoting.client_expiry_secs",

@@ -704,12 +704,17 @@ impl Dispatcher {
         self.deliveries.mark_written(handed).await
     }
 
-    /// `client_id` ended (NotifyClientTermination): what it held and did not settle is NACKed, so its next
-    /// attempt is due at once instead of after its ACK deadline. Returns how many.
-    pub async fn release_client(&self, client_id: &str) -> usize {
+    /// `client_id` left consumer group `group` (a gRPC NotifyClientTermination, a remoting UNREGISTER_CLIENT):
+    /// what it held of that group and did not settle is NACKed, so its next attempt is due at once instead of
+    /// after its ACK deadline. What it holds of other groups stays held: one client instance may consume as
+    /// several groups and leave only one. Returns how many.
+    pub async fn release_client(&self, client_id: &str, group: &str) -> usize {
         let held = self.deliveries.held_by_client(client_id);
         let mut released = 0;
         for id in held {
+            if self.deliveries.hold_of(&id).is_none_or(|(held_group, _, _)| held_group != group) {
+                continue;
+            }
             if self.deliveries.nack(Target::from(&id), Some(Duration::ZERO)).await.is_ok() {
                 released += 1;
             }

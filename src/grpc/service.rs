@@ -17,6 +17,7 @@ use tonic::{Request, Response, Streaming};
 use super::consume::{self, AUTO_RENEW_HOLD, AUTO_RENEW_MAX};
 use super::deadline;
 use super::limits::OpenCalls;
+use super::names;
 use super::producers::Producers;
 use super::proto::messaging_service_server::MessagingService;
 use super::proto::{self as pb, settings::PubSub as settings_pub_sub, telemetry_command, Code};
@@ -25,9 +26,10 @@ use super::settings;
 use super::status::{code_label, ok, status};
 use super::transaction;
 use super::written;
-use crate::auth::{Caller, TokenTable};
+use crate::auth::{Action, Caller, TokenTable};
 use crate::config::Config;
 use crate::delivery::Dispatcher;
+use crate::gateway;
 use crate::metrics as m;
 use crate::publish::Publisher;
 use crate::transaction::Transactions;
@@ -204,6 +206,28 @@ impl Front {
         Ok(())
     }
 
+    /// A client that terminated is forgotten; a consumer gives back what it holds in its group (and only there,
+    /// when it may consume as that group: a client may be in several groups, and anyone may name any client id).
+    async fn terminate_client(&self, caller: &Caller, id: &str, group: Option<&pb::Resource>) -> pb::Status {
+        // A producer names no group (or a blank one).
+        let group = group.filter(|g| !g.name.trim().is_empty());
+        let group = match group.map(|g| names::group(Some(g))).transpose() {
+            Ok(group) => group,
+            Err(refused) => return refused,
+        };
+        if let Some(group) = group {
+            match gateway::leave_group(&self.dispatcher, caller, id, &group).await {
+                Ok(0) => {}
+                Ok(released) => {
+                    tracing::info!(client = %id, group, released, "gRPC client terminated; what it held is due again.")
+                }
+                Err(refused) => return status(Code::Forbidden, refused.to_string()),
+            }
+        }
+        self.forget_client(id);
+        ok()
+    }
+
     fn forget_client(&self, id: &str) {
         let mut clients = self.clients.lock();
         clients.forget(id);
@@ -372,16 +396,10 @@ impl MessagingService for Arc<Front> {
         let started = Instant::now();
         let answer = match self.caller(request.metadata()) {
             Err(refused) => refused,
-            Ok(_) => {
-                if let Some(id) = client_id(request.metadata()) {
-                    self.forget_client(id);
-                    let released = self.dispatcher.release_client(id).await;
-                    if released > 0 {
-                        tracing::info!(client = %id, released, "gRPC client terminated; what it held is due again.");
-                    }
-                }
-                ok()
-            }
+            Ok(caller) => match client_id(request.metadata()) {
+                None => ok(),
+                Some(id) => self.terminate_client(&caller, id, request.get_ref().group.as_ref()).await,
+            },
         };
         observe("NotifyClientTermination", answer.code, started);
         Ok(Response::new(pb::NotifyClientTerminationResponse { status: Some(answer) }))
@@ -511,15 +529,16 @@ impl MessagingService for Arc<Front> {
     ) -> Result<Response<BoxStream<pb::TelemetryCommand>>, tonic::Status> {
         let started = Instant::now();
         // The stream holds one of its token's Telemetry places while it is open.
-        let slot = self.caller(request.metadata()).and_then(|caller| self.streams.take(&caller));
+        let admitted =
+            self.caller(request.metadata()).and_then(|caller| self.streams.take(&caller).map(|slot| (caller, slot)));
         let metadata = request.metadata().clone();
         let mut inbound = request.into_inner();
         let (replies, stream) = tokio::sync::mpsc::channel(TELEMETRY_BACKLOG);
         let front = self.clone();
         tokio::spawn(async move {
             let stream_no = front.producers.open();
-            let _slot = match slot {
-                Ok(slot) => slot,
+            let (caller, _slot) = match admitted {
+                Ok(admitted) => admitted,
                 Err(refused) => {
                     observe("Telemetry", refused.code, started);
                     let _ = replies.send(Ok(pb::TelemetryCommand { status: Some(refused), command: None })).await;
@@ -536,7 +555,14 @@ impl MessagingService for Arc<Front> {
                 }
                 front.note_request_timeout(&metadata, &client);
                 if let Some(settings_pub_sub::Publishing(publishing)) = &client.pub_sub {
-                    let topics = publishing.topics.iter().map(|t| t.name.clone()).collect();
+                    // Check-backs carry the half message: a stream is asked only for topics its token may
+                    // publish to, whatever its Settings name.
+                    let topics = publishing
+                        .topics
+                        .iter()
+                        .map(|t| t.name.clone())
+                        .filter(|topic| caller.may(Action::Publish(topic)))
+                        .collect();
                     front.producers.publishes(stream_no, topics, &replies);
                 }
                 let group_sub = front.subscription_of(&client);

@@ -56,6 +56,29 @@ fn has_control_character(text: &str) -> bool {
     text.chars().any(char::is_control)
 }
 
+/// A message's tag, as a remoting client sets it (`MessageConst.PROPERTY_TAGS`).
+const PROPERTY_TAGS: &str = "TAGS";
+/// A message's keys, as a remoting client sets them (`MessageConst.PROPERTY_KEYS`), separated by
+/// [`KEY_SEPARATOR`].
+const PROPERTY_KEYS: &str = "KEYS";
+const KEY_SEPARATOR: char = ' ';
+/// A delay in seconds or milliseconds from now, as a 5.x remoting client sets it (`PROPERTY_TIMER_DELAY_*`).
+const PROPERTY_TIMER_DELAY_SEC: &str = "TIMER_DELAY_SEC";
+const PROPERTY_TIMER_DELAY_MS: &str = "TIMER_DELAY_MS";
+
+/// When a remoting client's message is to be delivered (epoch ms), if it says: its `TIMER_DELIVER_MS`, or now plus
+/// its `TIMER_DELAY_SEC` / `TIMER_DELAY_MS`. A value that is not a number is as far ahead as can be.
+fn client_delivery_time(message: &OutgoingMessage) -> Option<i64> {
+    let number = |name: &str| message.properties.get(name).map(|v| v.trim().parse::<i64>().unwrap_or(i64::MAX));
+    if let Some(at) = number(PROPERTY_TIMER_DELIVER_MS) {
+        return Some(at);
+    }
+    let delay_ms = number(PROPERTY_TIMER_DELAY_SEC)
+        .map(|secs| secs.saturating_mul(1000))
+        .or_else(|| number(PROPERTY_TIMER_DELAY_MS))?;
+    Some(now_millis().saturating_add(delay_ms))
+}
+
 /// Properties a front sets itself: not the user's, so not counted against the user's limits.
 fn is_set_by_popgate(name: &str) -> bool {
     matches!(name, PROPERTY_SHARDING_KEY | PROPERTY_TIMER_DELIVER_MS | PROPERTY_UNIQ_KEY)
@@ -113,6 +136,33 @@ impl MessageLimits {
             self.check_message_group(group)?;
         }
         Ok(())
+    }
+
+    /// Checks a message a RocketMQ remoting client made (its `wire` is set), whose properties hold the system
+    /// ones the client sets itself: the same rules as [`MessageLimits::check`], on its user properties (those
+    /// RocketMQ does not reserve), its tag (`TAGS`), its keys (`KEYS`, space-separated) and its delivery time.
+    /// A batch's messages are inside its body and are not read.
+    ///
+    /// # Errors
+    /// The first [`LimitError`] found.
+    pub fn check_client_made(&self, message: &OutgoingMessage) -> Result<(), LimitError> {
+        let mut view = OutgoingMessage::new(message.topic.clone(), bytes::Bytes::new());
+        view.tags = message.properties.get(PROPERTY_TAGS).cloned();
+        view.keys = message
+            .properties
+            .get(PROPERTY_KEYS)
+            .map(|keys| keys.split(KEY_SEPARATOR).map(str::to_owned).collect())
+            .unwrap_or_default();
+        view.properties = message
+            .properties
+            .iter()
+            .filter(|(name, _)| !is_reserved_property(name) || is_set_by_popgate(name))
+            .map(|(name, value)| (name.clone(), value.clone()))
+            .collect();
+        if let Some(deliver_at) = client_delivery_time(message) {
+            view.properties.insert(PROPERTY_TIMER_DELIVER_MS.to_owned(), deliver_at.to_string());
+        }
+        self.check(&view)
     }
 
     fn check_tag(tag: &str) -> Result<(), LimitError> {
@@ -221,6 +271,28 @@ mod tests {
         let mut m = message();
         m.properties.insert("KEYS".into(), "v".into());
         assert_eq!(refused(&m), (Part::Property, "property is used by system: KEYS".to_owned()));
+    }
+
+    #[test]
+    fn a_remoting_clients_message_is_checked_on_its_own_properties_tag_keys_and_delay() {
+        let client_made = |properties: &[(&str, &str)]| {
+            let mut m = message();
+            m.properties = properties.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+            m
+        };
+        let limits = MessageLimits::default();
+        let plain =
+            client_made(&[("TAGS", "TagA"), ("KEYS", "k1 k2"), ("UNIQ_KEY", "id"), ("WAIT", "true"), ("p", "v")]);
+        assert_eq!(limits.check_client_made(&plain), Ok(()), "the client's own system properties pass");
+        let refused = |m: &OutgoingMessage| limits.check_client_made(m).expect_err("refused");
+        assert_eq!(refused(&client_made(&[("TAGS", "a|b")])).part, Part::Tag);
+        assert_eq!(refused(&client_made(&[("KEYS", "ok bad\u{1}")])).part, Part::Key);
+        let many: Vec<(String, String)> = (0..129).map(|i| (format!("p{i}"), "v".to_owned())).collect();
+        let many: Vec<(&str, &str)> = many.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        assert_eq!(refused(&client_made(&many)).part, Part::PropertiesTooLarge);
+        assert_eq!(refused(&client_made(&[("TIMER_DELAY_SEC", "90000")])).part, Part::DeliveryTime);
+        assert_eq!(refused(&client_made(&[("TIMER_DELAY_MS", "soon")])).part, Part::DeliveryTime);
+        assert_eq!(limits.check_client_made(&client_made(&[("TIMER_DELAY_SEC", "60")])), Ok(()));
     }
 
     #[test]

@@ -5,7 +5,12 @@
 //!
 //! A client leaves its groups when it unregisters, when its connection closes, or when it has sent no
 //! heartbeat for `remoting.client_expiry_secs`.
+//!
+//! A client id belongs to the token that first registered it, for as long as it stays registered: another
+//! token's heartbeat or unregistration under that id is refused, so nobody can take over another app's client
+//! entry (and with it the check-backs of its producer groups). At most `remoting.max_clients` ids are kept.
 
+use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Weak;
 use std::time::Duration;
@@ -19,6 +24,7 @@ use tokio::time::Instant;
 
 use super::codes;
 use super::connection::Connection;
+use crate::auth::{Action, Caller};
 use crate::metrics as m;
 
 /// How often clients are checked for a missed heartbeat.
@@ -74,6 +80,8 @@ impl Kind {
 }
 
 struct Client {
+    /// Who registered the client id: only the same token may heartbeat or unregister under it.
+    caller: Caller,
     connection: Connection,
     last_heartbeat: Instant,
     /// The digest of the heartbeat last passed on to the brokers, and when.
@@ -96,27 +104,59 @@ impl Client {
 pub(super) struct Clients {
     clients: Mutex<HashMap<String, Client>>,
     expiry: Duration,
+    /// Most client ids kept.
+    max: usize,
+}
+
+/// Why a heartbeat or an unregistration was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(super) enum ClientRefusal {
+    /// The id is registered by another token.
+    #[error("client id `{0}` is registered by another token")]
+    NotYours(String),
+    /// `remoting.max_clients` ids are registered.
+    #[error("popgate keeps at most {0} remoting clients (remoting.max_clients); try again later")]
+    Full(usize),
 }
 
 impl Clients {
-    pub fn new(expiry: Duration) -> Clients {
+    pub fn new(expiry: Duration, max: usize) -> Clients {
         for kind in Kind::ALL {
             gauge!(m::REMOTING_CLIENTS, "kind" => kind.label()).set(0.0);
         }
-        Clients { clients: Mutex::new(HashMap::new()), expiry }
+        Clients { clients: Mutex::new(HashMap::new()), expiry, max }
     }
 
-    /// Takes a heartbeat from `connection`; the members of each consumer group it joined are told.
-    pub fn heartbeat(&self, connection: &Connection, heartbeat: &Heartbeat) {
+    /// Takes a heartbeat of `caller` from `connection`; the members of each consumer group it joined are told.
+    ///
+    /// # Errors
+    /// [`ClientRefusal`] when the id is another token's, or a new id finds `max_clients` registered.
+    pub fn heartbeat(
+        &self,
+        connection: &Connection,
+        caller: &Caller,
+        heartbeat: &Heartbeat,
+    ) -> Result<(), ClientRefusal> {
         let joined = {
             let mut clients = self.clients.lock();
-            let client = clients.entry(heartbeat.client_id.clone()).or_insert_with(|| Client {
-                connection: connection.clone(),
-                last_heartbeat: Instant::now(),
-                forwarded: None,
-                producer_groups: BTreeSet::new(),
-                consumer_groups: BTreeMap::new(),
-            });
+            let known = clients.len();
+            let client = match clients.entry(heartbeat.client_id.clone()) {
+                Entry::Occupied(entry) if entry.get().caller.name != caller.name => {
+                    return Err(ClientRefusal::NotYours(heartbeat.client_id.clone()))
+                }
+                Entry::Occupied(entry) => entry.into_mut(),
+                Entry::Vacant(_) if known >= self.max => return Err(ClientRefusal::Full(self.max)),
+                Entry::Vacant(entry) => entry.insert(Client {
+                    caller: caller.clone(),
+                    connection: connection.clone(),
+                    last_heartbeat: Instant::now(),
+                    forwarded: None,
+                    producer_groups: BTreeSet::new(),
+                    consumer_groups: BTreeMap::new(),
+                }),
+            };
+            let kinds_before = client.kinds();
+            client.caller = caller.clone();
             client.connection = connection.clone();
             client.last_heartbeat = Instant::now();
             client.producer_groups = heartbeat.producer_data_set.iter().map(|p| p.group_name.clone()).collect();
@@ -132,18 +172,34 @@ impl Clients {
                 .collect();
             let after: BTreeSet<String> = client.consumer_groups.keys().cloned().collect();
             let changed: Vec<String> = after.symmetric_difference(&before).cloned().collect();
-            Self::count(&clients);
+            // The gauge is counted again only when a client's kinds changed: most heartbeats change nothing.
+            if client.kinds() != kinds_before || known != clients.len() {
+                Self::count(&clients);
+            }
             changed
         };
         self.notify(&joined);
+        Ok(())
     }
 
-    /// `client_id` leaves `producer_group` and `consumer_group` (either may be absent); when it is then in no
-    /// group, it is forgotten.
-    pub fn unregister(&self, client_id: &str, producer_group: Option<&str>, consumer_group: Option<&str>) {
+    /// `client_id` of `caller` leaves `producer_group` and `consumer_group` (either may be absent); when it is
+    /// then in no group, it is forgotten.
+    ///
+    /// # Errors
+    /// [`ClientRefusal::NotYours`] when another token registered the id.
+    pub fn unregister(
+        &self,
+        client_id: &str,
+        caller: &Caller,
+        producer_group: Option<&str>,
+        consumer_group: Option<&str>,
+    ) -> Result<(), ClientRefusal> {
         let left: Vec<String> = {
             let mut clients = self.clients.lock();
-            let Some(client) = clients.get_mut(client_id) else { return };
+            let Some(client) = clients.get_mut(client_id) else { return Ok(()) };
+            if client.caller.name != caller.name {
+                return Err(ClientRefusal::NotYours(client_id.to_owned()));
+            }
             if let Some(group) = producer_group {
                 client.producer_groups.remove(group);
             }
@@ -155,6 +211,7 @@ impl Clients {
             left.into_iter().collect()
         };
         self.notify(&left);
+        Ok(())
     }
 
     /// Every client of connection `id` leaves its groups.
@@ -193,12 +250,14 @@ impl Clients {
         !fresh
     }
 
-    /// The connection of the producer of `group` that sent a heartbeat last, if one is connected.
-    pub fn producer_connection(&self, group: &str) -> Option<Connection> {
+    /// The connection of the producer of `group` that sent a heartbeat last and whose token may publish to
+    /// `topic`, if one is connected: a check-back carries the half message, which only a producer allowed on its
+    /// topic may see (anyone may name any producer group in a heartbeat).
+    pub fn producer_connection(&self, group: &str, topic: &str) -> Option<Connection> {
         let clients = self.clients.lock();
         clients
             .values()
-            .filter(|c| c.producer_groups.contains(group))
+            .filter(|c| c.producer_groups.contains(group) && c.caller.may(Action::Publish(topic)))
             .max_by_key(|c| c.last_heartbeat)
             .map(|c| c.connection.clone())
     }
@@ -272,6 +331,10 @@ mod tests {
     use super::*;
     use crate::remoting::connection::Outbound;
 
+    fn anyone() -> Caller {
+        Caller::unrestricted()
+    }
+
     fn heartbeat(client_id: &str, consumer_groups: &[&str]) -> Heartbeat {
         let body = serde_json::json!({
             "clientID": client_id,
@@ -301,14 +364,14 @@ mod tests {
 
     #[tokio::test]
     async fn every_member_is_told_when_a_group_gains_or_loses_one() {
-        let clients = Clients::new(Duration::from_secs(120));
+        let clients = Clients::new(Duration::from_secs(120), 100);
         let (first, mut first_queue) = Connection::for_test(1);
         let (second, mut second_queue) = Connection::for_test(2);
-        clients.heartbeat(&first, &heartbeat("a@1", &["orders"]));
+        clients.heartbeat(&first, &anyone(), &heartbeat("a@1", &["orders"])).expect("taken");
         assert_eq!(notified(&mut first_queue), ["orders"], "the first member too: it rebalances at once");
-        clients.heartbeat(&first, &heartbeat("a@1", &["orders"]));
+        clients.heartbeat(&first, &anyone(), &heartbeat("a@1", &["orders"])).expect("taken");
         assert!(notified(&mut first_queue).is_empty(), "a heartbeat that changes nothing tells no one");
-        clients.heartbeat(&second, &heartbeat("b@2", &["orders"]));
+        clients.heartbeat(&second, &anyone(), &heartbeat("b@2", &["orders"])).expect("taken");
         assert_eq!(notified(&mut first_queue), ["orders"]);
         assert_eq!(notified(&mut second_queue), ["orders"]);
         assert_eq!(clients.consumers_of("orders"), ["a@1", "b@2"]);
@@ -316,15 +379,15 @@ mod tests {
         clients.connection_closed(2);
         assert_eq!(clients.consumers_of("orders"), ["a@1"], "a closed connection's clients leave");
         assert_eq!(notified(&mut first_queue), ["orders"], "and the others are told");
-        clients.unregister("a@1", None, Some("orders"));
+        clients.unregister("a@1", &anyone(), None, Some("orders")).expect("its own");
         assert!(clients.consumers_of("orders").is_empty());
     }
 
     #[tokio::test(start_paused = true)]
     async fn the_same_heartbeat_is_passed_on_once_per_interval_and_a_changed_one_at_once() {
-        let clients = Clients::new(Duration::from_secs(120));
+        let clients = Clients::new(Duration::from_secs(120), 100);
         let (connection, _queue) = Connection::for_test(1);
-        clients.heartbeat(&connection, &heartbeat("a@1", &["orders"]));
+        clients.heartbeat(&connection, &anyone(), &heartbeat("a@1", &["orders"])).expect("taken");
         let interval = Duration::from_secs(20);
         assert!(clients.should_forward("a@1", [1; 32], interval));
         assert!(!clients.should_forward("a@1", [1; 32], interval), "the same one, once per broker of its routes");
@@ -333,11 +396,63 @@ mod tests {
         assert!(clients.should_forward("a@1", [2; 32], interval), "and the same one again after the interval");
     }
 
+    /// The caller of a token named `name` that may publish to `publish` and consume as `consume`.
+    fn token(name: &str, publish: &str, consume: &str) -> Caller {
+        let config = crate::config::AuthConfig {
+            enabled: true,
+            tokens: vec![crate::config::TokenConfig {
+                name: name.into(),
+                token: Some(format!("{name}-secret-0123456789")),
+                publish: vec![publish.into()],
+                consume: vec![consume.into()],
+                ..crate::config::TokenConfig::default()
+            }],
+            ..crate::config::AuthConfig::default()
+        };
+        crate::auth::TokenTable::new(&config).authenticate(&format!("{name}-secret-0123456789")).expect("the token")
+    }
+
+    #[tokio::test]
+    async fn a_client_id_stays_with_the_token_that_registered_it_and_the_number_of_ids_is_bounded() {
+        let clients = Clients::new(Duration::from_secs(120), 2);
+        let (connection, _queue) = Connection::for_test(1);
+        let (owner, other) = (token("owner", "t", "orders"), token("other", "u", "*"));
+        clients.heartbeat(&connection, &owner, &heartbeat("a@1", &["orders"])).expect("registered");
+        let taken = clients.heartbeat(&connection, &other, &heartbeat("a@1", &["orders"]));
+        assert_eq!(taken, Err(ClientRefusal::NotYours("a@1".into())), "another token cannot take the id over");
+        let left = clients.unregister("a@1", &other, None, Some("orders"));
+        assert_eq!(left, Err(ClientRefusal::NotYours("a@1".into())), "nor unregister it");
+        assert_eq!(clients.consumers_of("orders"), ["a@1"]);
+        clients.heartbeat(&connection, &owner, &heartbeat("a@1", &["orders"])).expect("its own token, again");
+        clients.heartbeat(&connection, &other, &heartbeat("b@2", &["orders"])).expect("a second id");
+        let third = clients.heartbeat(&connection, &other, &heartbeat("c@3", &["orders"]));
+        assert_eq!(third, Err(ClientRefusal::Full(2)), "no third id");
+        // Out of all its groups (the heartbeat's inner producer's too), the id is forgotten.
+        clients.unregister("b@2", &other, Some("CLIENT_INNER_PRODUCER"), Some("orders")).expect("its own");
+        clients.heartbeat(&connection, &other, &heartbeat("c@3", &["orders"])).expect("room again");
+    }
+
+    #[tokio::test]
+    async fn a_check_back_goes_only_to_a_producer_whose_token_may_publish_to_the_topic() {
+        let clients = Clients::new(Duration::from_secs(120), 10);
+        let (allowed, _allowed_queue) = Connection::for_test(1);
+        let (claimant, _claimant_queue) = Connection::for_test(2);
+        let producer = |id: &str| -> Heartbeat {
+            serde_json::from_value(serde_json::json!({"clientID": id, "producerDataSet": [{"groupName": "pg"}]}))
+                .expect("HeartbeatData")
+        };
+        clients.heartbeat(&allowed, &token("app", "orders", "-"), &producer("app@1")).expect("registered");
+        // Anyone may name any producer group; the last heartbeat used to win.
+        clients.heartbeat(&claimant, &token("claimant", "mine", "-"), &producer("claimant@1")).expect("registered");
+        assert_eq!(clients.producer_connection("pg", "orders").map(|c| c.id), Some(1), "the producer of the topic");
+        assert!(clients.producer_connection("pg", "elsewhere").is_none(), "no producer may see that topic");
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_client_whose_heartbeats_stopped_leaves_its_groups() {
-        let clients = Clients::new(Duration::from_secs(120));
+        let clients = Clients::new(Duration::from_secs(120), 100);
         let (connection, _queue) = Connection::for_test(1);
-        clients.heartbeat(&connection, &heartbeat("a@1", &["orders"]));
+        clients.heartbeat(&connection, &anyone(), &heartbeat("a@1", &["orders"])).expect("taken");
         tokio::time::advance(Duration::from_secs(121)).await;
         clients.expire();
         assert!(clients.consumers_of("orders").is_empty());

@@ -10,6 +10,7 @@ pub(super) const SEARCH_OFFSET_BY_TIMESTAMP: i32 = 29;
 pub(super) const GET_MAX_OFFSET: i32 = 30;
 pub(super) const GET_MIN_OFFSET: i32 = 31;
 pub(super) const GET_EARLIEST_MSG_STORETIME: i32 = 32;
+pub(super) const VIEW_MESSAGE_BY_ID: i32 = 33;
 pub(super) const HEART_BEAT: i32 = 34;
 pub(super) const UNREGISTER_CLIENT: i32 = 35;
 pub(super) const CONSUMER_SEND_MSG_BACK: i32 = 36;

@@ -8,6 +8,14 @@
 //! A frame that cannot be a command (over the size limit, a header that does not decode) ends the
 //! connection: the stream cannot be resynchronised after it. A request is never half served: it is read
 //! whole before anything is done with it.
+//!
+//! What one connection may hold is bounded, whoever is at the other end and before anyone has signed
+//! anything: a connection that completes no frame for `remoting.idle_timeout_secs` is closed (one byte a
+//! minute is idle too), and so is one whose answers cannot be written for as long (a client that stopped
+//! reading); at most `remoting.max_requests_per_connection` of its requests are served at once, and past that
+//! popgate stops reading it until one is answered, so a client that pipelines frames and reads no answers is
+//! held up by its own TCP window instead of growing popgate's memory. Its requests take their place in an
+//! offset lane ([`super::offset_turns`]) only once they are signed and allowed.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -19,11 +27,12 @@ use metrics::{counter, gauge};
 use rocketmq_protocol::protocol::encoded_frame::EncodedFrame;
 use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
 use rocketmq_protocol::protocol::LanguageCode;
-use tokio::io::{AsyncReadExt, AsyncWriteExt, WriteHalf};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
+use tokio::time::{Duration, Instant};
 
-use super::service::Front;
+use super::service::{Admitted, Front};
 use crate::metrics as m;
 use crate::tls::MaybeTls;
 
@@ -32,7 +41,7 @@ const OUTBOUND_QUEUE: usize = 1024;
 /// How much is read from a socket at once.
 const READ_CHUNK: usize = 64 * 1024;
 /// Longest time a client may take to send its first byte and finish its TLS handshake.
-const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// One client connection, as the rest of the front sees it: who is at the other end, and a way to write to it.
 #[derive(Clone, Debug)]
@@ -168,17 +177,36 @@ async fn serve_connection(socket: TcpStream, peer: SocketAddr, id: u64, broker: 
         Ok(Err(error)) => return handshake_failed(peer, &error.to_string()),
         Err(_) => return handshake_failed(peer, "no first byte or handshake in time"),
     };
-    let (mut reader, writer) = tokio::io::split(socket);
+    let idle = Duration::from_secs(front.config.remoting.idle_timeout_secs);
+    let (reader, writer) = tokio::io::split(socket);
     let (outbound, queued) = mpsc::channel(OUTBOUND_QUEUE);
     let connection = Connection { id, peer, broker, outbound };
-    let writing = tokio::spawn(write_loop(writer, queued));
+    let mut writing = tokio::spawn(write_loop(writer, queued, idle, peer));
+    // Whichever ends first ends the connection: the client closed or went quiet, or its answers stopped leaving.
+    tokio::select! {
+        () = read_loop(reader, &connection, &front, idle) => {}
+        _ = &mut writing => {}
+    }
+    // Answers still being computed are dropped with the connection: the client has gone.
+    drop(connection);
+    writing.abort();
+}
+
+/// Reads and dispatches the connection's requests until it closes, sends a frame that cannot be read, or
+/// completes no frame for `idle`.
+async fn read_loop(mut reader: ReadHalf<MaybeTls>, connection: &Connection, front: &Arc<Front>, idle: Duration) {
+    let peer = connection.peer;
     let max_frame = front.config.remoting.max_frame_bytes;
+    let in_flight = Arc::new(Semaphore::new(front.config.remoting.max_requests_per_connection));
     let mut buffer = BytesMut::with_capacity(READ_CHUNK);
+    let mut quiet_until = Instant::now() + idle;
     loop {
         let announced = announced_frame_len(&buffer);
-        match RemotingCommand::decode_with_max_frame_bytes(&mut buffer, max_frame) {
+        match super::frame::decode(&mut buffer, max_frame) {
             Ok(Some(command)) => {
-                dispatch(&front, &connection, command);
+                quiet_until = Instant::now() + idle;
+                let Some(place) = place_in_flight(&in_flight).await else { return };
+                dispatch(front, connection, command, place);
                 continue;
             }
             Ok(None) => {}
@@ -186,25 +214,37 @@ async fn serve_connection(socket: TcpStream, peer: SocketAddr, id: u64, broker: 
                 let reason = if announced.is_some_and(|len| len > max_frame) { "oversize" } else { "undecodable" };
                 counter!(m::REMOTING_FRAME_ERRORS, "reason" => reason).increment(1);
                 tracing::info!(%error, %peer, "Closing a remoting connection whose frame cannot be read.");
-                break;
+                return;
             }
         }
         buffer.reserve(READ_CHUNK);
-        match reader.read_buf(&mut buffer).await {
-            Ok(0) => {
+        match tokio::time::timeout_at(quiet_until, reader.read_buf(&mut buffer)).await {
+            Ok(Ok(0)) => {
                 if !buffer.is_empty() {
                     // The client went away in the middle of a frame: nothing of it was acted on.
                     counter!(m::REMOTING_FRAME_ERRORS, "reason" => "truncated").increment(1);
                 }
-                break;
+                return;
             }
-            Ok(_) => {}
-            Err(_) => break,
+            Ok(Ok(_)) => {}
+            Ok(Err(_)) => return,
+            Err(_) => {
+                counter!(m::REMOTING_CONNECTIONS_CLOSED, "reason" => "idle").increment(1);
+                tracing::debug!(%peer, ?idle, "Closing a remoting connection that completed no frame in time.");
+                return;
+            }
         }
     }
-    // Answers still being computed are dropped with the connection: the client has gone.
-    drop(connection);
-    writing.abort();
+}
+
+/// A place for one more request of the connection: at once while it has fewer than its most in flight, else
+/// once one of them is answered (the reader waits meanwhile: nothing more is read from the client).
+async fn place_in_flight(in_flight: &Arc<Semaphore>) -> Option<OwnedSemaphorePermit> {
+    if let Ok(place) = in_flight.clone().try_acquire_owned() {
+        return Some(place);
+    }
+    counter!(m::REMOTING_READS_PAUSED).increment(1);
+    in_flight.clone().acquire_owned().await.ok()
 }
 
 /// The length a frame at the start of `buffer` announces, its 4-byte length field included.
@@ -214,21 +254,31 @@ fn announced_frame_len(buffer: &[u8]) -> Option<usize> {
 }
 
 /// Serves one command: a request on a task of its own; an answer to one of popgate's pushes is ignored (the
-/// pushes popgate sends are one-way). An offset commit or query takes its turn here, as its frame is read, and is
-/// served once the turns before it are over ([`super::offset_turns`]).
-fn dispatch(front: &Arc<Front>, connection: &Connection, request: RemotingCommand) {
+/// pushes popgate sends are one-way). Who sent it is checked here, as its frame is read: a signed and allowed
+/// offset commit or query takes its turn now and is served once the turns before it are over
+/// ([`super::offset_turns`]); a refused one takes none. `place`: its place among the connection's requests in
+/// flight, given back when it is answered.
+fn dispatch(front: &Arc<Front>, connection: &Connection, request: RemotingCommand, place: OwnedSemaphorePermit) {
     if request.is_response_type() {
         return;
     }
-    let mut turn = front.offset_turns.take(&request, connection.broker.as_deref());
+    let admitted = front.admit(&request);
+    let mut turn = match &admitted {
+        Ok(Admitted::Caller(caller)) if front.may_relay(caller, &request) => {
+            front.offset_turns.take(&request, connection.broker.as_deref())
+        }
+        _ => None,
+    };
     let (front, connection) = (front.clone(), connection.clone());
+    gauge!(m::REMOTING_REQUESTS_IN_FLIGHT).increment(1.0);
     tokio::spawn(async move {
+        let _in_flight = InFlight { _place: place };
         let oneway = request.is_oneway_rpc();
         let opaque = request.opaque();
         if let Some(turn) = &mut turn {
             turn.wait().await;
         }
-        let reply = front.serve(&connection, request).await;
+        let reply = front.serve(&connection, admitted, request).await;
         // Served (a one-way request's retries included): the next offset request of its lane may go.
         drop(turn);
         let Some(reply) = reply else { return };
@@ -246,15 +296,40 @@ fn dispatch(front: &Arc<Front>, connection: &Connection, request: RemotingComman
     });
 }
 
+/// A request being served: its place among its connection's, and its count in the gauge, until it is dropped
+/// (answered, or dropped with its connection).
+struct InFlight {
+    _place: OwnedSemaphorePermit,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        gauge!(m::REMOTING_REQUESTS_IN_FLIGHT).decrement(1.0);
+    }
+}
+
 fn handshake_failed(peer: SocketAddr, error: &str) {
     counter!(m::TLS_HANDSHAKE_FAILURES).increment(1);
     tracing::debug!(%peer, error, "A remoting connection was dropped before it was served.");
 }
 
-async fn write_loop(mut writer: WriteHalf<MaybeTls>, mut queued: mpsc::Receiver<Outbound>) {
+/// Writes the queued frames until the connection is dropped; ends (and so ends the connection) when a frame
+/// cannot be written for `idle`: a client that stopped reading its answers holds up nothing but itself.
+async fn write_loop(
+    mut writer: WriteHalf<MaybeTls>,
+    mut queued: mpsc::Receiver<Outbound>,
+    idle: Duration,
+    peer: SocketAddr,
+) {
     while let Some(Outbound { frame, written }) = queued.recv().await {
-        if writer.write_all(&frame).await.is_err() {
-            return;
+        match tokio::time::timeout(idle, writer.write_all(&frame)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => return,
+            Err(_) => {
+                counter!(m::REMOTING_CONNECTIONS_CLOSED, "reason" => "not_reading").increment(1);
+                tracing::debug!(%peer, ?idle, "Closing a remoting connection whose client reads no answers.");
+                return;
+            }
         }
         if let Some(written) = written {
             let _ = written.send(());

@@ -15,11 +15,12 @@ use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
 use serde::Deserialize;
 use sha2::Digest;
 
-use super::clients::Heartbeat;
+use super::clients::{ClientRefusal, Heartbeat};
 use super::codes;
 use super::connection::Connection;
-use super::service::{error, field, Front};
+use super::service::{error, field, Front, Refusal};
 use crate::auth::{Action, Caller};
+use crate::gateway;
 use crate::metrics as m;
 
 /// The most a relayed pull may be held at the broker beyond what the client asked (its suspend time).
@@ -51,7 +52,9 @@ pub(super) async fn heartbeat(
         counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
         return error(codes::NO_PERMISSION, format!("may not consume as group `{}`", group.group_name));
     }
-    front.clients.heartbeat(connection, &heartbeat);
+    if let Err(refused) = front.clients.heartbeat(connection, caller, &heartbeat) {
+        return client_refused(&refused);
+    }
     let digest: [u8; 32] = sha2::Sha256::digest(body).into();
     let forward = front.clients.should_forward(&heartbeat.client_id, digest, HEARTBEAT_FORWARD_INTERVAL);
     if !heartbeat.consumer_data_set.is_empty() && forward {
@@ -86,25 +89,48 @@ async fn forward_to_masters(front: &Front, request: &RemotingCommand) {
 }
 
 /// `UNREGISTER_CLIENT`: the client leaves the groups named; the brokers learn it when its heartbeats stop. A
-/// consumer that leaves gives back what it popped and did not settle, due again at once (as a gRPC client's
-/// termination does).
-pub(super) async fn unregister(front: &Front, request: &RemotingCommand) -> RemotingCommand {
+/// consumer that leaves gives back what it popped in that group and did not settle, due again at once (as a
+/// gRPC client's termination does); only the token that registered the client id may unregister it.
+pub(super) async fn unregister(front: &Front, caller: &Caller, request: &RemotingCommand) -> RemotingCommand {
     let Some(client_id) = field(request, "clientID") else {
         return error(codes::SYSTEM_ERROR, "UNREGISTER_CLIENT without clientID");
     };
     let consumer_group = field(request, "consumerGroup");
-    front.clients.unregister(client_id, field(request, "producerGroup"), consumer_group);
-    if consumer_group.is_some() {
-        let released = front.dispatcher.release_client(client_id).await;
-        if released > 0 {
-            tracing::info!(
+    if let Some(group) = consumer_group {
+        if let Err(refused) = gateway::may_consume(caller, group) {
+            return error(codes::NO_PERMISSION, refused.to_string());
+        }
+    }
+    if let Err(refused) = front.clients.unregister(client_id, caller, field(request, "producerGroup"), consumer_group) {
+        return client_refused(&refused);
+    }
+    if let Some(group) = consumer_group {
+        match gateway::leave_group(&front.dispatcher, caller, client_id, group).await {
+            Ok(0) => {}
+            Ok(released) => tracing::info!(
                 client_id,
+                group,
                 released,
-                "A remoting consumer left; what it popped and did not settle is due again."
-            );
+                "A remoting consumer left its group; what it popped there and did not settle is due again."
+            ),
+            Err(refused) => return error(codes::NO_PERMISSION, refused.to_string()),
         }
     }
     RemotingCommand::create_success_response_command()
+}
+
+/// The answer to a heartbeat or unregistration [`super::clients::Clients`] refused, counted.
+fn client_refused(refused: &ClientRefusal) -> RemotingCommand {
+    match refused {
+        ClientRefusal::NotYours(_) => {
+            counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
+            error(codes::NO_PERMISSION, refused.to_string())
+        }
+        ClientRefusal::Full(_) => {
+            counter!(m::REQUESTS_REJECTED, "reason" => "too_many_clients").increment(1);
+            error(codes::SYSTEM_BUSY, refused.to_string())
+        }
+    }
 }
 
 /// `GET_CONSUMER_LIST_BY_GROUP`: the group's members connected to this popgate.
@@ -127,7 +153,10 @@ pub(super) fn consumer_list(front: &Front, caller: &Caller, request: &RemotingCo
 
 /// `CHECK_CLIENT_CONFIG` (a consumer's subscription, e.g. an SQL filter, checked at start): asked of a master
 /// broker, which knows whether it can serve it.
-pub(super) async fn check_client_config(front: &Front, request: &RemotingCommand) -> RemotingCommand {
+pub(super) async fn check_client_config(front: &Front, caller: &Caller, request: &RemotingCommand) -> RemotingCommand {
+    if let Err(refusal) = permission(caller, request) {
+        return refusal.answer();
+    }
     to_a_master(front, "check_client_config", request).await
 }
 
@@ -143,8 +172,84 @@ pub(super) async fn to_a_master(front: &Front, label: &'static str, request: &Re
     relay_counted(front, label, addr, request, front.config.broker.request_timeout()).await.command
 }
 
-/// A queue request, relayed to the broker that owns the queue; `None` (no answer: the client times out and
-/// asks again) where an error answer would mislead it.
+/// What a relayed request needs of its caller, by request code: the explicit list of what popgate relays to a
+/// broker as it is. A code that is not here is not relayed.
+const RELAYED: &[(i32, Needs)] = &[
+    (codes::PULL_MESSAGE, Needs::ConsumeAs(GroupIn::Header("consumerGroup"))),
+    (codes::LITE_PULL_MESSAGE, Needs::ConsumeAs(GroupIn::Header("consumerGroup"))),
+    (codes::QUERY_CONSUMER_OFFSET, Needs::ConsumeAs(GroupIn::Header("consumerGroup"))),
+    (codes::UPDATE_CONSUMER_OFFSET, Needs::ConsumeAs(GroupIn::Header("consumerGroup"))),
+    // The broker copies the message into the `%RETRY%` (or `%DLQ%`) topic of the group in `group`; a
+    // `consumerGroup` field beside it is not read by the broker, so neither is it here.
+    (codes::CONSUMER_SEND_MSG_BACK, Needs::ConsumeAs(GroupIn::Header("group"))),
+    (codes::LOCK_BATCH_MQ, Needs::ConsumeAs(GroupIn::LockBody)),
+    (codes::UNLOCK_BATCH_MQ, Needs::ConsumeAs(GroupIn::LockBody)),
+    (codes::CHECK_CLIENT_CONFIG, Needs::ConsumeAs(GroupIn::CheckClientBody)),
+    (codes::SEARCH_OFFSET_BY_TIMESTAMP, Needs::Signed),
+    (codes::GET_MAX_OFFSET, Needs::Signed),
+    (codes::GET_MIN_OFFSET, Needs::Signed),
+    (codes::GET_EARLIEST_MSG_STORETIME, Needs::Signed),
+    (codes::END_TRANSACTION, Needs::PublishToHalfMessageTopic),
+];
+
+/// What a relayed request's caller must be allowed.
+#[derive(Debug, Clone, Copy)]
+enum Needs {
+    /// Consuming as the group the request names there (a request that names none is refused).
+    ConsumeAs(GroupIn),
+    /// A signature only: a queue's offsets and store times, which name no group.
+    Signed,
+    /// Publishing to the topic of the half message the request ends, which only its broker can tell:
+    /// `super::transaction` looks it up and relays through [`ended_elsewhere`], never through
+    /// [`to_queue_broker`].
+    PublishToHalfMessageTopic,
+}
+
+/// Where a relayed request names its consumer group.
+#[derive(Debug, Clone, Copy)]
+enum GroupIn {
+    /// A header field.
+    Header(&'static str),
+    /// The `consumerGroup` of a queue lock request's body.
+    LockBody,
+    /// The `group` of a `CHECK_CLIENT_CONFIG` body.
+    CheckClientBody,
+}
+
+/// Whether `caller` may have `request` relayed to its broker, as [`RELAYED`] says; the refusal otherwise.
+pub(super) fn permission(caller: &Caller, request: &RemotingCommand) -> Result<(), Refusal> {
+    let code = request.code();
+    let Some((_, needs)) = RELAYED.iter().find(|(relayed, _)| *relayed == code) else {
+        return Err(Refusal::new(codes::REQUEST_CODE_NOT_SUPPORTED, format!(" request type {code} not supported")));
+    };
+    let group = match needs {
+        Needs::Signed => return Ok(()),
+        Needs::PublishToHalfMessageTopic => {
+            return Err(Refusal::new(codes::NO_PERMISSION, "a transaction's end needs its half message's topic"))
+        }
+        Needs::ConsumeAs(GroupIn::Header(name)) => field(request, name).map(str::to_owned),
+        Needs::ConsumeAs(GroupIn::LockBody) => {
+            request.body().and_then(|b| serde_json::from_slice::<LockBody>(b).ok()).map(|lock| lock.consumer_group)
+        }
+        Needs::ConsumeAs(GroupIn::CheckClientBody) => {
+            request.body().and_then(|b| serde_json::from_slice::<CheckClientBody>(b).ok()).map(|body| body.group)
+        }
+    };
+    let Some(group) = group else {
+        return Err(Refusal::new(
+            codes::SYSTEM_ERROR,
+            format!("{} names no consumer group", codes::request_label(code)),
+        ));
+    };
+    if !caller.may(Action::Consume(&group)) {
+        counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
+        return Err(Refusal::new(codes::NO_PERMISSION, format!("may not consume as group `{group}`")));
+    }
+    Ok(())
+}
+
+/// A queue request, relayed to the broker that owns the queue once [`permission`] allows it; `None` (no answer:
+/// the client times out and asks again) where an error answer would mislead it.
 ///
 /// A 4.9.x client takes any error answer to `QUERY_CONSUMER_OFFSET` for "this group has no offset", and a new
 /// push consumer then starts at the queue's end, skipping what is there; so a failure to ask the broker is not
@@ -154,11 +259,11 @@ pub(super) async fn to_queue_broker(
     caller: &Caller,
     request: &RemotingCommand,
 ) -> Option<RemotingCommand> {
-    let answer = if request.is_oneway_rpc() {
-        relayed_one_way(front, caller, request).await
-    } else {
-        relayed(front, caller, request).await
-    };
+    if let Err(refusal) = permission(caller, request) {
+        return Some(refusal.answer());
+    }
+    let answer =
+        if request.is_oneway_rpc() { relayed_one_way(front, request).await } else { relayed(front, request).await };
     let refused_here =
         answer.code() != codes::SUCCESS && answer.code() != codes::QUERY_NOT_FOUND && answer.by != AnsweredBy::Broker;
     if request.code() == codes::QUERY_CONSUMER_OFFSET && refused_here {
@@ -168,18 +273,24 @@ pub(super) async fn to_queue_broker(
     Some(answer.command)
 }
 
+/// An `END_TRANSACTION` of a half message popgate has no record of, relayed to its broker: only once
+/// `super::transaction` found at that broker that the half message's topic is one the caller may publish to.
+pub(super) async fn ended_elsewhere(front: &Front, request: &RemotingCommand) -> RemotingCommand {
+    if request.is_oneway_rpc() { relayed_one_way(front, request).await } else { relayed(front, request).await }.command
+}
+
 /// A one-way request (an offset commit or queue unlock at the client's shutdown, say) is relayed again when the
 /// broker could not be reached: its client never learns of a failure and never sends it again, while straight
 /// at the broker it would have arrived. These requests set a state (an offset, a lock), so a repeat is harmless;
 /// a commit's repeats stay within its turn ([`super::offset_turns`]), so none lands after a later commit.
-async fn relayed_one_way(front: &Front, caller: &Caller, request: &RemotingCommand) -> Relayed {
-    let mut answer = relayed(front, caller, request).await;
+async fn relayed_one_way(front: &Front, request: &RemotingCommand) -> Relayed {
+    let mut answer = relayed(front, request).await;
     for pause in ONE_WAY_RETRY_PAUSES {
         if answer.by != AnsweredBy::Unreachable {
             return answer;
         }
         tokio::time::sleep(pause).await;
-        answer = relayed(front, caller, request).await;
+        answer = relayed(front, request).await;
     }
     if answer.by == AnsweredBy::Unreachable {
         tracing::warn!(
@@ -228,36 +339,16 @@ impl From<RemotingCommand> for Relayed {
     }
 }
 
-async fn relayed(front: &Front, caller: &Caller, request: &RemotingCommand) -> Relayed {
+async fn relayed(front: &Front, request: &RemotingCommand) -> Relayed {
     let code = request.code();
     let label = codes::request_label(code);
-    let target = match QueueTarget::of(request) {
-        Ok(target) => target,
+    let broker_name = match broker_of(front, request).await {
+        Ok(name) => name,
         Err(why) => return error(codes::SYSTEM_ERROR, why).into(),
     };
-    if let Some(group) = &target.group {
-        if !caller.may(Action::Consume(group)) {
-            counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
-            return error(codes::NO_PERMISSION, format!("may not consume as group `{group}`")).into();
-        }
-    }
-    let broker_name = match &target.broker {
-        Some(name) => name.clone(),
-        None => match broker_of_queue(front, &target).await {
-            Ok(name) => name,
-            Err(why) => return error(codes::SYSTEM_ERROR, why).into(),
-        },
-    };
-    let addr = match masters(front).await.map(|m| m.get(&broker_name).cloned()) {
-        Ok(Some(addr)) => addr,
-        Ok(None) => {
-            front.forget_masters();
-            let why = format!("broker `{broker_name}` has no master now");
-            return Relayed::unreachable(error(codes::SERVICE_NOT_AVAILABLE, why));
-        }
-        Err(why) => {
-            return Relayed::unreachable(error(codes::SYSTEM_ERROR, format!("popgate has no broker list: {why}")));
-        }
+    let addr = match master_addr(front, &broker_name).await {
+        Ok(addr) => addr,
+        Err(answer) => return Relayed::unreachable(answer),
     };
     let timeout = relay_timeout(front, code, request);
     let relayed = relay_counted(front, label, &addr, request, timeout).await;
@@ -321,12 +412,17 @@ pub(super) fn answer_from(mut answer: RemotingCommand) -> RemotingCommand {
     reply
 }
 
-/// What a queue request names: its broker (when the client says), topic, queue and group.
+/// What a queue request names: its broker (when the client says), topic and queue.
 struct QueueTarget {
     broker: Option<String>,
     topic: Option<String>,
     queue_id: Option<i32>,
-    group: Option<String>,
+}
+
+/// The body of `CHECK_CLIENT_CONFIG` (`CheckClientRequestBody`), as far as popgate reads it.
+#[derive(Deserialize)]
+struct CheckClientBody {
+    group: String,
 }
 
 /// The body of `LOCK_BATCH_MQ` / `UNLOCK_BATCH_MQ`, as far as popgate reads it.
@@ -358,17 +454,35 @@ impl QueueTarget {
                 broker: first.map(|q| q.broker_name.clone()),
                 topic: first.map(|q| q.topic.clone()),
                 queue_id: first.map(|q| q.queue_id),
-                group: Some(lock.consumer_group),
             });
         }
         let topic_field = if code == codes::CONSUMER_SEND_MSG_BACK { "originTopic" } else { "topic" };
-        let group = field(request, "consumerGroup").or_else(|| field(request, "group")).map(str::to_owned);
         Ok(QueueTarget {
             broker: field(request, "bname").or_else(|| field(request, "brokerName")).map(str::to_owned),
             topic: field(request, topic_field).map(str::to_owned),
             queue_id: field(request, "queueId").and_then(|q| q.parse().ok()),
-            group,
         })
+    }
+}
+
+/// The broker `request` is for: the one it names, else the only broker of its topic with its queue.
+pub(super) async fn broker_of(front: &Front, request: &RemotingCommand) -> Result<String, String> {
+    let target = QueueTarget::of(request)?;
+    match &target.broker {
+        Some(name) => Ok(name.clone()),
+        None => broker_of_queue(front, &target).await,
+    }
+}
+
+/// The address of broker `name`'s master, or popgate's answer saying it has none now.
+pub(super) async fn master_addr(front: &Front, name: &str) -> Result<String, RemotingCommand> {
+    match masters(front).await.map(|m| m.get(name).cloned()) {
+        Ok(Some(addr)) => Ok(addr),
+        Ok(None) => {
+            front.forget_masters();
+            Err(error(codes::SERVICE_NOT_AVAILABLE, format!("broker `{name}` has no master now")))
+        }
+        Err(why) => Err(error(codes::SYSTEM_ERROR, format!("popgate has no broker list: {why}"))),
     }
 }
 

@@ -72,6 +72,9 @@ async fn send_checked(front: &Front, caller: &Caller, request: &RemotingCommand)
         counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
         return error(codes::NO_PERMISSION, format!("may not publish to `{}`", message.topic));
     }
+    if let Err(broken) = front.config.publish.limits.check_client_made(&message) {
+        return error(codes::MESSAGE_ILLEGAL, broken.message);
+    }
     let transactional = is_half(&header, &message);
     let mut message = message;
     if transactional {
@@ -79,7 +82,10 @@ async fn send_checked(front: &Front, caller: &Caller, request: &RemotingCommand)
     }
     let placement = placement(front, &header).await;
     let mode = if request.is_oneway_rpc() { SendMode::Oneway } else { SendMode::Sync };
-    let key = dedup_key(&message);
+    // A half message is never taken for a retry of an earlier send: the same message sent again in a new
+    // transaction is a new transaction, whose end must find its own record. A client's retry of a half message
+    // that did land leaves an orphan the broker checks back, as straight at the cluster.
+    let key = if transactional { None } else { dedup_key(&message) };
     match front.publisher.publish_once_at(&message, &placement, mode, None, key.as_deref()).await {
         Ok(published) => match published.receipt {
             Some(receipt) if transactional => match record_half(front, &message, &receipt).await {

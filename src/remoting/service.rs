@@ -58,13 +58,14 @@ impl Front {
             counter!(m::REMOTING_RELAYS, "code" => label, "result" => "ok").increment(0);
         }
         let expiry = Duration::from_secs(config.remoting.client_expiry_secs);
+        let max_clients = config.remoting.max_clients;
         Front {
             publisher: parts.publisher,
             broker: parts.broker,
             dispatcher: parts.dispatcher,
             tokens: parts.tokens,
             transactions: parts.transactions,
-            clients: Arc::new(Clients::new(expiry)),
+            clients: Arc::new(Clients::new(expiry, max_clients)),
             broker_ports: BrokerPorts::default(),
             tls: tokio_rustls::TlsAcceptor::from(parts.tls),
             connection_slots: Arc::new(Semaphore::new(config.remoting.max_connections)),
@@ -98,19 +99,37 @@ impl Front {
         *self.masters.lock() = None;
     }
 
-    /// Serves one request; `None` when it has no answer (a one-way request's is dropped by the caller anyway).
-    pub async fn serve(self: &Arc<Self>, connection: &Connection, request: RemotingCommand) -> Option<Reply> {
-        let code = request.code();
+    /// Who sent `request`: checked as its frame is read, before anything is kept for it.
+    pub fn admit(&self, request: &RemotingCommand) -> Result<Admitted, Refusal> {
         // As RocketMQ's name server, popgate answers route queries unsigned: a client whose signature is missing
         // or wrong then learns why from the refusal of its first broker request, not from a missing route.
-        let reply = if code == codes::GET_ROUTEINFO_BY_TOPIC {
-            Some(route::topic_route(self, &request).await.into())
-        } else {
-            match auth::caller(&self.tokens, &request) {
-                // After the signature check: the name is popgate's, not signed by the client.
-                Ok(caller) => self.serve_as(connection, &caller, ports::name_the_broker(connection, request)).await,
-                Err(refusal) => Some(refusal.answer().into()),
+        if request.code() == codes::GET_ROUTEINFO_BY_TOPIC {
+            return Ok(Admitted::NameServerQuery);
+        }
+        auth::caller(&self.tokens, request).map(Admitted::Caller)
+    }
+
+    /// Whether `caller` may have `request` relayed to a broker (see [`relay::permission`]).
+    pub fn may_relay(&self, caller: &Caller, request: &RemotingCommand) -> bool {
+        relay::permission(caller, request).is_ok()
+    }
+
+    /// Serves one request, admitted (or refused) by [`Front::admit`]; `None` when it has no answer (a one-way
+    /// request's is dropped by the caller anyway).
+    pub async fn serve(
+        self: &Arc<Self>,
+        connection: &Connection,
+        admitted: Result<Admitted, Refusal>,
+        request: RemotingCommand,
+    ) -> Option<Reply> {
+        let code = request.code();
+        let reply = match admitted {
+            Ok(Admitted::NameServerQuery) => Some(route::topic_route(self, &request).await.into()),
+            // After the signature check: the name is popgate's, not signed by the client.
+            Ok(Admitted::Caller(caller)) => {
+                self.serve_as(connection, &caller, ports::name_the_broker(connection, request)).await
             }
+            Err(refusal) => Some(refusal.answer().into()),
         };
         let result = reply.as_ref().map_or("ok", |r| codes::result_label(r.command.code()));
         counter!(m::REMOTING_REQUESTS, "code" => codes::request_label(code), "result" => result).increment(1);
@@ -130,9 +149,9 @@ impl Front {
             }
             codes::END_TRANSACTION => transaction::end_transaction(self, caller, &request).await,
             codes::HEART_BEAT => relay::heartbeat(self, connection, caller, &request).await,
-            codes::UNREGISTER_CLIENT => relay::unregister(self, &request).await,
+            codes::UNREGISTER_CLIENT => relay::unregister(self, caller, &request).await,
             codes::GET_CONSUMER_LIST_BY_GROUP => relay::consumer_list(self, caller, &request),
-            codes::CHECK_CLIENT_CONFIG => relay::check_client_config(self, &request).await,
+            codes::CHECK_CLIENT_CONFIG => relay::check_client_config(self, caller, &request).await,
             codes::PULL_MESSAGE
             | codes::LITE_PULL_MESSAGE
             | codes::QUERY_CONSUMER_OFFSET
@@ -156,6 +175,14 @@ impl Front {
         };
         Some(answer.into())
     }
+}
+
+/// Who a request is from, as [`Front::admit`] found.
+pub(super) enum Admitted {
+    /// A route query, which a name server answers whoever asks.
+    NameServerQuery,
+    /// A signed request (or any request, when authentication is off).
+    Caller(Caller),
 }
 
 /// An answer, and the deliveries it hands out (a POP's): stored as written once the answer has left.

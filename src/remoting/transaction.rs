@@ -10,12 +10,14 @@
 //! the client names, as a broker would take it.
 
 use metrics::counter;
+use rocketmq_protocol::common::message::message_decoder;
 use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
 
 use super::codes;
 use super::relay;
 use super::service::{error, field, Front};
 use crate::auth::{Action, Caller};
+use crate::broker::transaction::PROPERTY_TRANSACTION_PREPARED;
 use crate::metrics as m;
 use crate::transaction::{CheckForwarder, Orphan, Resolution, TransactionError};
 
@@ -25,6 +27,13 @@ const ROLLBACK: i32 = 12;
 const NOT_DECIDED: i32 = 0;
 /// `ResponseCode.TRANSACTION_FAILED`.
 const TRANSACTION_FAILED: i32 = 4;
+/// What a broker answers an end whose offsets name no half message (`SYSTEM_ERROR`, "Find prepared transaction
+/// message failed").
+const NOT_A_HALF_MESSAGE: i32 = codes::SYSTEM_ERROR;
+/// The broker's topic of half messages (`TransactionalMessageUtil.buildHalfTopic`).
+const HALF_TOPIC: &str = "RMQ_SYS_TRANS_HALF_TOPIC";
+/// Where a half message keeps its own topic (`MessageConst.PROPERTY_REAL_TOPIC`).
+const PROPERTY_REAL_TOPIC: &str = "REAL_TOPIC";
 
 /// `END_TRANSACTION` (one-way from the client; the answer is for a client that asks two-way).
 pub(super) async fn end_transaction(front: &Front, caller: &Caller, request: &RemotingCommand) -> RemotingCommand {
@@ -42,9 +51,7 @@ pub(super) async fn end_transaction(front: &Front, caller: &Caller, request: &Re
         other => return error(codes::SYSTEM_ERROR, format!("END_TRANSACTION with commitOrRollback {other:?}")),
     };
     let Some((id, topic)) = recorded(front, request) else {
-        return relay::to_queue_broker(front, caller, request)
-            .await
-            .unwrap_or_else(|| error(codes::SYSTEM_ERROR, "the transaction's broker could not be asked"));
+        return end_unrecorded(front, caller, request).await;
     };
     if !caller.may(Action::Publish(&topic)) {
         counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
@@ -60,6 +67,58 @@ pub(super) async fn end_transaction(front: &Front, caller: &Caller, request: &Re
             tracing::info!(error = %failed, transaction = %id, "A remoting producer's END_TRANSACTION was refused.");
             error(TRANSACTION_FAILED, failed.to_string())
         }
+    }
+}
+
+/// An end popgate has no record of: relayed to the broker the client names, once that broker says the half
+/// message at the end's `commitLogOffset` is one whose topic the caller may publish to. The broker itself acts on
+/// the offsets and the producer group alone, so without this look-up anyone who learnt another producer's offsets
+/// could end its transaction. With authentication off every caller may publish anywhere: nothing is looked up.
+async fn end_unrecorded(front: &Front, caller: &Caller, request: &RemotingCommand) -> RemotingCommand {
+    if !caller.is_unrestricted() {
+        let topic = match half_message_topic(front, request).await {
+            Ok(topic) => topic,
+            Err(refusal) => return refusal,
+        };
+        if !caller.may(Action::Publish(&topic)) {
+            counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
+            return error(codes::NO_PERMISSION, format!("may not publish to `{topic}`"));
+        }
+    }
+    relay::ended_elsewhere(front, request).await
+}
+
+/// The topic of the half message an end names, read from its broker (`VIEW_MESSAGE_BY_ID` at the end's
+/// `commitLogOffset`: the half message keeps its topic in `REAL_TOPIC`); the answer refusing the end when there
+/// is no half message there.
+async fn half_message_topic(front: &Front, request: &RemotingCommand) -> Result<String, RemotingCommand> {
+    let Some(offset) = field(request, "commitLogOffset").and_then(|v| v.parse::<i64>().ok()) else {
+        return Err(error(codes::SYSTEM_ERROR, "END_TRANSACTION without a commitLogOffset"));
+    };
+    let broker = relay::broker_of(front, request).await.map_err(|why| error(codes::SYSTEM_ERROR, why))?;
+    let addr = relay::master_addr(front, &broker).await?;
+    let mut view = RemotingCommand::create_remoting_command(codes::VIEW_MESSAGE_BY_ID);
+    view.add_ext_field("topic", HALF_TOPIC);
+    view.add_ext_field("offset", offset.to_string());
+    let timeout = front.config.broker.request_timeout();
+    let mut answer = match front.broker.relay(&addr, &view, timeout).await {
+        Ok(answer) => answer,
+        Err(failed) => {
+            return Err(error(codes::SYSTEM_ERROR, format!("popgate could not ask broker `{broker}`: {failed}")))
+        }
+    };
+    let not_half = || {
+        counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
+        error(NOT_A_HALF_MESSAGE, format!("no half message at commitLogOffset {offset} of broker `{broker}`"))
+    };
+    let Some(mut body) = answer.take_body().filter(|_| answer.code() == codes::SUCCESS) else {
+        return Err(not_half());
+    };
+    let message = message_decoder::decode(&mut body, false, false, false, false, false).ok_or_else(not_half)?;
+    let is_half = message.message.property(PROPERTY_TRANSACTION_PREPARED) == Some("true");
+    match message.message.property(PROPERTY_REAL_TOPIC) {
+        Some(topic) if is_half => Ok(topic.to_owned()),
+        _ => Err(not_half()),
     }
 }
 
@@ -79,11 +138,13 @@ fn recorded(front: &Front, request: &RemotingCommand) -> Option<(String, String)
 }
 
 impl CheckForwarder for Front {
-    /// Asks the producer of the half message's group that heartbeat last, one-way as a broker asks; its
-    /// answer comes back as an `END_TRANSACTION` with `fromTransactionCheck`.
+    /// Asks the producer of the half message's group that heartbeat last (of those whose token may publish to
+    /// the half message's topic), one-way as a broker asks; its answer comes back as an `END_TRANSACTION` with
+    /// `fromTransactionCheck`.
     fn forward(&self, orphan: &Orphan) -> bool {
         let Some(check) = &orphan.remoting else { return false };
-        let Some(connection) = self.clients.producer_connection(&check.producer_group) else { return false };
+        let topic = orphan.event.topic.as_ref();
+        let Some(connection) = self.clients.producer_connection(&check.producer_group, topic) else { return false };
         let mut push = RemotingCommand::create_remoting_command(codes::CHECK_TRANSACTION_STATE)
             .mark_oneway_rpc()
             .set_body(check.encoded.clone());

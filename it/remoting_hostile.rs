@@ -1,0 +1,337 @@
+//! The remoting front against hostile or careless clients, by raw frames: connections that go quiet, send a
+//! frame a byte at a time, or pipeline requests without reading the answers; and signed requests that reach for
+//! another token's groups, transactions and client ids. Each case asserts the answer a RocketMQ client expects
+//! and that nothing changed at the brokers, read straight from them.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use hmac::{Hmac, Mac};
+use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::harness::direct::Direct;
+use crate::harness::rocketmq::Cluster;
+use crate::harness::{eventually, unique_topic};
+use crate::publish::shared_cluster;
+use crate::remoting::{
+    ask, consumer_heartbeat, create_topic, popgate_with_remoting, raw_request, read_answer, send, stored_bodies,
+};
+
+/// Response codes the cases expect (`ResponseCode`).
+const SUCCESS: i32 = 0;
+const SYSTEM_BUSY: i32 = 2;
+const MESSAGE_ILLEGAL: i32 = 13;
+const NO_PERMISSION: i32 = 16;
+
+/// The app whose groups, transactions and client ids the cases reach for, and the app that reaches for them.
+const VICTIM: (&str, &str) = ("hv-app", "hv-app-secret-0123456789");
+const STRANGER: (&str, &str) = ("hs-app", "hs-app-secret-0123456789");
+
+fn tokens_toml() -> String {
+    format!(
+        "[auth]\nenabled = true\n\n\
+         [[auth.tokens]]\nname = \"{}\"\ntoken = \"{}\"\npublish = [\"hv_*\"]\nconsume = [\"hv_*\"]\n\n\
+         [[auth.tokens]]\nname = \"{}\"\ntoken = \"{}\"\npublish = [\"hs_*\"]\nconsume = [\"hs_*\"]\n",
+        VICTIM.0, VICTIM.1, STRANGER.0, STRANGER.1
+    )
+}
+
+/// `request` signed as Apache's `AclClientRPCHook` signs it: its `AccessKey` added, then the HMAC-SHA1 of every
+/// header field's value by field name, then the body, keyed by the secret, in base64.
+fn signed(mut request: RemotingCommand, (access_key, secret): (&str, &str)) -> RemotingCommand {
+    request.add_ext_field("AccessKey", access_key);
+    let fields: BTreeMap<String, String> =
+        request.ext_fields().into_iter().flatten().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    let mut mac = Hmac::<sha1::Sha1>::new_from_slice(secret.as_bytes()).expect("hmac key");
+    for value in fields.values() {
+        mac.update(value.as_bytes());
+    }
+    if let Some(body) = request.body() {
+        mac.update(body);
+    }
+    let signature = base64::engine::general_purpose::STANDARD.encode(mac.finalize().into_bytes());
+    request.add_ext_field("Signature", signature);
+    request
+}
+
+fn field(answer: &RemotingCommand, name: &str) -> String {
+    answer.ext_fields().and_then(|f| f.get(name)).map(|v| v.to_string()).unwrap_or_default()
+}
+
+/// A `SEND_MESSAGE_V2` of a 5.x client to queue 0 of `broker`, with `properties` (name, value) beside its id;
+/// and that id (`UNIQ_KEY`).
+fn raw_send(
+    topic: &str,
+    broker: &str,
+    body: &str,
+    sys_flag: i32,
+    properties: &[(&str, &str)],
+) -> (RemotingCommand, String) {
+    let uniq_key = format!("7F0000010000{:020X}", rand::random::<u64>());
+    let mut encoded = format!("UNIQ_KEY\u{1}{uniq_key}\u{2}WAIT\u{1}true\u{2}");
+    for (name, value) in properties {
+        encoded.push_str(&format!("{name}\u{1}{value}\u{2}"));
+    }
+    let sys_flag = sys_flag.to_string();
+    let mut send = RemotingCommand::create_remoting_command(310).set_body(body.as_bytes().to_vec());
+    for (name, value) in [
+        ("a", "hv_pg"),
+        ("b", topic),
+        ("c", "TBW102"),
+        ("d", "4"),
+        ("e", "0"),
+        ("f", sys_flag.as_str()),
+        ("g", "1796000000000"),
+        ("h", "0"),
+        ("i", encoded.as_str()),
+        ("j", "0"),
+        ("k", "false"),
+        ("m", "false"),
+        ("n", broker),
+    ] {
+        send.add_ext_field(name, value);
+    }
+    (send, uniq_key)
+}
+
+/// A message stored straight at `broker` (no popgate between): its answer, and its commit-log offset (the last
+/// 16 hex digits of the broker's offset message id).
+async fn stored_straight_at(cluster: &Cluster, broker: usize, request: RemotingCommand) -> (RemotingCommand, i64) {
+    let mut stream = TcpStream::connect(("127.0.0.1", cluster.brokers[broker].port)).await.expect("connect");
+    let answer = ask(&mut stream, request).await.expect("the broker answers");
+    assert_eq!(answer.code(), SUCCESS, "stored straight at the broker: {:?}", answer.remark());
+    let offset_id = field(&answer, "msgId");
+    let offset = i64::from_str_radix(&offset_id[offset_id.len().saturating_sub(16)..], 16).expect("hex offset");
+    (answer, offset)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_may_not_touch_another_tokens_groups_transactions_or_client_ids() {
+    let cluster = shared_cluster();
+    // `max_clients` before the tokens: the line goes into the `[remoting]` section.
+    let (popgate, namesrv) = popgate_with_remoting(cluster, &format!("max_clients = 3\n{}", tokens_toml())).await;
+    let plain_topic = unique_topic("hv_plain");
+    let tx_topic = unique_topic("hv_tx");
+    let victim_group = unique_topic("hv_g");
+    create_topic(cluster, &plain_topic).await;
+    crate::transaction::create_transaction_topic(cluster, &tx_topic).await;
+    let broker = cluster.brokers[0].name.clone();
+
+    // The victim's message, and its half message, stored straight at the broker: popgate has no record of them.
+    let (plain, _) = raw_send(&plain_topic, &broker, "plain", 0, &[]);
+    let (_, plain_offset) = stored_straight_at(cluster, 0, plain).await;
+    // sysFlag 4: TRANSACTION_PREPARED_TYPE.
+    let (half, half_id) = raw_send(&tx_topic, &broker, "half", 4, &[("TRAN_MSG", "true"), ("PGROUP", "hv_pg")]);
+    let (half_answer, half_offset) = stored_straight_at(cluster, 0, half).await;
+    let end = |topic: &str| {
+        raw_request(
+            37,
+            &[
+                ("producerGroup", "hv_pg"),
+                ("tranStateTableOffset", &field(&half_answer, "queueOffset")),
+                ("commitLogOffset", &half_offset.to_string()),
+                ("commitOrRollback", "8"),
+                ("fromTransactionCheck", "false"),
+                ("msgId", &half_id),
+                ("topic", topic),
+                ("bname", &broker),
+            ],
+        )
+    };
+
+    // The victim's consumer registers its client id.
+    let mut victim = TcpStream::connect(&namesrv).await.expect("connect");
+    let joined = ask(&mut victim, signed(consumer_heartbeat("victim@1", &victim_group, &plain_topic), VICTIM)).await;
+    assert_eq!(joined.map(|a| a.code()), Some(SUCCESS));
+
+    // Each case: what the stranger sends (signed with its own token, or not at all), and why it must be refused.
+    let offset = plain_offset.to_string();
+    let send_back = raw_request(
+        36,
+        &[
+            ("offset", &offset),
+            ("group", &victim_group),
+            // Its own group where popgate used to look, the victim's where the broker acts.
+            ("consumerGroup", "hs_g"),
+            ("delayLevel", "0"),
+            ("originTopic", &plain_topic),
+            ("maxReconsumeTimes", "16"),
+            ("bname", &broker),
+        ],
+    );
+    let check_config = RemotingCommand::create_remoting_command(46).set_body(
+        json!({"clientId": "s@1", "group": victim_group, "subscriptionData": {"topic": plain_topic,
+            "subString": "*", "expressionType": "TAG"}})
+        .to_string()
+        .into_bytes(),
+    );
+    let unsigned_commit = raw_request(
+        15,
+        &[("topic", &plain_topic), ("consumerGroup", &victim_group), ("queueId", "0"), ("commitOffset", "1000")],
+    );
+    let cases: Vec<(&str, RemotingCommand)> = vec![
+        ("a send-back into the victim's retry topic", signed(send_back, STRANGER)),
+        ("an end of the victim's half message, naming the victim's topic", signed(end(&tx_topic), STRANGER)),
+        ("an end of the victim's half message, naming a topic of its own", signed(end("hs_lie"), STRANGER)),
+        ("a heartbeat under the victim's client id", signed(consumer_heartbeat("victim@1", "hs_g", "hs_t"), STRANGER)),
+        (
+            "an unregistration of the victim's client from the victim's group",
+            signed(raw_request(35, &[("clientID", "victim@1"), ("consumerGroup", &victim_group)]), STRANGER),
+        ),
+        (
+            "an unregistration of the victim's client from a group of its own",
+            signed(raw_request(35, &[("clientID", "victim@1"), ("consumerGroup", "hs_g")]), STRANGER),
+        ),
+        ("a check of the victim group's subscription", signed(check_config, STRANGER)),
+        ("an unsigned offset commit in the victim's group", unsigned_commit),
+    ];
+    let mut stranger = TcpStream::connect(&namesrv).await.expect("connect");
+    for (case, request) in cases {
+        let answer = ask(&mut stranger, request).await.expect("answered, the connection kept");
+        assert_eq!(answer.code(), NO_PERMISSION, "{case}: {:?}", answer.remark());
+    }
+
+    // Nothing changed at the brokers: no copy in the victim's retry topic, the half message not committed, the
+    // victim's offset not moved; and the victim's client is still its group's member.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(stored_bodies(cluster, &format!("%RETRY%{victim_group}")).await.is_empty(), "nothing copied");
+    assert!(stored_bodies(cluster, &tx_topic).await.is_empty(), "the half message is not committed");
+    let offsets = Direct::connect(&cluster.namesrv_addr).await.consumer_offsets(&victim_group, &plain_topic).await;
+    assert!(offsets.unwrap_or_default().values().all(|o| *o != 1000), "the victim's offset did not move");
+    let members = ask(&mut victim, signed(raw_request(38, &[("consumerGroup", &victim_group)]), VICTIM)).await;
+    let members = members.and_then(|a| a.body().map(|b| String::from_utf8_lossy(b).into_owned())).unwrap_or_default();
+    assert!(members.contains("victim@1"), "still a member: {members}");
+
+    // The victim itself ends its half message through popgate: the look-up finds its topic, the end lands.
+    let ended = ask(&mut victim, signed(end(&tx_topic), VICTIM)).await.expect("answered");
+    assert_eq!(ended.code(), SUCCESS, "{:?}", ended.remark());
+    eventually(Duration::from_secs(20), "the victim's commit lands", || async {
+        stored_bodies(cluster, &tx_topic).await == ["half"]
+    })
+    .await;
+
+    // The message limits hold for remoting sends too: 129 user properties are refused, nothing is stored.
+    let own_topic = unique_topic("hs_t");
+    create_topic(cluster, &own_topic).await;
+    let many: Vec<(String, String)> = (0..129).map(|i| (format!("p{i}"), "v".to_owned())).collect();
+    let many: Vec<(&str, &str)> = many.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let (crowded, _) = raw_send(&own_topic, &broker, "many", 0, &many);
+    let answer = ask(&mut stranger, signed(crowded, STRANGER)).await;
+    let answer = answer.expect("answered");
+    assert_eq!(answer.code(), MESSAGE_ILLEGAL, "{:?}", answer.remark());
+    assert_eq!(answer.remark().map(|r| r.to_string()), Some("too many user properties, max is 128".to_owned()));
+
+    // At most `max_clients` (3 here) client ids are kept: the victim's, two of the stranger's, then no more.
+    for (id, expected) in [("s@1", SUCCESS), ("s@2", SUCCESS), ("s@3", SYSTEM_BUSY)] {
+        let answer = ask(&mut stranger, signed(consumer_heartbeat(id, "hs_g", &own_topic), STRANGER)).await;
+        assert_eq!(answer.map(|a| a.code()), Some(expected), "{id}");
+    }
+    assert!(
+        stored_bodies(cluster, &own_topic).await.is_empty(),
+        "nothing stored: {:?}",
+        stored_bodies(cluster, &own_topic).await
+    );
+    assert!(popgate.metric("popgate_requests_rejected_total{reason=\"forbidden\"}").await >= 6.0);
+    assert!(popgate.metric("popgate_requests_rejected_total{reason=\"too_many_clients\"}").await >= 1.0);
+}
+
+/// Whether popgate closed `stream` (a read returns nothing) within `within`.
+async fn closed_within(stream: &mut TcpStream, within: Duration) -> bool {
+    let mut buffer = [0u8; 4096];
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        match tokio::time::timeout(Duration::from_millis(200), stream.read(&mut buffer)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return true,
+            _ => {}
+        }
+    }
+    false
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quiet_slow_and_unread_connections_are_closed_and_pipelined_frames_wait_for_their_turn() {
+    let cluster = shared_cluster();
+    let limits = "idle_timeout_secs = 2\nmax_requests_per_connection = 8\n";
+    let (popgate, namesrv) = popgate_with_remoting(cluster, limits).await;
+    let topic = unique_topic("rm_flood");
+    create_topic(cluster, &topic).await;
+
+    // One byte, then nothing: closed after the idle timeout, not kept forever.
+    let mut quiet = TcpStream::connect(&namesrv).await.expect("connect");
+    quiet.write_all(&[0]).await.expect("write");
+    assert!(closed_within(&mut quiet, Duration::from_secs(15)).await, "a quiet connection is closed");
+
+    // A frame sent a byte a second never completes: closed as idle too, while it is still sending.
+    let mut slow = TcpStream::connect(&namesrv).await.expect("connect");
+    slow.write_all(&100u32.to_be_bytes()).await.expect("write");
+    let started = Instant::now();
+    let mut closed = false;
+    while started.elapsed() < Duration::from_secs(15) && !closed {
+        if slow.write_all(&[0]).await.is_err() {
+            closed = true;
+            break;
+        }
+        closed = closed_within(&mut slow, Duration::from_secs(1)).await;
+    }
+    assert!(closed, "a frame trickled byte by byte is not waited for forever");
+    eventually(Duration::from_secs(10), "both counted as idle", || async {
+        popgate.metric("popgate_remoting_connections_closed_total{reason=\"idle\"}").await >= 2.0
+    })
+    .await;
+
+    // 100 000 route queries in one stream, no answer read: popgate stops reading the connection at 8 requests
+    // in flight, and closes it once its answers cannot be written; its memory stays flat.
+    let rss_before = popgate.rss_kib();
+    let mut route = RemotingCommand::create_remoting_command(105);
+    route.add_ext_field("topic", topic.as_str());
+    let frame =
+        rocketmq_protocol::protocol::encoded_frame::EncodedFrame::from_command(route).expect("encodes").into_bytes();
+    let mut flood = Vec::with_capacity(frame.len() * 100_000);
+    for _ in 0..100_000 {
+        flood.extend_from_slice(&frame);
+    }
+    let mut flooder = TcpStream::connect(&namesrv).await.expect("connect");
+    let writing = tokio::spawn(async move {
+        // Blocks once popgate stops reading; ends when popgate closes the connection.
+        let _ = tokio::time::timeout(Duration::from_secs(60), flooder.write_all(&flood)).await;
+        flooder
+    });
+    let mut most_in_flight = 0.0f64;
+    let mut everyone_else = Duration::ZERO;
+    for _ in 0..20 {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        most_in_flight = most_in_flight.max(popgate.metric("popgate_remoting_requests_in_flight").await);
+        // Another client is served meanwhile.
+        let started = Instant::now();
+        let mut other = TcpStream::connect(&namesrv).await.expect("connect");
+        let mut route = RemotingCommand::create_remoting_command(105);
+        route.add_ext_field("topic", topic.as_str());
+        assert_eq!(ask(&mut other, route).await.map(|a| a.code()), Some(SUCCESS), "another client is served");
+        everyone_else = everyone_else.max(started.elapsed());
+    }
+    println!("most requests in flight {most_in_flight}, slowest other client {everyone_else:?}");
+    assert!(most_in_flight <= 8.0 + 1.0, "at most 8 of the flood (and the other client's 1) at once: {most_in_flight}");
+    assert!(popgate.metric("popgate_remoting_reads_paused_total").await >= 1.0, "the reader waited");
+    eventually(Duration::from_secs(30), "the connection that reads no answers is closed", || async {
+        popgate.metric("popgate_remoting_connections_closed_total{reason=\"not_reading\"}").await >= 1.0
+    })
+    .await;
+    let mut flooder = writing.await.expect("the writer ends");
+    assert!(closed_within(&mut flooder, Duration::from_secs(10)).await, "closed by popgate");
+    let rss_after = popgate.rss_kib();
+    println!("popgate RSS {rss_before} KiB before the flood, {rss_after} KiB after");
+    assert!(rss_after < rss_before + 64 * 1024, "RSS grew by less than 64 MiB: {rss_before} -> {rss_after} KiB");
+    eventually(Duration::from_secs(10), "nothing left in flight", || async {
+        popgate.metric("popgate_remoting_requests_in_flight").await == 0.0
+    })
+    .await;
+
+    // The front serves a well-behaved client as before.
+    let mut after = TcpStream::connect(&namesrv).await.expect("connect");
+    send(&mut after, raw_request(38, &[("consumerGroup", "rm_flood_g")])).await;
+    assert!(read_answer(&mut after).await.is_some(), "served");
+}

@@ -1,0 +1,57 @@
+//! The gateway: what an application's request is allowed and what it does, decided once for every front
+//! (HTTP, gRPC, remoting). A front decodes its protocol, calls the gateway with the authenticated [`Caller`],
+//! and maps a [`GatewayError`] to its own codes in one place.
+//!
+//! The fronts' shared rules move here one by one (issue #33). Here so far: a client leaving a consumer group
+//! (a remoting `UNREGISTER_CLIENT`, a gRPC `NotifyClientTermination`) gives back only what it holds in that
+//! group, and only when its caller may consume as that group.
+
+use metrics::counter;
+
+use crate::auth::{Action, Caller};
+use crate::delivery::Dispatcher;
+use crate::metrics as m;
+
+/// Why the gateway refused a request, the same whichever front it came in on.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GatewayError {
+    /// The caller may not consume as this group.
+    #[error("may not consume as group `{0}`")]
+    MayNotConsume(String),
+}
+
+impl GatewayError {
+    /// A stable name for the refusal (logs, metrics, the HTTP error's `code`).
+    pub fn code(&self) -> &'static str {
+        match self {
+            GatewayError::MayNotConsume(_) => "forbidden",
+        }
+    }
+}
+
+/// Whether `caller` may consume as `group`; a refusal is counted.
+///
+/// # Errors
+/// [`GatewayError::MayNotConsume`].
+pub fn may_consume(caller: &Caller, group: &str) -> Result<(), GatewayError> {
+    if caller.may(Action::Consume(group)) {
+        return Ok(());
+    }
+    counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
+    Err(GatewayError::MayNotConsume(group.to_owned()))
+}
+
+/// Client `client_id` of `caller` left consumer group `group`: what it holds of that group and did not settle
+/// is due again at once. Returns how many deliveries that was.
+///
+/// # Errors
+/// [`GatewayError::MayNotConsume`] when the caller may not consume as `group` (nothing is released).
+pub async fn leave_group(
+    dispatcher: &Dispatcher,
+    caller: &Caller,
+    client_id: &str,
+    group: &str,
+) -> Result<usize, GatewayError> {
+    may_consume(caller, group)?;
+    Ok(dispatcher.release_client(client_id, group).await)
+}
