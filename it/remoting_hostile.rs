@@ -190,10 +190,14 @@ async fn a_token_may_not_touch_another_tokens_groups_transactions_or_client_ids(
         ("an unsigned offset commit in the victim's group", unsigned_commit),
     ];
     let mut stranger = TcpStream::connect(&namesrv).await.expect("connect");
+    let mut let_through = Vec::new();
     for (case, request) in cases {
         let answer = ask(&mut stranger, request).await.expect("answered, the connection kept");
-        assert_eq!(answer.code(), NO_PERMISSION, "{case}: {:?}", answer.remark());
+        if answer.code() != NO_PERMISSION {
+            let_through.push(format!("{case}: code {} {:?}", answer.code(), answer.remark()));
+        }
     }
+    assert!(let_through.is_empty(), "refused with NO_PERMISSION, each of:\n{}", let_through.join("\n"));
 
     // Nothing changed at the brokers: no copy in the victim's retry topic, the half message not committed, the
     // victim's offset not moved; and the victim's client is still its group's member.
