@@ -93,7 +93,12 @@ async fn only_a_handed_out_delivery_can_be_acked_and_a_terminated_one_still_reac
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stored_ack_intent_is_replayed_at_boot_and_the_broker_never_redelivers_the_event() {
     let cluster = Cluster::start(&ClusterSpec::brokers(&["broker-a"]));
-    let lease_ms = 10_000u64;
+    // Long enough that no lease renewal falls due between the POP and the kill, even on a loaded machine: a
+    // renewal sent behind the ACK to the paused broker is taken after it, and Apache's broker makes an ACKed
+    // message visible again for a changeInvisibleTime of its old handle (a fresh-clone run under load got the
+    // event back that way with a 10 s lease; the renewal of a delivery whose broker ACK is in doubt is a
+    // separate question for the delivery core, see the README's failure matrix).
+    let lease_ms = 40_000u64;
     let mut popgate =
         Popgate::start(&cluster.namesrv_addr, &format!("[delivery]\nlease_ms = {lease_ms}\npop_poll_ms = 1000\n"))
             .await;
