@@ -128,18 +128,22 @@ pub async fn serve(
         let front = crate::grpc::serve(listener, tls, parts, config.clone(), stop_asked(&stop_rx));
         spawn_front("gRPC", front)
     });
-    let remoting_server = remoting.map(|(listener, advertised, tls)| {
-        let parts = crate::remoting::Parts {
-            publisher: publisher.clone(),
-            broker: broker.clone(),
-            dispatcher: dispatcher.clone(),
-            tokens: tokens.clone(),
-            transactions: transactions.clone(),
-            tls,
-        };
-        let front = crate::remoting::serve(listener, advertised, parts, config.clone(), stop_asked(&stop_rx));
-        spawn_front("remoting", front)
-    });
+    let remoting_server = match remoting {
+        Some((listener, advertised, tls)) => {
+            let parts = crate::remoting::Parts {
+                publisher: publisher.clone(),
+                broker: broker.clone(),
+                dispatcher: dispatcher.clone(),
+                tokens: tokens.clone(),
+                transactions: transactions.clone(),
+                tls,
+            };
+            // Its brokers' ports are open again before the HTTP server answers /healthz.
+            let front = crate::remoting::start(listener, advertised, parts, config.clone(), stop_asked(&stop_rx)).await;
+            Some(spawn_front("remoting", front))
+        }
+        None => None,
+    };
     let state = AppState {
         dlq: Arc::new(DlqAdmin::new(broker.clone(), publisher.clone(), store)),
         tokens,

@@ -62,18 +62,18 @@ pub struct Parts {
     pub tls: Arc<rustls::ServerConfig>,
 }
 
-/// Serves the remoting front on `listener` until `shutdown` resolves; `advertised` is the address clients are
-/// given as every broker's.
+/// Starts the remoting front: its brokers' own ports (for clients before 4.9.5) are bound again before this
+/// returns, so they are open by the time popgate reports itself healthy; the returned future serves `listener`
+/// until `shutdown` resolves. `advertised` is the address clients are given as every broker's.
 ///
-/// # Errors
-/// When the listener fails.
-pub async fn serve(
+/// The returned future fails when the listener fails.
+pub async fn start(
     listener: TcpListener,
     advertised: String,
     parts: Parts,
     config: Arc<Config>,
     shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
+) -> impl Future<Output = std::io::Result<()>> + Send + 'static {
     let (stop, stopping) = tokio::sync::watch::channel(false);
     let front = Arc::new(service::Front::new(parts, config, advertised, stopping));
     // The brokers' check-backs of remoting producers' transactions are asked of those producers.
@@ -86,5 +86,5 @@ pub async fn serve(
     });
     front.broker_ports.restore(&front).await;
     let stopped = front.stopped();
-    connection::accept_loop(listener, front, stopped, None).await
+    connection::accept_loop(listener, front, stopped, None)
 }
