@@ -19,7 +19,7 @@ use super::clients::{ClientRefusal, Heartbeat};
 use super::codes;
 use super::connection::Connection;
 use super::service::{error, field, Front, Refusal};
-use crate::auth::{Action, Caller};
+use crate::auth::Caller;
 use crate::gateway;
 use crate::metrics as m;
 
@@ -48,9 +48,10 @@ pub(super) async fn heartbeat(
             return error(codes::SYSTEM_ERROR, format!("the HEART_BEAT body (HeartbeatData) does not decode: {why}"))
         }
     };
-    if let Some(group) = heartbeat.consumer_data_set.iter().find(|c| !caller.may(Action::Consume(&c.group_name))) {
-        counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
-        return error(codes::NO_PERMISSION, format!("may not consume as group `{}`", group.group_name));
+    if let Err(refused) =
+        heartbeat.consumer_data_set.iter().try_for_each(|c| gateway::may_consume(caller, &c.group_name))
+    {
+        return error(codes::NO_PERMISSION, refused.to_string());
     }
     if let Err(refused) = front.clients.heartbeat(connection, caller, &heartbeat) {
         return client_refused(&refused);
@@ -138,9 +139,8 @@ pub(super) fn consumer_list(front: &Front, caller: &Caller, request: &RemotingCo
     let Some(group) = field(request, "consumerGroup") else {
         return error(codes::SYSTEM_ERROR, "GET_CONSUMER_LIST_BY_GROUP without consumerGroup");
     };
-    if !caller.may(Action::Consume(group)) {
-        counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
-        return error(codes::NO_PERMISSION, format!("may not consume as group `{group}`"));
+    if let Err(refused) = gateway::may_consume(caller, group) {
+        return error(codes::NO_PERMISSION, refused.to_string());
     }
     let members = front.clients.consumers_of(group);
     if members.is_empty() {
@@ -241,11 +241,7 @@ pub(super) fn permission(caller: &Caller, request: &RemotingCommand) -> Result<(
             format!("{} names no consumer group", codes::request_label(code)),
         ));
     };
-    if !caller.may(Action::Consume(&group)) {
-        counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
-        return Err(Refusal::new(codes::NO_PERMISSION, format!("may not consume as group `{group}`")));
-    }
-    Ok(())
+    gateway::may_consume(caller, &group).map_err(|refused| Refusal::new(codes::NO_PERMISSION, refused.to_string()))
 }
 
 /// A queue request, relayed to the broker that owns the queue once [`permission`] allows it; `None` (no answer:

@@ -58,14 +58,13 @@ impl Front {
             counter!(m::REMOTING_RELAYS, "code" => label, "result" => "ok").increment(0);
         }
         let expiry = Duration::from_secs(config.remoting.client_expiry_secs);
-        let max_clients = config.remoting.max_clients;
         Front {
             publisher: parts.publisher,
             broker: parts.broker,
             dispatcher: parts.dispatcher,
             tokens: parts.tokens,
             transactions: parts.transactions,
-            clients: Arc::new(Clients::new(expiry, max_clients)),
+            clients: Arc::new(Clients::new(expiry, config.remoting.max_clients)),
             broker_ports: BrokerPorts::default(),
             tls: tokio_rustls::TlsAcceptor::from(parts.tls),
             connection_slots: Arc::new(Semaphore::new(config.remoting.max_connections)),
