@@ -52,11 +52,11 @@ fn request_from<T>(message: T, client_id: &str) -> tonic::Request<T> {
     request
 }
 
-fn resource(name: &str) -> Option<pb::Resource> {
+pub(crate) fn resource(name: &str) -> Option<pb::Resource> {
     Some(pb::Resource { resource_namespace: String::new(), name: name.to_owned() })
 }
 
-fn receive_request(group: &str, topic: &str, auto_renew: bool) -> pb::ReceiveMessageRequest {
+pub(crate) fn receive_request(group: &str, topic: &str, auto_renew: bool) -> pb::ReceiveMessageRequest {
     pb::ReceiveMessageRequest {
         group: resource(group),
         message_queue: Some(pb::MessageQueue { topic: resource(topic), id: -1, ..Default::default() }),
@@ -90,7 +90,16 @@ async fn receive(
     client: &mut MessagingServiceClient<Channel>,
     req: pb::ReceiveMessageRequest,
 ) -> (i32, Vec<pb::Message>) {
-    let mut stream = client.receive_message(request(req, None)).await.expect("receive call").into_inner();
+    receive_signed(client, req, None).await
+}
+
+/// [`receive`], signed by `signed_by` when given.
+pub(crate) async fn receive_signed(
+    client: &mut MessagingServiceClient<Channel>,
+    req: pb::ReceiveMessageRequest,
+    signed_by: Option<(&str, &str)>,
+) -> (i32, Vec<pb::Message>) {
+    let mut stream = client.receive_message(request(req, signed_by)).await.expect("receive call").into_inner();
     let (mut code, mut messages) = (0, Vec::new());
     while let Some(item) = stream.message().await.expect("receive stream") {
         match item.content {

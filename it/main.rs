@@ -23,6 +23,7 @@ mod push;
 mod reliability;
 mod remoting;
 mod remoting_hostile;
+mod scopes;
 mod security;
 mod transaction;
 mod transaction_http;

@@ -42,7 +42,7 @@ fn tokens_toml() -> String {
 
 /// `request` signed as Apache's `AclClientRPCHook` signs it: its `AccessKey` added, then the HMAC-SHA1 of every
 /// header field's value by field name, then the body, keyed by the secret, in base64.
-fn signed(mut request: RemotingCommand, (access_key, secret): (&str, &str)) -> RemotingCommand {
+pub(crate) fn signed(mut request: RemotingCommand, (access_key, secret): (&str, &str)) -> RemotingCommand {
     request.add_ext_field("AccessKey", access_key);
     let fields: BTreeMap<String, String> =
         request.ext_fields().into_iter().flatten().map(|(k, v)| (k.to_string(), v.to_string())).collect();

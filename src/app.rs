@@ -83,6 +83,13 @@ pub async fn serve(
     if !config.auth.enabled {
         tracing::warn!("Authentication is switched off (auth.enabled = false): every caller may do everything.");
     }
+    for token in config.auth.tokens.iter().filter(|t| !t.consume.is_empty() && t.subscribe.is_none()) {
+        tracing::warn!(
+            token = %token.name,
+            "This token may read every topic as its consumer groups (it has no `subscribe`); list the topics it may \
+             read in `subscribe` (or ACL entries) to scope it."
+        );
+    }
     let broker = Arc::new(BrokerClient::connect(&config.broker, PRODUCER_GROUP).await?);
     let profile = config.reliability.profile;
     std::fs::create_dir_all(&config.delivery.state_dir)?;
@@ -162,7 +169,8 @@ pub async fn serve(
         shutdown.await;
         let _ = stop_tx.send(true);
     };
-    let router = api::router(state);
+    // Each request knows its peer's address: ACL entries may be limited to source networks.
+    let router = api::router(state).into_make_service_with_connect_info::<api::guard::PeerAddr>();
     let server = async move {
         match tls {
             Some(tls) => {

@@ -1,5 +1,8 @@
-//! Who may do what: bearer tokens from the config, each with the topics it may publish to, the consumer
-//! groups it may consume as, and whether it may use the admin plane.
+//! Who may do what: bearer tokens from the config, each with what it may do in RocketMQ's ACL 2.0 model:
+//! `Pub` and `Sub` on resources `Topic:…` and `Group:…` (literal, prefix, any), allowed or denied, optionally
+//! only from some networks; and whether it may use the admin plane. A token's `publish`, `consume` and
+//! `subscribe` lists are shorthand for allowing entries; its `acl` holds entries as `mqadmin createAcl` writes
+//! them. Reading a topic as a group needs `Sub` on both.
 //!
 //! Bearer tokens are kept as SHA-256 digests. A presented token is hashed and compared with every configured
 //! digest in constant time (no early exit), so neither the comparison nor the table's order leaks which
@@ -10,40 +13,57 @@
 //! streams).
 
 use std::collections::HashMap;
+use std::net::IpAddr;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
-use crate::config::AuthConfig;
+use crate::config::names::{AclEntry, NamePattern, ResourceType};
+use crate::config::{AuthConfig, TokenConfig};
 
-/// What a request wants to do.
+/// What a request wants to do, in the terms of RocketMQ's ACL 2.0: an action on a resource.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Action<'a> {
-    /// Publish to this topic.
+    /// Publish to this topic (`Pub` on `Topic:<name>`).
     Publish(&'a str),
-    /// Subscribe, poll, stream, ACK/NACK/TERM as this consumer group.
+    /// Subscribe, poll, stream, ACK/NACK/TERM as this consumer group (`Sub` on `Group:<name>`).
     Consume(&'a str),
+    /// Read this topic (`Sub` on `Topic:<name>`); a group's `%RETRY%` topic is the group's (`Sub` on
+    /// `Group:<group>`), as in Apache's ACLs. Reading needs this **and** [`Action::Consume`] of the group.
+    Subscribe(&'a str),
     /// Use `/admin/*`.
     Admin,
 }
+
+/// The prefix of a consumer group's retry topic.
+const RETRY_PREFIX: &str = "%RETRY%";
 
 /// The authenticated caller of one request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Caller {
     /// The token's configured name (`anonymous` when authentication is off).
     pub name: String,
-    publish: Vec<Pattern>,
-    consume: Vec<Pattern>,
+    grants: Arc<[Grant]>,
     admin: bool,
     unrestricted: bool,
+    /// Where the request came from, for grants limited to source networks.
+    source_ip: Option<IpAddr>,
 }
 
 impl Caller {
     /// The caller when authentication is switched off: allowed everything.
     pub fn unrestricted() -> Caller {
-        Caller { name: "anonymous".to_owned(), publish: vec![], consume: vec![], admin: true, unrestricted: true }
+        Caller { name: "anonymous".to_owned(), grants: Arc::new([]), admin: true, unrestricted: true, source_ip: None }
+    }
+
+    /// The same caller, its request come from `ip` (an IPv4 address mapped into IPv6 counts as IPv4). A grant
+    /// limited to source networks applies only to callers whose address is known and inside one of them.
+    #[must_use]
+    pub fn from_address(mut self, ip: IpAddr) -> Caller {
+        self.source_ip = Some(ip.to_canonical());
+        self
     }
 
     /// Whether this is the caller of a popgate whose authentication is off (allowed everything).
@@ -51,15 +71,111 @@ impl Caller {
         self.unrestricted
     }
 
-    /// Whether this caller may do `action`.
+    /// Whether this caller may do `action`: the most specific of its grants that cover the action decides
+    /// ([`Grant::specificity`]); none covers it: no.
     pub fn may(&self, action: Action<'_>) -> bool {
         if self.unrestricted {
             return true;
         }
-        match action {
-            Action::Publish(topic) => self.publish.iter().any(|p| p.matches(topic)),
-            Action::Consume(group) => self.consume.iter().any(|p| p.matches(group)),
-            Action::Admin => self.admin,
+        let (resource_type, name, verb) = match action {
+            Action::Publish(topic) => (ResourceType::Topic, topic, Verb::Pub),
+            Action::Consume(group) => {
+                (ResourceType::Group, group.strip_prefix(RETRY_PREFIX).unwrap_or(group), Verb::Sub)
+            }
+            Action::Subscribe(topic) => match topic.strip_prefix(RETRY_PREFIX) {
+                Some(group) => (ResourceType::Group, group, Verb::Sub),
+                None => (ResourceType::Topic, topic, Verb::Sub),
+            },
+            Action::Admin => return self.admin,
+        };
+        self.grants
+            .iter()
+            .filter(|grant| grant.covers(resource_type, name, verb) && grant.applies_from(self.source_ip))
+            .max_by_key(|grant| (grant.specificity(), grant.deny))
+            .is_some_and(|decisive| !decisive.deny)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Verb {
+    Pub,
+    Sub,
+}
+
+/// One policy entry of a token: an ACL 2.0 entry, or one of its `publish` / `consume` / `subscribe` patterns.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Grant {
+    resource_type: ResourceType,
+    names: Names,
+    publish: bool,
+    subscribe: bool,
+    deny: bool,
+    source_ips: Vec<ipnet::IpNet>,
+}
+
+/// The names a grant covers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Names {
+    Any,
+    Literal(String),
+    Prefixed(String),
+    /// A `publish` / `consume` / `subscribe` pattern with a `*` elsewhere than at its end.
+    Wildcard(Pattern),
+}
+
+impl Grant {
+    fn from_entry(entry: AclEntry) -> Grant {
+        let names = match entry.names {
+            NamePattern::Any => Names::Any,
+            NamePattern::Literal(name) => Names::Literal(name),
+            NamePattern::Prefixed(prefix) => Names::Prefixed(prefix),
+        };
+        let AclEntry { resource_type, publish, subscribe, deny, source_ips, .. } = entry;
+        Grant { resource_type, names, publish, subscribe, deny, source_ips }
+    }
+
+    /// An allowing grant of one verb on the names a token pattern (`orders-*`, `*`, `a*b`) covers.
+    fn from_pattern(resource_type: ResourceType, pattern: &str, verb: Verb) -> Grant {
+        let names = match pattern.split_once('*') {
+            None => Names::Literal(pattern.to_owned()),
+            Some(("", "")) => Names::Any,
+            Some((prefix, "")) => Names::Prefixed(prefix.to_owned()),
+            Some(_) => Names::Wildcard(Pattern::new(pattern)),
+        };
+        let (publish, subscribe) = (verb == Verb::Pub, verb == Verb::Sub);
+        Grant { resource_type, names, publish, subscribe, deny: false, source_ips: Vec::new() }
+    }
+
+    fn covers(&self, resource_type: ResourceType, name: &str, verb: Verb) -> bool {
+        let verb_named = match verb {
+            Verb::Pub => self.publish,
+            Verb::Sub => self.subscribe,
+        };
+        let type_matches = self.resource_type == ResourceType::Any || self.resource_type == resource_type;
+        let name_matches = match &self.names {
+            Names::Any => true,
+            Names::Literal(literal) => literal == name,
+            Names::Prefixed(prefix) => name.starts_with(prefix.as_str()),
+            Names::Wildcard(pattern) => pattern.matches(name),
+        };
+        verb_named && type_matches && name_matches
+    }
+
+    fn applies_from(&self, source_ip: Option<IpAddr>) -> bool {
+        self.source_ips.is_empty() || source_ip.is_some_and(|ip| self.source_ips.iter().any(|net| net.contains(&ip)))
+    }
+
+    /// How specific the grant's resource is, as Apache's `AclAuthorizationHandler` orders entries: a literal
+    /// name, then prefixes (the longer first), then every name of one type, then `*`.
+    fn specificity(&self) -> (u8, usize) {
+        if self.resource_type == ResourceType::Any {
+            return (0, 0);
+        }
+        match &self.names {
+            Names::Any => (1, 0),
+            Names::Prefixed(prefix) => (2, prefix.len()),
+            Names::Wildcard(pattern) => (2, pattern.fixed_len()),
+            Names::Literal(_) => (3, 0),
         }
     }
 }
@@ -151,11 +267,27 @@ fn caller_of(config: &AuthConfig, name: &str) -> Option<Caller> {
     let token = config.tokens.iter().find(|t| t.name == name)?;
     Some(Caller {
         name: token.name.clone(),
-        publish: token.publish.iter().map(|p| Pattern::new(p)).collect(),
-        consume: token.consume.iter().map(|p| Pattern::new(p)).collect(),
+        grants: grants_of(token).into(),
         admin: token.admin,
         unrestricted: false,
+        source_ip: None,
     })
+}
+
+/// What a token grants. A token without `subscribe` may read every topic (as the groups it may consume as):
+/// what its `consume` meant before topics were scoped.
+fn grants_of(token: &TokenConfig) -> Vec<Grant> {
+    let patterns = |list: &[String], resource_type, verb| {
+        list.iter().map(move |pattern| Grant::from_pattern(resource_type, pattern, verb)).collect::<Vec<_>>()
+    };
+    let mut grants = patterns(&token.publish, ResourceType::Topic, Verb::Pub);
+    grants.extend(patterns(&token.consume, ResourceType::Group, Verb::Sub));
+    match &token.subscribe {
+        Some(topics) => grants.extend(patterns(topics, ResourceType::Topic, Verb::Sub)),
+        None => grants.push(Grant::from_pattern(ResourceType::Topic, "*", Verb::Sub)),
+    }
+    grants.extend(token.acl.iter().filter_map(|entry| AclEntry::parse(entry).ok()).map(Grant::from_entry));
+    grants
 }
 
 fn digest(bytes: &[u8]) -> [u8; 32] {
@@ -172,6 +304,11 @@ struct Pattern {
 impl Pattern {
     fn new(text: &str) -> Pattern {
         Pattern { parts: text.split('*').map(str::to_owned).collect() }
+    }
+
+    /// How many characters of a matching name the pattern fixes (all but its stars).
+    fn fixed_len(&self) -> usize {
+        self.parts.iter().map(String::len).sum()
     }
 
     fn matches(&self, name: &str) -> bool {
@@ -249,7 +386,100 @@ impl Drop for BudgetSlot {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::TokenConfig;
+    use crate::config::AclEntryConfig;
+
+    fn entry(resource: &str, actions: &str, decision: &str, source_ips: &[&str]) -> AclEntryConfig {
+        AclEntryConfig {
+            resource: resource.into(),
+            actions: actions.split(',').map(str::to_owned).collect(),
+            decision: Some(decision.into()),
+            source_ips: source_ips.iter().map(|ip| ip.parse().expect("a network")).collect(),
+        }
+    }
+
+    fn caller_with(token: TokenConfig) -> Caller {
+        let config = AuthConfig { enabled: true, tokens: vec![token], ..AuthConfig::default() };
+        let name = config.tokens[0].name.clone();
+        caller_of(&config, &name).expect("the token")
+    }
+
+    #[test]
+    fn the_most_specific_entry_decides_and_deny_wins_a_tie() {
+        let caller = caller_with(TokenConfig {
+            name: "reader".into(),
+            consume: vec!["billing".into()],
+            subscribe: Some(vec![]),
+            acl: vec![
+                entry("Topic:*", "Sub", "Allow", &[]),
+                entry("Topic:secret-*", "Sub", "Deny", &[]),
+                entry("Topic:secret-but-shared", "Sub", "Allow", &[]),
+                entry("Topic:tie", "Sub", "Allow", &[]),
+                entry("Topic:tie", "Sub", "Deny", &[]),
+                entry("*", "All", "Deny", &[]),
+            ],
+            ..TokenConfig::default()
+        });
+        assert!(caller.may(Action::Subscribe("orders")), "Topic:* is more specific than *");
+        assert!(!caller.may(Action::Subscribe("secret-payroll")), "a prefix is more specific than Topic:*");
+        assert!(caller.may(Action::Subscribe("secret-but-shared")), "a literal is more specific than a prefix");
+        assert!(!caller.may(Action::Subscribe("tie")), "deny wins at the same specificity");
+        assert!(!caller.may(Action::Publish("orders")), "only `*` covers Pub, and it denies");
+        assert!(caller.may(Action::Consume("billing")) && !caller.may(Action::Consume("other")));
+        assert!(caller.may(Action::Subscribe("%RETRY%billing")), "a retry topic is its group's");
+        assert!(!caller.may(Action::Subscribe("%RETRY%other")));
+    }
+
+    #[test]
+    fn a_token_without_subscribe_reads_every_topic_and_with_it_only_those() {
+        let legacy =
+            caller_with(TokenConfig { name: "old".into(), consume: vec!["g".into()], ..TokenConfig::default() });
+        assert!(legacy.may(Action::Subscribe("anything")));
+        let scoped = caller_with(TokenConfig {
+            name: "new".into(),
+            consume: vec!["g".into()],
+            subscribe: Some(vec!["orders-*".into()]),
+            ..TokenConfig::default()
+        });
+        assert!(scoped.may(Action::Subscribe("orders-eu")) && !scoped.may(Action::Subscribe("payments")));
+        assert!(!scoped.may(Action::Publish("orders-eu")));
+    }
+
+    #[test]
+    fn a_source_network_entry_applies_only_to_callers_from_inside_it() {
+        let caller = caller_with(TokenConfig {
+            name: "office".into(),
+            acl: vec![
+                entry("Topic:orders", "Pub", "Allow", &["10.0.0.0/8"]),
+                entry("Topic:audit", "Pub", "Deny", &["127.0.0.1/32"]),
+            ],
+            publish: vec!["audit".into()],
+            ..TokenConfig::default()
+        });
+        let inside: IpAddr = "10.1.2.3".parse().expect("an address");
+        let mapped: IpAddr = "::ffff:10.1.2.3".parse().expect("an address");
+        let outside: IpAddr = "192.168.0.1".parse().expect("an address");
+        let local: IpAddr = "127.0.0.1".parse().expect("an address");
+        assert!(!caller.may(Action::Publish("orders")), "no address known: a network entry does not apply");
+        assert!(caller.clone().from_address(inside).may(Action::Publish("orders")));
+        assert!(caller.clone().from_address(mapped).may(Action::Publish("orders")));
+        assert!(!caller.clone().from_address(outside).may(Action::Publish("orders")));
+        assert!(caller.clone().from_address(outside).may(Action::Publish("audit")));
+        assert!(!caller.from_address(local).may(Action::Publish("audit")), "the literal deny from 127.0.0.1 wins");
+    }
+
+    #[test]
+    fn acl_entries_are_checked_when_the_config_is() {
+        let good = [("Topic:orders", "Pub"), ("Group:g-*", "sub"), ("*", "All"), ("topic:*", "Pub,Sub")];
+        for (resource, actions) in good {
+            assert!(AclEntry::parse(&entry(resource, actions, "Allow", &[])).is_ok(), "{resource} {actions}");
+        }
+        let bad =
+            [("Topic:", "Pub"), ("Queue:q", "Pub"), ("Topic:a*b", "Pub"), ("Topic:a", "Get"), ("Topic:a b", "Sub")];
+        for (resource, actions) in bad {
+            assert!(AclEntry::parse(&entry(resource, actions, "Allow", &[])).is_err(), "{resource} {actions}");
+        }
+        assert!(AclEntry::parse(&entry("Topic:a", "Pub", "Maybe", &[])).is_err());
+    }
 
     #[test]
     fn patterns_match_names_with_stars_anywhere() {

@@ -4,6 +4,7 @@
 use axum::http::StatusCode;
 
 use crate::delivery::DeliveryError;
+use crate::gateway::GatewayError;
 use crate::publish::request::RequestError;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -160,6 +161,18 @@ impl From<DeliveryError> for ApiError {
                 ApiError::unavailable(format!("state store unavailable: {store}"), serde_json::json!({}))
             }
         }
+    }
+}
+
+/// The HTTP front's one mapping of a gateway refusal (the gateway counted it): 403 naming the request field
+/// that chose what was refused.
+impl From<GatewayError> for ApiError {
+    fn from(error: GatewayError) -> ApiError {
+        let field = match error {
+            GatewayError::MayNotConsume(_) => "group",
+            GatewayError::MayNotRead(_) => "topic",
+        };
+        ApiError::forbidden(field, format!("this token {error}"))
     }
 }
 

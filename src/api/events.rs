@@ -35,6 +35,7 @@ use super::guard::{authorize, read_body, rejected, Budget};
 use super::{ApiError, AppState};
 use crate::auth::{Action, Caller};
 use crate::delivery::{Dispatched, Event, FilterType, NackOutcome, Subscription, SubscriptionRequest};
+use crate::gateway;
 
 /// Default long-poll wait when `waitMs` is absent.
 const DEFAULT_WAIT_MS: u64 = 1_000;
@@ -127,14 +128,15 @@ pub fn number_param<T: std::str::FromStr>(
     }
 }
 
-/// 403 unless `caller` may consume as the group of delivery `id`. An id popgate does not hold is let through:
-/// the dispatcher answers it (unknown or stale), and ids are unguessable.
+/// 403 unless `caller` may read the topic of delivery `id` as its group. An id popgate does not hold is let
+/// through: the dispatcher answers it (unknown or stale), and ids are unguessable.
 ///
 /// # Errors
 /// [`ApiError`] 403.
 pub fn authorize_delivery(state: &AppState, caller: &Caller, id: &str) -> Result<(), ApiError> {
-    match state.dispatcher.group_of(id) {
-        Some(group) => authorize(caller, Action::Consume(&group), "deliveryId"),
+    match state.dispatcher.source_of(id) {
+        Some((group, topic)) => gateway::may_read(caller, &group, &topic)
+            .map_err(|e| ApiError::forbidden("deliveryId", format!("this token {e}"))),
         None => Ok(()),
     }
 }
@@ -157,7 +159,7 @@ pub async fn subscribe(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let body: SubscribeBody = parse_body(&read_body(body)?)?;
-    authorize(&caller, Action::Consume(&body.group), "group")?;
+    gateway::may_read(&caller, &body.group, &body.topic)?;
     let filter_type = body
         .filter_type
         .map(|t| FilterType::parse(&t).ok_or_else(|| ApiError::invalid_field("filterType", "must be TAG or SQL92")))
@@ -202,7 +204,7 @@ pub async fn poll(
 ) -> Result<Response, ApiError> {
     let group = required_param(&query, "group")?;
     let topic = required_param(&query, "topic")?;
-    authorize(&caller, Action::Consume(&group), "group")?;
+    gateway::may_read(&caller, &group, &topic)?;
     let max = number_param(&query, "max", DEFAULT_MAX)?;
     if max == 0 || max > crate::delivery::MAX_POLL_BATCH {
         return Err(ApiError::invalid_field("max", format!("must be in 1..={}", crate::delivery::MAX_POLL_BATCH)));

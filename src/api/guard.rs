@@ -4,14 +4,17 @@
 //! Every rejection answers with the one error schema and counts in
 //! `popgate_requests_rejected_total{reason}`.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::body::Bytes;
+use axum::extract::connect_info::Connected;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{Request, State};
+use axum::extract::{ConnectInfo, Request, State};
 use axum::http::{HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use axum::serve::IncomingStream;
 use metrics::counter;
 use rand::RngCore;
 use tracing::Instrument;
@@ -140,6 +143,22 @@ fn too_big(status: StatusCode, reason: &'static str, field: &str, limit: usize) 
     rejected(reason, ApiError::limit(status, reason, field, message)).into_response()
 }
 
+/// The address a request came from, with and without TLS (axum knows it only for a plain `TcpListener`).
+#[derive(Debug, Clone, Copy)]
+pub struct PeerAddr(pub SocketAddr);
+
+impl Connected<IncomingStream<'_, tokio::net::TcpListener>> for PeerAddr {
+    fn connect_info(stream: IncomingStream<'_, tokio::net::TcpListener>) -> PeerAddr {
+        PeerAddr(*stream.remote_addr())
+    }
+}
+
+impl Connected<IncomingStream<'_, super::tls::TlsListener>> for PeerAddr {
+    fn connect_info(stream: IncomingStream<'_, super::tls::TlsListener>) -> PeerAddr {
+        PeerAddr(*stream.remote_addr())
+    }
+}
+
 /// Authenticates the bearer token (or lets everyone in when authentication is off) and hands the
 /// [`Caller`] to the handlers. No or an unknown token: 401.
 pub async fn authenticate(State(tokens): State<Arc<TokenTable>>, mut request: Request, next: Next) -> Response {
@@ -161,6 +180,11 @@ pub async fn authenticate(State(tokens): State<Arc<TokenTable>>, mut request: Re
         }
     } else {
         Caller::unrestricted()
+    };
+    let peer = request.extensions().get::<ConnectInfo<PeerAddr>>().map(|info| info.0 .0.ip());
+    let caller = match peer {
+        Some(ip) => caller.from_address(ip),
+        None => caller,
     };
     tracing::Span::current().record("caller", caller.name.as_str());
     request.extensions_mut().insert(caller);
@@ -188,6 +212,7 @@ pub fn authorize(caller: &Caller, action: Action<'_>, field: &str) -> Result<(),
     let what = match action {
         Action::Publish(topic) => format!("this token may not publish to `{topic}`"),
         Action::Consume(group) => format!("this token may not consume as group `{group}`"),
+        Action::Subscribe(topic) => format!("this token may not read topic `{topic}`"),
         Action::Admin => "this token may not use the admin API".to_owned(),
     };
     Err(rejected("forbidden", ApiError::forbidden(field, what)))

@@ -31,10 +31,11 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use super::events::{authorize_delivery, delivery_json, required_param};
-use super::guard::{authorize, Budget, Slot};
+use super::guard::{Budget, Slot};
 use super::{ApiError, AppState};
-use crate::auth::{Action, Caller};
+use crate::auth::Caller;
 use crate::delivery::{DeliveryError, Dispatched, NackOutcome, Subscriber};
+use crate::gateway;
 
 /// How long one wait for deliveries lasts before a transport looks at its connection again.
 const WAIT_SLICE: Duration = Duration::from_secs(5);
@@ -66,7 +67,7 @@ pub async fn stream(
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     let (group, topic, prefetch) = push_params(&query)?;
-    authorize(&caller, Action::Consume(&group), "group")?;
+    gateway::may_read(&caller, &group, &topic)?;
     let slot = state.limits.acquire(&caller, Budget::Streams)?;
     let subscriber = state.dispatcher.attach(&group, &topic, prefetch, "sse").await.map_err(ApiError::from)?;
     // A reconnecting client names the last delivery it saw. What it still holds unACKed stays in flight to it
@@ -125,7 +126,7 @@ pub async fn websocket(
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Response, ApiError> {
     let (group, topic, prefetch) = push_params(&query)?;
-    authorize(&caller, Action::Consume(&group), "group")?;
+    gateway::may_read(&caller, &group, &topic)?;
     let slot = state.limits.acquire(&caller, Budget::Streams)?;
     let subscriber = state.dispatcher.attach(&group, &topic, prefetch, "websocket").await.map_err(ApiError::from)?;
     Ok(upgrade.on_upgrade(move |socket| ws_session(socket, subscriber, state, caller, slot)))

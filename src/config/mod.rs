@@ -328,12 +328,36 @@ pub struct TokenConfig {
     pub token: Option<String>,
     /// The hex SHA-256 of the secret, so the config file need not hold the secret itself.
     pub sha256: Option<String>,
-    /// Topics this token may publish to.
+    /// Topics this token may publish to (`Pub` on `Topic:<pattern>`).
     pub publish: Vec<String>,
-    /// Consumer groups this token may subscribe, poll, stream and ACK/NACK/TERM as.
+    /// Consumer groups this token may subscribe, poll, stream and ACK/NACK/TERM as (`Sub` on `Group:<pattern>`).
     pub consume: Vec<String>,
+    /// Topics this token may read as those groups (`Sub` on `Topic:<pattern>`). Not given: every topic, the
+    /// meaning tokens had before topics were scoped (popgate warns at start about each such token).
+    pub subscribe: Option<Vec<String>>,
+    /// RocketMQ ACL 2.0 policy entries, on top of what `publish`, `consume` and `subscribe` grant.
+    pub acl: Vec<AclEntryConfig>,
     /// Whether this token may use `/admin/*`.
     pub admin: bool,
+}
+
+/// One RocketMQ ACL 2.0 policy entry (what `mqadmin createAcl -r <resource> -a <actions> -d <decision> -i
+/// <source ips>` makes). Of the entries that match a request, the most specific resource decides: a literal
+/// name over a prefix, a longer prefix over a shorter one, `Topic:*` or `Group:*` over `*`; `Deny` over
+/// `Allow` at the same specificity. A request no entry matches is refused.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct AclEntryConfig {
+    /// `Topic:<name>`, `Topic:<prefix>*`, `Topic:*`, the same with `Group:`, or `*` (every topic and group).
+    pub resource: String,
+    /// `Pub`, `Sub`, `All` (both).
+    pub actions: Vec<String>,
+    /// `Allow` (the default) or `Deny`.
+    pub decision: Option<String>,
+    /// The entry applies only to requests from these networks (CIDR notation or single addresses); empty:
+    /// from anywhere.
+    #[serde(with = "networks")]
+    pub source_ips: Vec<ipnet::IpNet>,
 }
 
 /// The admin plane.

@@ -228,6 +228,36 @@ publish = ["orders.*"]
 }
 
 #[test]
+fn acl_entries_and_subscribe_patterns_are_checked_with_the_token() {
+    let text = r#"
+[[auth.tokens]]
+name = "app"
+token = "0123456789abcdef"
+subscribe = ["orders.*"]
+acl = [
+  { resource = "Topic:orders", actions = ["Pub"], source_ips = ["10.0.0.0/8"] },
+  { resource = "Queue:q", actions = ["Sub"] },
+  { resource = "Group:g", actions = ["Create"] },
+  { resource = "Topic:t", actions = ["Sub"], decision = "Perhaps" },
+]
+"#;
+    let err = Config::from_toml_str(text).unwrap_err().to_string();
+    for expected in [
+        "pattern `orders.*`",
+        "auth.tokens[0].acl[1]`: resource `Queue:q`",
+        "auth.tokens[0].acl[2]`: action `Create`",
+        "auth.tokens[0].acl[3]`: decision `perhaps`",
+    ] {
+        assert!(err.contains(expected), "{expected} missing in {err}");
+    }
+    assert!(!err.contains("acl[0]"), "{err}");
+    let bad_network = "[[auth.tokens]]\nname = \"a\"\ntoken = \"0123456789abcdef\"\n\
+                       acl = [{ resource = \"*\", actions = [\"All\"], source_ips = [\"10.0.0.300\"] }]\n";
+    let err = Config::from_toml_str(bad_network).unwrap_err().to_string();
+    assert!(err.contains("10.0.0.300"), "{err}");
+}
+
+#[test]
 fn tls_needs_both_files() {
     let err = parse("[server]\ntls_cert_path = \"/nonexistent/cert.pem\"\n").unwrap_err().to_string();
     assert!(err.contains("server.tls_key_path") && err.contains("server.tls_cert_path"), "{err}");

@@ -246,9 +246,14 @@ fn auth_problems(auth: &super::AuthConfig) -> Vec<String> {
             (Some(_), None) | (None, Some(_)) => {}
             _ => out.push(format!("config key `{key}.token`: give exactly one of `token` and `sha256`")),
         }
-        for pattern in token.publish.iter().chain(&token.consume) {
+        for pattern in token.publish.iter().chain(&token.consume).chain(token.subscribe.iter().flatten()) {
             if !super::names::is_valid_pattern(pattern) {
                 out.push(format!("config key `{key}`: pattern `{pattern}` is not a topic/group name with `*`"));
+            }
+        }
+        for (j, entry) in token.acl.iter().enumerate() {
+            if let Err(why) = super::names::AclEntry::parse(entry) {
+                out.push(format!("config key `{key}.acl[{j}]`: {why}"));
             }
         }
     }

@@ -480,9 +480,9 @@ impl Dispatcher {
         self.deliveries.subscription(group, topic)
     }
 
-    /// The consumer group of an in-flight delivery (to authorize its ACK, NACK or TERM).
-    pub fn group_of(&self, id: &str) -> Option<String> {
-        self.deliveries.group_of(id)
+    /// The consumer group and topic of an in-flight delivery (to authorize its ACK, NACK or TERM).
+    pub fn source_of(&self, id: &str) -> Option<(String, String)> {
+        self.deliveries.source_of(id)
     }
 
     /// Up to `max` in-flight deliveries (of `group`, when given), oldest admission first: the admin view.

@@ -4,7 +4,8 @@
 //!
 //! The fronts' shared rules move here one by one (issue #33). Here so far: a client leaving a consumer group
 //! (a remoting `UNREGISTER_CLIENT`, a gRPC `NotifyClientTermination`) gives back only what it holds in that
-//! group, and only when its caller may consume as that group.
+//! group, and only when its caller may consume as that group; reading a topic needs `Sub` on the topic as well
+//! as on the group ([`may_read`]).
 
 use metrics::counter;
 
@@ -18,13 +19,16 @@ pub enum GatewayError {
     /// The caller may not consume as this group.
     #[error("may not consume as group `{0}`")]
     MayNotConsume(String),
+    /// The caller may not read this topic (whatever group it reads it as).
+    #[error("may not read topic `{0}`")]
+    MayNotRead(String),
 }
 
 impl GatewayError {
     /// A stable name for the refusal (logs, metrics, the HTTP error's `code`).
     pub fn code(&self) -> &'static str {
         match self {
-            GatewayError::MayNotConsume(_) => "forbidden",
+            GatewayError::MayNotConsume(_) | GatewayError::MayNotRead(_) => "forbidden",
         }
     }
 }
@@ -39,6 +43,20 @@ pub fn may_consume(caller: &Caller, group: &str) -> Result<(), GatewayError> {
     }
     counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
     Err(GatewayError::MayNotConsume(group.to_owned()))
+}
+
+/// Whether `caller` may read `topic` as consumer group `group`: `Sub` on the group and on the topic, as in
+/// RocketMQ's ACL 2.0 (a group's `%RETRY%` topic is the group's). A refusal is counted.
+///
+/// # Errors
+/// [`GatewayError::MayNotConsume`], [`GatewayError::MayNotRead`].
+pub fn may_read(caller: &Caller, group: &str, topic: &str) -> Result<(), GatewayError> {
+    may_consume(caller, group)?;
+    if caller.may(Action::Subscribe(topic)) {
+        return Ok(());
+    }
+    counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
+    Err(GatewayError::MayNotRead(topic.to_owned()))
 }
 
 /// Client `client_id` of `caller` left consumer group `group`: what it holds of that group and did not settle

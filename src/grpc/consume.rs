@@ -21,12 +21,13 @@ use tokio::sync::{mpsc, oneshot};
 use super::proto::{self as pb, receive_message_response::Content, Code, DigestType, Encoding, MessageType};
 use super::service::Front;
 use super::settings::duration;
-use super::status::{ok, overall, status};
+use super::status::{ok, overall, refused, status};
 use super::{deadline, names};
-use crate::auth::{Action, Caller};
+use crate::auth::Caller;
 use crate::delivery::{
     DeliveryError, Dispatched, FilterType, HandOut, Holder, Subscription, Target, MAX_POLL_BATCH, MAX_POLL_WAIT,
 };
+use crate::gateway;
 use crate::metrics as m;
 
 /// The prefix of popgate's receipt handles (their version).
@@ -60,11 +61,20 @@ fn target_of(handle: &str) -> Option<Target<'_>> {
 /// The group, checked against the caller's consume scope.
 fn consumer_group(caller: &Caller, group: Option<&pb::Resource>) -> Result<String, pb::Status> {
     let group = names::group(group)?;
-    if caller.may(Action::Consume(&group)) {
-        Ok(group)
-    } else {
-        Err(status(Code::Forbidden, format!("may not consume as group `{group}`")))
-    }
+    gateway::may_consume(caller, &group).map_err(|refusal| refused(&refusal))?;
+    Ok(group)
+}
+
+/// The group and topic of a request that reads the topic as the group, checked: `Sub` on both.
+fn reader(
+    caller: &Caller,
+    group: Option<&pb::Resource>,
+    topic: Option<&pb::Resource>,
+) -> Result<(String, String), pb::Status> {
+    let group = names::group(group)?;
+    let topic = names::topic(topic)?;
+    gateway::may_read(caller, &group, &topic).map_err(|refusal| refused(&refusal))?;
+    Ok((group, topic))
 }
 
 pub(super) async fn query_assignment(
@@ -72,22 +82,19 @@ pub(super) async fn query_assignment(
     caller: &Caller,
     request: pb::QueryAssignmentRequest,
 ) -> pb::QueryAssignmentResponse {
-    let refused = |status| pb::QueryAssignmentResponse { status: Some(status), assignments: vec![] };
-    let topic = match names::topic(request.topic.as_ref()) {
-        Ok(topic) => topic,
-        Err(refusal) => return refused(refusal),
+    let unanswered = |status| pb::QueryAssignmentResponse { status: Some(status), assignments: vec![] };
+    let topic = match reader(caller, request.group.as_ref(), request.topic.as_ref()) {
+        Ok((_, topic)) => topic,
+        Err(refusal) => return unanswered(refusal),
     };
-    if let Err(refusal) = consumer_group(caller, request.group.as_ref()) {
-        return refused(refusal);
-    }
     let Some(endpoints) = request.endpoints else {
-        return refused(status(Code::IllegalAccessPoint, "the request names no endpoints"));
+        return unanswered(status(Code::IllegalAccessPoint, "the request names no endpoints"));
     };
     let route = match front.publisher.existing_topic(&topic).await {
         Ok(Some(route)) => route,
-        Ok(None) => return refused(status(Code::TopicNotFound, format!("topic `{topic}` does not exist"))),
+        Ok(None) => return unanswered(status(Code::TopicNotFound, format!("topic `{topic}` does not exist"))),
         Err(error) => {
-            return refused(status(Code::InternalServerError, format!("the name server did not answer: {error}")))
+            return unanswered(status(Code::InternalServerError, format!("the name server did not answer: {error}")))
         }
     };
     // One receive loop per broker, as Apache's proxy assigns normal topics; popgate serves them all from the
@@ -108,7 +115,7 @@ pub(super) async fn query_assignment(
         })
         .collect::<Vec<_>>();
     if assignments.is_empty() {
-        return refused(status(Code::Forbidden, format!("topic `{topic}` has no readable queue")));
+        return unanswered(status(Code::Forbidden, format!("topic `{topic}` has no readable queue")));
     }
     pb::QueryAssignmentResponse { status: Some(ok()), assignments }
 }
@@ -138,9 +145,8 @@ pub(super) async fn prepare_receive(
     call: &Call,
     request: pb::ReceiveMessageRequest,
 ) -> Result<Receive, pb::Status> {
-    let group = consumer_group(caller, request.group.as_ref())?;
     let queue_topic = request.message_queue.as_ref().and_then(|q| q.topic.as_ref());
-    let topic = names::topic(queue_topic)?;
+    let (group, topic) = reader(caller, request.group.as_ref(), queue_topic)?;
     let namespace = queue_topic.map(|t| t.resource_namespace.clone()).unwrap_or_default();
     let (filter, filter_type) = filter_of(request.filter_expression)?;
     let batch = usize::try_from(request.batch_size)
@@ -382,14 +388,16 @@ fn delivery_timestamp(event: &crate::delivery::Event) -> Option<i64> {
 
 /// The delivery a handle names, checked against the request's group: a handle popgate did not issue, or one of
 /// another group, is `INVALID_RECEIPT_HANDLE`.
-fn delivery_of<'h>(front: &Front, group: &str, handle: &'h str) -> Result<Target<'h>, pb::Status> {
+fn delivery_of<'h>(front: &Front, caller: &Caller, group: &str, handle: &'h str) -> Result<Target<'h>, pb::Status> {
     let target =
         target_of(handle).ok_or_else(|| status(Code::InvalidReceiptHandle, "not a receipt handle popgate issued"))?;
     match front.dispatcher.hold_of(target.id) {
         Some((owner, _, _)) if owner != group => {
             Err(status(Code::InvalidReceiptHandle, format!("the handle belongs to group `{owner}`, not `{group}`")))
         }
-        _ => Ok(target),
+        // Settling reads the delivery's topic: `Sub` on it too, whatever topic the request names.
+        Some((_, topic, _)) => gateway::may_read(caller, group, &topic).map(|()| target).map_err(|r| refused(&r)),
+        None => Ok(target),
     }
 }
 
@@ -407,7 +415,7 @@ pub(super) async fn ack_messages(
     }
     // The entries with a valid handle are ACKed as one batch (one store write, one broker request per broker).
     let ids: Vec<Result<Target<'_>, pb::Status>> =
-        request.entries.iter().map(|entry| delivery_of(front, &group, &entry.receipt_handle)).collect();
+        request.entries.iter().map(|entry| delivery_of(front, caller, &group, &entry.receipt_handle)).collect();
     let valid: Vec<Target<'_>> = ids.iter().filter_map(|id| id.as_ref().ok().copied()).collect();
     let mut acked = front.dispatcher.ack_targets(&valid).await.into_iter();
     let entries: Vec<pb::AckMessageResultEntry> = request
@@ -447,7 +455,7 @@ pub(super) async fn change_invisible_duration(
         Ok(group) => group,
         Err(refusal) => return answer(refusal),
     };
-    let id = match delivery_of(front, &group, &request.receipt_handle) {
+    let id = match delivery_of(front, caller, &group, &request.receipt_handle) {
         Ok(id) => id,
         Err(refusal) => return answer(refusal),
     };
@@ -475,7 +483,7 @@ pub(super) async fn forward_to_dead_letter_queue(
         Ok(group) => group,
         Err(refusal) => return refusal,
     };
-    let id = match delivery_of(front, &group, &request.receipt_handle) {
+    let id = match delivery_of(front, caller, &group, &request.receipt_handle) {
         Ok(id) => id,
         Err(refusal) => return refusal,
     };

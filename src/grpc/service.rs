@@ -152,7 +152,16 @@ impl Front {
 
     /// The caller of a request, from the SDK's signature (`authorization: MQv2-HMAC-SHA1 Credential=<AK>,
     /// SignedHeaders=x-mq-date-time, Signature=<hex>`); everyone when authentication is off.
-    pub(super) fn caller(&self, metadata: &MetadataMap) -> Result<Caller, pb::Status> {
+    pub(super) fn caller<T>(&self, request: &Request<T>) -> Result<Caller, pb::Status> {
+        let caller = self.signer(request.metadata())?;
+        Ok(match request.remote_addr() {
+            Some(peer) => caller.from_address(peer.ip()),
+            None => caller,
+        })
+    }
+
+    /// The caller a request's signature stands for, wherever it came from.
+    fn signer(&self, metadata: &MetadataMap) -> Result<Caller, pb::Status> {
         if !self.tokens.enabled() {
             return Ok(Caller::unrestricted());
         }
@@ -185,9 +194,9 @@ impl Front {
     /// The caller of a request ([`Front::caller`]); only an authenticated call marks its client alive (with
     /// its kind, when known), so an unauthenticated peer cannot insert client ids or keep another client's
     /// auto-renewed deliveries held.
-    fn authenticated(&self, metadata: &MetadataMap, kind: Option<&'static str>) -> Result<Caller, pb::Status> {
-        let caller = self.caller(metadata)?;
-        self.saw_client(metadata, kind)?;
+    fn authenticated<T>(&self, request: &Request<T>, kind: Option<&'static str>) -> Result<Caller, pb::Status> {
+        let caller = self.caller(request)?;
+        self.saw_client(request.metadata(), kind)?;
         Ok(caller)
     }
 
@@ -350,7 +359,7 @@ impl MessagingService for Arc<Front> {
         request: Request<pb::QueryRouteRequest>,
     ) -> Result<Response<pb::QueryRouteResponse>, tonic::Status> {
         let started = Instant::now();
-        let answer = match self.authenticated(request.metadata(), None) {
+        let answer = match self.authenticated(&request, None) {
             Err(refused) => pb::QueryRouteResponse { status: Some(refused), message_queues: Vec::new() },
             Ok(_) => super::route::query_route(self, request.into_inner()).await,
         };
@@ -365,7 +374,7 @@ impl MessagingService for Arc<Front> {
         let started = Instant::now();
         // The Go SDK heartbeats with an empty request while reconnecting: no field is required.
         let kind = settings::kind_label(Some(request.get_ref().client_type));
-        let answer = match self.authenticated(request.metadata(), (kind != "other").then_some(kind)) {
+        let answer = match self.authenticated(&request, (kind != "other").then_some(kind)) {
             Err(refused) => refused,
             Ok(_) => ok(),
         };
@@ -378,7 +387,7 @@ impl MessagingService for Arc<Front> {
         request: Request<pb::SendMessageRequest>,
     ) -> Result<Response<pb::SendMessageResponse>, tonic::Status> {
         let started = Instant::now();
-        let answer = match self.authenticated(request.metadata(), Some("producer")) {
+        let answer = match self.authenticated(&request, Some("producer")) {
             Err(refused) => pb::SendMessageResponse { status: Some(refused), entries: Vec::new() },
             Ok(caller) => {
                 let deadline = deadline::answer_by(request.metadata());
@@ -394,7 +403,7 @@ impl MessagingService for Arc<Front> {
         request: Request<pb::NotifyClientTerminationRequest>,
     ) -> Result<Response<pb::NotifyClientTerminationResponse>, tonic::Status> {
         let started = Instant::now();
-        let answer = match self.caller(request.metadata()) {
+        let answer = match self.caller(&request) {
             Err(refused) => refused,
             Ok(caller) => match client_id(request.metadata()) {
                 None => ok(),
@@ -410,7 +419,7 @@ impl MessagingService for Arc<Front> {
         request: Request<pb::QueryAssignmentRequest>,
     ) -> Result<Response<pb::QueryAssignmentResponse>, tonic::Status> {
         let started = Instant::now();
-        let answer = match self.authenticated(request.metadata(), Some("push_consumer")) {
+        let answer = match self.authenticated(&request, Some("push_consumer")) {
             Err(refused) => pb::QueryAssignmentResponse { status: Some(refused), assignments: Vec::new() },
             Ok(caller) => consume::query_assignment(self, &caller, request.into_inner()).await,
         };
@@ -425,7 +434,7 @@ impl MessagingService for Arc<Front> {
         let started = Instant::now();
         let (out, stream) = tokio::sync::mpsc::channel(16);
         let taken_in = written::TakenIn::of(request.extensions());
-        let checked = match (self.authenticated(request.metadata(), None), client_id(request.metadata())) {
+        let checked = match (self.authenticated(&request, None), client_id(request.metadata())) {
             (Err(refused), _) => Err(refused),
             (Ok(_), None) => Err(status(Code::ClientIdRequired, "the x-mq-client-id header is required")),
             (Ok(caller), Some(id)) => match self.receives.take(&caller) {
@@ -468,7 +477,7 @@ impl MessagingService for Arc<Front> {
         request: Request<pb::AckMessageRequest>,
     ) -> Result<Response<pb::AckMessageResponse>, tonic::Status> {
         let started = Instant::now();
-        let answer = match self.authenticated(request.metadata(), None) {
+        let answer = match self.authenticated(&request, None) {
             Err(refused) => pb::AckMessageResponse { status: Some(refused), entries: Vec::new() },
             Ok(caller) => consume::ack_messages(self, &caller, request.into_inner()).await,
         };
@@ -481,7 +490,7 @@ impl MessagingService for Arc<Front> {
         request: Request<pb::ChangeInvisibleDurationRequest>,
     ) -> Result<Response<pb::ChangeInvisibleDurationResponse>, tonic::Status> {
         let started = Instant::now();
-        let answer = match self.authenticated(request.metadata(), None) {
+        let answer = match self.authenticated(&request, None) {
             Err(refused) => {
                 let handle = request.get_ref().receipt_handle.clone();
                 pb::ChangeInvisibleDurationResponse { status: Some(refused), receipt_handle: handle }
@@ -497,7 +506,7 @@ impl MessagingService for Arc<Front> {
         request: Request<pb::ForwardMessageToDeadLetterQueueRequest>,
     ) -> Result<Response<pb::ForwardMessageToDeadLetterQueueResponse>, tonic::Status> {
         let started = Instant::now();
-        let answer = match self.authenticated(request.metadata(), None) {
+        let answer = match self.authenticated(&request, None) {
             Err(refused) => refused,
             Ok(caller) => consume::forward_to_dead_letter_queue(self, &caller, request.into_inner()).await,
         };
@@ -510,7 +519,7 @@ impl MessagingService for Arc<Front> {
         request: Request<pb::EndTransactionRequest>,
     ) -> Result<Response<pb::EndTransactionResponse>, tonic::Status> {
         let started = Instant::now();
-        let answer = match self.authenticated(request.metadata(), Some("producer")) {
+        let answer = match self.authenticated(&request, Some("producer")) {
             Err(refused) => refused,
             Ok(caller) => {
                 let answer_by = deadline::answer_by(request.metadata());
@@ -529,8 +538,7 @@ impl MessagingService for Arc<Front> {
     ) -> Result<Response<BoxStream<pb::TelemetryCommand>>, tonic::Status> {
         let started = Instant::now();
         // The stream holds one of its token's Telemetry places while it is open.
-        let admitted =
-            self.caller(request.metadata()).and_then(|caller| self.streams.take(&caller).map(|slot| (caller, slot)));
+        let admitted = self.caller(&request).and_then(|caller| self.streams.take(&caller).map(|slot| (caller, slot)));
         let metadata = request.metadata().clone();
         let mut inbound = request.into_inner();
         let (replies, stream) = tokio::sync::mpsc::channel(TELEMETRY_BACKLOG);

@@ -2,10 +2,18 @@
 //! SDKs expect from Apache's proxy).
 
 use super::proto::{Code, Status};
+use crate::gateway::GatewayError;
 
 /// A body status with `code` and a message for the app's logs.
 pub fn status(code: Code, message: impl Into<String>) -> Status {
     Status { code: code as i32, message: message.into() }
+}
+
+/// The gRPC front's one mapping of a gateway refusal (the gateway counted it).
+pub fn refused(error: &GatewayError) -> Status {
+    match error {
+        GatewayError::MayNotConsume(_) | GatewayError::MayNotRead(_) => status(Code::Forbidden, error.to_string()),
+    }
 }
 
 /// `OK`.

@@ -57,6 +57,16 @@ pub(super) struct ConsumerData {
     /// `CONSUME_PASSIVELY` (push consumers) or `CONSUME_ACTIVELY` (pull consumers).
     #[serde(default)]
     pub consume_type: String,
+    /// The topics the group reads (and its `%RETRY%` topic).
+    #[serde(default)]
+    pub subscription_data_set: Vec<SubscriptionData>,
+}
+
+/// One subscription of a consumer group in a heartbeat.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub(super) struct SubscriptionData {
+    pub topic: String,
 }
 
 /// What kind of client a heartbeat says this is, for the clients gauge.

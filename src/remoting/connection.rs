@@ -262,7 +262,7 @@ fn dispatch(front: &Arc<Front>, connection: &Connection, request: RemotingComman
     if request.is_response_type() {
         return;
     }
-    let admitted = front.admit(&request);
+    let admitted = front.admit(&request, connection.peer.ip());
     let mut turn = match &admitted {
         Ok(Admitted::Caller(caller)) if front.may_relay(caller, &request) => {
             front.offset_turns.take(&request, connection.broker.as_deref())

@@ -22,7 +22,6 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use cheetah_string::CheetahString;
-use metrics::counter;
 use rocketmq_model::common::message::message_ext::MessageExt;
 use rocketmq_model::common::message::message_single::Message;
 use rocketmq_model::version::RocketMqVersion;
@@ -35,10 +34,10 @@ use serde::Deserialize;
 use super::codes;
 use super::connection::Connection;
 use super::service::{error, field, Front, Refusal, Reply};
-use crate::auth::{Action, Caller};
+use crate::auth::Caller;
 use crate::broker::client::now_millis as now_ms;
 use crate::delivery::{DeliveryError, Dispatched, FilterType, HandOut, Holder, NackOutcome, Target, MAX_POLL_WAIT};
-use crate::metrics as m;
+use crate::gateway;
 
 /// The prefix of popgate's handles in a `POP_CK`.
 const HANDLE_PREFIX: &str = "pgr:";
@@ -71,8 +70,8 @@ pub(super) async fn query_assignment(front: &Front, caller: &Caller, request: &R
     let Some(query) = request.body().and_then(|body| serde_json::from_slice::<AssignmentQuery>(body).ok()) else {
         return error(codes::SYSTEM_ERROR, "QUERY_ASSIGNMENT without a body that decodes (QueryAssignmentRequestBody)");
     };
-    if let Err(refusal) = may_consume(caller, &query.consumer_group) {
-        return refusal.answer();
+    if let Err(refused) = gateway::may_read(caller, &query.consumer_group, &query.topic) {
+        return Refusal::from(refused).answer();
     }
     if !keeps_pop_ck(request) {
         return super::relay::to_a_master(front, "query_assignment", request).await;
@@ -117,15 +116,6 @@ fn topic_not_exist(topic: &str) -> RemotingCommand {
     error(codes::TOPIC_NOT_EXIST, format!("topic[{topic}] not exist, apply first please!"))
 }
 
-fn may_consume(caller: &Caller, group: &str) -> Result<(), Refusal> {
-    if caller.may(Action::Consume(group)) {
-        Ok(())
-    } else {
-        counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
-        Err(Refusal::new(codes::NO_PERMISSION, format!("may not consume as group `{group}`")))
-    }
-}
-
 /// `POP_MESSAGE`: deliveries of the group's subscription, each with popgate's handle in its `POP_CK`. The answer
 /// carries the hand-outs, to be stored as written once it has left ([`after_answer`]).
 pub(super) async fn pop_message(
@@ -139,8 +129,8 @@ pub(super) async fn pop_message(
         Err(why) => return error(codes::SYSTEM_ERROR, format!("the POP_MESSAGE header does not decode: {why}")).into(),
     };
     let (group, topic) = (pop.consumer_group.to_string(), pop.topic.to_string());
-    if let Err(refusal) = may_consume(caller, &group) {
-        return refusal.answer().into();
+    if let Err(refused) = gateway::may_read(caller, &group, &topic) {
+        return Refusal::from(refused).answer().into();
     }
     if pop.max_msg_nums > MAX_POP_BATCH {
         return error(codes::INVALID_PARAMETER, "the broker[popgate] pop message's num is greater than 32").into();
@@ -367,7 +357,7 @@ pub(super) async fn change_invisible_time(
 fn settled<'r>(front: &Front, caller: &Caller, request: &'r RemotingCommand) -> Result<Target<'r>, Refusal> {
     let group = field(request, "consumerGroup")
         .ok_or_else(|| Refusal::new(codes::SYSTEM_ERROR, "the request does not name its consumerGroup"))?;
-    may_consume(caller, group)?;
+    gateway::may_consume(caller, group)?;
     let target = field(request, "extraInfo").and_then(handle_in).ok_or_else(|| {
         Refusal::new(
             codes::INVALID_PARAMETER,
@@ -379,7 +369,9 @@ fn settled<'r>(front: &Front, caller: &Caller, request: &'r RemotingCommand) -> 
             codes::INVALID_PARAMETER,
             format!("the message was popped by group `{owner}`, not `{group}`"),
         )),
-        _ => Ok(target),
+        // Settling reads the message's topic: `Sub` on it too, whatever topic the request names.
+        Some((_, topic, _)) => Ok(gateway::may_read(caller, group, &topic).map(|()| target)?),
+        None => Ok(target),
     }
 }
 

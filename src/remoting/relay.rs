@@ -48,10 +48,16 @@ pub(super) async fn heartbeat(
             return error(codes::SYSTEM_ERROR, format!("the HEART_BEAT body (HeartbeatData) does not decode: {why}"))
         }
     };
-    if let Err(refused) =
-        heartbeat.consumer_data_set.iter().try_for_each(|c| gateway::may_consume(caller, &c.group_name))
-    {
-        return error(codes::NO_PERMISSION, refused.to_string());
+    // Each consumer group, and each topic it subscribes to as that group (its `%RETRY%` topic is the group's).
+    let may_read_all = heartbeat.consumer_data_set.iter().try_for_each(|consumer| {
+        gateway::may_consume(caller, &consumer.group_name)?;
+        consumer
+            .subscription_data_set
+            .iter()
+            .try_for_each(|s| gateway::may_read(caller, &consumer.group_name, &s.topic))
+    });
+    if let Err(refused) = may_read_all {
+        return Refusal::from(refused).answer();
     }
     if let Err(refused) = front.clients.heartbeat(connection, caller, &heartbeat) {
         return client_refused(&refused);
@@ -175,15 +181,15 @@ pub(super) async fn to_a_master(front: &Front, label: &'static str, request: &Re
 /// What a relayed request needs of its caller, by request code: the explicit list of what popgate relays to a
 /// broker as it is. A code that is not here is not relayed.
 const RELAYED: &[(i32, Needs)] = &[
-    (codes::PULL_MESSAGE, Needs::ConsumeAs(GroupIn::Header("consumerGroup"))),
-    (codes::LITE_PULL_MESSAGE, Needs::ConsumeAs(GroupIn::Header("consumerGroup"))),
-    (codes::QUERY_CONSUMER_OFFSET, Needs::ConsumeAs(GroupIn::Header("consumerGroup"))),
-    (codes::UPDATE_CONSUMER_OFFSET, Needs::ConsumeAs(GroupIn::Header("consumerGroup"))),
+    (codes::PULL_MESSAGE, Needs::Read(GroupIn::Header("consumerGroup"), TopicIn::Header("topic"))),
+    (codes::LITE_PULL_MESSAGE, Needs::Read(GroupIn::Header("consumerGroup"), TopicIn::Header("topic"))),
+    (codes::QUERY_CONSUMER_OFFSET, Needs::Read(GroupIn::Header("consumerGroup"), TopicIn::Header("topic"))),
+    (codes::UPDATE_CONSUMER_OFFSET, Needs::Read(GroupIn::Header("consumerGroup"), TopicIn::Header("topic"))),
     // The broker copies the message into the `%RETRY%` (or `%DLQ%`) topic of the group in `group`; a
     // `consumerGroup` field beside it is not read by the broker, so neither is it here.
     (codes::CONSUMER_SEND_MSG_BACK, Needs::ConsumeAs(GroupIn::Header("group"))),
-    (codes::LOCK_BATCH_MQ, Needs::ConsumeAs(GroupIn::LockBody)),
-    (codes::UNLOCK_BATCH_MQ, Needs::ConsumeAs(GroupIn::LockBody)),
+    (codes::LOCK_BATCH_MQ, Needs::Read(GroupIn::LockBody, TopicIn::LockBody)),
+    (codes::UNLOCK_BATCH_MQ, Needs::Read(GroupIn::LockBody, TopicIn::LockBody)),
     (codes::CHECK_CLIENT_CONFIG, Needs::ConsumeAs(GroupIn::CheckClientBody)),
     (codes::SEARCH_OFFSET_BY_TIMESTAMP, Needs::Signed),
     (codes::GET_MAX_OFFSET, Needs::Signed),
@@ -197,12 +203,23 @@ const RELAYED: &[(i32, Needs)] = &[
 enum Needs {
     /// Consuming as the group the request names there (a request that names none is refused).
     ConsumeAs(GroupIn),
+    /// Reading the topics the request names as that group: `Sub` on the group and on each topic.
+    Read(GroupIn, TopicIn),
     /// A signature only: a queue's offsets and store times, which name no group.
     Signed,
     /// Publishing to the topic of the half message the request ends, which only its broker can tell:
     /// `super::transaction` looks it up and relays through [`ended_elsewhere`], never through
     /// [`to_queue_broker`].
     PublishToHalfMessageTopic,
+}
+
+/// Where a relayed request names the topics it reads.
+#[derive(Debug, Clone, Copy)]
+enum TopicIn {
+    /// A header field (a request without it is refused).
+    Header(&'static str),
+    /// The topics of the queues of a queue lock request's body.
+    LockBody,
 }
 
 /// Where a relayed request names its consumer group.
@@ -222,26 +239,47 @@ pub(super) fn permission(caller: &Caller, request: &RemotingCommand) -> Result<(
     let Some((_, needs)) = RELAYED.iter().find(|(relayed, _)| *relayed == code) else {
         return Err(Refusal::new(codes::REQUEST_CODE_NOT_SUPPORTED, format!(" request type {code} not supported")));
     };
-    let group = match needs {
+    let (group_in, topic_in) = match *needs {
         Needs::Signed => return Ok(()),
         Needs::PublishToHalfMessageTopic => {
             return Err(Refusal::new(codes::NO_PERMISSION, "a transaction's end needs its half message's topic"))
         }
-        Needs::ConsumeAs(GroupIn::Header(name)) => field(request, name).map(str::to_owned),
-        Needs::ConsumeAs(GroupIn::LockBody) => {
+        Needs::ConsumeAs(group_in) => (group_in, None),
+        Needs::Read(group_in, topic_in) => (group_in, Some(topic_in)),
+    };
+    let names_none =
+        |what: &str| Refusal::new(codes::SYSTEM_ERROR, format!("{} names no {what}", codes::request_label(code)));
+    let group = group_named(request, group_in).ok_or_else(|| names_none("consumer group"))?;
+    gateway::may_consume(caller, &group)?;
+    let topics = match topic_in {
+        None => Vec::new(),
+        Some(topic_in) => topics_named(request, topic_in).ok_or_else(|| names_none("topic"))?,
+    };
+    topics.iter().try_for_each(|topic| gateway::may_read(caller, &group, topic)).map_err(Refusal::from)
+}
+
+/// The consumer group `request` names where `group_in` says.
+fn group_named(request: &RemotingCommand, group_in: GroupIn) -> Option<String> {
+    match group_in {
+        GroupIn::Header(name) => field(request, name).map(str::to_owned),
+        GroupIn::LockBody => {
             request.body().and_then(|b| serde_json::from_slice::<LockBody>(b).ok()).map(|lock| lock.consumer_group)
         }
-        Needs::ConsumeAs(GroupIn::CheckClientBody) => {
+        GroupIn::CheckClientBody => {
             request.body().and_then(|b| serde_json::from_slice::<CheckClientBody>(b).ok()).map(|body| body.group)
         }
-    };
-    let Some(group) = group else {
-        return Err(Refusal::new(
-            codes::SYSTEM_ERROR,
-            format!("{} names no consumer group", codes::request_label(code)),
-        ));
-    };
-    gateway::may_consume(caller, &group).map_err(|refused| Refusal::new(codes::NO_PERMISSION, refused.to_string()))
+    }
+}
+
+/// The topics `request` reads, named where `topic_in` says.
+fn topics_named(request: &RemotingCommand, topic_in: TopicIn) -> Option<Vec<String>> {
+    match topic_in {
+        TopicIn::Header(name) => field(request, name).map(|topic| vec![topic.to_owned()]),
+        TopicIn::LockBody => request
+            .body()
+            .and_then(|b| serde_json::from_slice::<LockBody>(b).ok())
+            .map(|lock| lock.mq_set.into_iter().map(|queue| queue.topic).collect()),
+    }
 }
 
 /// A queue request, relayed to the broker that owns the queue once [`permission`] allows it; `None` (no answer:

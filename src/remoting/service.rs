@@ -1,6 +1,7 @@
 //! The front's request dispatch: which request code is served how, and the counting every request gets.
 
 use std::collections::HashMap;
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -20,6 +21,7 @@ use crate::auth::{Caller, TokenTable};
 use crate::broker::BrokerClient;
 use crate::config::Config;
 use crate::delivery::Dispatcher;
+use crate::gateway::GatewayError;
 use crate::metrics as m;
 use crate::publish::Publisher;
 use crate::transaction::Transactions;
@@ -98,14 +100,14 @@ impl Front {
         *self.masters.lock() = None;
     }
 
-    /// Who sent `request`: checked as its frame is read, before anything is kept for it.
-    pub fn admit(&self, request: &RemotingCommand) -> Result<Admitted, Refusal> {
+    /// Who sent `request` from `source`: checked as its frame is read, before anything is kept for it.
+    pub fn admit(&self, request: &RemotingCommand, source: IpAddr) -> Result<Admitted, Refusal> {
         // As RocketMQ's name server, popgate answers route queries unsigned: a client whose signature is missing
         // or wrong then learns why from the refusal of its first broker request, not from a missing route.
         if request.code() == codes::GET_ROUTEINFO_BY_TOPIC {
             return Ok(Admitted::NameServerQuery);
         }
-        auth::caller(&self.tokens, request).map(Admitted::Caller)
+        auth::caller(&self.tokens, request).map(|caller| Admitted::Caller(caller.from_address(source)))
     }
 
     /// Whether `caller` may have `request` relayed to a broker (see [`relay::permission`]).
@@ -223,6 +225,17 @@ impl Refusal {
     /// The answer that says so.
     pub fn answer(self) -> RemotingCommand {
         error(self.code, self.remark)
+    }
+}
+
+/// The remoting front's one mapping of a gateway refusal (the gateway counted it).
+impl From<GatewayError> for Refusal {
+    fn from(refused: GatewayError) -> Refusal {
+        match refused {
+            GatewayError::MayNotConsume(_) | GatewayError::MayNotRead(_) => {
+                Refusal::new(codes::NO_PERMISSION, refused.to_string())
+            }
+        }
     }
 }
 

@@ -1561,8 +1561,8 @@ impl Deliveries {
     }
 
     /// The consumer group of a tracked delivery (to authorize its ACK, NACK or TERM).
-    pub(super) fn group_of(&self, id: &str) -> Option<String> {
-        self.table.lock().deliveries.get(id).map(|t| t.record.group.to_string())
+    pub(super) fn source_of(&self, id: &str) -> Option<(String, String)> {
+        self.table.lock().deliveries.get(id).map(|t| (t.record.group.to_string(), t.record.topic.to_string()))
     }
 
     /// When the oldest unsettled delivery (ready or handed out) of each subscription key was popped (epoch
