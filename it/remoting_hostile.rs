@@ -64,7 +64,7 @@ fn field(answer: &RemotingCommand, name: &str) -> String {
 
 /// A `SEND_MESSAGE_V2` of a 5.x client to queue 0 of `broker`, with `properties` (name, value) beside its id;
 /// and that id (`UNIQ_KEY`).
-fn raw_send(
+pub(crate) fn raw_send(
     topic: &str,
     broker: &str,
     body: &str,

@@ -3,20 +3,23 @@
 //! group could subscribe it to any topic). Each case is tried over HTTP (subscribe, poll), the gRPC front
 //! (signed `ReceiveMessage`) and the remoting front (signed `HEART_BEAT`, `PULL_MESSAGE`, `POP_MESSAGE`); a
 //! refused case leaves no subscription behind, and every allowed one gets past authorization on every front.
+//! Publishing (`Pub` on the topic) has a list of its own, through HTTP, gRPC `SendMessage` and remoting
+//! `SEND_MESSAGE_V2`.
 
+use std::collections::HashMap;
 use std::fmt::Write as _;
 
-use popgate::grpc::proto::Code;
+use popgate::grpc::proto::{self as pb, Code};
 use reqwest::Client;
 use serde_json::{json, Value};
 use tokio::net::TcpStream;
 
-use crate::grpc_raw::{connect, receive_request, receive_signed};
+use crate::grpc_raw::{connect, receive_request, receive_signed, request, resource};
 use crate::harness::popgate::{status_and_json, Popgate};
 use crate::harness::unique_topic;
 use crate::publish::shared_cluster;
 use crate::remoting::{ask, consumer_heartbeat, create_topic, popgate_with_remoting, raw_request};
-use crate::remoting_hostile::signed;
+use crate::remoting_hostile::{raw_send, signed};
 
 const NO_PERMISSION: i32 = 16;
 const SUCCESS: i32 = 0;
@@ -115,8 +118,15 @@ const CASES: &[(&str, Token, bool, Which, Expect)] = &[
     ("an old token without `subscribe` reads every topic", LEGACY, true, Which::Secret, Expect::Allowed),
 ];
 
+/// Publishing, through every front: the token, the topic, whether it may.
+const PUBLISH_CASES: &[(&str, Token, Which, bool)] = &[
+    ("an entry for this network allows Pub", OFFICE, Which::Open, true),
+    ("no entry allows Pub on another topic", OFFICE, Which::Secret, false),
+    ("a reader may not publish", READER, Which::Open, false),
+];
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn reading_a_topic_as_a_group_needs_sub_on_both_on_every_front() {
+async fn reading_needs_sub_on_group_and_topic_and_publishing_pub_on_the_topic_on_every_front() {
     let cluster = shared_cluster();
     let (open, secret) = (unique_topic("sc_open"), unique_topic("sc_secret"));
     create_topic(cluster, &open).await;
@@ -219,6 +229,58 @@ async fn reading_a_topic_as_a_group_needs_sub_on_both_on_every_front() {
     for group in &refused_groups {
         assert!(!kept.contains(group.as_str()), "a refused group `{group}` got a subscription: {kept}");
     }
+    // Publishing: `Pub` on the topic, the same list for every front.
+    let mut wrong = String::new();
+    for (case, token, which, allowed) in PUBLISH_CASES {
+        let topic = match which {
+            Which::Open => open.as_str(),
+            Which::Secret => secret.as_str(),
+        };
+        let mut seen = Vec::new();
+        let (status, answer) =
+            http(&popgate, "POST", "/events/publish", token.1, Some(json!({"topic": topic, "data": "scoped"}))).await;
+        seen.push(("HTTP publish", i32::from(status), answer.to_string(), status == 200, http_outcome(status, &answer).is_some()));
+        let message = pb::Message {
+            topic: resource(topic),
+            user_properties: HashMap::default(),
+            system_properties: Some(pb::SystemProperties {
+                message_id: format!("01{:030X}", rand::random::<u64>()),
+                ..Default::default()
+            }),
+            body: b"scoped".to_vec().into(),
+        };
+        let answer = grpc
+            .send_message(request(pb::SendMessageRequest { messages: vec![message] }, Some(*token)))
+            .await
+            .expect("a send answer")
+            .into_inner();
+        let code = answer.status.as_ref().map_or(0, |s| s.code);
+        seen.push((
+            "gRPC SendMessage",
+            0,
+            format!("{answer:?}"),
+            code == Code::Ok as i32,
+            code == Code::Forbidden as i32,
+        ));
+        let mut remoting = TcpStream::connect(&remoting_addr).await.expect("connect to the remoting front");
+        let (send, _) = raw_send(topic, "broker-a", "scoped", 0, &[]);
+        let answer = ask(&mut remoting, signed(send, *token)).await.expect("a send answer");
+        let remark = format!("{:?}", answer.remark());
+        seen.push((
+            "remoting SEND_MESSAGE_V2",
+            answer.code(),
+            remark,
+            answer.code() == SUCCESS,
+            answer.code() == NO_PERMISSION,
+        ));
+        for (front, status, answer, stored, refused) in seen {
+            if (*allowed && !stored) || (!*allowed && !refused) {
+                let _ = writeln!(wrong, "{case}: {front} answered {status} {answer}, expected allowed={allowed}");
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "publishes not decided as expected:\n{wrong}");
+
     let forbidden = popgate.metric("popgate_requests_rejected_total{reason=\"forbidden\"}").await;
     eprintln!("forbidden refusals counted: {forbidden}");
     assert!(forbidden >= 20.0, "{}", popgate.metrics_text().await);

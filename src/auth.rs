@@ -38,7 +38,7 @@ pub enum Action<'a> {
 }
 
 /// The prefix of a consumer group's retry topic.
-const RETRY_PREFIX: &str = "%RETRY%";
+pub const RETRY_TOPIC_PREFIX: &str = "%RETRY%";
 
 /// The authenticated caller of one request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -80,9 +80,9 @@ impl Caller {
         let (resource_type, name, verb) = match action {
             Action::Publish(topic) => (ResourceType::Topic, topic, Verb::Pub),
             Action::Consume(group) => {
-                (ResourceType::Group, group.strip_prefix(RETRY_PREFIX).unwrap_or(group), Verb::Sub)
+                (ResourceType::Group, group.strip_prefix(RETRY_TOPIC_PREFIX).unwrap_or(group), Verb::Sub)
             }
-            Action::Subscribe(topic) => match topic.strip_prefix(RETRY_PREFIX) {
+            Action::Subscribe(topic) => match topic.strip_prefix(RETRY_TOPIC_PREFIX) {
                 Some(group) => (ResourceType::Group, group, Verb::Sub),
                 None => (ResourceType::Topic, topic, Verb::Sub),
             },

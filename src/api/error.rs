@@ -170,7 +170,7 @@ impl From<GatewayError> for ApiError {
     fn from(error: GatewayError) -> ApiError {
         let field = match error {
             GatewayError::MayNotConsume(_) => "group",
-            GatewayError::MayNotRead(_) => "topic",
+            GatewayError::MayNotRead(_) | GatewayError::MayNotPublish(_) => "topic",
         };
         ApiError::forbidden(field, format!("this token {error}"))
     }

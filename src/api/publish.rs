@@ -20,10 +20,11 @@ use axum::Json;
 use metrics::{counter, histogram};
 use serde_json::json;
 
-use super::guard::{authorize, rejected};
+use super::guard::rejected;
 use super::{ApiError, AppState};
-use crate::auth::{Action, Caller};
+use crate::auth::Caller;
 use crate::config::Profile;
+use crate::gateway;
 use crate::metrics as m;
 use crate::publish::{request, PublishError, Published, SendMode};
 
@@ -78,7 +79,7 @@ async fn handle(
     let transaction_params = (param("transaction"), param("producerGroup"));
     let parsed = request::parse(headers, param("topic"), transaction_params, &body, max, limits)?;
     let mut message = parsed.message;
-    authorize(caller, Action::Publish(&message.topic), "topic")?;
+    gateway::may_publish(caller, &message.topic)?;
     let key = request::dedup_key(headers, &message)?;
     if let Some(transactional) = &parsed.transaction {
         super::transactions::prepare_half(state, mode, transactional, &mut message).await?;

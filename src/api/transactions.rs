@@ -25,9 +25,10 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::events::parse_body;
-use super::guard::{authorize, read_body};
+use super::guard::read_body;
 use super::{ApiError, AppState};
-use crate::auth::{Action, Caller};
+use crate::auth::Caller;
+use crate::gateway;
 use crate::publish::request::Transactional;
 use crate::publish::{OutgoingMessage, SendMode, SendReceipt};
 use crate::transaction::{mark_half, Ended, Resolution, State as RecordState, TransactionError, TransactionRecord};
@@ -160,7 +161,8 @@ fn known(state: &AppState, caller: &Caller, id: &str) -> Result<TransactionRecor
         .lookup(id)
         .map_err(|e| ApiError::unavailable(format!("state store unavailable: {e}"), json!({})))?
         .ok_or_else(|| refusal(TransactionError::Unknown(id.to_owned())))?;
-    authorize(caller, Action::Publish(&record.half.topic), "id")?;
+    gateway::may_publish(caller, &record.half.topic)
+        .map_err(|refused| ApiError::forbidden("id", format!("this token {refused}")))?;
     Ok(record)
 }
 

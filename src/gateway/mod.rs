@@ -4,12 +4,13 @@
 //!
 //! The fronts' shared rules move here one by one (issue #33). Here so far: a client leaving a consumer group
 //! (a remoting `UNREGISTER_CLIENT`, a gRPC `NotifyClientTermination`) gives back only what it holds in that
-//! group, and only when its caller may consume as that group; reading a topic needs `Sub` on the topic as well
+//! group, and only when its caller may consume as that group; publishing needs `Pub` on the topic
+//! ([`may_publish`]); reading a topic needs `Sub` on the topic as well
 //! as on the group ([`may_read`]).
 
 use metrics::counter;
 
-use crate::auth::{Action, Caller};
+use crate::auth::{Action, Caller, RETRY_TOPIC_PREFIX};
 use crate::delivery::Dispatcher;
 use crate::metrics as m;
 
@@ -19,6 +20,9 @@ pub enum GatewayError {
     /// The caller may not consume as this group.
     #[error("may not consume as group `{0}`")]
     MayNotConsume(String),
+    /// The caller may not publish to this topic.
+    #[error("may not publish to `{0}`")]
+    MayNotPublish(String),
     /// The caller may not read this topic (whatever group it reads it as).
     #[error("may not read topic `{0}`")]
     MayNotRead(String),
@@ -28,7 +32,9 @@ impl GatewayError {
     /// A stable name for the refusal (logs, metrics, the HTTP error's `code`).
     pub fn code(&self) -> &'static str {
         match self {
-            GatewayError::MayNotConsume(_) | GatewayError::MayNotRead(_) => "forbidden",
+            GatewayError::MayNotConsume(_) | GatewayError::MayNotRead(_) | GatewayError::MayNotPublish(_) => {
+                "forbidden"
+            }
         }
     }
 }
@@ -43,6 +49,22 @@ pub fn may_consume(caller: &Caller, group: &str) -> Result<(), GatewayError> {
     }
     counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
     Err(GatewayError::MayNotConsume(group.to_owned()))
+}
+
+/// Whether `caller` may publish to `topic` (a message, a transaction's end); a refusal is counted. A consumer's
+/// send to its group's `%RETRY%` topic (the fallback of a failed send-back) is part of consuming as the group.
+///
+/// # Errors
+/// [`GatewayError::MayNotPublish`], [`GatewayError::MayNotConsume`] for a retry topic.
+pub fn may_publish(caller: &Caller, topic: &str) -> Result<(), GatewayError> {
+    if let Some(group) = topic.strip_prefix(RETRY_TOPIC_PREFIX) {
+        return may_consume(caller, group);
+    }
+    if caller.may(Action::Publish(topic)) {
+        return Ok(());
+    }
+    counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
+    Err(GatewayError::MayNotPublish(topic.to_owned()))
 }
 
 /// Whether `caller` may read `topic` as consumer group `group`: `Sub` on the group and on the topic, as in

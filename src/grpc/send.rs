@@ -11,8 +11,9 @@ use super::names;
 use super::proto::{self as pb, Code, MessageType};
 use super::service::Front;
 use super::status::{ok, overall, status};
-use crate::auth::{Action, Caller};
+use crate::auth::Caller;
 use crate::config::PublishConfig;
+use crate::gateway;
 use crate::metrics as m;
 use crate::publish::limits::Part;
 use crate::publish::{
@@ -95,9 +96,8 @@ async fn send_checked(
         Ok(outgoing) => outgoing,
         Err(invalid) => return refused(invalid),
     };
-    if !caller.may(Action::Publish(&outgoing.topic)) {
-        counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
-        return refused(status(Code::Forbidden, format!("may not publish to `{}`", outgoing.topic)));
+    if let Err(refusal) = gateway::may_publish(caller, &outgoing.topic) {
+        return refused(super::status::refused(&refusal));
     }
     if transactional {
         if let Err(refusal) = check_takes_transactions(front, &outgoing.topic).await {

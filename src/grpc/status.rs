@@ -12,7 +12,9 @@ pub fn status(code: Code, message: impl Into<String>) -> Status {
 /// The gRPC front's one mapping of a gateway refusal (the gateway counted it).
 pub fn refused(error: &GatewayError) -> Status {
     match error {
-        GatewayError::MayNotConsume(_) | GatewayError::MayNotRead(_) => status(Code::Forbidden, error.to_string()),
+        GatewayError::MayNotConsume(_) | GatewayError::MayNotRead(_) | GatewayError::MayNotPublish(_) => {
+            status(Code::Forbidden, error.to_string())
+        }
     }
 }
 

@@ -7,7 +7,8 @@ use super::names;
 use super::proto::{self as pb, Code, TransactionResolution, TransactionSource};
 use super::service::Front;
 use super::status::{ok, status};
-use crate::auth::{Action, Caller};
+use crate::auth::Caller;
+use crate::gateway;
 use crate::transaction::{Resolution, TransactionError};
 
 /// The words Apache's proxy answers an end it has no transaction data for with (a `ProxyException`).
@@ -23,8 +24,8 @@ pub(super) async fn end_transaction(
         Ok(topic) => topic,
         Err(refusal) => return refusal,
     };
-    if !caller.may(Action::Publish(&topic)) {
-        return status(Code::Forbidden, format!("may not publish to `{topic}`"));
+    if let Err(refusal) = gateway::may_publish(caller, &topic) {
+        return super::status::refused(&refusal);
     }
     let id = request.transaction_id.trim();
     if id.is_empty() {

@@ -30,18 +30,17 @@ use sha2::Digest;
 
 use super::codes;
 use super::service::{error, Front, Refusal};
-use crate::auth::{Action, Caller};
+use crate::auth::Caller;
 use crate::broker::message::{is_reserved_property, ClientWire, PROPERTY_UNIQ_KEY};
 use crate::broker::transaction::{PROPERTY_PRODUCER_GROUP, PROPERTY_TRANSACTION_PREPARED};
 use crate::broker::{SendReceipt, StoreStatus};
+use crate::gateway;
 use crate::metrics as m;
 use crate::publish::{OutgoingMessage, Placement, PublishError, SendMode};
 use crate::transaction::PROPERTY_REMOTING_GROUP;
 
 /// The property popgate keeps for itself among the reserved ones: a client may not set it.
 const POPGATE_PROPERTY_PREFIX: &str = "__POPGATE";
-/// The retry topic of a consumer group: a consumer's fallback when a send-back fails.
-const RETRY_TOPIC_PREFIX: &str = "%RETRY%";
 
 pub(super) async fn send_message(front: &Front, caller: &Caller, request: RemotingCommand) -> RemotingCommand {
     let started = Instant::now();
@@ -68,9 +67,8 @@ async fn send_checked(front: &Front, caller: &Caller, request: &RemotingCommand)
         Ok(message) => message,
         Err(refusal) => return refusal.answer(),
     };
-    if !caller.may(action_of(&message.topic)) {
-        counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
-        return error(codes::NO_PERMISSION, format!("may not publish to `{}`", message.topic));
+    if let Err(refused) = gateway::may_publish(caller, &message.topic) {
+        return Refusal::from(refused).answer();
     }
     if let Err(broken) = front.config.publish.limits.check_client_made(&message) {
         return error(codes::MESSAGE_ILLEGAL, broken.message);
@@ -99,15 +97,6 @@ async fn send_checked(front: &Front, caller: &Caller, request: &RemotingCommand)
             error(codes::TOPIC_NOT_EXIST, format!("topic[{topic}] not exist, apply first please!"))
         }
         Err(failed) => error(failed.broker_code().unwrap_or(codes::SYSTEM_ERROR), failed.to_string()),
-    }
-}
-
-/// What publishing to `topic` needs: a consumer's fallback for a failed send-back (its group's retry topic)
-/// is part of consuming as that group.
-fn action_of(topic: &str) -> Action<'_> {
-    match topic.strip_prefix(RETRY_TOPIC_PREFIX) {
-        Some(group) => Action::Consume(group),
-        None => Action::Publish(topic),
     }
 }
 

@@ -232,7 +232,7 @@ impl Refusal {
 impl From<GatewayError> for Refusal {
     fn from(refused: GatewayError) -> Refusal {
         match refused {
-            GatewayError::MayNotConsume(_) | GatewayError::MayNotRead(_) => {
+            GatewayError::MayNotConsume(_) | GatewayError::MayNotRead(_) | GatewayError::MayNotPublish(_) => {
                 Refusal::new(codes::NO_PERMISSION, refused.to_string())
             }
         }

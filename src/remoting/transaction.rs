@@ -15,9 +15,10 @@ use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
 
 use super::codes;
 use super::relay;
-use super::service::{error, field, Front};
-use crate::auth::{Action, Caller};
+use super::service::{error, field, Front, Refusal};
+use crate::auth::Caller;
 use crate::broker::transaction::PROPERTY_TRANSACTION_PREPARED;
+use crate::gateway;
 use crate::metrics as m;
 use crate::transaction::{CheckForwarder, Orphan, Resolution, TransactionError};
 
@@ -53,9 +54,8 @@ pub(super) async fn end_transaction(front: &Front, caller: &Caller, request: &Re
     let Some((id, topic)) = recorded(front, request) else {
         return end_unrecorded(front, caller, request).await;
     };
-    if !caller.may(Action::Publish(&topic)) {
-        counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
-        return error(codes::NO_PERMISSION, format!("may not publish to `{topic}`"));
+    if let Err(refused) = gateway::may_publish(caller, &topic) {
+        return Refusal::from(refused).answer();
     }
     if from_check {
         counter!(m::TRANSACTION_CHECK_ANSWERS, "front" => "remoting", "answer" => resolution.as_str()).increment(1);
@@ -80,9 +80,8 @@ async fn end_unrecorded(front: &Front, caller: &Caller, request: &RemotingComman
             Ok(topic) => topic,
             Err(refusal) => return refusal,
         };
-        if !caller.may(Action::Publish(&topic)) {
-            counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
-            return error(codes::NO_PERMISSION, format!("may not publish to `{topic}`"));
+        if let Err(refused) = gateway::may_publish(caller, &topic) {
+            return Refusal::from(refused).answer();
         }
     }
     relay::ended_elsewhere(front, request).await
