@@ -239,7 +239,13 @@ async fn reading_needs_sub_on_group_and_topic_and_publishing_pub_on_the_topic_on
         let mut seen = Vec::new();
         let (status, answer) =
             http(&popgate, "POST", "/events/publish", token.1, Some(json!({"topic": topic, "data": "scoped"}))).await;
-        seen.push(("HTTP publish", i32::from(status), answer.to_string(), status == 200, http_outcome(status, &answer).is_some()));
+        seen.push((
+            "HTTP publish",
+            i32::from(status),
+            answer.to_string(),
+            status == 200,
+            http_outcome(status, &answer).is_some(),
+        ));
         let message = pb::Message {
             topic: resource(topic),
             user_properties: HashMap::default(),

@@ -104,4 +104,24 @@ mod layering {
         }
         assert!(breaks.is_empty(), "arrows that run back up: {breaks:#?}");
     }
+
+    /// Who may do what is the gateway's to decide, once for every front: a front names no authorization
+    /// action and asks no caller what it may do; it calls `gateway::may_*` and maps the refusal.
+    #[test]
+    fn the_fronts_leave_authorization_to_the_gateway() {
+        let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut breaks = Vec::new();
+        for front in ["api", "grpc", "remoting"] {
+            let mut files = Vec::new();
+            sources(&src.join(front), &mut files);
+            for (path, text) in files {
+                for decision in [".may(", "Action::", "auth::Action", "auth::{Action"] {
+                    if text.contains(decision) {
+                        breaks.push(format!("{path} decides authorization itself (`{decision}`)"));
+                    }
+                }
+            }
+        }
+        assert!(breaks.is_empty(), "{breaks:#?}");
+    }
 }

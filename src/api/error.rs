@@ -171,6 +171,7 @@ impl From<GatewayError> for ApiError {
         let field = match error {
             GatewayError::MayNotConsume(_) => "group",
             GatewayError::MayNotRead(_) | GatewayError::MayNotPublish(_) => "topic",
+            GatewayError::MayNotAdminister => "token",
         };
         ApiError::forbidden(field, format!("this token {error}"))
     }

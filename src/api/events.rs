@@ -31,9 +31,9 @@ use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::guard::{authorize, read_body, rejected, Budget};
+use super::guard::{read_body, rejected, Budget};
 use super::{ApiError, AppState};
-use crate::auth::{Action, Caller};
+use crate::auth::Caller;
 use crate::delivery::{Dispatched, Event, FilterType, NackOutcome, Subscription, SubscriptionRequest};
 use crate::gateway;
 
@@ -191,7 +191,7 @@ pub async fn unsubscribe(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let body: GroupTopic = parse_body(&read_body(body)?)?;
-    authorize(&caller, Action::Consume(&body.group), "group")?;
+    gateway::may_consume(&caller, &body.group)?;
     state.dispatcher.unsubscribe(&body.group, &body.topic).await.map_err(ApiError::from)?;
     Ok(Json(json!({"status": "unsubscribed"})).into_response())
 }

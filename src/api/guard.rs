@@ -20,7 +20,8 @@ use rand::RngCore;
 use tracing::Instrument;
 
 use super::ApiError;
-use crate::auth::{Action, BudgetSlot, Caller, TokenBudget, TokenTable};
+use crate::auth::{BudgetSlot, Caller, TokenBudget, TokenTable};
+use crate::gateway;
 use crate::metrics as m;
 
 /// The header a request id is taken from and answered in.
@@ -193,29 +194,14 @@ pub async fn authenticate(State(tokens): State<Arc<TokenTable>>, mut request: Re
 
 /// Lets only callers with the admin right through (`/admin/*`).
 pub async fn require_admin(request: Request, next: Next) -> Response {
-    let allowed = request.extensions().get::<Caller>().is_some_and(|caller| caller.may(Action::Admin));
-    if !allowed {
-        return rejected("forbidden", ApiError::forbidden("token", "this token may not use the admin API"))
-            .into_response();
-    }
-    next.run(request).await
-}
-
-/// 403 unless `caller` may do `action`; `field` names the request field that chose the topic or group.
-///
-/// # Errors
-/// [`ApiError`] 403 `forbidden`.
-pub fn authorize(caller: &Caller, action: Action<'_>, field: &str) -> Result<(), ApiError> {
-    if caller.may(action) {
-        return Ok(());
-    }
-    let what = match action {
-        Action::Publish(topic) => format!("this token may not publish to `{topic}`"),
-        Action::Consume(group) => format!("this token may not consume as group `{group}`"),
-        Action::Subscribe(topic) => format!("this token may not read topic `{topic}`"),
-        Action::Admin => "this token may not use the admin API".to_owned(),
+    let allowed = match request.extensions().get::<Caller>() {
+        Some(caller) => gateway::may_administer(caller).map_err(ApiError::from),
+        None => Err(rejected("forbidden", ApiError::forbidden("token", "this token may not use the admin API"))),
     };
-    Err(rejected("forbidden", ApiError::forbidden(field, what)))
+    match allowed {
+        Ok(()) => next.run(request).await,
+        Err(refused) => refused.into_response(),
+    }
 }
 
 /// The request body, or the JSON error for one that is too large or cannot be read.

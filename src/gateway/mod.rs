@@ -23,6 +23,9 @@ pub enum GatewayError {
     /// The caller may not publish to this topic.
     #[error("may not publish to `{0}`")]
     MayNotPublish(String),
+    /// The caller may not use the admin plane.
+    #[error("may not use the admin API")]
+    MayNotAdminister,
     /// The caller may not read this topic (whatever group it reads it as).
     #[error("may not read topic `{0}`")]
     MayNotRead(String),
@@ -32,9 +35,10 @@ impl GatewayError {
     /// A stable name for the refusal (logs, metrics, the HTTP error's `code`).
     pub fn code(&self) -> &'static str {
         match self {
-            GatewayError::MayNotConsume(_) | GatewayError::MayNotRead(_) | GatewayError::MayNotPublish(_) => {
-                "forbidden"
-            }
+            GatewayError::MayNotConsume(_)
+            | GatewayError::MayNotRead(_)
+            | GatewayError::MayNotPublish(_)
+            | GatewayError::MayNotAdminister => "forbidden",
         }
     }
 }
@@ -49,6 +53,24 @@ pub fn may_consume(caller: &Caller, group: &str) -> Result<(), GatewayError> {
     }
     counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
     Err(GatewayError::MayNotConsume(group.to_owned()))
+}
+
+/// Whether `caller` may use the admin plane; a refusal is counted.
+///
+/// # Errors
+/// [`GatewayError::MayNotAdminister`].
+pub fn may_administer(caller: &Caller) -> Result<(), GatewayError> {
+    if caller.may(Action::Admin) {
+        return Ok(());
+    }
+    counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
+    Err(GatewayError::MayNotAdminister)
+}
+
+/// Whether a producer of `caller` may be asked about a half message of `topic` (a check-back carries the
+/// message): the producer must be allowed to publish to it. Not a refusal of anything: not counted.
+pub fn may_be_checked_back(caller: &Caller, topic: &str) -> bool {
+    caller.may(Action::Publish(topic))
 }
 
 /// Whether `caller` may publish to `topic` (a message, a transaction's end); a refusal is counted. A consumer's

@@ -26,7 +26,7 @@ use super::settings;
 use super::status::{code_label, ok, status};
 use super::transaction;
 use super::written;
-use crate::auth::{Action, Caller, TokenTable};
+use crate::auth::{Caller, TokenTable};
 use crate::config::Config;
 use crate::delivery::Dispatcher;
 use crate::gateway;
@@ -569,7 +569,7 @@ impl MessagingService for Arc<Front> {
                         .topics
                         .iter()
                         .map(|t| t.name.clone())
-                        .filter(|topic| caller.may(Action::Publish(topic)))
+                        .filter(|topic| gateway::may_be_checked_back(&caller, topic))
                         .collect();
                     front.producers.publishes(stream_no, topics, &replies);
                 }

@@ -12,9 +12,10 @@ pub fn status(code: Code, message: impl Into<String>) -> Status {
 /// The gRPC front's one mapping of a gateway refusal (the gateway counted it).
 pub fn refused(error: &GatewayError) -> Status {
     match error {
-        GatewayError::MayNotConsume(_) | GatewayError::MayNotRead(_) | GatewayError::MayNotPublish(_) => {
-            status(Code::Forbidden, error.to_string())
-        }
+        GatewayError::MayNotConsume(_)
+        | GatewayError::MayNotRead(_)
+        | GatewayError::MayNotPublish(_)
+        | GatewayError::MayNotAdminister => status(Code::Forbidden, error.to_string()),
     }
 }
 

@@ -24,7 +24,8 @@ use tokio::time::Instant;
 
 use super::codes;
 use super::connection::Connection;
-use crate::auth::{Action, Caller};
+use crate::auth::Caller;
+use crate::gateway;
 use crate::metrics as m;
 
 /// How often clients are checked for a missed heartbeat.
@@ -267,7 +268,7 @@ impl Clients {
         let clients = self.clients.lock();
         clients
             .values()
-            .filter(|c| c.producer_groups.contains(group) && c.caller.may(Action::Publish(topic)))
+            .filter(|c| c.producer_groups.contains(group) && gateway::may_be_checked_back(&c.caller, topic))
             .max_by_key(|c| c.last_heartbeat)
             .map(|c| c.connection.clone())
     }

@@ -232,9 +232,10 @@ impl Refusal {
 impl From<GatewayError> for Refusal {
     fn from(refused: GatewayError) -> Refusal {
         match refused {
-            GatewayError::MayNotConsume(_) | GatewayError::MayNotRead(_) | GatewayError::MayNotPublish(_) => {
-                Refusal::new(codes::NO_PERMISSION, refused.to_string())
-            }
+            GatewayError::MayNotConsume(_)
+            | GatewayError::MayNotRead(_)
+            | GatewayError::MayNotPublish(_)
+            | GatewayError::MayNotAdminister => Refusal::new(codes::NO_PERMISSION, refused.to_string()),
         }
     }
 }
