@@ -230,7 +230,7 @@ impl Front {
                 Ok(released) => {
                     tracing::info!(client = %id, group, released, "gRPC client terminated; what it held is due again.")
                 }
-                Err(refused) => return status(Code::Forbidden, refused.to_string()),
+                Err(refused) => return super::status::refused(&refused),
             }
         }
         self.forget_client(id);

@@ -105,7 +105,7 @@ pub(super) async fn unregister(front: &Front, caller: &Caller, request: &Remotin
     let consumer_group = field(request, "consumerGroup");
     if let Some(group) = consumer_group {
         if let Err(refused) = gateway::may_consume(caller, group) {
-            return error(codes::NO_PERMISSION, refused.to_string());
+            return Refusal::from(refused).answer();
         }
     }
     if let Err(refused) = front.clients.unregister(client_id, caller, field(request, "producerGroup"), consumer_group) {
@@ -120,7 +120,7 @@ pub(super) async fn unregister(front: &Front, caller: &Caller, request: &Remotin
                 released,
                 "A remoting consumer left its group; what it popped there and did not settle is due again."
             ),
-            Err(refused) => return error(codes::NO_PERMISSION, refused.to_string()),
+            Err(refused) => return Refusal::from(refused).answer(),
         }
     }
     RemotingCommand::create_success_response_command()
@@ -146,7 +146,7 @@ pub(super) fn consumer_list(front: &Front, caller: &Caller, request: &RemotingCo
         return error(codes::SYSTEM_ERROR, "GET_CONSUMER_LIST_BY_GROUP without consumerGroup");
     };
     if let Err(refused) = gateway::may_consume(caller, group) {
-        return error(codes::NO_PERMISSION, refused.to_string());
+        return Refusal::from(refused).answer();
     }
     let members = front.clients.consumers_of(group);
     if members.is_empty() {
