@@ -464,7 +464,8 @@ public final class Driver {
      * unknown) and records every check-back it gets; the producer stays up `stayMs` after the ends for them.
      * A file named by `readyFile` is created once the messages are sent (a test may kill popgate then); with
      * `endWhenFile`, the ends wait (after `endAfterMs`) until a file of that name exists (the test restarted it);
-     * an end that did not reach the endpoint (UNAVAILABLE) is tried again for `retryUnavailableMs`.
+     * an end that did not reach the endpoint (UNAVAILABLE) or was not answered in time (DEADLINE_EXCEEDED) is
+     * tried again for `retryUnavailableMs`.
      */
     private static Map<String, Object> transact(Args a) throws Exception {
         String endpoint = a.required("endpoint");
@@ -545,7 +546,8 @@ public final class Driver {
             Map<String, Object> e = new LinkedHashMap<>();
             e.put("index", i);
             // As an app would: an end that never reached the endpoint (UNAVAILABLE, the channel reconnecting
-            // after the endpoint restarted) is tried again for up to `retryUnavailableMs`.
+            // after the endpoint restarted) or that a just-restarted endpoint did not answer in time
+            // (DEADLINE_EXCEEDED; ending is idempotent) is tried again for up to `retryUnavailableMs`.
             int tries = 0;
             while (true) {
                 tries++;
@@ -559,8 +561,9 @@ public final class Driver {
                     break;
                 } catch (Throwable t) {
                     Map<String, Object> error = describe(t);
-                    boolean unreached = String.valueOf(error.get("message")).startsWith("UNAVAILABLE");
-                    if (unreached && System.currentTimeMillis() - t0 < retryUnavailableMs) {
+                    String message = String.valueOf(error.get("message"));
+                    boolean unanswered = message.startsWith("UNAVAILABLE") || message.startsWith("DEADLINE_EXCEEDED");
+                    if (unanswered && System.currentTimeMillis() - t0 < retryUnavailableMs) {
                         Thread.sleep(200);
                         continue;
                     }
