@@ -111,7 +111,7 @@ fn send_args(namesrv: &str, mut extra: Value) -> Value {
 }
 
 /// What the brokers hold in `topic`, by body, once there are at least `count` messages (at most 30 s).
-async fn stored(cluster: &Cluster, topic: &str, count: usize) -> BTreeMap<String, StoredMessage> {
+pub(crate) async fn stored(cluster: &Cluster, topic: &str, count: usize) -> BTreeMap<String, StoredMessage> {
     let direct = Direct::connect(&cluster.namesrv_addr).await;
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     loop {
@@ -1134,4 +1134,64 @@ async fn a_one_way_request_popgate_cannot_relay_is_tried_again_then_reported_los
     })
     .await;
     assert_eq!(popgate.metric(&offset_commit_relays("ok")).await, 1.0, "nothing more reached a broker");
+}
+
+/// Issue #34: a broker forgets every consumer group registered over a connection when that connection closes,
+/// and popgate passes every client's heartbeat on over its one connection to the broker. When that connection
+/// closes, a running consumer's next pull finds its group missing; popgate registers the group again there with
+/// the member's last heartbeat and relays the pull once more, instead of leaving the pulls refused until the
+/// client's next heartbeat (here 2 minutes away; 30 s by default). One client version: the pull is the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_keeps_consuming_at_once_after_popgates_connection_to_its_broker_closed() {
+    // A cluster of its own: the test cuts every connection to its broker.
+    let cluster = Cluster::start(&crate::harness::rocketmq::ClusterSpec::brokers(&["broker-a"]));
+    let (popgate, namesrv) = popgate_with_remoting(&cluster, "").await;
+    let topic = unique_topic("rm_cut");
+    let group = unique_topic("rm_cut_g");
+    create_topic(&cluster, &topic).await;
+    let client = RemotingClient::V5;
+    let mut consume = args(&namesrv, json!({"topic": topic, "group": group, "expect": 2, "timeoutMs": 120_000}));
+    consume["heartbeatBrokerIntervalMs"] = json!(120_000);
+    let consumer = client.start("push-consume", &consume);
+    let produce = |prefix: &str| json!({"topic": topic, "group": "rm_cut_p", "count": 1, "bodyPrefix": prefix});
+    let before = client.run("produce", &send_args(&namesrv, produce("before")), DRIVER_TIMEOUT).await;
+    assert_eq!(before["errors"], json!([]), "{before}");
+    let direct = Direct::connect(&cluster.namesrv_addr).await;
+    eventually(Duration::from_secs(60), "the first message was consumed and its offset committed", || async {
+        direct.consumer_offsets(&group, &topic).await.is_some_and(|offsets| offsets.values().sum::<i64>() >= 1)
+    })
+    .await;
+
+    let port = cluster.brokers[0].port;
+    let cut = std::process::Command::new("ss")
+        .args(["-K", "dst", "127.0.0.1", "dport", "=", &format!(":{port}")])
+        .output()
+        .expect("ss (iproute2) runs");
+    let killed = String::from_utf8_lossy(&cut.stdout).lines().filter(|l| l.contains(&format!(":{port}"))).count();
+    assert!(cut.status.success() && killed >= 1, "connections to the broker were cut: {cut:?}");
+
+    let after = client.run("produce", &send_args(&namesrv, produce("after")), DRIVER_TIMEOUT).await;
+    assert_eq!(after["errors"], json!([]), "{after}");
+    let result = consumer.finish(DRIVER_TIMEOUT).await;
+    assert_eq!(result["timedOut"], false, "the message sent after the cut was consumed: {result}");
+    // From the send, or from the consumer's start when it came later (a JVM starts slowly on a loaded machine).
+    let started_at = result["startedMs"].as_i64().expect("startedMs");
+    let latency = |sent: &Value, body: &str| {
+        let sent_at = sent["sent"][0]["sentAtMs"].as_i64().expect("sentAtMs").max(started_at);
+        let received = result["received"].as_array().expect("received");
+        received.iter().find(|r| r["body"] == body).and_then(|r| r["atMs"].as_i64()).expect("received") - sent_at
+    };
+    let (first, second) = (latency(&before, "before-0"), latency(&after, "after-0"));
+    println!("consumed {first} ms after its send, and {second} ms after its send once the connection was cut");
+    // A new consumer's rebalance sends a heartbeat with a new subscription version, which the client skips while
+    // its first heartbeat is unanswered; popgate told it to rebalance before answering that one, so its pulls
+    // were refused SUBSCRIPTION_NOT_LATEST until the 20 s rebalance (seen: 22 s here, 30 s in an app).
+    assert!(first < 10_000, "a new consumer's first message came {first} ms after its send: {result}");
+    // A pull held at the broker when the connection was cut fails after its suspend time and popgate's margin
+    // (15 s + 5 s), the client pulls again 3 s later, and that pull is served: within 30 s, where before the
+    // pulls were refused until the client's next heartbeat (2 minutes here). The client's own rebalance may
+    // send a heartbeat sooner; whichever registers the group first, the message must not wait for the periodic one.
+    assert!(second < 30_000, "consumed {second} ms after its send: {result}");
+    let registered_again = popgate.metric(r#"popgate_remoting_reregistrations_total{result="ok"}"#).await;
+    println!("popgate registered the group again {registered_again} times");
 }

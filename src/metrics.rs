@@ -107,6 +107,9 @@ pub const REMOTING_REQUESTS: &str = "popgate_remoting_requests_total";
 /// Counter (`code`, `result`): remoting requests relayed to a broker, by request code and result (`ok`: the
 /// broker answered, whatever it said; `refused`; `unreachable`).
 pub const REMOTING_RELAYS: &str = "popgate_remoting_relays_total";
+/// Counter (`result`: `ok`, `failed`): remoting consumers' registrations passed on to a broker again because
+/// one of their pulls found the broker without their group's subscription (popgate's connection to it closed).
+pub const REMOTING_REREGISTRATIONS: &str = "popgate_remoting_reregistrations_total";
 /// Gauge (`kind`): remoting clients with a live heartbeat (producer, push_consumer, pull_consumer).
 pub const REMOTING_CLIENTS: &str = "popgate_remoting_clients";
 /// Gauge: remoting connections open now.
@@ -205,6 +208,7 @@ const ZERO_SERIES: &[(&str, &str, &[&str])] = &[
     (PUSH_WRITE_FAILURES, "transport", &["sse", "websocket", "webhook"]),
     (REMOTING_FRAME_ERRORS, "reason", &["oversize", "undecodable", "truncated"]),
     (REMOTING_CONNECTIONS_CLOSED, "reason", &["idle", "not_reading"]),
+    (REMOTING_REREGISTRATIONS, "result", &["ok", "failed"]),
     (WEBHOOK_TARGETS_REFUSED, "reason", &["literal", "dns"]),
     (WEBHOOK_HEADERS_SKIPPED, "reason", &crate::delivery::webhook::headers::Skip::LABELS),
     (ACKS, "result", &["acked", "repeated", "unknown", "stale", "superseded", "not_in_flight", "busy", "store_error"]),
@@ -324,6 +328,11 @@ fn describe_all() {
         REMOTING_RELAYS,
         Unit::Count,
         "Remoting requests relayed to a broker, by request code and result."
+    );
+    describe_counter!(
+        REMOTING_REREGISTRATIONS,
+        Unit::Count,
+        "Remoting consumer groups registered again at a broker that had lost them, by result."
     );
     describe_gauge!(REMOTING_CLIENTS, "Remoting clients with a live heartbeat, by kind.");
     describe_gauge!(REMOTING_CONNECTIONS, "Remoting connections open now.");

@@ -15,10 +15,13 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Weak;
 use std::time::Duration;
 
+use bytes::Bytes;
 use metrics::gauge;
 use parking_lot::Mutex;
 use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
+use rocketmq_protocol::protocol::LanguageCode;
 use serde::Deserialize;
+use sha2::Digest;
 // Tokio's clock, so a unit test on paused time can let heartbeats lapse.
 use tokio::time::Instant;
 
@@ -70,6 +73,40 @@ pub(super) struct SubscriptionData {
     pub topic: String,
 }
 
+/// A client's heartbeat as popgate passes it on to the brokers: kept with the client, so that a broker which lost
+/// the client's consumer groups can be given them again at once. A broker forgets every group registered over
+/// a connection when that connection closes, and all of popgate's relayed heartbeats share its connection to
+/// the broker; a client straight at the broker would be registered again by its next heartbeat, up to 30 s later.
+#[derive(Clone)]
+pub(super) struct Registration {
+    digest: [u8; 32],
+    version: i32,
+    language: LanguageCode,
+    body: Bytes,
+}
+
+impl Registration {
+    /// The registration `request` (a `HEART_BEAT`) carries; `None` without a body.
+    pub fn of(request: &RemotingCommand) -> Option<Registration> {
+        let body = request.body()?.clone();
+        let digest: [u8; 32] = sha2::Sha256::digest(&body).into();
+        Some(Registration { digest, version: request.version(), language: request.language(), body })
+    }
+
+    /// The heartbeat's body (`HeartbeatData`).
+    pub fn body(&self) -> &[u8] {
+        &self.body
+    }
+
+    /// A `HEART_BEAT` carrying this registration, as the client sent it.
+    pub fn command(&self) -> RemotingCommand {
+        RemotingCommand::create_remoting_command(codes::HEART_BEAT)
+            .set_version(self.version)
+            .set_language(self.language)
+            .set_body(self.body.clone())
+    }
+}
+
 /// What kind of client a heartbeat says this is, for the clients gauge.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Kind {
@@ -95,8 +132,8 @@ struct Client {
     caller: Caller,
     connection: Connection,
     last_heartbeat: Instant,
-    /// The digest of the heartbeat last passed on to the brokers, and when.
-    forwarded: Option<([u8; 32], Instant)>,
+    /// The heartbeat last passed on to the brokers, and when.
+    forwarded: Option<(Registration, Instant)>,
     producer_groups: BTreeSet<String>,
     consumer_groups: BTreeMap<String, Kind>,
 }
@@ -138,7 +175,8 @@ impl Clients {
         Clients { clients: Mutex::new(HashMap::new()), expiry, max }
     }
 
-    /// Takes a heartbeat of `caller` from `connection`; the members of each consumer group it joined are told.
+    /// Takes a heartbeat of `caller` from `connection`; the consumer groups it joined or left, whose members are
+    /// to be told ([`Clients::tell_members`]) once the brokers have its subscriptions.
     ///
     /// # Errors
     /// [`ClientRefusal`] when the id is another token's, or a new id finds `max_clients` registered.
@@ -147,8 +185,8 @@ impl Clients {
         connection: &Connection,
         caller: &Caller,
         heartbeat: &Heartbeat,
-    ) -> Result<(), ClientRefusal> {
-        let joined = {
+    ) -> Result<Vec<String>, ClientRefusal> {
+        let changed = {
             let mut clients = self.clients.lock();
             let known = clients.len();
             let client = match clients.entry(heartbeat.client_id.clone()) {
@@ -189,8 +227,7 @@ impl Clients {
             }
             changed
         };
-        self.notify(&joined);
-        Ok(())
+        Ok(changed)
     }
 
     /// `client_id` of `caller` leaves `producer_group` and `consumer_group` (either may be absent); when it is
@@ -221,7 +258,7 @@ impl Clients {
             Self::count(&clients);
             left.into_iter().collect()
         };
-        self.notify(&left);
+        self.tell_members(&left);
         Ok(())
     }
 
@@ -248,17 +285,30 @@ impl Clients {
             .map(|(id, _)| id.clone())
     }
 
-    /// Whether `client_id`'s heartbeat (of digest `digest`) is to be passed on to the brokers: when it changed,
-    /// or the last one passed on is `interval` old. A client sends the same heartbeat once per broker of its
-    /// routes, and all of them reach popgate. Kept with the client, so it goes when the client does.
-    pub fn should_forward(&self, client_id: &str, digest: [u8; 32], interval: Duration) -> bool {
+    /// Whether `client_id`'s heartbeat `registration` is to be passed on to the brokers: when it changed, or the
+    /// last one passed on is `interval` old. A client sends the same heartbeat once per broker of its routes, and
+    /// all of them reach popgate. Kept with the client, so it goes when the client does.
+    pub fn should_forward(&self, client_id: &str, registration: &Registration, interval: Duration) -> bool {
         let mut clients = self.clients.lock();
         let Some(client) = clients.get_mut(client_id) else { return true };
-        let fresh = client.forwarded.is_some_and(|(seen, at)| seen == digest && at.elapsed() < interval);
+        let fresh = client
+            .forwarded
+            .as_ref()
+            .is_some_and(|(seen, at)| seen.digest == registration.digest && at.elapsed() < interval);
         if !fresh {
-            client.forwarded = Some((digest, Instant::now()));
+            client.forwarded = Some((registration.clone(), Instant::now()));
         }
         !fresh
+    }
+
+    /// The registrations last passed on to the brokers of consumer group `group`'s members.
+    pub fn registrations_of(&self, group: &str) -> Vec<Registration> {
+        let clients = self.clients.lock();
+        clients
+            .values()
+            .filter(|c| c.consumer_groups.contains_key(group))
+            .filter_map(|c| c.forwarded.as_ref().map(|(registration, _)| registration.clone()))
+            .collect()
     }
 
     /// The connection of the producer of `group` that sent a heartbeat last and whose token may publish to
@@ -292,11 +342,17 @@ impl Clients {
             Self::count(&clients);
             left
         };
-        self.notify(&left.into_iter().collect::<Vec<_>>());
+        self.tell_members(&left.into_iter().collect::<Vec<_>>());
     }
 
-    /// Tells every member of each of `groups` that its members changed (one-way, as a broker does).
-    fn notify(&self, groups: &[String]) {
+    /// Tells every member of each of `groups` that its members changed: they rebalance at once (one-way,
+    /// as a broker does).
+    ///
+    /// Only once the brokers have the subscription of the heartbeat that changed them, and before that heartbeat
+    /// is answered, as a broker does: the client's rebalance sends a heartbeat of its own, which it skips while
+    /// another is unanswered, and without it the broker refuses the pulls that name the rebalanced subscription
+    /// (`SUBSCRIPTION_NOT_LATEST`) until the next periodic heartbeat.
+    pub fn tell_members(&self, groups: &[String]) {
         if groups.is_empty() {
             return;
         }
@@ -378,11 +434,14 @@ mod tests {
         let clients = Clients::new(Duration::from_secs(120), 100);
         let (first, mut first_queue) = Connection::for_test(1);
         let (second, mut second_queue) = Connection::for_test(2);
-        clients.heartbeat(&first, &anyone(), &heartbeat("a@1", &["orders"])).expect("taken");
+        let joined = clients.heartbeat(&first, &anyone(), &heartbeat("a@1", &["orders"])).expect("taken");
+        assert!(notified(&mut first_queue).is_empty(), "not before the brokers have the subscription");
+        clients.tell_members(&joined);
         assert_eq!(notified(&mut first_queue), ["orders"], "the first member too: it rebalances at once");
-        clients.heartbeat(&first, &anyone(), &heartbeat("a@1", &["orders"])).expect("taken");
-        assert!(notified(&mut first_queue).is_empty(), "a heartbeat that changes nothing tells no one");
-        clients.heartbeat(&second, &anyone(), &heartbeat("b@2", &["orders"])).expect("taken");
+        let unchanged = clients.heartbeat(&first, &anyone(), &heartbeat("a@1", &["orders"])).expect("taken");
+        assert!(unchanged.is_empty(), "a heartbeat that changes nothing tells no one");
+        let joined = clients.heartbeat(&second, &anyone(), &heartbeat("b@2", &["orders"])).expect("taken");
+        clients.tell_members(&joined);
         assert_eq!(notified(&mut first_queue), ["orders"]);
         assert_eq!(notified(&mut second_queue), ["orders"]);
         assert_eq!(clients.consumers_of("orders"), ["a@1", "b@2"]);
@@ -400,11 +459,21 @@ mod tests {
         let (connection, _queue) = Connection::for_test(1);
         clients.heartbeat(&connection, &anyone(), &heartbeat("a@1", &["orders"])).expect("taken");
         let interval = Duration::from_secs(20);
-        assert!(clients.should_forward("a@1", [1; 32], interval));
-        assert!(!clients.should_forward("a@1", [1; 32], interval), "the same one, once per broker of its routes");
-        assert!(clients.should_forward("a@1", [2; 32], interval), "a changed subscription goes at once");
+        let registration = |body: &'static str| {
+            let request = RemotingCommand::create_remoting_command(codes::HEART_BEAT).set_body(body.as_bytes());
+            Registration::of(&request).expect("a body")
+        };
+        let (first, changed) = (registration("first"), registration("changed"));
+        assert!(clients.registrations_of("orders").is_empty(), "nothing passed on yet");
+        assert!(clients.should_forward("a@1", &first, interval));
+        assert!(!clients.should_forward("a@1", &first, interval), "the same one, once per broker of its routes");
+        assert!(clients.should_forward("a@1", &changed, interval), "a changed subscription goes at once");
         tokio::time::advance(Duration::from_secs(21)).await;
-        assert!(clients.should_forward("a@1", [2; 32], interval), "and the same one again after the interval");
+        assert!(clients.should_forward("a@1", &changed, interval), "and the same one again after the interval");
+        let kept: Vec<Bytes> =
+            clients.registrations_of("orders").iter().filter_map(|r| r.command().body().cloned()).collect();
+        assert_eq!(kept, [Bytes::from_static(b"changed")], "the last one passed on, to register the group again");
+        assert!(clients.registrations_of("payments").is_empty(), "only the group's members'");
     }
 
     /// The caller of a token named `name` that may publish to `publish` and consume as `consume`.

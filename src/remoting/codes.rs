@@ -45,6 +45,10 @@ pub(super) const PULL_RETRY_IMMEDIATELY: i32 = 20;
 pub(super) const PULL_OFFSET_MOVED: i32 = 21;
 pub(super) const QUERY_NOT_FOUND: i32 = 22;
 pub(super) const SUBSCRIPTION_PARSE_FAILED: i32 = 23;
+/// A pull of a consumer group, or a topic of it, the broker has no subscription of.
+pub(super) const SUBSCRIPTION_NOT_EXIST: i32 = 24;
+/// A pull naming a newer subscription than the broker has of its group.
+pub(super) const SUBSCRIPTION_NOT_LATEST: i32 = 25;
 pub(super) const INVALID_PARAMETER: i32 = 29;
 pub(super) const NO_MESSAGE: i32 = 208;
 pub(super) const POLLING_TIMEOUT: i32 = 210;

@@ -13,9 +13,8 @@ use std::time::Duration;
 use metrics::counter;
 use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
 use serde::Deserialize;
-use sha2::Digest;
 
-use super::clients::{ClientRefusal, Heartbeat};
+use super::clients::{ClientRefusal, Heartbeat, Registration};
 use super::codes;
 use super::connection::Connection;
 use super::service::{error, field, Front, Refusal};
@@ -39,10 +38,10 @@ pub(super) async fn heartbeat(
     caller: &Caller,
     request: &RemotingCommand,
 ) -> RemotingCommand {
-    let Some(body) = request.body() else {
+    let Some(registration) = Registration::of(request) else {
         return error(codes::SYSTEM_ERROR, "HEART_BEAT without a body (HeartbeatData)");
     };
-    let heartbeat: Heartbeat = match serde_json::from_slice(body) {
+    let heartbeat: Heartbeat = match serde_json::from_slice(registration.body()) {
         Ok(heartbeat) => heartbeat,
         Err(why) => {
             return error(codes::SYSTEM_ERROR, format!("the HEART_BEAT body (HeartbeatData) does not decode: {why}"))
@@ -59,14 +58,15 @@ pub(super) async fn heartbeat(
     if let Err(refused) = may_read_all {
         return Refusal::from(refused).answer();
     }
-    if let Err(refused) = front.clients.heartbeat(connection, caller, &heartbeat) {
-        return client_refused(&refused);
-    }
-    let digest: [u8; 32] = sha2::Sha256::digest(body).into();
-    let forward = front.clients.should_forward(&heartbeat.client_id, digest, HEARTBEAT_FORWARD_INTERVAL);
+    let changed = match front.clients.heartbeat(connection, caller, &heartbeat) {
+        Ok(changed) => changed,
+        Err(refused) => return client_refused(&refused),
+    };
+    let forward = front.clients.should_forward(&heartbeat.client_id, &registration, HEARTBEAT_FORWARD_INTERVAL);
     if !heartbeat.consumer_data_set.is_empty() && forward {
         forward_to_masters(front, request).await;
     }
+    front.clients.tell_members(&changed);
     RemotingCommand::create_success_response_command()
 }
 
@@ -336,6 +336,42 @@ async fn relayed_one_way(front: &Front, request: &RemotingCommand) -> Relayed {
     answer
 }
 
+/// Whether `answer` to pull `request` says the broker does not have the consumer group's subscription, or has
+/// an older one than the pull names: it forgot the group (its connection to popgate closed), or the pull came
+/// before the heartbeat with a new subscription reached it.
+fn lost_its_registration(request: &RemotingCommand, answer: &Relayed) -> bool {
+    let pull = matches!(request.code(), codes::PULL_MESSAGE | codes::LITE_PULL_MESSAGE);
+    let lost = matches!(answer.code(), codes::SUBSCRIPTION_NOT_EXIST | codes::SUBSCRIPTION_NOT_LATEST);
+    pull && lost && answer.by == AnsweredBy::Broker
+}
+
+/// Registers the consumer group of pull `request` again at broker `addr`, with the heartbeats its members last
+/// sent here; whether the broker took one. Straight at the broker the client's next heartbeat would, up to 30 s
+/// later, with its pulls refused until then; here the pull that found the group missing is relayed once more.
+async fn register_again(front: &Front, request: &RemotingCommand, addr: &str) -> bool {
+    let Some(group) = field(request, "consumerGroup") else { return false };
+    let registrations = front.clients.registrations_of(group);
+    if registrations.is_empty() {
+        return false;
+    }
+    let timeout = front.config.broker.request_timeout();
+    let mut taken = false;
+    for registration in registrations {
+        let answer = front.broker.relay(addr, &registration.command(), timeout).await;
+        let ok = answer.is_ok_and(|answer| answer.code() == codes::SUCCESS);
+        counter!(m::REMOTING_REREGISTRATIONS, "result" => if ok { "ok" } else { "failed" }).increment(1);
+        taken |= ok;
+    }
+    tracing::info!(
+        group,
+        broker = addr,
+        taken,
+        "A broker did not have a consumer group's subscription (its connection to popgate closed, or a pull \
+         came before a new subscription): registered the group again there."
+    );
+    taken
+}
+
 /// Pauses before relaying a one-way request again.
 const ONE_WAY_RETRY_PAUSES: [Duration; 2] = [Duration::from_millis(200), Duration::from_millis(1_000)];
 
@@ -385,7 +421,10 @@ async fn relayed(front: &Front, request: &RemotingCommand) -> Relayed {
         Err(answer) => return Relayed::unreachable(answer),
     };
     let timeout = relay_timeout(front, code, request);
-    let relayed = relay_counted(front, label, &addr, request, timeout).await;
+    let mut relayed = relay_counted(front, label, &addr, request, timeout).await;
+    if lost_its_registration(request, &relayed) && register_again(front, request, &addr).await {
+        relayed = relay_counted(front, label, &addr, request, timeout).await;
+    }
     // At debug: what a consumer asked of which broker and what it was told (offsets, chiefly).
     tracing::debug!(
         code = label,
