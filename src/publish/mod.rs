@@ -472,13 +472,19 @@ impl Publisher {
         Err(PublishError::Exhausted { attempts, last_error })
     }
 
-    /// A send placed on `broker` while fault avoidance isolates it and another of `writable` is available:
-    /// refused at once (`SERVICE_NOT_AVAILABLE`, which RocketMQ's producer retries on another broker) instead
-    /// of waiting out the send timeout on a broker known to be failing.
+    /// A send placed on `broker` while fault avoidance isolates it because a send to it failed, and another of
+    /// `writable` is available: refused at once (`SERVICE_NOT_AVAILABLE`, which RocketMQ's producer retries on
+    /// another broker) instead of waiting out the send timeout on a broker known to be failing.
+    ///
+    /// A broker isolated only for a slow answer is not refused: the client chose the queue (its selector, an
+    /// ordered send that retries on the same queue), and a slow first send on a loaded machine would otherwise
+    /// refuse every message of an ordered stream for the isolation's length, which straight at the broker all
+    /// land. Latency steers popgate's own choices of broker only, as it steers a Java producer's.
     fn refuse_isolated(&self, broker: &str, writable: &[String]) -> Option<PublishError> {
         let faults = self.faults.lock();
         let now = Instant::now();
-        if faults.is_available(broker, now) || !writable.iter().any(|b| faults.is_available(b, now)) {
+        let failed = faults.fault(broker).is_some_and(|fault| fault.last_error.is_some());
+        if !failed || faults.is_available(broker, now) || !writable.iter().any(|b| faults.is_available(b, now)) {
             return None;
         }
         let error = format!("broker `{broker}` is isolated by popgate's fault avoidance; send to another broker");
