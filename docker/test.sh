@@ -16,6 +16,9 @@ done
 for client_version in 4.9.3 4.9.8 5.1.0 5.4.0; do
   it/remoting-driver/build.sh "$client_version" >/dev/null
 done
+# it/go_client.rs drives Apache's Go client (rocketmq-client-go) through it/go-driver, built the same way (modules
+# from the Go module proxy, the binary cached under $HOME).
+it/go-driver/build.sh >/dev/null
 # The bench's smoke run (part of --all-targets) also starts Apache's own gRPC proxy: fetch its jars up front.
 docker/rocketmq/rocketmq.sh proxy-jars >/dev/null
 cargo fmt --check

@@ -12,6 +12,7 @@ mod delivery_core;
 mod dlq;
 mod fuzz;
 mod gauges;
+mod go_client;
 #[macro_use]
 mod grpc;
 mod grpc_raw;

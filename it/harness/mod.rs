@@ -3,9 +3,11 @@
 //! - [`rocketmq`]: Java name server + brokers (`java -cp`, jars fetched by `docker/rocketmq/rocketmq.sh jars`).
 //! - [`popgate`]: the popgate binary under test, with a generated config.
 //! - [`sdk`], [`remoting`]: Apache's Java clients (gRPC SDK, remoting client) run by the test drivers.
+//! - [`go_client`]: Apache's Go client (`rocketmq-client-go`, remoting) run by the Go test driver.
 //! - [`direct`]: a direct RocketMQ client, to check what reached the broker without trusting popgate.
 
 pub mod direct;
+pub mod go_client;
 pub mod popgate;
 pub mod push;
 pub mod remoting;

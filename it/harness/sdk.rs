@@ -77,10 +77,20 @@ impl Scenario {
     /// Starts `scenario` of the driver jar `jar` (a gRPC or a remoting driver; `client` says which client
     /// version, for messages).
     pub fn start_jar(jar: &std::path::Path, client: &str, jvm: &[&str], scenario: &str, args: &Value) -> Scenario {
-        let child = Command::new("java")
-            .args(jvm)
-            .arg("-jar")
-            .arg(jar)
+        let mut java = Command::new("java");
+        java.args(jvm).arg("-jar").arg(jar);
+        Self::spawn(java, client, scenario, args)
+    }
+
+    /// Starts `scenario` of the driver executable `binary` (the Go driver), which takes its arguments as the
+    /// jars do: `<scenario> <json args>`.
+    pub fn start_binary(binary: &std::path::Path, client: &str, scenario: &str, args: &Value) -> Scenario {
+        Self::spawn(Command::new(binary), client, scenario, args)
+    }
+
+    /// Runs `driver` with `<scenario> <json args>`, its stdout and stderr kept for [`Scenario::finish`].
+    fn spawn(mut driver: Command, client: &str, scenario: &str, args: &Value) -> Scenario {
+        let child = driver
             .arg(scenario)
             .arg(ascii_json(args))
             .stdin(Stdio::null())
