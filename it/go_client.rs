@@ -18,6 +18,10 @@ use crate::remoting::{create_topic, popgate_with_remoting, stored, stored_bodies
 
 /// How long one driver run may take on a loaded machine.
 const DRIVER_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long a consumer whose committed offsets a test reads stays up after its last message: the Go client
+/// commits every 5 s, and the commits it sends as it shuts down are one-way frames its connection may close on
+/// before they leave (straight at the cluster too; a loaded run lost one queue's commit that way).
+const OFFSETS_COMMITTED_MS: u64 = 6_000;
 
 /// A scenario's arguments: `extra` and the name server (popgate's remoting address, or the cluster's own). A
 /// first send asks for the topic's route and opens connections, seconds on a loaded machine, so a send may
@@ -207,7 +211,8 @@ async fn go_push_consumers_get_every_message_a_retried_one_again_from_the_retry_
 
     // "p-0" is answered ConsumeRetryLater once: it comes back through %RETRY%<group> after delay level 1 (1 s).
     let consume = json!({"topic": topic, "group": group, "expect": 4, "expectDeliveries": 5, "failBodies": ["p-0"],
-        "failTimes": 1, "retryDelayLevel": 1, "consumeFromWhere": "first", "timeoutMs": 60000, "settleMs": 2000});
+        "failTimes": 1, "retryDelayLevel": 1, "consumeFromWhere": "first", "timeoutMs": 60000,
+        "settleMs": OFFSETS_COMMITTED_MS});
     let clustering = go_client::start("push-consume", &args(&namesrv, consume));
     let produce = json!({"topic": bcast_topic, "group": "go_bcast_p", "count": 5, "bodyPrefix": "b"});
     let sent = go_client::run("produce", &args(&namesrv, produce), DRIVER_TIMEOUT).await;
@@ -281,7 +286,7 @@ async fn a_go_orderly_consumer_gets_each_queue_in_order_and_a_suspended_message_
     // The second message of order-a is suspended once: its queue is held, and it comes back before order-a-2.
     let consume = json!({"topic": topic, "group": group, "expect": 20, "expectDeliveries": 21, "orderly": true,
         "failBodies": ["order-a-1"], "failTimes": 1, "consumeFromWhere": "first", "timeoutMs": 60000,
-        "settleMs": 1000});
+        "settleMs": OFFSETS_COMMITTED_MS});
     let result = go_client::run("push-consume", &args(&namesrv, consume), DRIVER_TIMEOUT).await;
     assert_eq!(result["timedOut"], false, "{result}");
     for key in ["order-a", "order-b"] {
