@@ -24,6 +24,7 @@ mod push;
 mod reliability;
 mod remoting;
 mod remoting_hostile;
+mod rust_client;
 mod scopes;
 mod security;
 mod transaction;
