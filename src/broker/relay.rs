@@ -80,10 +80,17 @@ impl BrokerClient {
     }
 
     fn check_in_relay_handle(&self, handle: ClientInstanceHandle) {
-        let mut idle = self.relay_handles().idle.lock();
-        if idle.len() < IDLE_HANDLES_KEPT {
-            idle.push(handle);
+        {
+            let mut idle = self.relay_handles().idle.lock();
+            if idle.len() < IDLE_HANDLES_KEPT {
+                idle.push(handle);
+                return;
+            }
         }
+        // One more than the pool keeps gives its lease on the instance back (a handle merely dropped leaves the
+        // instance's lease count raised for good, and the crate warns of each); the instance itself stays up
+        // while popgate's own handle on it lives.
+        tokio::spawn(async move { handle.shutdown_owned().await });
     }
 }
 
