@@ -370,6 +370,15 @@ pub(crate) async fn ask(stream: &mut TcpStream, request: RemotingCommand) -> Opt
     read_answer(stream).await
 }
 
+/// A frame of a JSON `header` and no body, as a client that writes its own headers sends it.
+fn raw_frame(header: &str) -> Vec<u8> {
+    let mut frame = Vec::new();
+    frame.extend_from_slice(&u32::try_from(4 + header.len()).expect("small").to_be_bytes());
+    frame.extend_from_slice(&u32::try_from(header.len()).expect("small").to_be_bytes());
+    frame.extend_from_slice(header.as_bytes());
+    frame
+}
+
 /// Writes one request's frame to a raw connection.
 pub(crate) async fn send(stream: &mut TcpStream, request: RemotingCommand) {
     let frame = EncodedFrame::from_command(request).expect("encodes").into_bytes();
@@ -489,13 +498,24 @@ async fn bad_frames_get_a_clear_answer_or_a_closed_connection_and_are_counted() 
     // A route query as the Go client (rocketmq-client-go v2) writes it: its JSON header has no
     // `serializeTypeCurrentRPC`. Answered as a name server answers it, not closed.
     let go_header = r#"{"code":105,"language":"GO","version":317,"opaque":42,"flag":0,"remark":"","extFields":{"topic":"rm_bad_go_no_such_topic"}}"#;
-    let mut go_frame = Vec::new();
-    go_frame.extend_from_slice(&u32::try_from(4 + go_header.len()).expect("small").to_be_bytes());
-    go_frame.extend_from_slice(&u32::try_from(go_header.len()).expect("small").to_be_bytes());
-    go_frame.extend_from_slice(go_header.as_bytes());
-    stream.write_all(&go_frame).await.expect("write");
+    stream.write_all(&raw_frame(go_header)).await.expect("write");
     let answer = read_answer(&mut stream).await.expect("a Go client's frame is answered");
     assert_eq!((answer.code(), answer.opaque()), (17, 42), "TOPIC_NOT_EXIST, to its request: {:?}", answer.remark());
+
+    // A header RocketMQ's servers read but the decoder would not (a language it does not know, a number where
+    // Java writes text): read as they read it, and answered.
+    let lenient =
+        r#"{"code":105,"language":"KLINGON","version":"317","opaque":43,"extFields":{"topic":"rm_bad_lenient","n":7}}"#;
+    stream.write_all(&raw_frame(lenient)).await.expect("write");
+    let answer = read_answer(&mut stream).await.expect("answered");
+    assert_eq!((answer.code(), answer.opaque()), (17, 43), "TOPIC_NOT_EXIST: {:?}", answer.remark());
+    // A request whose header cannot be read as one: refused by its opaque, and the connection stays usable.
+    stream.write_all(&raw_frame(r#"{"code":"route","opaque":44,"language":"GO"}"#)).await.expect("write");
+    let answer = read_answer(&mut stream).await.expect("answered, not closed");
+    assert_eq!((answer.code(), answer.opaque()), (1, 44), "SYSTEM_ERROR to that request: {:?}", answer.remark());
+    assert!(answer.remark().is_some_and(|r| r.contains("`code`")), "names the field: {:?}", answer.remark());
+    let answer = ask(&mut stream, RemotingCommand::create_remoting_command(38)).await.expect("still served");
+    assert_eq!(answer.code(), 1);
 
     // A send whose header does not decode: refused as an illegal message, nothing sent.
     let mut send = RemotingCommand::create_remoting_command(310);
@@ -528,6 +548,7 @@ async fn bad_frames_get_a_clear_answer_or_a_closed_connection_and_are_counted() 
         popgate.metric("popgate_remoting_frame_errors_total{reason=\"oversize\"}").await >= 1.0
             && popgate.metric("popgate_remoting_frame_errors_total{reason=\"undecodable\"}").await >= 1.0
             && popgate.metric("popgate_remoting_frame_errors_total{reason=\"truncated\"}").await >= 1.0
+            && popgate.metric("popgate_remoting_frame_errors_total{reason=\"bad_header\"}").await == 1.0
     })
     .await;
     assert!(popgate.metric("popgate_remoting_requests_total{code=\"other\",result=\"not_supported\"}").await >= 1.0);

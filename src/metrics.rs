@@ -116,8 +116,10 @@ pub const REMOTING_CLIENTS: &str = "popgate_remoting_clients";
 pub const REMOTING_CONNECTIONS: &str = "popgate_remoting_connections";
 /// Counter: remoting connections closed at once because `remoting.max_connections` were open.
 pub const REMOTING_CONNECTIONS_REFUSED: &str = "popgate_remoting_connections_refused_total";
-/// Counter (`reason`): remoting connections closed on a frame that cannot be read (`oversize`, `undecodable`,
-/// `truncated`: the client left in the middle of one).
+/// Counter (`reason`): remoting frames that cannot be read: the connection closed on one over the limit
+/// (`oversize`), one that does not decode (`undecodable`), or cut off (`truncated`: the client left in the middle
+/// of it); or a request answered with an error on a connection kept (`bad_header`: a header field of a type no
+/// RocketMQ server reads).
 pub const REMOTING_FRAME_ERRORS: &str = "popgate_remoting_frame_errors_total";
 /// Counter (`reason`): remoting connections popgate closed on a client that went quiet (`idle`: no frame
 /// completed for `remoting.idle_timeout_secs`) or stopped reading its answers (`not_reading`).
@@ -206,7 +208,7 @@ const ZERO_SERIES: &[(&str, &str, &[&str])] = &[
     (SEND_DEGRADED, "status", &["FLUSH_DISK_TIMEOUT", "FLUSH_SLAVE_TIMEOUT", "SLAVE_NOT_AVAILABLE"]),
     (DELIVERIES_DISPATCHED, "transport", &["poll", "sse", "websocket", "webhook", "grpc"]),
     (PUSH_WRITE_FAILURES, "transport", &["sse", "websocket", "webhook"]),
-    (REMOTING_FRAME_ERRORS, "reason", &["oversize", "undecodable", "truncated"]),
+    (REMOTING_FRAME_ERRORS, "reason", &["oversize", "undecodable", "truncated", "bad_header"]),
     (REMOTING_CONNECTIONS_CLOSED, "reason", &["idle", "not_reading"]),
     (REMOTING_REREGISTRATIONS, "result", &["ok", "failed"]),
     (WEBHOOK_TARGETS_REFUSED, "reason", &["literal", "dns"]),

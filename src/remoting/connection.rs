@@ -32,7 +32,9 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Duration, Instant};
 
-use super::service::{Admitted, Front};
+use super::codes;
+use super::frame::Frame;
+use super::service::{error, Admitted, Front};
 use crate::metrics as m;
 use crate::tls::MaybeTls;
 
@@ -203,10 +205,20 @@ async fn read_loop(mut reader: ReadHalf<MaybeTls>, connection: &Connection, fron
     loop {
         let announced = announced_frame_len(&buffer);
         match super::frame::decode(&mut buffer, max_frame) {
-            Ok(Some(command)) => {
+            Ok(Some(Frame::Command(command))) => {
                 quiet_until = Instant::now() + idle;
                 let Some(place) = place_in_flight(&in_flight).await else { return };
                 dispatch(front, connection, command, place);
+                continue;
+            }
+            Ok(Some(Frame::Refused { opaque, why })) => {
+                quiet_until = Instant::now() + idle;
+                counter!(m::REMOTING_FRAME_ERRORS, "reason" => "bad_header").increment(1);
+                tracing::debug!(%peer, why, "Refused a remoting request whose header cannot be read.");
+                let answer = error(codes::SYSTEM_ERROR, why).set_opaque(opaque).set_language(LanguageCode::JAVA);
+                if !connection.answer(answer.mark_response_type()).await {
+                    return;
+                }
                 continue;
             }
             Ok(None) => {}
