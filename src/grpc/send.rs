@@ -10,7 +10,7 @@ use metrics::{counter, histogram};
 use super::names;
 use super::proto::{self as pb, Code, MessageType};
 use super::service::Front;
-use super::status::{ok, overall, status};
+use super::status::{ok, overall_of_sends, status};
 use crate::auth::Caller;
 use crate::config::PublishConfig;
 use crate::gateway;
@@ -50,7 +50,7 @@ pub(super) async fn send_messages(
         entries.push(send_one(front, caller, message, deadline).await);
     }
     let statuses: Vec<pb::Status> = entries.iter().filter_map(|e| e.status.clone()).collect();
-    pb::SendMessageResponse { status: Some(overall(&statuses)), entries }
+    pb::SendMessageResponse { status: Some(overall_of_sends(&statuses)), entries }
 }
 
 /// Sends one message and counts it as the HTTP front counts a publish (`transport="grpc"`).

@@ -24,16 +24,50 @@ pub fn ok() -> Status {
     status(Code::Ok, "OK")
 }
 
-/// The whole request's status from its entries': theirs when they agree, `MULTIPLE_RESULTS` when not.
+/// A response's status from its entries', as Apache's proxy makes it (`AckMessageActivity.setAckResponseStatus`):
+/// their code when they agree, `MULTIPLE_RESULTS` when not, and the code's name for words. The SDKs throw the
+/// response's status, so an app sees `INVALID_RECEIPT_HANDLE` (and matches on it); each entry keeps its own
+/// reason. Sends: [`overall_of_sends`].
 pub fn overall(entries: &[Status]) -> Status {
+    let code = match entries.first() {
+        None => return ok(),
+        Some(first) if entries.iter().all(|s| s.code == first.code) => first.code,
+        Some(_) => Code::MultipleResults as i32,
+    };
+    status_named(code)
+}
+
+/// A send's status from its entries': the entries' own when they agree. popgate sends one message at a time,
+/// and what fails one (a limit, a scope, the topic, the broker) is what Apache's proxy answers as the whole
+/// request's status, words included (an exception there, not an entry); `MULTIPLE_RESULTS` when they differ.
+pub fn overall_of_sends(entries: &[Status]) -> Status {
     match entries.first() {
-        None => ok(),
         Some(first) if entries.iter().all(|s| s.code == first.code) => first.clone(),
-        Some(_) => status(Code::MultipleResults, "entries differ; see each entry's status"),
+        _ => overall(entries),
     }
+}
+
+/// A status whose words are its code's name (`INVALID_RECEIPT_HANDLE`), as Apache's proxy words a response's.
+fn status_named(code: i32) -> Status {
+    Status { code, message: code_label(code).to_owned() }
 }
 
 /// The name of a code for metrics labels (`OK`, `TOPIC_NOT_FOUND`, …).
 pub fn code_label(code: i32) -> &'static str {
     Code::try_from(code).map(|c| c.as_str_name()).unwrap_or("UNKNOWN")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_responses_status_is_worded_with_its_code_as_by_apaches_proxy() {
+        let expired = status(Code::InvalidReceiptHandle, "receipt handle is expired: stale");
+        assert_eq!(overall(&[expired.clone()]), status(Code::InvalidReceiptHandle, "INVALID_RECEIPT_HANDLE"));
+        assert_eq!(overall(&[expired.clone(), ok()]), status(Code::MultipleResults, "MULTIPLE_RESULTS"));
+        assert_eq!(overall(&[ok(), ok()]), ok());
+        assert_eq!(overall_of_sends(&[expired.clone()]), expired, "a send's refusal keeps its words");
+        assert_eq!(overall_of_sends(&[expired, ok()]).message, "MULTIPLE_RESULTS");
+    }
 }
