@@ -160,6 +160,13 @@ fn refused_sends(topic: &str) -> Vec<Refused> {
         with("reserved property", Code::IllegalMessagePropertyKey, &|m| {
             m.user_properties.insert("KEYS".into(), "v".into());
         }),
+        // The keys popgate sets itself (the message id, a delivery time) are refused from the app too.
+        with("UNIQ_KEY as a user property", Code::IllegalMessagePropertyKey, &|m| {
+            m.user_properties.insert("UNIQ_KEY".into(), "mine".into());
+        }),
+        with("TIMER_DELIVER_MS as a user property", Code::IllegalMessagePropertyKey, &|m| {
+            m.user_properties.insert("TIMER_DELIVER_MS".into(), "0".into());
+        }),
         with("property value with a control character", Code::IllegalMessagePropertyKey, &|m| {
             m.user_properties.insert("p".into(), "v\u{0}".into());
         }),

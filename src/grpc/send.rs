@@ -3,6 +3,7 @@
 //! delivery timestamp, tag, keys and user properties become what the HTTP front makes of them. A
 //! transactional message becomes a half message, recorded by the transaction layer before it is answered.
 
+use std::collections::BTreeMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use metrics::{counter, histogram};
@@ -186,7 +187,9 @@ fn to_outgoing(
         return Err(status(Code::IllegalMessageId, "message id cannot be empty"));
     }
     let mut outgoing = OutgoingMessage::new(topic, message.body);
-    outgoing.properties.extend(message.user_properties);
+    // Kept apart for the limits: an app's `UNIQ_KEY` is refused, not taken for the id popgate sets below.
+    let user_properties: BTreeMap<String, String> = message.user_properties.into_iter().collect();
+    outgoing.properties.extend(user_properties.clone());
     let recovery_secs = system.orphaned_transaction_recovery_duration.map(|d| d.seconds.max(0));
     if half_group.is_some() && recovery_secs.is_some_and(|s| s > MAX_TRANSACTION_RECOVERY_SECS) {
         return Err(status(
@@ -221,7 +224,7 @@ fn to_outgoing(
         }
         (None, None) => {}
     }
-    config.limits.check(&outgoing).map_err(|broken| {
+    config.limits.check_with_user_properties(&outgoing, &user_properties).map_err(|broken| {
         let code = match broken.part {
             Part::Tag => Code::IllegalMessageTag,
             Part::Key => Code::IllegalMessageKey,

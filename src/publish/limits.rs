@@ -12,6 +12,7 @@
 //! | tag | not blank, no `\|`, no control character | |
 //! | each key, each property name and value | not blank (keys), no control character | |
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use crate::broker::client::now_millis;
@@ -92,13 +93,32 @@ impl MessageLimits {
     /// The first [`LimitError`] found.
     pub fn check(&self, message: &OutgoingMessage) -> Result<(), LimitError> {
         let user: Vec<(&String, &String)> = message.properties.iter().filter(|(k, _)| !is_set_by_popgate(k)).collect();
+        self.check_with(message, &user)
+    }
+
+    /// [`MessageLimits::check`] for a message whose user properties came apart from the ones popgate sets (an
+    /// SDK's, over gRPC): `user` are the app's own, so one named like a property popgate sets itself
+    /// (`UNIQ_KEY`, `TIMER_DELIVER_MS`) is refused as every name RocketMQ reserves is, as by Apache's proxy,
+    /// where [`MessageLimits::check`] cannot tell it from popgate's.
+    ///
+    /// # Errors
+    /// The first [`LimitError`] found.
+    pub fn check_with_user_properties(
+        &self,
+        message: &OutgoingMessage,
+        user: &BTreeMap<String, String>,
+    ) -> Result<(), LimitError> {
+        self.check_with(message, &user.iter().collect::<Vec<_>>())
+    }
+
+    fn check_with(&self, message: &OutgoingMessage, user: &[(&String, &String)]) -> Result<(), LimitError> {
         if user.len() > self.max_user_properties {
             return refuse(
                 Part::PropertiesTooLarge,
                 format!("too many user properties, max is {}", self.max_user_properties),
             );
         }
-        for (name, value) in &user {
+        for (name, value) in user {
             if is_reserved_property(name) {
                 return refuse(Part::Property, format!("property is used by system: {name}"));
             }
@@ -271,6 +291,21 @@ mod tests {
         let mut m = message();
         m.properties.insert("KEYS".into(), "v".into());
         assert_eq!(refused(&m), (Part::Property, "property is used by system: KEYS".to_owned()));
+    }
+
+    #[test]
+    fn an_apps_property_named_like_one_popgate_sets_is_refused_when_its_properties_are_told_apart() {
+        let mut m = message();
+        m.properties.insert(PROPERTY_UNIQ_KEY.into(), "popgate's id".into());
+        let limits = MessageLimits::default();
+        assert_eq!(limits.check(&m), Ok(()), "popgate's own is not counted as the app's");
+        for name in [PROPERTY_UNIQ_KEY, PROPERTY_TIMER_DELIVER_MS] {
+            let user = BTreeMap::from([(name.to_owned(), "mine".to_owned())]);
+            let error = limits.check_with_user_properties(&m, &user).expect_err("refused");
+            assert_eq!((error.part, error.message), (Part::Property, format!("property is used by system: {name}")));
+        }
+        let user = BTreeMap::from([("color".to_owned(), "red".to_owned())]);
+        assert_eq!(limits.check_with_user_properties(&m, &user), Ok(()));
     }
 
     #[test]
