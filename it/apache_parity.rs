@@ -252,6 +252,50 @@ async fn a_send_apaches_proxy_refuses_is_refused_by_popgate_with_the_same_code_a
     assert_eq!(direct.read_all(&other).await.len(), 0, "nothing stored");
 }
 
+/// A delivery time already past: Apache's proxy stores it (`TIMER_DELIVER_MS`; the broker keeps a past one as it
+/// is and delivers the message at once), so the consumer sees it as a DELAY message with its delivery timestamp
+/// (Apache's 5.x e2e suite fails with "DeliveryTimestamp is empty" otherwise).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_time_already_past_is_stored_and_received_as_through_apaches_proxy() {
+    let cluster = shared_cluster();
+    let topic = unique_topic("past_delivery");
+    // One broker, so the receive names it; typed DELAY, which Apache's proxy checks.
+    let broker = &cluster.brokers[0];
+    let direct = Direct::connect(&cluster.namesrv_addr).await;
+    direct.create_delay_topic(&topic, &[format!("127.0.0.1:{}", broker.port)]).await;
+    let popgate = crate::harness::popgate::Popgate::start(&cluster.namesrv_addr, "").await;
+    let proxy = tokio::task::block_in_place(|| ApacheProxy::start(cluster));
+
+    let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
+    let a_minute_ago_ms = i64::try_from(now_ms).expect("ms fit") - 60_000;
+    let past = prost_types::Timestamp {
+        seconds: a_minute_ago_ms / 1000,
+        nanos: i32::try_from(a_minute_ago_ms % 1000).expect("ms") * 1_000_000,
+    };
+    for (front, endpoint) in [("apache", &proxy.endpoint), ("popgate", &popgate.grpc)] {
+        let mut message = message_to(&topic, front);
+        message.system_properties.get_or_insert_with(Default::default).delivery_timestamp = Some(past);
+        let answer = send_raw(endpoint, vec![message]).await;
+        assert_eq!(send_status(&answer).0, Code::Ok as i32, "{front}: {answer:?}");
+    }
+    let stored = read_at_least(&direct, &topic, 2).await;
+    assert_eq!(stored.len(), 2, "both stored at once");
+    for message in &stored {
+        let front = String::from_utf8_lossy(&message.body);
+        let deliver_at = message.properties.get("TIMER_DELIVER_MS");
+        assert_eq!(deliver_at, Some(&a_minute_ago_ms.to_string()), "sent through {front}: {:?}", message.properties);
+    }
+
+    let mut client = crate::grpc_raw::connect(&popgate).await;
+    let received = receive_raw(&mut client, &format!("g_{topic}"), &topic, &broker.name, 2).await;
+    assert_eq!(received.len(), 2, "{received:#?}");
+    for message in &received {
+        let system = message.system_properties.clone().unwrap_or_default();
+        assert_eq!(system.delivery_timestamp, Some(past), "{message:?}");
+        assert_eq!(system.message_type, pb::MessageType::Delay as i32, "{message:?}");
+    }
+}
+
 /// A request with the headers the official SDKs send (Apache's proxy reads the client's language from them).
 fn sdk_request<T>(message: T) -> tonic::Request<T> {
     let mut call = request(message, None);

@@ -84,6 +84,14 @@ impl Direct {
         self.create_topic_as(config, broker_addrs).await;
     }
 
+    /// As [`Direct::create_topic`], typed for delayed messages (`+message.type=DELAY`): Apache's proxy refuses
+    /// a message with a delivery timestamp on a topic of another type.
+    pub async fn create_delay_topic(&self, topic: &str, broker_addrs: &[String]) {
+        let mut config = rocketmq_model::common::config::TopicConfig::with_queues(topic, 4, 4);
+        config.attributes.insert(CheetahString::from("+message.type"), CheetahString::from("DELAY"));
+        self.create_topic_as(config, broker_addrs).await;
+    }
+
     /// As [`Direct::create_topic`], typed for transactional messages (`+message.type=TRANSACTION`): a
     /// transactional send goes only to a topic of that type (or MIXED), through Apache's proxy and popgate.
     pub async fn create_transaction_topic(&self, topic: &str, broker_addrs: &[String]) {

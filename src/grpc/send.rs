@@ -4,7 +4,6 @@
 //! transactional message becomes a half message, recorded by the transaction layer before it is answered.
 
 use std::collections::BTreeMap;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use metrics::{counter, histogram};
 
@@ -216,11 +215,9 @@ fn to_outgoing(
         }
         (None, Some(at)) => {
             let deliver_at_ms = at.seconds.saturating_mul(1000).saturating_add(i64::from(at.nanos / 1_000_000));
-            let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64);
-            // A time already past is delivered at once, as by the broker.
-            if deliver_at_ms > now_ms {
-                outgoing.properties.insert(DELIVER_AT_PROPERTY.to_owned(), deliver_at_ms.to_string());
-            }
+            // A time already past is kept, as by Apache's proxy: the broker stores the message as it is and
+            // delivers it at once, and its consumer sees a DELAY message with the time it was sent with.
+            outgoing.properties.insert(DELIVER_AT_PROPERTY.to_owned(), deliver_at_ms.to_string());
         }
         (None, None) => {}
     }
