@@ -28,10 +28,18 @@ pub fn ok() -> Status {
 /// their code when they agree, `MULTIPLE_RESULTS` when not, and the code's name for words. The SDKs throw the
 /// response's status, so an app sees `INVALID_RECEIPT_HANDLE` (and matches on it); each entry keeps its own
 /// reason. Sends: [`overall_of_sends`].
+///
+/// A refusal of the caller (`UNAUTHORIZED`, `FORBIDDEN`) keeps its words: Apache's proxy refuses such a request
+/// as a whole, before its entries, with the reason as the status message.
 pub fn overall(entries: &[Status]) -> Status {
     let code = match entries.first() {
         None => return ok(),
-        Some(first) if entries.iter().all(|s| s.code == first.code) => first.code,
+        Some(first) if entries.iter().all(|s| s.code == first.code) => {
+            if [Code::Unauthorized as i32, Code::Forbidden as i32].contains(&first.code) {
+                return first.clone();
+            }
+            first.code
+        }
         Some(_) => Code::MultipleResults as i32,
     };
     status_named(code)
@@ -67,6 +75,8 @@ mod tests {
         assert_eq!(overall(&[expired.clone()]), status(Code::InvalidReceiptHandle, "INVALID_RECEIPT_HANDLE"));
         assert_eq!(overall(&[expired.clone(), ok()]), status(Code::MultipleResults, "MULTIPLE_RESULTS"));
         assert_eq!(overall(&[ok(), ok()]), ok());
+        let forbidden = status(Code::Forbidden, "token `app` may not consume as group `g`");
+        assert_eq!(overall(&[forbidden.clone()]), forbidden, "a refusal of the caller keeps its reason");
         assert_eq!(overall_of_sends(&[expired.clone()]), expired, "a send's refusal keeps its words");
         assert_eq!(overall_of_sends(&[expired, ok()]).message, "MULTIPLE_RESULTS");
     }
