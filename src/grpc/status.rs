@@ -72,12 +72,15 @@ mod tests {
     #[test]
     fn a_responses_status_is_worded_with_its_code_as_by_apaches_proxy() {
         let expired = status(Code::InvalidReceiptHandle, "receipt handle is expired: stale");
-        assert_eq!(overall(&[expired.clone()]), status(Code::InvalidReceiptHandle, "INVALID_RECEIPT_HANDLE"));
+        assert_eq!(
+            overall(std::slice::from_ref(&expired)),
+            status(Code::InvalidReceiptHandle, "INVALID_RECEIPT_HANDLE")
+        );
         assert_eq!(overall(&[expired.clone(), ok()]), status(Code::MultipleResults, "MULTIPLE_RESULTS"));
         assert_eq!(overall(&[ok(), ok()]), ok());
         let forbidden = status(Code::Forbidden, "token `app` may not consume as group `g`");
-        assert_eq!(overall(&[forbidden.clone()]), forbidden, "a refusal of the caller keeps its reason");
-        assert_eq!(overall_of_sends(&[expired.clone()]), expired, "a send's refusal keeps its words");
+        assert_eq!(overall(std::slice::from_ref(&forbidden)), forbidden, "a refusal of the caller keeps its reason");
+        assert_eq!(overall_of_sends(std::slice::from_ref(&expired)), expired, "a send's refusal keeps its words");
         assert_eq!(overall_of_sends(&[expired, ok()]).message, "MULTIPLE_RESULTS");
     }
 }
