@@ -8,11 +8,13 @@
 //! - [`relay`]: a remoting client's request passed to a broker or name server unchanged (the remoting front).
 //! - [`stats`]: the broker's figures behind the operators' gauges (a group's backlog, a topic's depth).
 //! - [`message`]: popgate's message type, free of client-crate types.
+//! - [`content`]: what a message's body holds (`POPGATE_CONTENT_TYPE`), and the one rule for how HTTP hands it back.
 //! - [`transaction`]: half messages' END_TRANSACTION, and a topic's message type.
 
 pub mod admin;
 pub mod client;
 pub mod consumer;
+pub mod content;
 #[cfg(test)]
 mod fake_peer;
 pub mod fault;

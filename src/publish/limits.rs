@@ -16,6 +16,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use crate::broker::client::now_millis;
+use crate::broker::content::PROPERTY_CONTENT_TYPE;
 use crate::broker::message::{
     is_reserved_property, OutgoingMessage, PROPERTY_SHARDING_KEY, PROPERTY_TIMER_DELIVER_MS, PROPERTY_UNIQ_KEY,
 };
@@ -80,9 +81,10 @@ fn client_delivery_time(message: &OutgoingMessage) -> Option<i64> {
     Some(now_millis().saturating_add(delay_ms))
 }
 
-/// Properties a front sets itself: not the user's, so not counted against the user's limits.
+/// Properties a front sets itself: not the user's, so not counted against the user's limits. (An app on
+/// another front may set [`PROPERTY_CONTENT_TYPE`] too; its value is still checked for control characters.)
 fn is_set_by_popgate(name: &str) -> bool {
-    matches!(name, PROPERTY_SHARDING_KEY | PROPERTY_TIMER_DELIVER_MS | PROPERTY_UNIQ_KEY)
+    matches!(name, PROPERTY_SHARDING_KEY | PROPERTY_TIMER_DELIVER_MS | PROPERTY_UNIQ_KEY | PROPERTY_CONTENT_TYPE)
 }
 
 impl MessageLimits {
@@ -128,6 +130,9 @@ impl MessageLimits {
             if has_control_character(value) {
                 return refuse(Part::Property, "the value of property cannot contain control character");
             }
+        }
+        if message.properties.get(PROPERTY_CONTENT_TYPE).is_some_and(|value| has_control_character(value)) {
+            return refuse(Part::Property, "the value of property cannot contain control character");
         }
         if let Some(tag) = message.tags.as_deref() {
             Self::check_tag(tag)?;
@@ -274,6 +279,19 @@ mod tests {
         let mut m = message();
         m.properties.insert(PROPERTY_SHARDING_KEY.into(), "g".repeat(64));
         assert_eq!(refused(&m), (Part::MessageGroup, "message group exceed the max size 64".to_owned()));
+    }
+
+    #[test]
+    fn the_content_type_popgate_sets_is_no_user_property_but_is_checked_for_control_characters() {
+        let mut m = message();
+        for i in 0..128 {
+            m.properties.insert(format!("p{i}"), "v".into());
+        }
+        m.properties.insert(PROPERTY_CONTENT_TYPE.into(), "application/json".into());
+        assert_eq!(MessageLimits::default().check(&m), Ok(()), "128 user properties and popgate's own");
+        let mut m = message();
+        m.properties.insert(PROPERTY_CONTENT_TYPE.into(), "text/plain\u{1}x".into());
+        assert_eq!(refused(&m), (Part::Property, "the value of property cannot contain control character".to_owned()));
     }
 
     #[test]

@@ -27,6 +27,7 @@ use serde_json::{Map, Value};
 
 use super::limits::{MessageLimits, Part};
 use crate::broker::client::now_millis;
+use crate::broker::content::{DataKind, PROPERTY_CONTENT_TYPE};
 use crate::broker::message::{
     is_reserved_property, is_valid_name, OutgoingMessage, MAX_NAME_LEN, PROPERTY_SHARDING_KEY,
     PROPERTY_TIMER_DELIVER_MS,
@@ -247,8 +248,9 @@ fn parse_popgate_json(topic_param: Option<&str>, map: &Map<String, Value>) -> Re
         return Err(RequestError::invalid_field(unknown, format!("unknown field `{unknown}`")));
     }
     let topic = topic(topic_param, optional_str(map, "topic")?)?;
-    let body = data(map, "data", "dataBase64")?;
+    let (body, kind) = data(map, "data", "dataBase64")?;
     let mut message = OutgoingMessage::new(topic, body);
+    set_content_type(&mut message, kind);
     message.tags = optional_str(map, "tags")?.map(|t| validated_tags(t.to_owned())).transpose()?;
     message.keys = keys(map.get("keys"))?;
     for (name, value) in string_map(map.get("properties"), "properties")? {
@@ -274,8 +276,9 @@ fn parse_cloudevent_structured(
     map: &Map<String, Value>,
 ) -> Result<OutgoingMessage, RequestError> {
     let topic = topic(topic_param, None)?;
-    let body = data(map, "data", "data_base64")?;
+    let (body, kind) = data(map, "data", "data_base64")?;
     let mut message = OutgoingMessage::new(topic, body);
+    set_content_type(&mut message, kind);
     for (name, value) in map {
         if name == "data" || name == "data_base64" {
             continue;
@@ -312,6 +315,9 @@ fn parse_cloudevent_binary(
     }
     if let Some(content_type) = header_str(headers, "content-type") {
         add_cloudevent_attribute(&mut message, "datacontenttype", content_type.to_owned())?;
+        if let Some(kind) = DataKind::of_media_type(content_type) {
+            set_content_type(&mut message, kind);
+        }
     }
     finish_cloudevent(message)
 }
@@ -349,6 +355,9 @@ fn add_user_property(message: &mut OutgoingMessage, name: String, value: String)
     if name.is_empty() || is_reserved_property(&name) {
         return Err(RequestError::invalid_field(&field, "empty or reserved by RocketMQ"));
     }
+    if name == PROPERTY_CONTENT_TYPE {
+        return Err(RequestError::invalid_field(&field, "reserved by popgate: the shape of `data` sets it"));
+    }
     if has_separator(&name) || has_separator(&value) {
         return Err(RequestError::invalid_field(&field, "must not contain the control characters \\u0001 or \\u0002"));
     }
@@ -382,24 +391,30 @@ fn topic(param: Option<&str>, field: Option<&str>) -> Result<String, RequestErro
     Ok(topic.to_owned())
 }
 
-/// The message body: `data` (a string is sent as its UTF-8 bytes, any other JSON value as JSON text) or
-/// `dataBase64` (binary). Exactly one of them.
-fn data(map: &Map<String, Value>, text_field: &str, base64_field: &str) -> Result<Bytes, RequestError> {
+/// The message body and what it holds: `data` (a string is sent as its UTF-8 bytes, any other JSON value as
+/// JSON text) or `dataBase64` (binary). Exactly one of them.
+fn data(map: &Map<String, Value>, text_field: &str, base64_field: &str) -> Result<(Bytes, DataKind), RequestError> {
     match (map.get(text_field), map.get(base64_field)) {
         (Some(_), Some(_)) => {
             Err(RequestError::invalid_field(base64_field, format!("give `{text_field}` or `{base64_field}`, not both")))
         }
-        (Some(Value::String(s)), None) => Ok(Bytes::from(s.clone().into_bytes())),
+        (Some(Value::String(s)), None) => Ok((Bytes::from(s.clone().into_bytes()), DataKind::Text)),
         (Some(Value::Null), None) | (None, None) => {
             Err(RequestError::invalid_field(text_field, format!("`{text_field}` or `{base64_field}` is required")))
         }
-        (Some(other), None) => Ok(Bytes::from(other.to_string().into_bytes())),
+        (Some(other), None) => Ok((Bytes::from(other.to_string().into_bytes()), DataKind::Json)),
         (None, Some(Value::String(encoded))) => base64::engine::general_purpose::STANDARD
             .decode(encoded)
-            .map(Bytes::from)
+            .map(|bytes| (Bytes::from(bytes), DataKind::Binary))
             .map_err(|e| RequestError::invalid_field(base64_field, format!("not valid base64: {e}"))),
         (None, Some(_)) => Err(RequestError::invalid_field(base64_field, "must be a base64 string")),
     }
+}
+
+/// Keeps what the body holds with the message, so every HTTP way out hands it back in the shape it came in
+/// ([`crate::broker::content::http_data`]).
+fn set_content_type(message: &mut OutgoingMessage, kind: DataKind) {
+    message.properties.insert(PROPERTY_CONTENT_TYPE.to_owned(), kind.media_type().to_owned());
 }
 
 fn optional_str<'a>(map: &'a Map<String, Value>, field: &str) -> Result<Option<&'a str>, RequestError> {

@@ -64,6 +64,32 @@ fn non_string_data_is_sent_as_json_text_and_base64_as_bytes() {
 }
 
 #[test]
+fn the_shape_of_data_is_kept_as_the_content_type() {
+    let content_type = |body: &str| json(body).unwrap().properties.get(PROPERTY_CONTENT_TYPE).cloned();
+    assert_eq!(content_type(r#"{"topic":"t","data":{"a":1}}"#).as_deref(), Some("application/json"));
+    assert_eq!(content_type(r#"{"topic":"t","data":42}"#).as_deref(), Some("application/json"));
+    assert_eq!(content_type(r#"{"topic":"t","data":"{\"a\":1}"}"#).as_deref(), Some("text/plain; charset=utf-8"));
+    assert_eq!(content_type(r#"{"topic":"t","dataBase64":"aGk="}"#).as_deref(), Some("application/octet-stream"));
+    let h = headers(&[("content-type", "application/cloudevents+json")]);
+    let structured = |data: &str| {
+        let body = format!(r#"{{"specversion":"1.0","id":"e","source":"/s","type":"x",{data}}}"#);
+        let m = parse_message(&h, Some("t"), &Bytes::from(body), MAX, &MessageLimits::default());
+        m.unwrap().properties.get(PROPERTY_CONTENT_TYPE).cloned()
+    };
+    assert_eq!(structured(r#""data":[1]"#).as_deref(), Some("application/json"));
+    assert_eq!(structured(r#""data":"x""#).as_deref(), Some("text/plain; charset=utf-8"));
+    assert_eq!(structured(r#""data_base64":"AA==""#).as_deref(), Some("application/octet-stream"));
+}
+
+#[test]
+fn the_content_type_property_is_popgates_own() {
+    assert_eq!(
+        field_of(json(r#"{"topic":"t","data":"x","properties":{"POPGATE_CONTENT_TYPE":"application/json"}}"#)),
+        "properties.POPGATE_CONTENT_TYPE"
+    );
+}
+
+#[test]
 fn the_topic_parameter_wins_over_the_body() {
     let h = headers(&[("content-type", "application/json")]);
     let m = parse_message(
@@ -140,7 +166,18 @@ fn binary_cloudevents_read_ce_headers_and_keep_the_body() {
     let m = parse_message(&h, Some("orders"), &Bytes::from_static(&[9, 8, 7]), MAX, &MessageLimits::default()).unwrap();
     assert_eq!(&m.body[..], &[9, 8, 7]);
     assert_eq!(m.properties.get("ce_datacontenttype").map(String::as_str), Some("application/octet-stream"));
+    assert_eq!(m.properties.get(PROPERTY_CONTENT_TYPE).map(String::as_str), Some("application/octet-stream"));
     assert_eq!(m.keys, vec!["e-2"]);
+    let ce = [("ce-specversion", "1.0"), ("ce-id", "e-3"), ("ce-source", "/s"), ("ce-type", "t.x")];
+    for (content_type, kept) in [
+        ("application/json; charset=utf-8", Some("application/json")),
+        ("text/plain", Some("text/plain; charset=utf-8")),
+        ("application/xml", None),
+    ] {
+        let h = headers(&[ce.as_slice(), &[("content-type", content_type)]].concat());
+        let m = parse_message(&h, Some("orders"), &Bytes::from_static(b"{}"), MAX, &MessageLimits::default()).unwrap();
+        assert_eq!(m.properties.get(PROPERTY_CONTENT_TYPE).map(String::as_str), kept, "{content_type}");
+    }
 }
 
 #[test]
