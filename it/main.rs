@@ -7,6 +7,7 @@
 mod apache_parity;
 mod config;
 mod dashboards;
+mod data;
 mod delivery;
 mod delivery_core;
 mod dlq;

@@ -26,7 +26,6 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use axum::Json;
-use base64::Engine;
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -34,7 +33,7 @@ use serde_json::{json, Value};
 use super::guard::{read_body, rejected, Budget};
 use super::{ApiError, AppState};
 use crate::auth::Caller;
-use crate::delivery::{Dispatched, Event, FilterType, NackOutcome, Subscription, SubscriptionRequest};
+use crate::delivery::{content, Dispatched, Event, FilterType, NackOutcome, Subscription, SubscriptionRequest};
 use crate::gateway;
 
 /// Default long-poll wait when `waitMs` is absent.
@@ -226,21 +225,19 @@ pub fn delivery_json(delivery: &Dispatched) -> Value {
     })
 }
 
-/// The wire form of one event: a delivery's, a transaction check-back's.
+/// The wire form of one event: a delivery's, a transaction check-back's. Its `data` (or `dataBase64`) is
+/// shaped by [`content::http_data`].
 pub fn event_json(event: &Event) -> Value {
     let mut event_json = json!({
         "id": event.id,
         "topic": event.topic,
         "tags": event.tags,
         "keys": event.keys,
-        "properties": event.properties,
+        "properties": content::user_properties(&event.properties),
         "bornTimestamp": event.born_timestamp,
     });
-    match std::str::from_utf8(&event.body) {
-        Ok(text) => event_json["data"] = Value::String(text.to_owned()),
-        Err(_) => {
-            event_json["dataBase64"] = Value::String(base64::engine::general_purpose::STANDARD.encode(&event.body));
-        }
+    if let Value::Object(fields) = &mut event_json {
+        content::http_data(&event.properties, &event.body).insert_into(fields);
     }
     event_json
 }

@@ -45,6 +45,9 @@ use std::time::Duration;
 
 use tokio::task::JoinHandle;
 
+/// How an event's data is handed back over HTTP: the rule lives beside the message type, as the publish path
+/// writes the property it reads; the fronts reach it through here.
+pub use crate::broker::content;
 pub use record::{Event, FilterType, Holder, Subscription};
 pub use state::new_delivery_id;
 pub use subscriber::Subscriber;

@@ -6,9 +6,11 @@ use std::collections::{BTreeMap, HashSet};
 
 use base64::Engine;
 use serde::Serialize;
+use serde_json::Value;
 
 use super::replay::{ReplayRecord, ReplayState};
 use super::{ledger_key, DlqAdmin, DlqError};
+use crate::broker::content;
 use crate::broker::pull::StoredMessage;
 use crate::delivery::dlq::{
     DLQ_ORIGIN_MESSAGE_ID, DLQ_ORIGIN_TOPIC, POPGATE_ATTEMPTS, POPGATE_DEAD_LETTERED_AT, POPGATE_DELIVERY_ID,
@@ -79,12 +81,12 @@ pub struct BrowsedMessage {
     pub tags: Option<String>,
     /// Message keys.
     pub keys: Vec<String>,
-    /// The event's user properties.
+    /// The event's user properties (popgate's content type left out: `data` shows it).
     pub properties: BTreeMap<String, String>,
-    /// The body as text, when it is UTF-8.
+    /// The body as a subscriber gets it: the JSON value, or text ([`content::http_data`]).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub data: Option<String>,
-    /// The body in base64, when it is not UTF-8.
+    pub data: Option<Value>,
+    /// The body in base64, when it is bytes.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub data_base64: Option<String>,
     /// A replay that started and did not finish (popgate stopped mid-way): the next replay sends it again
@@ -111,10 +113,7 @@ const DLQ_MARKERS: [&str; 8] = [
 impl BrowsedMessage {
     fn new(stored: StoredMessage, broker: &str, interrupted_replay: Option<ReplayRecord>) -> BrowsedMessage {
         let property = |name: &str| stored.properties.get(name).cloned();
-        let (data, data_base64) = match std::str::from_utf8(&stored.body) {
-            Ok(text) => (Some(text.to_owned()), None),
-            Err(_) => (None, Some(base64::engine::general_purpose::STANDARD.encode(&stored.body))),
-        };
+        let (data, data_base64) = content::http_data(&stored.properties, &stored.body).into_fields();
         BrowsedMessage {
             message_id: stored.id().to_owned(),
             broker: broker.to_owned(),
@@ -129,7 +128,7 @@ impl BrowsedMessage {
             store_timestamp: stored.store_timestamp,
             tags: stored.tags.clone(),
             keys: stored.keys.clone(),
-            properties: user_properties(&stored.properties),
+            properties: content::user_properties(&user_properties(&stored.properties)),
             data,
             data_base64,
             interrupted_replay,

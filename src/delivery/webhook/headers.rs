@@ -76,7 +76,7 @@ pub struct CloudEventHeaders {
     pub source: HeaderValue,
     /// `ce-type`: the producer's, or `popgate.event`.
     pub event_type: HeaderValue,
-    /// `content-type`: the producer's `datacontenttype`, or `application/octet-stream`.
+    /// `content-type`: the producer's `datacontenttype`, or else what the body holds (`data_type`).
     pub content_type: HeaderValue,
     /// `ce-<name>` for each extension attribute, by name.
     pub extensions: Vec<Header>,
@@ -84,8 +84,14 @@ pub struct CloudEventHeaders {
     pub skipped: Vec<Skipped>,
 }
 
-/// Maps an event's properties to its CloudEvents headers.
-pub fn cloudevent_headers(properties: &BTreeMap<String, String>, topic: &str) -> CloudEventHeaders {
+/// Maps an event's properties to its CloudEvents headers. `data_type` is the `content-type` when the producer
+/// gave no `datacontenttype` (or no media type): what the body holds, by
+/// [`crate::broker::content::HttpData::media_type`].
+pub fn cloudevent_headers(
+    properties: &BTreeMap<String, String>,
+    topic: &str,
+    data_type: &'static str,
+) -> CloudEventHeaders {
     let mut skipped = Vec::new();
     let mut attribute = |name: &str, encode: fn(&str) -> Option<HeaderValue>| {
         let key = format!("{PROPERTY_PREFIX}{name}");
@@ -100,8 +106,7 @@ pub fn cloudevent_headers(properties: &BTreeMap<String, String>, topic: &str) ->
         .or_else(|| percent_encoded(&format!("/popgate/{topic}")))
         .unwrap_or_else(|| HeaderValue::from_static("/popgate"));
     let event_type = attribute("type", percent_encoded).unwrap_or_else(|| HeaderValue::from_static("popgate.event"));
-    let content_type = attribute("datacontenttype", media_type)
-        .unwrap_or_else(|| HeaderValue::from_static("application/octet-stream"));
+    let content_type = attribute("datacontenttype", media_type).unwrap_or_else(|| HeaderValue::from_static(data_type));
     let (extensions, extension_skips) = extensions(properties);
     skipped.extend(extension_skips);
     CloudEventHeaders { source, event_type, content_type, extensions, skipped }
@@ -181,7 +186,7 @@ mod tests {
 
     fn headers(properties: &[(&str, &str)]) -> CloudEventHeaders {
         let map = properties.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
-        cloudevent_headers(&map, "orders")
+        cloudevent_headers(&map, "orders", "application/octet-stream")
     }
 
     fn extension<'a>(h: &'a CloudEventHeaders, name: &str) -> Option<&'a str> {
@@ -279,6 +284,14 @@ mod tests {
     }
 
     #[test]
+    fn without_a_datacontenttype_the_content_type_is_what_the_body_holds() {
+        let none = BTreeMap::new();
+        assert_eq!(cloudevent_headers(&none, "t", "application/json").content_type, "application/json");
+        let producers = BTreeMap::from([("ce_datacontenttype".to_owned(), "application/xml".to_owned())]);
+        assert_eq!(cloudevent_headers(&producers, "t", "application/json").content_type, "application/xml");
+    }
+
+    #[test]
     fn a_content_type_that_is_no_media_type_falls_back_to_the_default() {
         for bad in ["text/plain\r\nX-Evil: 1", "", "  ", "text/plän", "a\u{0}b"] {
             let h = headers(&[("ce_datacontenttype", bad)]);
@@ -319,7 +332,7 @@ mod tests {
         use proptest::prelude::*;
         let names = "(ce_)?[a-zA-Z0-9_\\-:\\r\\n ]{0,24}|ce_\\PC{0,24}";
         proptest!(|(properties in proptest::collection::btree_map(names, "\\PC{0,64}", 0..12))| {
-            let h = cloudevent_headers(&properties, "t");
+            let h = cloudevent_headers(&properties, "t", "application/octet-stream");
             let own = [
                 (HeaderName::from_static("ce-source"), h.source.clone()),
                 (HeaderName::from_static("ce-type"), h.event_type.clone()),

@@ -7,7 +7,7 @@
 //! POST <url>
 //! ce-specversion: 1.0            ce-id: <event id>      ce-source: <the producer's, or /popgate/<topic>>
 //! ce-type: <the producer's, or popgate.event>           (each extension attribute of the event as ce-*)
-//! content-type: <the producer's datacontenttype, or application/octet-stream>
+//! content-type: <the producer's datacontenttype, else what the body holds (broker::content), e.g. application/json>
 //! X-Popgate-Delivery-Id: <deliveryId>    X-Popgate-Attempt: <n>    X-Popgate-Timestamp: <unix seconds>
 //! X-Popgate-Signature: sha256=<hex HMAC-SHA256(secret, "<timestamp>.<deliveryId>.<body>")>
 //!
@@ -35,6 +35,7 @@ use sha2::Sha256;
 
 use super::Dispatcher;
 use super::{DeliveryError, Dispatched};
+use crate::broker::content;
 use crate::metrics as m;
 pub use target::TargetPolicy;
 
@@ -196,7 +197,8 @@ impl Pusher {
             return refused(delivery, "literal", &forbidden.to_string());
         }
         let timestamp = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-        let ce = headers::cloudevent_headers(&event.properties, &event.topic);
+        let data_type = content::http_data(&event.properties, &event.body).media_type();
+        let ce = headers::cloudevent_headers(&event.properties, &event.topic, data_type);
         self.report_skips(delivery, &ce.skipped);
         let mut request = self
             .client
