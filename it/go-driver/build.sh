@@ -16,6 +16,8 @@
 #      GO_DRIVER_DIR (default $HOME/.cache/popgate/go-driver).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=../driver-common/cached-build.sh
+source "$here/../driver-common/cached-build.sh"
 force=""
 if [[ "${1:-}" == "--force" ]]; then force=1; shift; fi
 out="${GO_DRIVER_DIR:-$HOME/.cache/popgate/go-driver}"
@@ -25,28 +27,13 @@ stamp="$out/.go-driver.inputs.sha256"
 go="${GO:-go}"
 
 inputs_hash() {
-  (cd "$here" && "$go" version && { echo build.sh; echo go.mod; echo go.sum; find . -maxdepth 1 -name '*.go' | LC_ALL=C sort; } |
-    while read -r f; do
-      printf '%s  ' "$f"; sha256sum < "$f"
-    done) | sha256sum | cut -d' ' -f1
+  (cd "$here" && "$go" version &&
+    { echo build.sh; echo go.mod; echo go.sum; echo ../driver-common/cached-build.sh;
+      find . -maxdepth 1 -name '*.go' | LC_ALL=C sort; } | file_hashes) | sha256sum | cut -d' ' -f1
 }
 
 want="$(inputs_hash)"
-if [[ -z "$force" && -x "$bin" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
-  echo "$bin"
-  exit 0
-fi
-
-# One build at a time, even when several test binaries call this at once.
-exec 9>"$out/.build.lock"
-flock 9
-# Another caller may have built it while we waited for the lock.
-if [[ -z "$force" && -x "$bin" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
-  echo "$bin"
-  exit 0
-fi
-
-rm -f "$stamp"
+reuse_or_lock "$bin" "$stamp" "$want" "$force"
 start=$(date +%s)
 # Built next to the old binary, then renamed over it: a driver still running keeps its file.
 (cd "$here" && GOFLAGS="${GOFLAGS:-} -mod=readonly" nice -n "${GO_NICE:-10}" "$go" build -trimpath -o "$bin.new" .) >&2

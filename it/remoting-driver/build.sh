@@ -12,6 +12,8 @@
 #      REMOTING_DRIVER_DIR (default $HOME/.cache/popgate/remoting-driver).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=../driver-common/cached-build.sh
+source "$here/../driver-common/cached-build.sh"
 force=""
 if [[ "${1:-}" == "--force" ]]; then force=1; shift; fi
 version="${1:-5.4.0}"
@@ -27,28 +29,13 @@ acl_separate=false
 if [[ "$(printf '%s\n%s\n' "$version" 5.4.0 | sort -V | head -n1)" != "5.4.0" ]]; then acl_separate=true; fi
 
 inputs_hash() {
-  (cd "$here" && echo "client $version acl-separate $acl_separate" && { echo build.sh; echo pom.xml; find src ../driver-common/src -type f | LC_ALL=C sort; } |
-    while read -r f; do
-      printf '%s  ' "$f"; sha256sum < "$f"
-    done) | sha256sum | cut -d' ' -f1
+  (cd "$here" && echo "client $version acl-separate $acl_separate" &&
+    { echo build.sh; echo pom.xml; find src ../driver-common/src -type f | LC_ALL=C sort; } | file_hashes) |
+    sha256sum | cut -d' ' -f1
 }
 
 want="$(inputs_hash)"
-if [[ -z "$force" && -f "$jar" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
-  echo "$jar"
-  exit 0
-fi
-
-# One build at a time, even when several test binaries call this at once.
-exec 9>"$out/.build.lock"
-flock 9
-# Another caller may have built it while we waited for the lock.
-if [[ -z "$force" && -f "$jar" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
-  echo "$jar"
-  exit 0
-fi
-
-rm -f "$stamp"
+reuse_or_lock "$jar" "$stamp" "$want" "$force"
 start=$(date +%s)
 nice -n "${MVN_NICE:-10}" "${MVN:-mvn}" -q -B -Dstyle.color=never -Ddriver.buildDir="$out" \
   -Drocketmq.client.version="$version" -Drocketmq.acl.separate="$acl_separate" -f "$here/pom.xml" package >&2
