@@ -393,6 +393,11 @@ fn offset_commit_relays(result: &str) -> String {
 /// The next answer on a raw connection, past popgate's own one-way pushes (`NOTIFY_CONSUMER_IDS_CHANGED` after
 /// a heartbeat, say); `None` when the connection closed.
 pub(crate) async fn read_answer(stream: &mut TcpStream) -> Option<RemotingCommand> {
+    read_answer_within(stream, Duration::from_secs(30)).await
+}
+
+/// [`read_answer`], waiting up to `quiet` for each read.
+async fn read_answer_within(stream: &mut TcpStream, quiet: Duration) -> Option<RemotingCommand> {
     let mut buffer = BytesMut::new();
     loop {
         while let Some(frame) = RemotingCommand::decode(&mut buffer).expect("an answer decodes") {
@@ -400,7 +405,7 @@ pub(crate) async fn read_answer(stream: &mut TcpStream) -> Option<RemotingComman
                 return Some(frame);
             }
         }
-        let read = tokio::time::timeout(Duration::from_secs(30), stream.read_buf(&mut buffer)).await.expect("answered");
+        let read = tokio::time::timeout(quiet, stream.read_buf(&mut buffer)).await.expect("answered");
         if read.expect("read") == 0 {
             return None;
         }
@@ -1209,10 +1214,79 @@ async fn a_consumer_keeps_consuming_at_once_after_popgates_connection_to_its_bro
     // were refused SUBSCRIPTION_NOT_LATEST until the 20 s rebalance (seen: 22 s here, 30 s in an app).
     assert!(first < 10_000, "a new consumer's first message came {first} ms after its send: {result}");
     // A pull held at the broker when the connection was cut fails after its suspend time and popgate's margin
-    // (15 s + 5 s), the client pulls again 3 s later, and that pull is served: within 30 s, where before the
+    // (15 s + 10 s), the client pulls again 3 s later, and that pull is served: within 30 s, where before the
     // pulls were refused until the client's next heartbeat (2 minutes here). The client's own rebalance may
     // send a heartbeat sooner; whichever registers the group first, the message must not wait for the periodic one.
     assert!(second < 30_000, "consumed {second} ms after its send: {result}");
     let registered_again = popgate.metric(r#"popgate_remoting_reregistrations_total{result="ok"}"#).await;
     println!("popgate registered the group again {registered_again} times");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relayed_pull_popgate_gives_up_on_does_not_fail_the_other_clients_pulls() {
+    // Every client's relayed requests share popgate's one connection to a broker. A pull that outlasts popgate's
+    // deadline (here one asking the broker to hold it 60 s, beyond the 30 s popgate waits for) must fail alone:
+    // before, the timeout closed that connection, so every other held pull on it failed at the same moment and
+    // the broker forgot every group registered over it.
+    let cluster = shared_cluster();
+    let (popgate, namesrv) = popgate_with_remoting(cluster, "").await;
+    let topic = unique_topic("rm_held");
+    let group = unique_topic("rm_held_g");
+    create_topic(cluster, &topic).await;
+    let mut registering = TcpStream::connect(&namesrv).await.expect("connect");
+    let registered = ask(&mut registering, consumer_heartbeat("held@1", &group, &topic)).await.expect("answered");
+    assert_eq!(registered.code(), 0, "{:?}", registered.remark());
+    let held_pull = |queue_id: &'static str, suspend_ms: &'static str| {
+        raw_request(
+            11,
+            &[
+                ("consumerGroup", group.as_str()),
+                ("topic", topic.as_str()),
+                ("queueId", queue_id),
+                ("queueOffset", "0"),
+                ("maxMsgNums", "1"),
+                ("sysFlag", "2"), // FLAG_SUSPEND: the broker holds the pull until a message comes or it times out.
+                ("commitOffset", "0"),
+                ("suspendTimeoutMillis", suspend_ms),
+                ("subscription", "*"),
+                ("subVersion", "0"),
+                ("expressionType", "TAG"),
+                ("bname", "broker-a"),
+            ],
+        )
+    };
+    let pull_on_own_connection = |request: RemotingCommand| {
+        let namesrv = namesrv.clone();
+        async move {
+            let mut stream = TcpStream::connect(&namesrv).await.expect("connect");
+            let asked = std::time::Instant::now();
+            send(&mut stream, request).await;
+            let answer = read_answer_within(&mut stream, Duration::from_secs(90)).await.expect("answered");
+            (answer, asked.elapsed())
+        }
+    };
+    let outlasting = tokio::spawn(pull_on_own_connection(held_pull("0", "60000")));
+    // Another client's pull, held at the broker (15 s, as the Java client asks) when the first one is given up on.
+    tokio::time::sleep(Duration::from_secs(25)).await;
+    let (other, other_took) = pull_on_own_connection(held_pull("1", "15000")).await;
+    let (given_up, given_up_took) = outlasting.await.expect("the outlasting pull's task");
+    println!(
+        "outlasting pull: code {} after {given_up_took:?} ({:?}); the other: code {} after {other_took:?} ({:?})",
+        given_up.code(),
+        given_up.remark(),
+        other.code(),
+        other.remark()
+    );
+    assert_eq!(given_up.code(), 1, "popgate gives up on a pull held beyond its deadline: {:?}", given_up.remark());
+    // PULL_NOT_FOUND (19) or PULL_RETRY_IMMEDIATELY (20): the broker's own answer once the hold ended.
+    assert!(
+        [19, 20].contains(&other.code()) && other_took >= Duration::from_secs(14),
+        "the other client's pull was held and answered by the broker, code {} after {other_took:?}: {:?}",
+        other.code(),
+        other.remark()
+    );
+    let failed = popgate.metric(r#"popgate_remoting_relays_total{code="pull_message",result="unreachable"}"#).await;
+    assert_eq!(failed, 1.0, "only the pull that outlasted popgate's deadline failed");
+    let registered_again = popgate.metric(r#"popgate_remoting_reregistrations_total{result="ok"}"#).await;
+    assert_eq!(registered_again, 0.0, "the broker kept the group's registration: the connection stayed open");
 }

@@ -6,6 +6,13 @@
 //! broker for up to its suspend time (15 s by the Java client's default), and on the request pool's
 //! connections a held request would delay sends and ACKs (see [`super::client`]). The crate runs one call at
 //! a time per handle, so relays check a handle out of a pool that grows with the relays in flight.
+//!
+//! Every relayed request of every client shares that instance's one connection per broker, so a relay that
+//! times out must not close it: popgate keeps the deadline itself and gives the crate a later one (the crate
+//! retires a connection on which a request timed out, failing every other client's held pull on it, and the
+//! broker then forgets every group registered over it). A relay given up on is cancelled in the crate; the
+//! broker's late answer finds no one waiting and is dropped. Apache's proxy relays asynchronously the same way:
+//! a timeout there does not close the channel either.
 
 use std::time::Duration;
 
@@ -20,6 +27,8 @@ use super::client::{BrokerClient, BrokerError};
 pub(super) const RELAY_INSTANCE: &str = "popgate-relay";
 /// Idle handles kept for the next relays; more may exist while more relays are in flight.
 const IDLE_HANDLES_KEPT: usize = 64;
+/// How much later than popgate's own deadline the crate's is: far enough that popgate always gives up first.
+const CRATE_DEADLINE_SLACK: Duration = Duration::from_secs(30);
 
 /// Handles on the relay instance not in use now.
 #[derive(Default)]
@@ -40,16 +49,16 @@ impl BrokerClient {
         request: &RemotingCommand,
         timeout: Duration,
     ) -> Result<RemotingCommand, BrokerError> {
-        let handle = self.check_out_relay_handle()?;
+        let lease = self.check_out_relay_handle()?;
         let outgoing = copy_of_request(request);
-        let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
+        let crate_timeout_ms = u64::try_from((timeout + CRATE_DEADLINE_SLACK).as_millis()).unwrap_or(u64::MAX);
+        // Dropping the crate's call at popgate's deadline cancels its pending request and leaves the shared
+        // connection open (see the module's comment).
         let answered = tokio::time::timeout(
-            // The crate enforces the timeout too; this outer bound only guards against a hang inside it.
-            timeout + Duration::from_millis(500),
-            handle.invoke_remoting(&CheetahString::from(addr), outgoing, timeout_ms),
+            timeout,
+            lease.handle().invoke_remoting(&CheetahString::from(addr), outgoing, crate_timeout_ms),
         )
         .await;
-        self.check_in_relay_handle(handle);
         answered.map_err(|_| BrokerError::Timeout(timeout))?.map_err(|e| BrokerError::from_client(e, timeout))
     }
 
@@ -72,16 +81,33 @@ impl BrokerClient {
         Err(last)
     }
 
-    fn check_out_relay_handle(&self) -> Result<ClientInstanceHandle, BrokerError> {
-        if let Some(handle) = self.relay_handles().idle.lock().pop() {
-            return Ok(handle);
-        }
-        self.instance_handle(RELAY_INSTANCE)
+    fn check_out_relay_handle(&self) -> Result<RelayLease<'_>, BrokerError> {
+        let handle = match self.relay_handles().idle.lock().pop() {
+            Some(handle) => handle,
+            None => self.instance_handle(RELAY_INSTANCE)?,
+        };
+        Ok(RelayLease { handles: self.relay_handles(), handle: Some(handle) })
     }
+}
 
-    fn check_in_relay_handle(&self, handle: ClientInstanceHandle) {
+/// A relay handle checked out for one relay, given back when the relay ends, however it ends (a relay whose
+/// caller went away is dropped mid-call).
+struct RelayLease<'a> {
+    handles: &'a RelayHandles,
+    handle: Option<ClientInstanceHandle>,
+}
+
+impl RelayLease<'_> {
+    fn handle(&self) -> &ClientInstanceHandle {
+        self.handle.as_ref().expect("a lease holds its handle until dropped")
+    }
+}
+
+impl Drop for RelayLease<'_> {
+    fn drop(&mut self) {
+        let Some(handle) = self.handle.take() else { return };
         {
-            let mut idle = self.relay_handles().idle.lock();
+            let mut idle = self.handles.idle.lock();
             if idle.len() < IDLE_HANDLES_KEPT {
                 idle.push(handle);
                 return;
@@ -90,7 +116,9 @@ impl BrokerClient {
         // One more than the pool keeps gives its lease on the instance back (a handle merely dropped leaves the
         // instance's lease count raised for good, and the crate warns of each); the instance itself stays up
         // while popgate's own handle on it lives.
-        tokio::spawn(async move { handle.shutdown_owned().await });
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move { handle.shutdown_owned().await });
+        }
     }
 }
 

@@ -22,8 +22,10 @@ use crate::auth::Caller;
 use crate::gateway;
 use crate::metrics as m;
 
-/// The most a relayed pull may be held at the broker beyond what the client asked (its suspend time).
-const PULL_ANSWER_MARGIN: Duration = Duration::from_secs(5);
+/// The most a relayed pull may be held at the broker beyond what the client asked (its suspend time): the
+/// broker looks at its held pulls every 5 s, so one is answered up to 5 s after its suspend time ends, later on
+/// a busy broker. Apache's proxy waits 10 s beyond the suspend time too.
+const PULL_ANSWER_MARGIN: Duration = Duration::from_secs(10);
 /// A heartbeat whose content did not change is passed on to the brokers at most this often (the client
 /// sends one per broker of its routes every 30 s, all of which reach popgate).
 const HEARTBEAT_FORWARD_INTERVAL: Duration = Duration::from_secs(20);
