@@ -485,6 +485,23 @@ async fn routes_name_popgate_as_every_broker_and_an_unknown_topic_is_answered_as
             .await
             >= 1.0
     );
+
+    // The name server's answers are cached, as Apache's proxy caches routes: a flood of route requests for one
+    // topic costs the name server one request, and every answer is the route.
+    let asked_name_server = || popgate.metric(r#"popgate_remoting_route_answers_total{source="name_server"}"#);
+    let before = asked_name_server().await;
+    for _ in 0..200 {
+        let mut request = RemotingCommand::create_remoting_command(105);
+        request.add_ext_field("topic", topic.as_str());
+        let answer = ask(&mut stream, request).await.expect("answered");
+        assert_eq!(answer.code(), 0, "{:?}", answer.remark());
+    }
+    let asked = asked_name_server().await - before;
+    let cached = popgate.metric(r#"popgate_remoting_route_answers_total{source="cache"}"#).await;
+    assert!(
+        asked <= 1.0 && cached >= 199.0,
+        "200 route requests asked the name server {asked} times ({cached} cached)"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1289,4 +1306,32 @@ async fn a_relayed_pull_popgate_gives_up_on_does_not_fail_the_other_clients_pull
     assert_eq!(failed, 1.0, "only the pull that outlasted popgate's deadline failed");
     let registered_again = popgate.metric(r#"popgate_remoting_reregistrations_total{result="ok"}"#).await;
     assert_eq!(registered_again, 0.0, "the broker kept the group's registration: the connection stayed open");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_message_to_a_topic_not_typed_for_transactions_is_refused_as_apaches_proxy_refuses_it() {
+    // One rule for every front, in the gateway: a transaction's message goes only to a topic typed TRANSACTION
+    // (or MIXED). Apache's proxy checks it on its remoting front too (`SendMessageActivity`, answered
+    // MESSAGE_ILLEGAL with the validator's words); popgate's remoting front used to send it on.
+    let cluster = shared_cluster();
+    let (_popgate, namesrv) = popgate_with_remoting(cluster, "").await;
+    let normal = unique_topic("rm_half_normal");
+    let transactional = unique_topic("rm_half_tx");
+    create_topic(cluster, &normal).await;
+    crate::transaction::create_transaction_topic(cluster, &transactional).await;
+    let broker = cluster.brokers[0].name.clone();
+    let half = |topic: &str| {
+        // sysFlag 4: TRANSACTION_PREPARED_TYPE.
+        crate::remoting_hostile::raw_send(topic, &broker, "half", 4, &[("TRAN_MSG", "true"), ("PGROUP", "rm_half_pg")])
+            .0
+    };
+    let mut stream = TcpStream::connect(&namesrv).await.expect("connect");
+    let refused = ask(&mut stream, half(&normal)).await.expect("answered");
+    assert_eq!(refused.code(), 13, "MESSAGE_ILLEGAL: {:?}", refused.remark());
+    assert_eq!(
+        refused.remark().map(|r| r.as_str()),
+        Some("TopicMessageType validate failed, the expected type is NORMAL, but actual type is TRANSACTION")
+    );
+    let taken = ask(&mut stream, half(&transactional)).await.expect("answered");
+    assert_eq!(taken.code(), 0, "the same half message to a TRANSACTION topic is stored: {:?}", taken.remark());
 }

@@ -110,6 +110,9 @@ pub const REMOTING_RELAYS: &str = "popgate_remoting_relays_total";
 /// Counter (`result`: `ok`, `failed`): remoting consumers' registrations passed on to a broker again because
 /// one of their pulls found the broker without their group's subscription (popgate's connection to it closed).
 pub const REMOTING_REREGISTRATIONS: &str = "popgate_remoting_reregistrations_total";
+/// Counter (`source`: `cache`, `name_server`, `stale`): remoting route requests (`GET_ROUTEINFO_BY_TOPIC`)
+/// answered, by where the answer came from (`stale`: a cached route, because the name server could not be asked).
+pub const REMOTING_ROUTE_ANSWERS: &str = "popgate_remoting_route_answers_total";
 /// Gauge (`kind`): remoting clients with a live heartbeat (producer, push_consumer, pull_consumer).
 pub const REMOTING_CLIENTS: &str = "popgate_remoting_clients";
 /// Gauge: remoting connections open now.
@@ -211,6 +214,7 @@ const ZERO_SERIES: &[(&str, &str, &[&str])] = &[
     (REMOTING_FRAME_ERRORS, "reason", &["oversize", "undecodable", "truncated", "bad_header"]),
     (REMOTING_CONNECTIONS_CLOSED, "reason", &["idle", "not_reading"]),
     (REMOTING_REREGISTRATIONS, "result", &["ok", "failed"]),
+    (REMOTING_ROUTE_ANSWERS, "source", &["cache", "name_server", "stale"]),
     (WEBHOOK_TARGETS_REFUSED, "reason", &["literal", "dns"]),
     (WEBHOOK_HEADERS_SKIPPED, "reason", &crate::delivery::webhook::headers::Skip::LABELS),
     (ACKS, "result", &["acked", "repeated", "unknown", "stale", "superseded", "not_in_flight", "busy", "store_error"]),
@@ -335,6 +339,11 @@ fn describe_all() {
         REMOTING_REREGISTRATIONS,
         Unit::Count,
         "Remoting consumer groups registered again at a broker that had lost them, by result."
+    );
+    describe_counter!(
+        REMOTING_ROUTE_ANSWERS,
+        Unit::Count,
+        "Remoting route requests answered, by source (cache, name_server, stale: the name server could not be asked)."
     );
     describe_gauge!(REMOTING_CLIENTS, "Remoting clients with a live heartbeat, by kind.");
     describe_gauge!(REMOTING_CONNECTIONS, "Remoting connections open now.");

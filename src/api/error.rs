@@ -164,16 +164,26 @@ impl From<DeliveryError> for ApiError {
     }
 }
 
-/// The HTTP front's one mapping of a gateway refusal (the gateway counted it): 403 naming the request field
-/// that chose what was refused.
+/// The HTTP front's one mapping of the gateway's errors (the gateway counted its refusals): 403 naming the
+/// request field that chose what was refused, 404 for a topic that does not exist, 400 naming the field at
+/// fault, 503 (with the attempts made) when the message could not be stored.
 impl From<GatewayError> for ApiError {
     fn from(error: GatewayError) -> ApiError {
-        let field = match error {
+        let forbidden_field = match &error {
             GatewayError::MayNotConsume(_) => "group",
             GatewayError::MayNotRead(_) | GatewayError::MayNotPublish(_) => "topic",
             GatewayError::MayNotAdminister => "token",
+            GatewayError::TopicNotFound(topic) => return ApiError::unknown_topic(topic),
+            GatewayError::TakesNoTransactions { .. } => {
+                return ApiError::invalid_field("transaction", error.to_string())
+            }
+            GatewayError::NotStored { attempts, .. } => {
+                let attempts = serde_json::json!({ "attempts": attempts });
+                return ApiError::unavailable(error.to_string(), attempts);
+            }
+            GatewayError::Unavailable(why) => return ApiError::unavailable(why.clone(), serde_json::json!({})),
         };
-        ApiError::forbidden(field, format!("this token {error}"))
+        ApiError::forbidden(forbidden_field, format!("this token {error}"))
     }
 }
 

@@ -71,6 +71,13 @@ pub struct AppState {
     pub metrics: PrometheusHandle,
 }
 
+impl AppState {
+    /// The gateway's publish path.
+    pub fn publishing(&self) -> crate::gateway::Publishing<'_> {
+        crate::gateway::Publishing { publisher: &self.publisher, transactions: &self.transactions }
+    }
+}
+
 /// One route of the API: its method and path (axum's `{param}` syntax, which is OpenAPI's too).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Route {

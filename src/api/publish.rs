@@ -24,9 +24,9 @@ use super::guard::rejected;
 use super::{ApiError, AppState};
 use crate::auth::Caller;
 use crate::config::Profile;
-use crate::gateway;
+use crate::gateway::{GatewayError, PublishRequest};
 use crate::metrics as m;
-use crate::publish::{request, PublishError, Published, SendMode};
+use crate::publish::{request, Placement, Published, SendMode};
 
 /// Handles one publish request, counting its result and timing it.
 pub async fn publish(
@@ -79,30 +79,20 @@ async fn handle(
     let transaction_params = (param("transaction"), param("producerGroup"));
     let parsed = request::parse(headers, param("topic"), transaction_params, &body, max, limits)?;
     let mut message = parsed.message;
-    gateway::may_publish(caller, &message.topic)?;
     let key = request::dedup_key(headers, &message)?;
     if let Some(transactional) = &parsed.transaction {
-        super::transactions::prepare_half(state, mode, transactional, &mut message).await?;
+        super::transactions::prepare_half(state, mode, transactional, &mut message)?;
     }
-    match state.publisher.publish_once(&message, mode, None, key.as_deref()).await {
-        Ok(published) => {
-            let id = published.receipt.as_ref().map(|r| r.message_id.clone());
-            tracing::debug!(topic = %message.topic, event_id = ?id, "Event published.");
-            if parsed.transaction.is_none() {
-                return Ok(answer(published, None));
-            }
-            super::transactions::record_half(state, &message.topic, published.receipt.as_ref()).await?;
-            Ok(answer(published, id))
+    let half = parsed.transaction.is_some();
+    let publish = PublishRequest { message, placement: Placement::Policy, mode, deadline: None, retry_key: key, half };
+    let published = state.publishing().publish(caller, publish).await.inspect_err(|error| {
+        if let GatewayError::NotStored { attempts, last_error } = error {
+            tracing::warn!(attempts = attempts.len(), error = %last_error, "Publish failed.");
         }
-        Err(PublishError::TopicNotFound(topic)) => Err(ApiError::unknown_topic(&topic)),
-        Err(PublishError::Exhausted { attempts, last_error }) => {
-            tracing::warn!(topic = %message.topic, attempts = attempts.len(), error = %last_error, "Publish failed.");
-            Err(ApiError::unavailable(
-                format!("the broker did not store the message: {last_error}"),
-                json!({ "attempts": attempts }),
-            ))
-        }
-    }
+    })?;
+    let id = published.receipt.as_ref().map(|r| r.message_id.clone());
+    tracing::debug!(topic = %published.topic, event_id = ?id, "Event published.");
+    Ok(answer(published, id.filter(|_| half)))
 }
 
 /// The answer to a publish; `transaction_id` for a transactional one.

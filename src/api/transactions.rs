@@ -30,15 +30,15 @@ use super::{ApiError, AppState};
 use crate::auth::Caller;
 use crate::gateway;
 use crate::publish::request::Transactional;
-use crate::publish::{OutgoingMessage, SendMode, SendReceipt};
+use crate::publish::{OutgoingMessage, SendMode};
 use crate::transaction::{mark_half, Ended, Resolution, State as RecordState, TransactionError, TransactionRecord};
 
 /// Makes `message` a half message, after checking that it can be one: a synchronous send (its answer carries
-/// the transaction id), a checker that is configured, a topic typed for transactions.
+/// the transaction id) and a checker that is configured. The gateway checks the topic's type as it publishes.
 ///
 /// # Errors
-/// 400 naming the field at fault, 404 for a topic that does not exist, 503 when its type cannot be read.
-pub async fn prepare_half(
+/// 400 naming the field at fault.
+pub fn prepare_half(
     state: &AppState,
     mode: SendMode,
     transactional: &Transactional,
@@ -57,40 +57,8 @@ pub async fn prepare_half(
             format!("no checker is configured for producer group `{group}` (transactions.checkers)"),
         ));
     }
-    let topic = &message.topic;
-    match state.publisher.message_type_of(topic).await {
-        Ok(Some(kind)) if kind.takes_transactions() => {}
-        Ok(Some(kind)) => {
-            return Err(ApiError::invalid_field(
-                "transaction",
-                format!(
-                "topic `{topic}` takes {} messages; a transactional one needs a topic of type TRANSACTION (or MIXED)",
-                kind.as_str()
-            ),
-            ))
-        }
-        Ok(None) => return Err(ApiError::unknown_topic(topic)),
-        Err(error) => {
-            return Err(ApiError::unavailable(format!("could not read the topic's type: {error}"), json!({})));
-        }
-    }
     mark_half(message, state.transactions.producer_group(), checker);
     Ok(())
-}
-
-/// Stores what ending the transaction of the half message just sent needs, before the publish is answered.
-///
-/// # Errors
-/// 503 when it cannot be stored: the publish fails, since its transaction could not be ended (the broker's
-/// check-back ends it).
-pub async fn record_half(state: &AppState, topic: &str, receipt: Option<&SendReceipt>) -> Result<(), ApiError> {
-    let unrecorded = |why: String| {
-        tracing::warn!(topic, error = %why, "A half message was stored but its transaction could not be recorded.");
-        ApiError::unavailable(format!("the transaction could not be recorded: {why}"), json!({}))
-    };
-    let group = state.transactions.producer_group();
-    let half = state.publisher.half_message(topic, group, receipt).await.map_err(unrecorded)?;
-    state.transactions.record(half).await.map_err(|e| unrecorded(e.to_string()))
 }
 
 #[derive(Deserialize)]

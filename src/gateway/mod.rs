@@ -5,17 +5,22 @@
 //! The fronts' shared rules move here one by one (issue #33). Here so far: a client leaving a consumer group
 //! (a remoting `UNREGISTER_CLIENT`, a gRPC `NotifyClientTermination`) gives back only what it holds in that
 //! group, and only when its caller may consume as that group; publishing needs `Pub` on the topic
-//! ([`may_publish`]); reading a topic needs `Sub` on the topic as well
-//! as on the group ([`may_read`]).
+//! ([`may_publish`]), and a publish goes through [`Publishing::publish`] whichever front it came in on;
+//! reading a topic needs `Sub` on the topic as well as on the group ([`may_read`]).
+
+mod publish;
 
 use metrics::counter;
 
 use crate::auth::{Action, Caller, RETRY_TOPIC_PREFIX};
 use crate::delivery::Dispatcher;
 use crate::metrics as m;
+use crate::publish::Attempt;
+
+pub use publish::{PublishRequest, Publishing};
 
 /// Why the gateway refused a request, the same whichever front it came in on.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum GatewayError {
     /// The caller may not consume as this group.
     #[error("may not consume as group `{0}`")]
@@ -29,6 +34,30 @@ pub enum GatewayError {
     /// The caller may not read this topic (whatever group it reads it as).
     #[error("may not read topic `{0}`")]
     MayNotRead(String),
+    /// The topic does not exist (and the broker would not create it).
+    #[error("topic `{0}` does not exist")]
+    TopicNotFound(String),
+    /// A transaction's message for a topic not typed TRANSACTION or MIXED.
+    #[error(
+        "topic `{topic}` takes {topic_type} messages; a transactional one needs a topic of type TRANSACTION (or MIXED)"
+    )]
+    TakesNoTransactions {
+        /// The topic.
+        topic: String,
+        /// Its type, as RocketMQ names it.
+        topic_type: &'static str,
+    },
+    /// No attempt stored the message.
+    #[error("the broker did not store the message: {last_error}")]
+    NotStored {
+        /// Every attempt made.
+        attempts: Vec<Attempt>,
+        /// The last failure.
+        last_error: String,
+    },
+    /// Something popgate needs for the request is unavailable now (a topic's type, the state store).
+    #[error("{0}")]
+    Unavailable(String),
 }
 
 impl GatewayError {
@@ -39,6 +68,18 @@ impl GatewayError {
             | GatewayError::MayNotRead(_)
             | GatewayError::MayNotPublish(_)
             | GatewayError::MayNotAdminister => "forbidden",
+            GatewayError::TopicNotFound(_) => "not_found",
+            GatewayError::TakesNoTransactions { .. } => "bad_request",
+            GatewayError::NotStored { .. } | GatewayError::Unavailable(_) => "unavailable",
+        }
+    }
+
+    /// The broker's response code when the broker itself refused the message (a remoting front answers its
+    /// client with it, as the broker would have).
+    pub fn broker_code(&self) -> Option<i32> {
+        match self {
+            GatewayError::NotStored { attempts, .. } => attempts.last().and_then(|a| a.broker_code),
+            _ => None,
         }
     }
 }

@@ -13,11 +13,11 @@ use super::service::Front;
 use super::status::{ok, overall_of_sends, status};
 use crate::auth::Caller;
 use crate::config::PublishConfig;
-use crate::gateway;
+use crate::gateway::PublishRequest;
 use crate::metrics as m;
 use crate::publish::limits::Part;
 use crate::publish::{
-    OutgoingMessage, PublishError, SendMode, DELIVER_AT_PROPERTY, MESSAGE_GROUP_PROPERTY, MESSAGE_ID_PROPERTY,
+    OutgoingMessage, Placement, SendMode, DELIVER_AT_PROPERTY, MESSAGE_GROUP_PROPERTY, MESSAGE_ID_PROPERTY,
 };
 use crate::transaction::mark_half;
 
@@ -96,16 +96,16 @@ async fn send_checked(
         Ok(outgoing) => outgoing,
         Err(invalid) => return refused(invalid),
     };
-    if let Err(refusal) = gateway::may_publish(caller, &outgoing.topic) {
-        return refused(super::status::refused(&refusal));
-    }
-    if transactional {
-        if let Err(refusal) = check_takes_transactions(front, &outgoing.topic).await {
-            return refused(refusal);
-        }
-    }
     // Every retry of one SDK message carries its message id: a repeat is answered from the de-duplication window.
-    match front.publisher.publish_once(&outgoing, SendMode::Sync, deadline, Some(&message_id)).await {
+    let publish = PublishRequest {
+        message: outgoing,
+        placement: Placement::Policy,
+        mode: SendMode::Sync,
+        deadline,
+        retry_key: Some(message_id.clone()),
+        half: transactional,
+    };
+    match front.publishing().publish(caller, publish).await {
         Ok(published) => {
             let receipt = published.receipt;
             let mut entry = pb::SendResultEntry {
@@ -115,54 +115,13 @@ async fn send_checked(
                 ..Default::default()
             };
             if transactional {
-                // The record comes before the answer: a commit must find it, after a restart too.
-                if let Err(failed) = record_half(front, &outgoing, receipt.as_ref()).await {
-                    return refused(failed);
-                }
                 // As in RocketMQ, the transaction id is the message id.
                 entry.transaction_id = entry.message_id.clone();
             }
             entry
         }
-        Err(PublishError::TopicNotFound(topic)) => {
-            refused(status(Code::TopicNotFound, format!("topic `{topic}` does not exist")))
-        }
-        Err(error @ PublishError::Exhausted { .. }) => refused(status(Code::InternalServerError, error.to_string())),
+        Err(error) => refused(super::status::refused(&error)),
     }
-}
-
-/// A transactional message may only go to a topic typed TRANSACTION (or MIXED), as Apache's proxy checks it.
-async fn check_takes_transactions(front: &Front, topic: &str) -> Result<(), pb::Status> {
-    let kind = match front.publisher.message_type_of(topic).await {
-        Ok(Some(kind)) => kind,
-        Ok(None) => return Err(status(Code::TopicNotFound, format!("topic `{topic}` does not exist"))),
-        Err(error) => {
-            return Err(status(Code::InternalServerError, format!("could not read the topic's type: {error}")))
-        }
-    };
-    if kind.takes_transactions() {
-        return Ok(());
-    }
-    Err(status(
-        Code::MessagePropertyConflictWithType,
-        format!(
-            "org.apache.rocketmq.proxy.common.ProxyException: TopicMessageType validate failed, the expected type is {}, but actual type is TRANSACTION",
-            kind.as_str()
-        ),
-    ))
-}
-
-/// Stores what ending the transaction of the half message just sent needs.
-async fn record_half(
-    front: &Front,
-    outgoing: &OutgoingMessage,
-    receipt: Option<&crate::publish::SendReceipt>,
-) -> Result<(), pb::Status> {
-    let unrecorded =
-        |why: String| status(Code::InternalServerError, format!("the transaction could not be recorded: {why}"));
-    let group = front.transactions.producer_group();
-    let half = front.publisher.half_message(&outgoing.topic, group, receipt).await.map_err(unrecorded)?;
-    front.transactions.record(half).await.map_err(|e| unrecorded(e.to_string()))
 }
 
 /// The SDK's message as popgate sends it, or the status naming what is wrong with it: Apache's proxy's checks,

@@ -128,6 +128,11 @@ impl Liveness {
 }
 
 impl Front {
+    /// The gateway's publish path.
+    pub(super) fn publishing(&self) -> crate::gateway::Publishing<'_> {
+        crate::gateway::Publishing { publisher: &self.publisher, transactions: &self.transactions }
+    }
+
     pub(super) fn new(
         parts: super::Parts,
         config: Arc<Config>,

@@ -9,13 +9,24 @@ pub fn status(code: Code, message: impl Into<String>) -> Status {
     Status { code: code as i32, message: message.into() }
 }
 
-/// The gRPC front's one mapping of a gateway refusal (the gateway counted it).
+/// The gRPC front's one mapping of the gateway's errors (the gateway counted its refusals), in Apache's
+/// proxy's codes and, where an app may match on them, its words.
 pub fn refused(error: &GatewayError) -> Status {
     match error {
         GatewayError::MayNotConsume(_)
         | GatewayError::MayNotRead(_)
         | GatewayError::MayNotPublish(_)
         | GatewayError::MayNotAdminister => status(Code::Forbidden, error.to_string()),
+        GatewayError::TopicNotFound(_) => status(Code::TopicNotFound, error.to_string()),
+        GatewayError::TakesNoTransactions { topic_type, .. } => status(
+            Code::MessagePropertyConflictWithType,
+            format!(
+                "org.apache.rocketmq.proxy.common.ProxyException: TopicMessageType validate failed, the expected type is {topic_type}, but actual type is TRANSACTION"
+            ),
+        ),
+        GatewayError::NotStored { .. } | GatewayError::Unavailable(_) => {
+            status(Code::InternalServerError, error.to_string())
+        }
     }
 }
 

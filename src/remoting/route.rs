@@ -9,40 +9,118 @@
 //!
 //! An unknown topic gets the name server's own answer (`TOPIC_NOT_EXIST`), which the client reads as "no
 //! route yet" (a producer then borrows the auto-create topic's route, as straight at the cluster).
+//!
+//! The name server's answers are cached, as Apache's proxy caches routes: for `broker.route_ttl_ms` (a topic's
+//! absence for a second, so a topic created just now is seen soon), at most [`MAX_CACHED_TOPICS`] topics. Every
+//! client asks for the route of each of its topics every 30 s and on every start, and a busy name server made a
+//! client's first send wait out its timeout; a flood of route requests costs popgate no name-server request
+//! per frame either. When the name server cannot be asked, a route up to [`STALE_FOR`] old is given instead.
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
+use metrics::counter;
 use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
 use rocketmq_protocol::protocol::route::topic_route_data::TopicRouteData;
 
 use super::codes;
 use super::ports;
-use super::relay::answer_from;
-use super::service::{error, Front};
+use super::service::{error, field, Front};
+use crate::metrics as m;
 
 /// The broker id of a master in a route's broker addresses.
 const MASTER_ID: u64 = 0;
+/// The most topics whose answers are cached.
+const MAX_CACHED_TOPICS: u64 = 10_000;
+/// How long the name server's answer that a topic does not exist is given again.
+const ABSENCE_FRESH_FOR: Duration = Duration::from_secs(1);
+/// How long a route is kept to be given while the name server cannot be asked (Apache's proxy: 300 s).
+const STALE_FOR: Duration = Duration::from_secs(300);
+
+/// What the name server answered about a topic.
+#[derive(Clone)]
+enum NameServerAnswer {
+    /// Its route.
+    Route(Arc<TopicRouteData>),
+    /// Anything else (`TOPIC_NOT_EXIST`): its code and remark.
+    Other { code: i32, remark: Option<cheetah_string::CheetahString> },
+}
+
+/// The name server's recent answers, by topic.
+pub(super) struct RouteCache {
+    answers: moka::sync::Cache<String, (Instant, NameServerAnswer)>,
+    fresh_for: Duration,
+}
+
+impl RouteCache {
+    /// A cache whose routes are given again for `fresh_for`.
+    pub(super) fn new(fresh_for: Duration) -> RouteCache {
+        let answers = moka::sync::Cache::builder().max_capacity(MAX_CACHED_TOPICS).time_to_live(STALE_FOR).build();
+        RouteCache { answers, fresh_for }
+    }
+
+    fn fresh(&self, topic: &str) -> Option<NameServerAnswer> {
+        let (fetched, answer) = self.answers.get(topic)?;
+        let fresh_for = if matches!(answer, NameServerAnswer::Route(_)) { self.fresh_for } else { ABSENCE_FRESH_FOR };
+        (fetched.elapsed() < fresh_for).then_some(answer)
+    }
+
+    fn stale_route(&self, topic: &str) -> Option<NameServerAnswer> {
+        self.answers.get(topic).map(|(_, answer)| answer).filter(|a| matches!(a, NameServerAnswer::Route(_)))
+    }
+}
 
 pub(super) async fn topic_route(front: &Arc<Front>, request: &RemotingCommand) -> RemotingCommand {
-    let timeout = front.config.broker.request_timeout();
-    let answer = match front.broker.relay_to_name_server(request, timeout).await {
-        Ok(answer) => answer,
-        Err(failure) => {
-            return error(codes::SYSTEM_ERROR, format!("popgate could not ask the name server: {failure}"));
+    let Some(topic) = field(request, "topic") else {
+        return error(codes::SYSTEM_ERROR, "the request names no topic".to_owned());
+    };
+    let answer = match front.routes.fresh(topic) {
+        Some(answer) => {
+            counter!(m::REMOTING_ROUTE_ANSWERS, "source" => "cache").increment(1);
+            answer
+        }
+        None => match ask_name_server(front, request).await {
+            Ok(answer) => {
+                counter!(m::REMOTING_ROUTE_ANSWERS, "source" => "name_server").increment(1);
+                front.routes.answers.insert(topic.to_owned(), (Instant::now(), answer.clone()));
+                answer
+            }
+            Err(why) => match front.routes.stale_route(topic) {
+                Some(answer) => {
+                    tracing::warn!(topic, error = %why, "The name server could not be asked; a cached route was given.");
+                    counter!(m::REMOTING_ROUTE_ANSWERS, "source" => "stale").increment(1);
+                    answer
+                }
+                None => return error(codes::SYSTEM_ERROR, why),
+            },
+        },
+    };
+    let route = match answer {
+        NameServerAnswer::Route(route) => route,
+        NameServerAnswer::Other { code, remark } => {
+            return RemotingCommand::create_response_command_with_code(code).set_remark_option(remark)
         }
     };
-    if answer.code() != codes::SUCCESS {
-        return answer_from(answer);
-    }
-    let Some(body) = answer.body() else { return answer_from(answer) };
-    let rewritten = match TopicRouteData::decode(body) {
-        Ok(route) => rewritten(front, route, ports::names_its_broker(request)).await,
-        Err(why) => Err(why.to_string()),
-    };
-    match rewritten {
+    match rewritten(front, TopicRouteData::clone(&route), ports::names_its_broker(request)).await {
         Ok(body) => RemotingCommand::create_success_response_command().set_body(body),
         Err(why) => error(codes::SYSTEM_ERROR, format!("popgate could not give the name server's route: {why}")),
+    }
+}
+
+/// The name server's answer to `request`, or why there is none.
+async fn ask_name_server(front: &Front, request: &RemotingCommand) -> Result<NameServerAnswer, String> {
+    let timeout = front.config.broker.request_timeout();
+    let answer = front
+        .broker
+        .relay_to_name_server(request, timeout)
+        .await
+        .map_err(|failure| format!("popgate could not ask the name server: {failure}"))?;
+    match answer.body().filter(|_| answer.code() == codes::SUCCESS) {
+        Some(body) => TopicRouteData::decode(body)
+            .map(|route| NameServerAnswer::Route(Arc::new(route)))
+            .map_err(|why| format!("popgate could not read the name server's route: {why}")),
+        None => Ok(NameServerAnswer::Other { code: answer.code(), remark: answer.remark().cloned() }),
     }
 }
 

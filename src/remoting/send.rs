@@ -34,9 +34,9 @@ use crate::auth::Caller;
 use crate::broker::message::{is_reserved_property, ClientWire, PROPERTY_UNIQ_KEY};
 use crate::broker::transaction::{PROPERTY_PRODUCER_GROUP, PROPERTY_TRANSACTION_PREPARED};
 use crate::broker::{SendReceipt, StoreStatus};
-use crate::gateway;
+use crate::gateway::PublishRequest;
 use crate::metrics as m;
-use crate::publish::{OutgoingMessage, Placement, PublishError, SendMode};
+use crate::publish::{OutgoingMessage, Placement, SendMode};
 use crate::transaction::PROPERTY_REMOTING_GROUP;
 
 /// The property popgate keeps for itself among the reserved ones: a client may not set it.
@@ -67,9 +67,6 @@ async fn send_checked(front: &Front, caller: &Caller, request: &RemotingCommand)
         Ok(message) => message,
         Err(refusal) => return refusal.answer(),
     };
-    if let Err(refused) = gateway::may_publish(caller, &message.topic) {
-        return Refusal::from(refused).answer();
-    }
     if let Err(broken) = front.config.publish.limits.check_client_made(&message) {
         return error(codes::MESSAGE_ILLEGAL, broken.message);
     }
@@ -83,20 +80,14 @@ async fn send_checked(front: &Front, caller: &Caller, request: &RemotingCommand)
     // A half message is never taken for a retry of an earlier send: the same message sent again in a new
     // transaction is a new transaction, whose end must find its own record. A client's retry of a half message
     // that did land leaves an orphan the broker checks back, as straight at the cluster.
-    let key = if transactional { None } else { dedup_key(&message) };
-    match front.publisher.publish_once_at(&message, &placement, mode, None, key.as_deref()).await {
+    let retry_key = if transactional { None } else { dedup_key(&message) };
+    let publish = PublishRequest { message, placement, mode, deadline: None, retry_key, half: transactional };
+    match front.publishing().publish(caller, publish).await {
         Ok(published) => match published.receipt {
-            Some(receipt) if transactional => match record_half(front, &message, &receipt).await {
-                Ok(()) => stored(&receipt),
-                Err(why) => error(codes::SYSTEM_ERROR, format!("the transaction could not be recorded: {why}")),
-            },
             Some(receipt) => stored(&receipt),
             None => RemotingCommand::create_success_response_command(),
         },
-        Err(PublishError::TopicNotFound(topic)) => {
-            error(codes::TOPIC_NOT_EXIST, format!("topic[{topic}] not exist, apply first please!"))
-        }
-        Err(failed) => error(failed.broker_code().unwrap_or(codes::SYSTEM_ERROR), failed.to_string()),
+        Err(failed) => Refusal::from(failed).answer(),
     }
 }
 
@@ -149,13 +140,6 @@ fn as_popgates_half(message: &mut OutgoingMessage, popgate_group: &str) {
     if let Some(wire) = message.wire.as_mut() {
         wire.producer_group = popgate_group.to_owned();
     }
-}
-
-/// The record that lets any popgate end the transaction, written before the send is answered.
-async fn record_half(front: &Front, message: &OutgoingMessage, receipt: &SendReceipt) -> Result<(), String> {
-    let group = front.transactions.producer_group();
-    let half = front.publisher.half_message(&message.topic, group, Some(receipt)).await?;
-    front.transactions.record(half).await.map_err(|e| e.to_string())
 }
 
 /// The client's queue, at the broker it names; for a client that names none, at the only broker of the topic

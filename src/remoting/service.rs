@@ -45,6 +45,8 @@ pub(super) struct Front {
     pub connection_slots: Arc<Semaphore>,
     /// A broker's offset commits and queries of a topic and group, relayed one at a time in the order they came.
     pub offset_turns: OffsetTurns,
+    /// The name server's recent route answers.
+    pub routes: super::route::RouteCache,
     /// Turns true when popgate stops.
     stopping: watch::Receiver<bool>,
     /// The cluster's master brokers (name to address), and when they were asked for.
@@ -52,6 +54,11 @@ pub(super) struct Front {
 }
 
 impl Front {
+    /// The gateway's publish path.
+    pub(super) fn publishing(&self) -> crate::gateway::Publishing<'_> {
+        crate::gateway::Publishing { publisher: &self.publisher, transactions: &self.transactions }
+    }
+
     pub fn new(parts: Parts, config: Arc<Config>, advertised: String, stopping: watch::Receiver<bool>) -> Front {
         for (_, label) in codes::SERVED {
             counter!(m::REMOTING_REQUESTS, "code" => *label, "result" => "ok").increment(0);
@@ -71,6 +78,7 @@ impl Front {
             tls: tokio_rustls::TlsAcceptor::from(parts.tls),
             connection_slots: Arc::new(Semaphore::new(config.remoting.max_connections)),
             offset_turns: OffsetTurns::default(),
+            routes: super::route::RouteCache::new(config.broker.route_ttl()),
             config,
             advertised,
             stopping,
@@ -228,7 +236,8 @@ impl Refusal {
     }
 }
 
-/// The remoting front's one mapping of a gateway refusal (the gateway counted it).
+/// The remoting front's one mapping of the gateway's errors (the gateway counted its refusals), in the codes
+/// and words the broker and Apache's proxy answer with.
 impl From<GatewayError> for Refusal {
     fn from(refused: GatewayError) -> Refusal {
         match refused {
@@ -236,6 +245,17 @@ impl From<GatewayError> for Refusal {
             | GatewayError::MayNotRead(_)
             | GatewayError::MayNotPublish(_)
             | GatewayError::MayNotAdminister => Refusal::new(codes::NO_PERMISSION, refused.to_string()),
+            GatewayError::TopicNotFound(topic) => {
+                Refusal::new(codes::TOPIC_NOT_EXIST, format!("topic[{topic}] not exist, apply first please!"))
+            }
+            GatewayError::TakesNoTransactions { topic_type, .. } => Refusal::new(
+                codes::MESSAGE_ILLEGAL,
+                format!("TopicMessageType validate failed, the expected type is {topic_type}, but actual type is TRANSACTION"),
+            ),
+            GatewayError::NotStored { .. } => {
+                Refusal::new(refused.broker_code().unwrap_or(codes::SYSTEM_ERROR), refused.to_string())
+            }
+            GatewayError::Unavailable(why) => Refusal::new(codes::SYSTEM_ERROR, why),
         }
     }
 }

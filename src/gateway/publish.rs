@@ -1,0 +1,98 @@
+//! Publishing, the same for every front: the caller's `Pub` on the topic, a transactional message only to a
+//! topic typed for transactions, the send under the front's placement and retry key, and a half message's
+//! record stored before the publish is answered (a commit must find it, after a restart too).
+//!
+//! What the front decides, because its protocol says it: the message itself (decoded and checked against the
+//! limits with the protocol's own error words), where it goes (`Placement`), and what a retry of it is known by
+//! (`retry_key`: the SDK's message id, a remoting `UNIQ_KEY`, an HTTP `Idempotency-Key`).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::{may_publish, GatewayError};
+use crate::auth::Caller;
+use crate::publish::{OutgoingMessage, Placement, PublishError, Published, Publisher, SendMode};
+use crate::transaction::Transactions;
+
+/// One message to publish, as a front decoded it.
+pub struct PublishRequest {
+    /// The message (a half message already marked as popgate's, when `half`).
+    pub message: OutgoingMessage,
+    /// Where it goes: popgate's producer policy, or the queue a remoting client chose.
+    pub placement: Placement,
+    /// Sync, async or one-way.
+    pub mode: SendMode,
+    /// When the caller stops waiting.
+    pub deadline: Option<Instant>,
+    /// What a retry of this publish is known by; `None`: never taken for a retry.
+    pub retry_key: Option<String>,
+    /// A transaction's half message.
+    pub half: bool,
+}
+
+/// What publishing needs from the rest of popgate.
+pub struct Publishing<'a> {
+    /// The publish path to the brokers.
+    pub publisher: &'a Arc<Publisher>,
+    /// Where half messages are recorded.
+    pub transactions: &'a Transactions,
+}
+
+impl Publishing<'_> {
+    /// Publishes `request` for `caller`.
+    ///
+    /// # Errors
+    /// [`GatewayError::MayNotPublish`] (counted), [`GatewayError::TopicNotFound`],
+    /// [`GatewayError::TakesNoTransactions`] for a half message to a topic not typed for them,
+    /// [`GatewayError::NotStored`] when no attempt stored it, [`GatewayError::Unavailable`] when the topic's type
+    /// could not be read or a stored half message could not be recorded.
+    pub async fn publish(&self, caller: &Caller, request: PublishRequest) -> Result<Published, GatewayError> {
+        let PublishRequest { message, placement, mode, deadline, retry_key, half } = request;
+        may_publish(caller, &message.topic)?;
+        if half {
+            self.check_takes_transactions(&message.topic).await?;
+        }
+        let published = self
+            .publisher
+            .publish_once_at(&message, &placement, mode, deadline, retry_key.as_deref())
+            .await
+            .map_err(not_published)?;
+        if half {
+            self.record_half(&message.topic, &published).await?;
+        }
+        Ok(published)
+    }
+
+    /// A transactional message may only go to a topic typed TRANSACTION (or MIXED), as Apache's proxy checks
+    /// it on every front.
+    async fn check_takes_transactions(&self, topic: &str) -> Result<(), GatewayError> {
+        match self.publisher.message_type_of(topic).await {
+            Ok(Some(kind)) if kind.takes_transactions() => Ok(()),
+            Ok(Some(kind)) => {
+                Err(GatewayError::TakesNoTransactions { topic: topic.to_owned(), topic_type: kind.as_str() })
+            }
+            Ok(None) => Err(GatewayError::TopicNotFound(topic.to_owned())),
+            Err(why) => Err(GatewayError::Unavailable(format!("could not read the topic's type: {why}"))),
+        }
+    }
+
+    /// Stores what ending the transaction of the half message just published needs, before the publish is
+    /// answered. When it cannot be stored the publish fails: its transaction could not be ended through
+    /// popgate (the broker's check-back ends it).
+    async fn record_half(&self, topic: &str, published: &Published) -> Result<(), GatewayError> {
+        let unrecorded = |why: String| {
+            tracing::warn!(topic, error = %why, "A half message was stored but its transaction could not be recorded.");
+            GatewayError::Unavailable(format!("the transaction could not be recorded: {why}"))
+        };
+        let group = self.transactions.producer_group();
+        let half = self.publisher.half_message(topic, group, published.receipt.as_ref()).await.map_err(unrecorded)?;
+        self.transactions.record(half).await.map_err(|e| unrecorded(e.to_string()))
+    }
+}
+
+fn not_published(error: PublishError) -> GatewayError {
+    match error {
+        PublishError::TopicNotFound(topic) => GatewayError::TopicNotFound(topic),
+        PublishError::Exhausted { attempts, last_error } => GatewayError::NotStored { attempts, last_error },
+    }
+}
