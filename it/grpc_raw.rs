@@ -576,3 +576,76 @@ async fn a_hand_out_popgate_was_killed_before_its_client_took_it_in_is_dispatche
     assert!(popgate.metric("popgate_recovered_deliveries_total{outcome=\"redispatched\"}").await >= 1.0);
     heartbeats.abort();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_id_belongs_to_the_token_that_first_used_it() {
+    // Two tokens that may both consume as the group: the client id is what tells their clients apart. Before,
+    // another token could send calls under a client id (keeping its auto-renewed deliveries held) and terminate
+    // it, giving back what the real client held.
+    let cluster = shared_cluster();
+    const ALICE: (&str, &str) = ("alice", "alice-secret-0123456789");
+    const BOB: (&str, &str) = ("bob", "bob-secret-0123456789");
+    let tokens = format!(
+        "[auth]\nenabled = true\n\
+         [[auth.tokens]]\nname = \"{}\"\ntoken = \"{}\"\npublish = [\"*\"]\nconsume = [\"*\"]\n\
+         [[auth.tokens]]\nname = \"{}\"\ntoken = \"{}\"\npublish = [\"*\"]\nconsume = [\"*\"]\n\
+         [[auth.tokens]]\nname = \"ops\"\ntoken = \"{OPS}\"\nadmin = true\n",
+        ALICE.0, ALICE.1, BOB.0, BOB.1
+    );
+    const OPS: &str = "ops-secret-0123456789";
+    let popgate = Popgate::start(&cluster.namesrv_addr, &tokens).await;
+    let topic = unique_topic("grpc_raw_owner");
+    let group = format!("g_{topic}");
+    create_topic(cluster, &topic).await;
+    let http = reqwest::Client::new();
+    let published = http
+        .post(format!("{}/events/publish", popgate.base))
+        .bearer_auth(ALICE.1)
+        .json(&json!({"topic": topic, "data": "held"}))
+        .send()
+        .await
+        .expect("publish");
+    assert_eq!(published.status(), 200);
+    let deliveries = || async {
+        let url = format!("{}/admin/deliveries?group={group}", popgate.base);
+        let answer = http.get(url).bearer_auth(OPS).send().await.expect("deliveries");
+        answer.json::<serde_json::Value>().await.expect("json")
+    };
+    let mut client = connect(&popgate).await;
+
+    // Alice's client holds the message, kept held while it is alive (auto_renew).
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let messages = loop {
+        let (_, messages) = receive_signed(&mut client, receive_request(&group, &topic, true), Some(ALICE)).await;
+        if !messages.is_empty() || std::time::Instant::now() > deadline {
+            break messages;
+        }
+    };
+    assert_eq!(messages.len(), 1, "alice's client received the message");
+
+    // Bob, under alice's client id: refused, and counted.
+    let forbidden_before = popgate.metric(r#"popgate_requests_rejected_total{reason="forbidden"}"#).await;
+    let heartbeat = pb::HeartbeatRequest { group: resource(&group), client_type: pb::ClientType::PushConsumer as i32 };
+    let answer = client.heartbeat(request(heartbeat.clone(), Some(BOB))).await.expect("call").into_inner();
+    assert_eq!(code(answer.status.as_ref()), Code::Forbidden as i32, "{answer:?}");
+    let bye = pb::NotifyClientTerminationRequest { group: resource(&group) };
+    let answer = client.notify_client_termination(request(bye.clone(), Some(BOB))).await.expect("call").into_inner();
+    assert_eq!(code(answer.status.as_ref()), Code::Forbidden as i32, "{answer:?}");
+    let forbidden = popgate.metric(r#"popgate_requests_rejected_total{reason="forbidden"}"#).await - forbidden_before;
+    assert_eq!(forbidden, 2.0, "both refusals counted");
+    // Nothing changed: alice's client still holds its delivery, as attempt 1.
+    let held = deliveries().await;
+    assert_eq!(held["deliveries"][0]["phase"], "awaiting_ack", "still held: {held}");
+    assert_eq!(held["deliveries"][0]["attempt"], 1, "{held}");
+
+    // Alice's own calls under the id go on, and her termination gives the delivery back.
+    let answer = client.heartbeat(request(heartbeat, Some(ALICE))).await.expect("call").into_inner();
+    assert_eq!(code(answer.status.as_ref()), Code::Ok as i32, "{answer:?}");
+    let answer = client.notify_client_termination(request(bye, Some(ALICE))).await.expect("call").into_inner();
+    assert_eq!(code(answer.status.as_ref()), Code::Ok as i32, "{answer:?}");
+    eventually(Duration::from_secs(5), "alice's termination gave the delivery back", || async {
+        let d = deliveries().await;
+        d["deliveries"][0]["phase"] == "ready" && d["deliveries"][0]["attempt"] == 2
+    })
+    .await;
+}

@@ -828,8 +828,10 @@ async fn a_pop_consumer_acks_with_handles_issued_before_popgate_was_killed_and_n
     client: RemotingClient,
 ) {
     let cluster = shared_cluster();
-    // A short broker lease: a message whose ACK were lost would come back from the broker within seconds.
-    let (mut popgate, namesrv) = popgate_with_remoting(cluster, "[delivery]\nlease_ms = 5000\n").await;
+    // A short broker lease: a message whose ACK were lost would come back from the broker within seconds. Not
+    // shorter than a restart on a loaded machine takes to renew it (with 5 s, a restart that took 1.6 s and its
+    // first renewal found the broker had put all four messages back already).
+    let (mut popgate, namesrv) = popgate_with_remoting(cluster, "[delivery]\nlease_ms = 15000\n").await;
     let topic = unique_topic("rm_pop_kill");
     let group = unique_topic("rm_pop_kill_g");
     create_topic(cluster, &topic).await;
@@ -874,9 +876,9 @@ async fn a_pop_consumer_acks_with_handles_issued_before_popgate_was_killed_and_n
         "four ACK_MESSAGE answered SUCCESS"
     );
     drop(popgate);
-    // Past the 5 s lease: an unACKed message would be back at the broker by now.
+    // Past the 15 s lease: an unACKed message would be back at the broker by now.
     let again =
-        DirectConsumer::connect(&cluster.namesrv_addr).await.drain(&group, &topic, Duration::from_secs(10)).await;
+        DirectConsumer::connect(&cluster.namesrv_addr).await.drain(&group, &topic, Duration::from_secs(20)).await;
     assert_eq!(again, Vec::<String>::new(), "nothing comes back from the broker");
 }
 

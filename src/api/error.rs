@@ -173,6 +173,7 @@ impl From<GatewayError> for ApiError {
             GatewayError::MayNotConsume(_) => "group",
             GatewayError::MayNotRead(_) | GatewayError::MayNotPublish(_) => "topic",
             GatewayError::MayNotAdminister => "token",
+            GatewayError::ClientIdTaken(_) => "clientId",
             GatewayError::TopicNotFound(topic) => return ApiError::unknown_topic(topic),
             GatewayError::TakesNoTransactions { .. } => {
                 return ApiError::invalid_field("transaction", error.to_string())

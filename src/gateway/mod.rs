@@ -34,6 +34,9 @@ pub enum GatewayError {
     /// The caller may not read this topic (whatever group it reads it as).
     #[error("may not read topic `{0}`")]
     MayNotRead(String),
+    /// The client id is used by another token (it is that token's until it expires).
+    #[error("client id `{0}` is used by another token")]
+    ClientIdTaken(String),
     /// The topic does not exist (and the broker would not create it).
     #[error("topic `{0}` does not exist")]
     TopicNotFound(String),
@@ -67,7 +70,8 @@ impl GatewayError {
             GatewayError::MayNotConsume(_)
             | GatewayError::MayNotRead(_)
             | GatewayError::MayNotPublish(_)
-            | GatewayError::MayNotAdminister => "forbidden",
+            | GatewayError::MayNotAdminister
+            | GatewayError::ClientIdTaken(_) => "forbidden",
             GatewayError::TopicNotFound(_) => "not_found",
             GatewayError::TakesNoTransactions { .. } => "bad_request",
             GatewayError::NotStored { .. } | GatewayError::Unavailable(_) => "unavailable",

@@ -29,7 +29,7 @@ use super::written;
 use crate::auth::{Caller, TokenTable};
 use crate::config::Config;
 use crate::delivery::Dispatcher;
-use crate::gateway;
+use crate::gateway::{self, GatewayError};
 use crate::metrics as m;
 use crate::publish::Publisher;
 use crate::transaction::Transactions;
@@ -69,10 +69,17 @@ const CLIENT_KINDS: [&str; 4] = ["producer", "push_consumer", "simple_consumer",
 /// four gauge sets, never a pass over the clients.
 #[derive(Default)]
 struct Liveness {
-    seen: HashMap<String, (&'static str, Instant)>,
+    seen: HashMap<String, Seen>,
     per_kind: [usize; CLIENT_KINDS.len()],
     /// The request timeout each client's Settings gave: a long poll keeps half of it back (see `deadline`).
     request_timeouts: HashMap<String, Duration>,
+}
+
+/// A client id's kind, when it was last seen, and the token that first used it: its owner until it expires.
+struct Seen {
+    kind: &'static str,
+    at: Instant,
+    owner: String,
 }
 
 impl Liveness {
@@ -80,28 +87,38 @@ impl Liveness {
         CLIENT_KINDS.iter().position(|k| *k == kind).unwrap_or(CLIENT_KINDS.len() - 1)
     }
 
-    /// `id` was seen now; its kind is updated when the call tells it.
-    fn saw(&mut self, id: &str, kind: Option<&'static str>, now: Instant) {
+    /// `id` was seen now, used by token `owner`; its kind is updated when the call tells it.
+    ///
+    /// # Errors
+    /// [`GatewayError::ClientIdTaken`] when another token uses the id (nothing changes).
+    fn saw(&mut self, id: &str, kind: Option<&'static str>, now: Instant, owner: &str) -> Result<(), GatewayError> {
         match self.seen.get_mut(id) {
-            Some((known, seen)) => {
-                *seen = now;
-                if let Some(kind) = kind.filter(|k| k != known) {
-                    self.per_kind[Self::kind_index(known)] -= 1;
+            Some(seen) if seen.owner != owner => return Err(GatewayError::ClientIdTaken(id.to_owned())),
+            Some(seen) => {
+                seen.at = now;
+                if let Some(kind) = kind.filter(|k| *k != seen.kind) {
+                    self.per_kind[Self::kind_index(seen.kind)] -= 1;
                     self.per_kind[Self::kind_index(kind)] += 1;
-                    *known = kind;
+                    seen.kind = kind;
                 }
             }
             None => {
                 let kind = kind.unwrap_or("other");
                 self.per_kind[Self::kind_index(kind)] += 1;
-                self.seen.insert(id.to_owned(), (kind, now));
+                self.seen.insert(id.to_owned(), Seen { kind, at: now, owner: owner.to_owned() });
             }
         }
+        Ok(())
+    }
+
+    /// Whether `id` is used by a token other than `owner`.
+    fn used_by_another(&self, id: &str, owner: &str) -> bool {
+        self.seen.get(id).is_some_and(|seen| seen.owner != owner)
     }
 
     fn forget(&mut self, id: &str) {
-        if let Some((kind, _)) = self.seen.remove(id) {
-            self.per_kind[Self::kind_index(kind)] -= 1;
+        if let Some(seen) = self.seen.remove(id) {
+            self.per_kind[Self::kind_index(seen.kind)] -= 1;
         }
         self.request_timeouts.remove(id);
     }
@@ -109,10 +126,10 @@ impl Liveness {
     /// Forgets the clients not seen for [`CLIENT_EXPIRY`].
     fn expire(&mut self, now: Instant) {
         let per_kind = &mut self.per_kind;
-        self.seen.retain(|_, (kind, seen)| {
-            let keep = now.duration_since(*seen) < CLIENT_EXPIRY;
+        self.seen.retain(|_, seen| {
+            let keep = now.duration_since(seen.at) < CLIENT_EXPIRY;
             if !keep {
-                per_kind[Self::kind_index(kind)] -= 1;
+                per_kind[Self::kind_index(seen.kind)] -= 1;
             }
             keep
         });
@@ -201,13 +218,20 @@ impl Front {
     /// auto-renewed deliveries held.
     fn authenticated<T>(&self, request: &Request<T>, kind: Option<&'static str>) -> Result<Caller, pb::Status> {
         let caller = self.caller(request)?;
-        self.saw_client(request.metadata(), kind)?;
+        self.saw_client(&caller, request.metadata(), kind)?;
         Ok(caller)
     }
 
     /// Notes that the calling client is alive (its kind, when known). Constant time: expiry is the keep-alive
-    /// loop's ([`Front::prune_clients`]), not every call's. A new client past `grpc.max_clients` is refused.
-    fn saw_client(&self, metadata: &MetadataMap, kind: Option<&'static str>) -> Result<(), pb::Status> {
+    /// loop's ([`Front::prune_clients`]), not every call's. A new client past `grpc.max_clients` is refused, and
+    /// so is a client id another token uses (it is that token's until it expires): a client id names whose
+    /// deliveries are kept alive and given back at termination.
+    fn saw_client(
+        &self,
+        caller: &Caller,
+        metadata: &MetadataMap,
+        kind: Option<&'static str>,
+    ) -> Result<(), pb::Status> {
         let Some(id) = client_id(metadata) else { return Ok(()) };
         let mut clients = self.clients.lock();
         let max = self.config.grpc.max_clients;
@@ -215,7 +239,10 @@ impl Front {
             counter!(m::REQUESTS_REJECTED, "reason" => "too_many_clients").increment(1);
             return Err(status(Code::TooManyRequests, format!("popgate keeps track of {max} clients at most")));
         }
-        clients.saw(id, kind, Instant::now());
+        if let Err(taken) = clients.saw(id, kind, Instant::now(), &caller.name) {
+            counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
+            return Err(super::status::refused(&taken));
+        }
         clients.publish_gauge();
         Ok(())
     }
@@ -229,6 +256,10 @@ impl Front {
             Ok(group) => group,
             Err(refused) => return refused,
         };
+        if self.clients.lock().used_by_another(id, &caller.name) {
+            counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
+            return super::status::refused(&GatewayError::ClientIdTaken(id.to_owned()));
+        }
         if let Some(group) = group {
             match gateway::leave_group(&self.dispatcher, caller, id, &group).await {
                 Ok(0) => {}
@@ -278,7 +309,7 @@ impl Front {
         clients
             .seen
             .iter()
-            .filter(|(_, (_, seen))| now.duration_since(*seen) < ALIVE_WINDOW)
+            .filter(|(_, seen)| now.duration_since(seen.at) < ALIVE_WINDOW)
             .map(|(id, _)| id.clone())
             .collect()
     }
@@ -561,7 +592,9 @@ impl MessagingService for Arc<Front> {
             while let Some(Ok(command)) = inbound.next().await {
                 let Some(telemetry_command::Command::Settings(client)) = command.command else { continue };
                 let started = Instant::now();
-                if let Err(refused) = front.saw_client(&metadata, Some(settings::kind_label(client.client_type))) {
+                if let Err(refused) =
+                    front.saw_client(&caller, &metadata, Some(settings::kind_label(client.client_type)))
+                {
                     observe("Telemetry", refused.code, started);
                     let _ = replies.send(Ok(pb::TelemetryCommand { status: Some(refused), command: None })).await;
                     break;

@@ -16,7 +16,8 @@ pub fn refused(error: &GatewayError) -> Status {
         GatewayError::MayNotConsume(_)
         | GatewayError::MayNotRead(_)
         | GatewayError::MayNotPublish(_)
-        | GatewayError::MayNotAdminister => status(Code::Forbidden, error.to_string()),
+        | GatewayError::MayNotAdminister
+        | GatewayError::ClientIdTaken(_) => status(Code::Forbidden, error.to_string()),
         GatewayError::TopicNotFound(_) => status(Code::TopicNotFound, error.to_string()),
         GatewayError::TakesNoTransactions { topic_type, .. } => status(
             Code::MessagePropertyConflictWithType,

@@ -244,7 +244,8 @@ impl From<GatewayError> for Refusal {
             GatewayError::MayNotConsume(_)
             | GatewayError::MayNotRead(_)
             | GatewayError::MayNotPublish(_)
-            | GatewayError::MayNotAdminister => Refusal::new(codes::NO_PERMISSION, refused.to_string()),
+            | GatewayError::MayNotAdminister
+            | GatewayError::ClientIdTaken(_) => Refusal::new(codes::NO_PERMISSION, refused.to_string()),
             GatewayError::TopicNotFound(topic) => {
                 Refusal::new(codes::TOPIC_NOT_EXIST, format!("topic[{topic}] not exist, apply first please!"))
             }
