@@ -99,7 +99,19 @@ pub(crate) async fn receive_signed(
     req: pb::ReceiveMessageRequest,
     signed_by: Option<(&str, &str)>,
 ) -> (i32, Vec<pb::Message>) {
-    let mut stream = client.receive_message(request(req, signed_by)).await.expect("receive call").into_inner();
+    receive_signed_as(client, req, signed_by, CLIENT_ID).await
+}
+
+/// [`receive_signed`] by the client with id `client_id` (a client id belongs to the token that first used it).
+pub(crate) async fn receive_signed_as(
+    client: &mut MessagingServiceClient<Channel>,
+    req: pb::ReceiveMessageRequest,
+    signed_by: Option<(&str, &str)>,
+    client_id: &str,
+) -> (i32, Vec<pb::Message>) {
+    let mut request = request(req, signed_by);
+    request.metadata_mut().insert("x-mq-client-id", client_id.parse().expect("ascii"));
+    let mut stream = client.receive_message(request).await.expect("receive call").into_inner();
     let (mut code, mut messages) = (0, Vec::new());
     while let Some(item) = stream.message().await.expect("receive stream") {
         match item.content {

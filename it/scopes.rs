@@ -14,7 +14,7 @@ use reqwest::Client;
 use serde_json::{json, Value};
 use tokio::net::TcpStream;
 
-use crate::grpc_raw::{connect, receive_request, receive_signed, request, resource};
+use crate::grpc_raw::{connect, receive_request, receive_signed_as, request, resource};
 use crate::harness::popgate::{status_and_json, Popgate};
 use crate::harness::unique_topic;
 use crate::publish::shared_cluster;
@@ -155,7 +155,9 @@ async fn reading_needs_sub_on_group_and_topic_and_publishing_pub_on_the_topic_on
         // gRPC: a signed receive of the topic as the group.
         let mut receive = receive_request(&group, topic, false);
         receive.long_polling_timeout = Some(prost_types::Duration { seconds: 1, nanos: 0 });
-        let (code, _) = receive_signed(&mut grpc, receive, Some(*token)).await;
+        // Each token's client has an id of its own: an id belongs to the token that first used it.
+        let client_id = format!("scopes@{}", token.0);
+        let (code, _) = receive_signed_as(&mut grpc, receive, Some(*token), &client_id).await;
         seen.push(("gRPC ReceiveMessage", if code == Code::Forbidden as i32 { Some("refused") } else { None }));
 
         // Remoting: a heartbeat subscribing the group to the topic, a pull and a pop of it.
@@ -255,11 +257,9 @@ async fn reading_needs_sub_on_group_and_topic_and_publishing_pub_on_the_topic_on
             }),
             body: b"scoped".to_vec().into(),
         };
-        let answer = grpc
-            .send_message(request(pb::SendMessageRequest { messages: vec![message] }, Some(*token)))
-            .await
-            .expect("a send answer")
-            .into_inner();
+        let mut send = request(pb::SendMessageRequest { messages: vec![message] }, Some(*token));
+        send.metadata_mut().insert("x-mq-client-id", format!("scopes@{}", token.0).parse().expect("ascii"));
+        let answer = grpc.send_message(send).await.expect("a send answer").into_inner();
         let code = answer.status.as_ref().map_or(0, |s| s.code);
         seen.push((
             "gRPC SendMessage",
