@@ -528,6 +528,25 @@ mod tests {
         assert!(clients.producer_connection("pg", "elsewhere").is_none(), "no producer may see that topic");
     }
 
+    #[tokio::test]
+    async fn a_million_client_ids_keep_the_clients_under_max_clients() {
+        let max = 1_000;
+        let clients = Clients::new(Duration::from_secs(120), max);
+        let (connection, _queue) = Connection::for_test(1);
+        let mut heartbeat = heartbeat("template", &["orders"]);
+        let mut full = 0;
+        for n in 0..1_000_000 {
+            heartbeat.client_id = format!("flood@{n}");
+            match clients.heartbeat(&connection, &anyone(), &heartbeat) {
+                Ok(_) => {}
+                Err(ClientRefusal::Full(_)) => full += 1,
+                Err(other) => panic!("{other}"),
+            }
+        }
+        assert_eq!(clients.clients.lock().len(), max, "never more than max_clients ids");
+        assert_eq!(full, 1_000_000 - max, "every id past the bound was refused");
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_client_whose_heartbeats_stopped_leaves_its_groups() {
         let clients = Clients::new(Duration::from_secs(120), 100);

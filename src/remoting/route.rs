@@ -153,6 +153,18 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_million_topic_names_keep_the_route_cache_under_its_bound() {
+        let cache = RouteCache::new(Duration::from_secs(30));
+        let absent = NameServerAnswer::Other { code: codes::TOPIC_NOT_EXIST, remark: None };
+        for n in 0..1_000_000 {
+            cache.answers.insert(format!("flood_{n}"), (Instant::now(), absent.clone()));
+        }
+        cache.answers.run_pending_tasks();
+        let kept = cache.answers.entry_count();
+        assert!(kept <= MAX_CACHED_TOPICS, "{kept} topics kept, the bound is {MAX_CACHED_TOPICS}");
+    }
+
+    #[test]
     fn every_master_address_becomes_popgates_and_slaves_are_dropped() {
         // What the name server writes (fastjson): numeric keys unquoted.
         let body = br#"{"brokerDatas":[{"brokerAddrs":{0:"10.0.0.1:10911",1:"10.0.0.2:10911"},"brokerName":"broker-a","cluster":"c","enableActingMaster":false},{"brokerAddrs":{1:"10.0.0.3:10911"},"brokerName":"broker-b","cluster":"c","enableActingMaster":false}],"filterServerTable":{},"queueDatas":[{"brokerName":"broker-a","perm":6,"readQueueNums":4,"topicSysFlag":0,"writeQueueNums":4}]}"#;
