@@ -1337,3 +1337,56 @@ async fn a_half_message_to_a_topic_not_typed_for_transactions_is_refused_as_apac
     let taken = ask(&mut stream, half(&transactional)).await.expect("answered");
     assert_eq!(taken.code(), 0, "the same half message to a TRANSACTION topic is stored: {:?}", taken.remark());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_message_sent_again_in_a_new_transaction_is_a_new_transaction_and_each_commit_lands() {
+    // A `TransactionMQProducer` that sends the same `Message` object again keeps its id (`UNIQ_KEY`): the second
+    // half message is a transaction of its own, and its commit must land, as straight at the cluster.
+    let cluster = shared_cluster();
+    let (_popgate, namesrv) = popgate_with_remoting(cluster, "").await;
+    let topic = unique_topic("rm_tx_again");
+    crate::transaction::create_transaction_topic(cluster, &topic).await;
+    let broker = cluster.brokers[0].name.clone();
+    let uniq_key = format!("7F0000010000{:020X}", rand::random::<u64>());
+    let mut stream = TcpStream::connect(&namesrv).await.expect("connect");
+    for body in ["first", "again"] {
+        let half = crate::remoting_hostile::raw_send_keyed(
+            &topic,
+            &broker,
+            body,
+            4, // TRANSACTION_PREPARED_TYPE
+            &[("TRAN_MSG", "true"), ("PGROUP", "rm_tx_again_pg")],
+            &uniq_key,
+        );
+        let sent = ask(&mut stream, half).await.expect("answered");
+        assert_eq!(sent.code(), 0, "{body}: {:?}", sent.remark());
+        let answered =
+            |name: &str| sent.ext_fields().and_then(|f| f.get(name)).map(|v| v.to_string()).unwrap_or_default();
+        let offset_id = answered("msgId");
+        let commit_log_offset = i64::from_str_radix(&offset_id[offset_id.len().saturating_sub(16)..], 16).expect("hex");
+        // What the Java client's `endTransaction` sends.
+        let end = raw_request(
+            37,
+            &[
+                ("producerGroup", "rm_tx_again_pg"),
+                ("tranStateTableOffset", &answered("queueOffset")),
+                ("commitLogOffset", &commit_log_offset.to_string()),
+                ("commitOrRollback", "8"),
+                ("fromTransactionCheck", "false"),
+                ("msgId", &uniq_key),
+                ("transactionId", &answered("transactionId")),
+                ("topic", &topic),
+                ("bname", &broker),
+            ],
+        );
+        let ended = ask(&mut stream, end).await.expect("answered");
+        assert_eq!(ended.code(), 0, "{body}'s commit: {:?}", ended.remark());
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let mut bodies = stored_bodies(cluster, &topic).await;
+    while bodies.len() < 2 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        bodies = stored_bodies(cluster, &topic).await;
+    }
+    assert_eq!(bodies, ["again", "first"], "both transactions were committed");
+}

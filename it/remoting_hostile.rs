@@ -72,6 +72,18 @@ pub(crate) fn raw_send(
     properties: &[(&str, &str)],
 ) -> (RemotingCommand, String) {
     let uniq_key = format!("7F0000010000{:020X}", rand::random::<u64>());
+    (raw_send_keyed(topic, broker, body, sys_flag, properties, &uniq_key), uniq_key)
+}
+
+/// [`raw_send`] with `uniq_key` as the message's id (a client sending the same `Message` again keeps its id).
+pub(crate) fn raw_send_keyed(
+    topic: &str,
+    broker: &str,
+    body: &str,
+    sys_flag: i32,
+    properties: &[(&str, &str)],
+    uniq_key: &str,
+) -> RemotingCommand {
     let mut encoded = format!("UNIQ_KEY\u{1}{uniq_key}\u{2}WAIT\u{1}true\u{2}");
     for (name, value) in properties {
         encoded.push_str(&format!("{name}\u{1}{value}\u{2}"));
@@ -95,7 +107,7 @@ pub(crate) fn raw_send(
     ] {
         send.add_ext_field(name, value);
     }
-    (send, uniq_key)
+    send
 }
 
 /// A message stored straight at `broker` (no popgate between): its answer, and its commit-log offset (the last

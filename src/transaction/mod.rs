@@ -247,16 +247,23 @@ impl Transactions {
     }
 
     /// Records a half message the broker stored, before its send is answered. A send repeated under the same
-    /// message id (an SDK retry answered from the de-duplication window) keeps the record it has.
+    /// message id (an SDK retry answered from the de-duplication window) keeps the record it has, while that
+    /// transaction is not ended. A remoting producer that sends the same `Message` again keeps its id
+    /// (`UNIQ_KEY`): a half message stored anew under the id of an *ended* transaction is a new transaction,
+    /// whose record replaces the ended one (its end would otherwise find the old one and never commit the new
+    /// half message).
     ///
     /// # Errors
     /// [`TransactionError::Store`] when it cannot be stored (the send must then fail: its transaction could
     /// not be ended).
     pub async fn record(&self, half: HalfMessage) -> Result<(), TransactionError> {
         let _claim = self.claim(&half.message_id).await?;
-        if self.store.get::<TransactionRecord>(Family::Transactions, &half.message_id)?.is_some() {
-            return Ok(());
-        }
+        let known = self.store.get::<TransactionRecord>(Family::Transactions, &half.message_id)?;
+        let replaced = match known {
+            None => None,
+            Some(ended) if ended_before(&ended, &half) => Some(ended),
+            Some(_) => return Ok(()),
+        };
         let now = now_millis();
         let record = TransactionRecord {
             transaction_id: half.message_id.clone(),
@@ -265,9 +272,27 @@ impl Transactions {
             expires_ms: now + retention_ms(&self.config),
             state: State::Open,
         };
-        self.store_new(&record).await?;
+        match replaced {
+            None => self.store_new(&record).await?,
+            Some(ended) => self.replace(&ended, &record).await?,
+        }
         self.watch_topic(&record.half.topic).await;
         Ok(())
+    }
+
+    /// Stores `record` in place of `ended`, moving its entry in the expiry index (the old entry would expire the
+    /// new record early).
+    async fn replace(&self, ended: &TransactionRecord, record: &TransactionRecord) -> Result<(), StoreError> {
+        let id = record.transaction_id.as_str();
+        let value = serde_json::to_vec(record)?;
+        let old_index = expiry_key(ended.expires_ms, id);
+        let index = expiry_key(record.expires_ms, id);
+        let changes = [
+            Change::Delete(Family::Transactions, &old_index),
+            Change::Put(Family::Transactions, id, value),
+            Change::Put(Family::Transactions, &index, vec![]),
+        ];
+        self.store.apply(&changes).await
     }
 
     /// Stores a new record with its entry in the expiry index, at once.
@@ -637,6 +662,14 @@ async fn index_unindexed(
         store.apply(&changes).await?;
     }
     Ok(())
+}
+
+/// Whether `known` is an ended transaction of another half message than `half` (stored elsewhere in the
+/// commit log): the same id sent again, in a new transaction.
+fn ended_before(known: &TransactionRecord, half: &HalfMessage) -> bool {
+    matches!(known.state, State::Ended { .. })
+        && (known.half.commit_log_offset, known.half.broker_name.as_str())
+            != (half.commit_log_offset, half.broker_name.as_str())
 }
 
 fn retention_ms(config: &TransactionConfig) -> i64 {
