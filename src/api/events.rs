@@ -33,8 +33,8 @@ use serde_json::{json, Value};
 use super::guard::{read_body, rejected, Budget};
 use super::{ApiError, AppState};
 use crate::auth::Caller;
-use crate::delivery::{content, Dispatched, Event, FilterType, NackOutcome, Subscription, SubscriptionRequest};
-use crate::gateway;
+use crate::delivery::{content, Dispatched, Event, FilterType, NackOutcome, Subscription, SubscriptionRequest, Target};
+use crate::gateway::{self, Settlement};
 
 /// Default long-poll wait when `waitMs` is absent.
 const DEFAULT_WAIT_MS: u64 = 1_000;
@@ -127,17 +127,9 @@ pub fn number_param<T: std::str::FromStr>(
     }
 }
 
-/// 403 unless `caller` may read the topic of delivery `id` as its group. An id popgate does not hold is let
-/// through: the dispatcher answers it (unknown or stale), and ids are unguessable.
-///
-/// # Errors
-/// [`ApiError`] 403.
-pub fn authorize_delivery(state: &AppState, caller: &Caller, id: &str) -> Result<(), ApiError> {
-    match state.dispatcher.source_of(id) {
-        Some((group, topic)) => gateway::may_read(caller, &group, &topic)
-            .map_err(|e| ApiError::forbidden("deliveryId", format!("this token {e}"))),
-        None => Ok(()),
-    }
+/// The settlement of delivery `id`: an HTTP request names no group (the gateway checks the delivery's own).
+pub fn settlement(id: &str) -> Settlement<'_> {
+    Settlement { target: Target::from(id), group: None }
 }
 
 /// The wire form of a subscription: its admin id (`<group>:<topic>`), and the webhook secret redacted (it is
@@ -251,8 +243,7 @@ pub async fn ack(
     let body: AckBody = parse_body(&read_body(body)?)?;
     match (body.delivery_id, body.delivery_ids) {
         (Some(id), None) => {
-            authorize_delivery(&state, &caller, &id)?;
-            state.dispatcher.ack(&id).await.map_err(ApiError::from)?;
+            state.settling().ack(&caller, settlement(&id)).await?;
             tracing::debug!(delivery_id = %id, "Delivery acked.");
             Ok(Json(json!({"status": "acked"})).into_response())
         }
@@ -270,18 +261,16 @@ pub async fn ack(
                 ));
             }
             // Ids this caller may not settle are answered `forbidden` and left alone; the rest are ACKed together.
-            let (allowed, forbidden): (Vec<String>, Vec<String>) =
-                ids.into_iter().partition(|id| authorize_delivery(&state, &caller, id).is_ok());
-            let outcomes = state.dispatcher.ack_many(&allowed).await;
-            let mut results = Vec::with_capacity(allowed.len() + forbidden.len());
-            for (id, outcome) in allowed.into_iter().zip(outcomes) {
-                let status = match outcome {
-                    Ok(()) => "acked",
-                    Err(error) => error.code(),
-                };
-                results.push(json!({"deliveryId": id, "status": status}));
-            }
-            results.extend(forbidden.into_iter().map(|id| json!({"deliveryId": id, "status": "forbidden"})));
+            let settlements: Vec<Settlement<'_>> = ids.iter().map(|id| settlement(id)).collect();
+            let outcomes = state.settling().ack_all(&caller, &settlements).await;
+            let results: Vec<Value> = ids
+                .iter()
+                .zip(outcomes)
+                .map(|(id, outcome)| {
+                    let status = outcome.map_or_else(|refusal| refusal.code(), |()| "acked");
+                    json!({"deliveryId": id, "status": status})
+                })
+                .collect();
             Ok(Json(json!({ "results": results })).into_response())
         }
         _ => Err(ApiError::invalid_field("deliveryId", "give `deliveryId` or `deliveryIds`, not both or neither")),
@@ -295,9 +284,8 @@ pub async fn nack(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let body: NackBody = parse_body(&read_body(body)?)?;
-    authorize_delivery(&state, &caller, &body.delivery_id)?;
     let delay = body.delay_ms.map(Duration::from_millis);
-    let outcome = state.dispatcher.nack(&body.delivery_id, delay).await.map_err(ApiError::from)?;
+    let outcome = state.settling().nack(&caller, settlement(&body.delivery_id), delay).await?;
     Ok(Json(match outcome {
         NackOutcome::Retry { attempt, due_ms } => json!({"status": "retry", "attempt": attempt, "dueAt": due_ms}),
         NackOutcome::DeadLetter => json!({"status": "dead_letter"}),
@@ -312,8 +300,7 @@ pub async fn term(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let body: TermBody = parse_body(&read_body(body)?)?;
-    authorize_delivery(&state, &caller, &body.delivery_id)?;
     let reason = body.reason.unwrap_or_else(|| "terminated".to_owned());
-    state.dispatcher.term(&body.delivery_id, &reason).await.map_err(ApiError::from)?;
+    state.settling().term(&caller, settlement(&body.delivery_id), &reason).await?;
     Ok(Json(json!({"status": "terminated"})).into_response())
 }

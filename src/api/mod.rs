@@ -76,6 +76,16 @@ impl AppState {
     pub fn publishing(&self) -> crate::gateway::Publishing<'_> {
         crate::gateway::Publishing { publisher: &self.publisher, transactions: &self.transactions }
     }
+
+    /// Ending transactions, through the gateway.
+    pub fn ending(&self) -> crate::gateway::Ending<'_> {
+        crate::gateway::Ending { transactions: &self.transactions, front: "http" }
+    }
+
+    /// Settling deliveries, through the gateway.
+    pub fn settling(&self) -> crate::gateway::Settling<'_> {
+        crate::gateway::Settling { dispatcher: &self.dispatcher }
+    }
 }
 
 /// One route of the API: its method and path (axum's `{param}` syntax, which is OpenAPI's too).

@@ -30,12 +30,12 @@ use futures::{SinkExt, StreamExt};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use super::events::{authorize_delivery, delivery_json, required_param};
+use super::events::{delivery_json, required_param, settlement};
 use super::guard::{Budget, Slot};
 use super::{ApiError, AppState};
 use crate::auth::Caller;
 use crate::delivery::{DeliveryError, Dispatched, NackOutcome, Subscriber};
-use crate::gateway;
+use crate::gateway::{self, GatewayError};
 
 /// How long one wait for deliveries lasts before a transport looks at its connection again.
 const WAIT_SLICE: Duration = Duration::from_secs(5);
@@ -183,7 +183,7 @@ async fn ws_session(socket: WebSocket, mut subscriber: Subscriber, state: AppSta
 
 /// One in-band command: `{"ack":id}`, `{"nack":id,"delayMs":n}` or `{"term":id,"reason":"..."}`.
 async fn settle_in_band(state: &AppState, caller: &Caller, text: &str) -> Value {
-    let dispatcher = &state.dispatcher;
+    let settling = state.settling();
     let command: Value = match serde_json::from_str(text) {
         Ok(Value::Object(map)) => Value::Object(map),
         _ => {
@@ -191,42 +191,37 @@ async fn settle_in_band(state: &AppState, caller: &Caller, text: &str) -> Value 
         }
     };
     let id_of = |op: &str| command.get(op).and_then(Value::as_str).map(str::to_owned);
-    if let Some((op, id)) = ["ack", "nack", "term"].into_iter().find_map(|op| id_of(op).map(|id| (op, id))) {
-        if authorize_delivery(state, caller, &id).is_err() {
-            return json!({"type": "result", "op": op, "deliveryId": id, "status": "forbidden"});
-        }
-    }
     let (op, id, result) = if let Some(id) = id_of("ack") {
-        let result = dispatcher.ack(&id).await.map(|()| "acked".to_owned());
+        let result = settling.ack(caller, settlement(&id)).await.map(|()| "acked");
         ("ack", id, result)
     } else if let Some(id) = id_of("nack") {
         let result = match in_band_delay(&command) {
-            Ok(delay) => dispatcher.nack(&id, delay).await.map(|outcome| match outcome {
-                NackOutcome::Retry { .. } => "retry".to_owned(),
-                NackOutcome::DeadLetter => "dead_letter".to_owned(),
+            Ok(delay) => settling.nack(caller, settlement(&id), delay).await.map(|outcome| match outcome {
+                NackOutcome::Retry { .. } => "retry",
+                NackOutcome::DeadLetter => "dead_letter",
             }),
-            Err(refused) => Err(refused),
+            Err(refused) => Err(refused.into()),
         };
         ("nack", id, result)
     } else if let Some(id) = id_of("term") {
         let reason = command.get("reason").and_then(Value::as_str).unwrap_or("terminated").to_owned();
-        let result = dispatcher.term(&id, &reason).await.map(|()| "terminated".to_owned());
+        let result = settling.term(caller, settlement(&id), &reason).await.map(|()| "terminated");
         ("term", id, result)
     } else {
         return json!({"type": "error", "error": {"code": "invalid_field", "field": "ack",
             "message": "expected {\"ack\":id}, {\"nack\":id,\"delayMs\":n} or {\"term\":id,\"reason\":text}"}});
     };
     let status = match &result {
-        Ok(status) => status.clone(),
+        Ok(status) => *status,
         Err(error) => {
-            if matches!(error, DeliveryError::Store(_) | DeliveryError::Busy) {
+            if matches!(error, GatewayError::Delivery(DeliveryError::Store(_) | DeliveryError::Busy)) {
                 tracing::warn!(%error, "In-band settlement failed.");
             }
-            error.code().to_owned()
+            error.code()
         }
     };
     let mut answer = json!({"type": "result", "op": op, "deliveryId": id, "status": status});
-    if let Err(DeliveryError::Invalid(field, message)) = result {
+    if let Err(GatewayError::Delivery(DeliveryError::Invalid(field, message))) = result {
         answer["field"] = Value::from(field);
         answer["message"] = Value::from(message);
     }

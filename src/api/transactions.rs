@@ -28,7 +28,7 @@ use super::events::parse_body;
 use super::guard::read_body;
 use super::{ApiError, AppState};
 use crate::auth::Caller;
-use crate::gateway;
+use crate::gateway::{self, EndRequest, GatewayError};
 use crate::publish::request::Transactional;
 use crate::publish::{OutgoingMessage, SendMode};
 use crate::transaction::{mark_half, Ended, Resolution, State as RecordState, TransactionError, TransactionRecord};
@@ -63,7 +63,7 @@ pub fn prepare_half(
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct EndRequest {
+struct EndBody {
     resolution: String,
 }
 
@@ -75,7 +75,7 @@ pub async fn end(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let body = read_body(body)?;
-    let request: EndRequest = parse_body(&body)?;
+    let request: EndBody = parse_body(&body)?;
     let resolution = match request.resolution.as_str() {
         "commit" => Resolution::Commit,
         "rollback" => Resolution::Rollback,
@@ -83,10 +83,12 @@ pub async fn end(
     };
     let record = known(&state, &caller, &id)?;
     let topic = record.half.topic;
-    let ended = state.transactions.end(&topic, &id, resolution, false, None).await.map_err(refusal)?;
-    let (status, word) = match ended {
-        Ended::Landed => (StatusCode::OK, "ended"),
-        Ended::Owed => (StatusCode::ACCEPTED, "owed"),
+    let end =
+        EndRequest { id: &id, topic: Some(&topic), resolution: Some(resolution), from_check: false, answer_by: None };
+    let (status, word) = match state.ending().end(&caller, end).await? {
+        Some(Ended::Landed) => (StatusCode::OK, "ended"),
+        // `None` (not decided) is not a resolution HTTP takes.
+        Some(Ended::Owed) | None => (StatusCode::ACCEPTED, "owed"),
     };
     let body = json!({"transactionId": id, "topic": topic, "resolution": resolution.as_str(), "state": word});
     Ok((status, Json(body)).into_response())
@@ -128,22 +130,8 @@ fn known(state: &AppState, caller: &Caller, id: &str) -> Result<TransactionRecor
         .transactions
         .lookup(id)
         .map_err(|e| ApiError::unavailable(format!("state store unavailable: {e}"), json!({})))?
-        .ok_or_else(|| refusal(TransactionError::Unknown(id.to_owned())))?;
+        .ok_or_else(|| ApiError::from(GatewayError::from(TransactionError::Unknown(id.to_owned()))))?;
     gateway::may_publish(caller, &record.half.topic)
         .map_err(|refused| ApiError::forbidden("id", format!("this token {refused}")))?;
     Ok(record)
-}
-
-fn refusal(error: TransactionError) -> ApiError {
-    match error {
-        TransactionError::Unknown(_) => ApiError::not_found(error.to_string()),
-        TransactionError::AlreadyEnded { .. } | TransactionError::Refused { .. } => {
-            ApiError::conflict(error.to_string())
-        }
-        TransactionError::Busy(_) => ApiError::too_many(error.to_string()),
-        TransactionError::Store(store) => {
-            tracing::warn!(error = %store, "Transaction end refused: state store unavailable.");
-            ApiError::unavailable(format!("state store unavailable: {store}"), json!({}))
-        }
-    }
 }

@@ -6,21 +6,28 @@
 //! (a remoting `UNREGISTER_CLIENT`, a gRPC `NotifyClientTermination`) gives back only what it holds in that
 //! group, and only when its caller may consume as that group; publishing needs `Pub` on the topic
 //! ([`may_publish`]), and a publish goes through [`Publishing::publish`] whichever front it came in on;
-//! reading a topic needs `Sub` on the topic as well as on the group ([`may_read`]).
+//! reading a topic needs `Sub` on the topic as well as on the group ([`may_read`]), and so does settling a
+//! delivery, whichever front it came in on ([`Settling`]); ending a recorded transaction needs `Pub` on its half
+//! message's topic ([`Ending`]).
 
 mod publish;
+mod settle;
+mod transaction;
 
 use metrics::counter;
 
 use crate::auth::{Action, Caller, RETRY_TOPIC_PREFIX};
-use crate::delivery::Dispatcher;
+use crate::delivery::{DeliveryError, Dispatcher};
 use crate::metrics as m;
 use crate::publish::Attempt;
+use crate::transaction::TransactionError;
 
 pub use publish::{PublishRequest, Publishing};
+pub use settle::{Settlement, Settling};
+pub use transaction::{EndRequest, Ending};
 
 /// Why the gateway refused a request, the same whichever front it came in on.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[derive(Debug, thiserror::Error)]
 pub enum GatewayError {
     /// The caller may not consume as this group.
     #[error("may not consume as group `{0}`")]
@@ -61,6 +68,28 @@ pub enum GatewayError {
     /// Something popgate needs for the request is unavailable now (a topic's type, the state store).
     #[error("{0}")]
     Unavailable(String),
+    /// The caller may not settle this delivery: it may not read the delivery's topic as the delivery's group.
+    #[error("may not settle delivery `{delivery}`: {refusal}")]
+    MayNotSettle {
+        /// The delivery.
+        delivery: String,
+        /// Why: [`GatewayError::MayNotConsume`] or [`GatewayError::MayNotRead`].
+        refusal: Box<GatewayError>,
+    },
+    /// A settlement names a group other than the delivery's.
+    #[error("the handle belongs to group `{owner}`, not `{named}`")]
+    HandleOfAnotherGroup {
+        /// The delivery's group.
+        owner: String,
+        /// The group the request named.
+        named: String,
+    },
+    /// The delivery core refused the settlement (unknown or superseded handle, busy, store unavailable).
+    #[error(transparent)]
+    Delivery(#[from] DeliveryError),
+    /// The transaction layer refused an end (no such record, ended the other way, busy, store unavailable).
+    #[error(transparent)]
+    Transaction(#[from] TransactionError),
 }
 
 impl GatewayError {
@@ -71,7 +100,16 @@ impl GatewayError {
             | GatewayError::MayNotRead(_)
             | GatewayError::MayNotPublish(_)
             | GatewayError::MayNotAdminister
-            | GatewayError::ClientIdTaken(_) => "forbidden",
+            | GatewayError::ClientIdTaken(_)
+            | GatewayError::MayNotSettle { .. } => "forbidden",
+            GatewayError::HandleOfAnotherGroup { .. } => "bad_request",
+            GatewayError::Delivery(refusal) => refusal.code(),
+            GatewayError::Transaction(TransactionError::Unknown(_)) => "not_found",
+            GatewayError::Transaction(TransactionError::AlreadyEnded { .. } | TransactionError::Refused { .. }) => {
+                "conflict"
+            }
+            GatewayError::Transaction(TransactionError::Busy(_)) => "busy",
+            GatewayError::Transaction(TransactionError::Store(_)) => "unavailable",
             GatewayError::TopicNotFound(_) => "not_found",
             GatewayError::TakesNoTransactions { .. } => "bad_request",
             GatewayError::NotStored { .. } | GatewayError::Unavailable(_) => "unavailable",

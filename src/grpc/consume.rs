@@ -21,13 +21,11 @@ use tokio::sync::{mpsc, oneshot};
 use super::proto::{self as pb, receive_message_response::Content, Code, DigestType, Encoding, MessageType};
 use super::service::Front;
 use super::settings::duration;
-use super::status::{ok, overall, refused, status};
+use super::status::{delivery_status, ok, overall, refused, status};
 use super::{deadline, names};
 use crate::auth::Caller;
-use crate::delivery::{
-    DeliveryError, Dispatched, FilterType, HandOut, Holder, Subscription, Target, MAX_POLL_BATCH, MAX_POLL_WAIT,
-};
-use crate::gateway;
+use crate::delivery::{Dispatched, FilterType, HandOut, Holder, Subscription, Target, MAX_POLL_BATCH, MAX_POLL_WAIT};
+use crate::gateway::{self, Settlement};
 use crate::metrics as m;
 
 /// The prefix of popgate's receipt handles (their version).
@@ -180,7 +178,11 @@ pub(super) async fn prepare_receive(
             }
         }
     }
-    let sub = front.dispatcher.ensure_filtered(&group, &topic, &filter, filter_type).await.map_err(delivery_status)?;
+    let sub = front
+        .dispatcher
+        .ensure_filtered(&group, &topic, &filter, filter_type)
+        .await
+        .map_err(|e| delivery_status(&e))?;
     let holder = Holder { client_id: call.client_id.clone(), auto_renew: request.auto_renew, written: false };
     Ok(Receive {
         sub,
@@ -238,7 +240,7 @@ pub(super) async fn run_receive(
     let deliveries = match polled {
         Ok(deliveries) => deliveries,
         Err(error) => {
-            let refusal = delivery_status(error);
+            let refusal = delivery_status(&error);
             let code = refusal.code;
             let _ = out.send(Ok(content(Content::Status(refusal)))).await;
             return Some(Answered { code, handed: Vec::new(), first_deadline_ms: 0 });
@@ -386,19 +388,17 @@ fn delivery_timestamp(event: &crate::delivery::Event) -> Option<i64> {
     system.get("TIMER_DELIVER_MS").and_then(|v| v.parse().ok())
 }
 
-/// The delivery a handle names, checked against the request's group: a handle popgate did not issue, or one of
-/// another group, is `INVALID_RECEIPT_HANDLE`.
-fn delivery_of<'h>(front: &Front, caller: &Caller, group: &str, handle: &'h str) -> Result<Target<'h>, pb::Status> {
+/// What a handle settles, as the request's group: a handle popgate did not issue is `INVALID_RECEIPT_HANDLE`;
+/// the gateway checks the rest (the delivery's group and topic).
+fn settlement_of<'h>(group: &'h str, handle: &'h str) -> Result<Settlement<'h>, pb::Status> {
     let target =
         target_of(handle).ok_or_else(|| status(Code::InvalidReceiptHandle, "not a receipt handle popgate issued"))?;
-    match front.dispatcher.hold_of(target.id) {
-        Some((owner, _, _)) if owner != group => {
-            Err(status(Code::InvalidReceiptHandle, format!("the handle belongs to group `{owner}`, not `{group}`")))
-        }
-        // Settling reads the delivery's topic: `Sub` on it too, whatever topic the request names.
-        Some((_, topic, _)) => gateway::may_read(caller, group, &topic).map(|()| target).map_err(|r| refused(&r)),
-        None => Ok(target),
-    }
+    Ok(Settlement { target, group: Some(group) })
+}
+
+/// The answer of one settlement.
+fn settled<T>(outcome: Result<T, gateway::GatewayError>) -> pb::Status {
+    outcome.map_or_else(|refusal| refused(&refusal), |_| ok())
 }
 
 pub(super) async fn ack_messages(
@@ -414,21 +414,18 @@ pub(super) async fn ack_messages(
         return pb::AckMessageResponse { status: Some(status(Code::BadRequest, "no entries")), entries: vec![] };
     }
     // The entries with a valid handle are ACKed as one batch (one store write, one broker request per broker).
-    let ids: Vec<Result<Target<'_>, pb::Status>> =
-        request.entries.iter().map(|entry| delivery_of(front, caller, &group, &entry.receipt_handle)).collect();
-    let valid: Vec<Target<'_>> = ids.iter().filter_map(|id| id.as_ref().ok().copied()).collect();
-    let mut acked = front.dispatcher.ack_targets(&valid).await.into_iter();
+    let parsed: Vec<Result<Settlement<'_>, pb::Status>> =
+        request.entries.iter().map(|entry| settlement_of(&group, &entry.receipt_handle)).collect();
+    let valid: Vec<Settlement<'_>> = parsed.iter().filter_map(|p| p.as_ref().ok().copied()).collect();
+    let mut acked = front.settling().ack_all(caller, &valid).await.into_iter();
     let entries: Vec<pb::AckMessageResultEntry> = request
         .entries
         .iter()
-        .zip(ids)
-        .map(|(entry, id)| {
-            let answer = match id {
+        .zip(parsed)
+        .map(|(entry, parsed)| {
+            let answer = match parsed {
                 Err(refusal) => refusal,
-                Ok(_) => acked.next().map_or_else(
-                    || status(Code::InternalServerError, "no answer"),
-                    |a| a.map_or_else(delivery_status, |()| ok()),
-                ),
+                Ok(_) => acked.next().map_or_else(|| status(Code::InternalServerError, "no answer"), settled),
             };
             pb::AckMessageResultEntry {
                 message_id: entry.message_id.clone(),
@@ -455,13 +452,14 @@ pub(super) async fn change_invisible_duration(
         Ok(group) => group,
         Err(refusal) => return answer(refusal),
     };
-    let id = match delivery_of(front, caller, &group, &request.receipt_handle) {
-        Ok(id) => id,
+    let settlement = match settlement_of(&group, &request.receipt_handle) {
+        Ok(settlement) => settlement,
         Err(refusal) => return answer(refusal),
     };
-    let auto_renewed = front.dispatcher.hold_of(id.id).and_then(|(_, _, holder)| holder).is_some_and(|h| h.auto_renew);
+    let held = front.dispatcher.hold_of(settlement.target.id);
+    let auto_renewed = held.and_then(|(_, _, holder)| holder).is_some_and(|h| h.auto_renew);
     if auto_renewed {
-        return answer(front.dispatcher.nack(id, None).await.map_or_else(delivery_status, |_| ok()));
+        return answer(settled(front.settling().nack(caller, settlement, None).await));
     }
     let by = match checked_invisible(
         request.invisible_duration.unwrap_or_default(),
@@ -471,7 +469,7 @@ pub(super) async fn change_invisible_duration(
         Ok(by) => by,
         Err(refusal) => return answer(refusal),
     };
-    answer(front.dispatcher.extend(id, by).await.map_or_else(delivery_status, |_| ok()))
+    answer(settled(front.settling().extend(caller, settlement, by).await))
 }
 
 pub(super) async fn forward_to_dead_letter_queue(
@@ -483,15 +481,15 @@ pub(super) async fn forward_to_dead_letter_queue(
         Ok(group) => group,
         Err(refusal) => return refusal,
     };
-    let id = match delivery_of(front, caller, &group, &request.receipt_handle) {
-        Ok(id) => id,
+    let settlement = match settlement_of(&group, &request.receipt_handle) {
+        Ok(settlement) => settlement,
         Err(refusal) => return refusal,
     };
     let reason = format!(
         "forwarded by the client after {} of {} attempts",
         request.delivery_attempt, request.max_delivery_attempts
     );
-    front.dispatcher.term(id, &reason).await.map_or_else(delivery_status, |()| ok())
+    settled(front.settling().term(caller, settlement, &reason).await)
 }
 
 /// An invisible duration within `min_ms..=max_ms`, refused in Apache's words.
@@ -504,22 +502,6 @@ fn checked_invisible(asked: prost_types::Duration, min_ms: u64, max_ms: u64) -> 
         return Err(status(Code::IllegalInvisibleTime, format!("the invisibleTime is too large. max is {max_ms}")));
     }
     Ok(asked)
-}
-
-/// The SDK's status for a delivery-core refusal. `INVALID_RECEIPT_HANDLE` tells a PushConsumer to stop
-/// retrying its ACK; the others it retries every second.
-fn delivery_status(error: DeliveryError) -> pb::Status {
-    let code = match &error {
-        // Apache's proxy says "receipt handle is expired" for every handle its holder may no longer settle.
-        DeliveryError::Unknown | DeliveryError::Stale | DeliveryError::NotInFlight | DeliveryError::Superseded => {
-            return status(Code::InvalidReceiptHandle, format!("receipt handle is expired: {error}"));
-        }
-        DeliveryError::Busy => Code::TooManyRequests,
-        DeliveryError::Store(_) => Code::InternalServerError,
-        DeliveryError::Invalid("filter", _) => Code::IllegalFilterExpression,
-        DeliveryError::Invalid(..) => Code::BadRequest,
-    };
-    status(code, error.to_string())
 }
 
 fn now_ms() -> i64 {

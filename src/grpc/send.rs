@@ -69,7 +69,7 @@ async fn send_one(
         Ok(Code::TopicNotFound) => "not_found",
         Ok(Code::InternalServerError) => "unavailable",
         // Counted in `popgate_requests_rejected_total`, as the HTTP front's refusals are.
-        Ok(Code::Forbidden) => return entry,
+        Ok(Code::Unauthorized | Code::Forbidden) => return entry,
         _ => "bad_request",
     };
     counter!(m::PUBLISH_REQUESTS, "result" => result, "transport" => "grpc").increment(1);

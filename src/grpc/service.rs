@@ -150,6 +150,14 @@ impl Front {
         crate::gateway::Publishing { publisher: &self.publisher, transactions: &self.transactions }
     }
 
+    pub(super) fn ending(&self) -> crate::gateway::Ending<'_> {
+        crate::gateway::Ending { transactions: &self.transactions, front: "grpc" }
+    }
+
+    pub(super) fn settling(&self) -> crate::gateway::Settling<'_> {
+        crate::gateway::Settling { dispatcher: &self.dispatcher }
+    }
+
     pub(super) fn new(
         parts: super::Parts,
         config: Arc<Config>,

@@ -2,6 +2,7 @@
 //! SDKs expect from Apache's proxy).
 
 use super::proto::{Code, Status};
+use crate::delivery::DeliveryError;
 use crate::gateway::GatewayError;
 
 /// A body status with `code` and a message for the app's logs.
@@ -10,14 +11,16 @@ pub fn status(code: Code, message: impl Into<String>) -> Status {
 }
 
 /// The gRPC front's one mapping of the gateway's errors (the gateway counted its refusals), in Apache's
-/// proxy's codes and, where an app may match on them, its words.
+/// proxy's codes and, where an app may match on them, its words. What the caller's ACL does not allow is
+/// `UNAUTHORIZED`, as Apache's proxy (5.3+, ACL 2.0) answers an `AuthorizationException`; a client id of
+/// another token (popgate's own rule) is `FORBIDDEN`.
 pub fn refused(error: &GatewayError) -> Status {
     match error {
         GatewayError::MayNotConsume(_)
         | GatewayError::MayNotRead(_)
         | GatewayError::MayNotPublish(_)
-        | GatewayError::MayNotAdminister
-        | GatewayError::ClientIdTaken(_) => status(Code::Forbidden, error.to_string()),
+        | GatewayError::MayNotAdminister => status(Code::Unauthorized, error.to_string()),
+        GatewayError::ClientIdTaken(_) => status(Code::Forbidden, error.to_string()),
         GatewayError::TopicNotFound(_) => status(Code::TopicNotFound, error.to_string()),
         GatewayError::TakesNoTransactions { topic_type, .. } => status(
             Code::MessagePropertyConflictWithType,
@@ -28,7 +31,27 @@ pub fn refused(error: &GatewayError) -> Status {
         GatewayError::NotStored { .. } | GatewayError::Unavailable(_) => {
             status(Code::InternalServerError, error.to_string())
         }
+        GatewayError::MayNotSettle { refusal, .. } => status(Code::Unauthorized, refusal.to_string()),
+        GatewayError::HandleOfAnotherGroup { .. } => status(Code::InvalidReceiptHandle, error.to_string()),
+        GatewayError::Delivery(refusal) => delivery_status(refusal),
+        GatewayError::Transaction(refusal) => super::transaction::transaction_status(refusal),
     }
+}
+
+/// The SDK's status for a delivery-core refusal. `INVALID_RECEIPT_HANDLE` tells a PushConsumer to stop
+/// retrying its ACK; the others it retries every second.
+pub fn delivery_status(error: &DeliveryError) -> Status {
+    let code = match error {
+        // Apache's proxy says "receipt handle is expired" for every handle its holder may no longer settle.
+        DeliveryError::Unknown | DeliveryError::Stale | DeliveryError::NotInFlight | DeliveryError::Superseded => {
+            return status(Code::InvalidReceiptHandle, format!("receipt handle is expired: {error}"));
+        }
+        DeliveryError::Busy => Code::TooManyRequests,
+        DeliveryError::Store(_) => Code::InternalServerError,
+        DeliveryError::Invalid("filter", _) => Code::IllegalFilterExpression,
+        DeliveryError::Invalid(..) => Code::BadRequest,
+    };
+    status(code, error.to_string())
 }
 
 /// `OK`.

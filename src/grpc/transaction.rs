@@ -6,9 +6,9 @@
 use super::names;
 use super::proto::{self as pb, Code, TransactionResolution, TransactionSource};
 use super::service::Front;
-use super::status::{ok, status};
+use super::status::{ok, refused, status};
 use crate::auth::Caller;
-use crate::gateway;
+use crate::gateway::{self, EndRequest};
 use crate::transaction::{Resolution, TransactionError};
 
 /// The words Apache's proxy answers an end it has no transaction data for with (a `ProxyException`).
@@ -24,41 +24,30 @@ pub(super) async fn end_transaction(
         Ok(topic) => topic,
         Err(refusal) => return refusal,
     };
-    if let Err(refusal) = gateway::may_publish(caller, &topic) {
-        return super::status::refused(&refusal);
-    }
     let id = request.transaction_id.trim();
     if id.is_empty() {
+        if let Err(refusal) = gateway::may_publish(caller, &topic) {
+            return refused(&refusal);
+        }
         return status(Code::InvalidTransactionId, "transaction id cannot be empty");
     }
-    let from_check = request.source == TransactionSource::SourceServerCheck as i32;
     let resolution = match TransactionResolution::try_from(request.resolution) {
-        Ok(TransactionResolution::Commit) => Resolution::Commit,
-        Ok(TransactionResolution::Rollback) => Resolution::Rollback,
+        Ok(TransactionResolution::Commit) => Some(Resolution::Commit),
+        Ok(TransactionResolution::Rollback) => Some(Resolution::Rollback),
         // Apache's proxy answers OK and sends the broker a "not decided" it ignores; popgate leaves the
         // transaction as it is, for the broker's check-back to decide.
-        _ => {
-            count_check_answer(from_check, "unknown");
-            return ok();
-        }
+        _ => None,
     };
-    count_check_answer(from_check, resolution.as_str());
-    match front.transactions.end(&topic, id, resolution, from_check, answer_by).await {
+    let from_check = request.source == TransactionSource::SourceServerCheck as i32;
+    let end = EndRequest { id, topic: Some(&topic), resolution, from_check, answer_by };
+    match front.ending().end(caller, end).await {
         Ok(_) => ok(),
-        Err(error) => refusal(&error),
-    }
-}
-
-/// Counts a producer's answer to a check-back this front forwarded.
-fn count_check_answer(from_check: bool, answer: &'static str) {
-    if from_check {
-        metrics::counter!(crate::metrics::TRANSACTION_CHECK_ANSWERS, "front" => "grpc", "answer" => answer)
-            .increment(1);
+        Err(refusal) => refused(&refusal),
     }
 }
 
 /// The status of a refused end: Apache's code and words where Apache has them.
-fn refusal(error: &TransactionError) -> pb::Status {
+pub(super) fn transaction_status(error: &TransactionError) -> pb::Status {
     match error {
         TransactionError::Unknown(_) => status(Code::InternalServerError, NOT_FOUND),
         TransactionError::AlreadyEnded { .. } => status(Code::InternalServerError, format!("{NOT_FOUND}: {error}")),

@@ -36,6 +36,7 @@ pub(super) const SUCCESS: i32 = 0;
 pub(super) const SYSTEM_ERROR: i32 = 1;
 pub(super) const SYSTEM_BUSY: i32 = 2;
 pub(super) const REQUEST_CODE_NOT_SUPPORTED: i32 = 3;
+pub(super) const TRANSACTION_FAILED: i32 = 4;
 pub(super) const MESSAGE_ILLEGAL: i32 = 13;
 pub(super) const SERVICE_NOT_AVAILABLE: i32 = 14;
 pub(super) const NO_PERMISSION: i32 = 16;

@@ -36,8 +36,8 @@ use super::connection::Connection;
 use super::service::{error, field, Front, Refusal, Reply};
 use crate::auth::Caller;
 use crate::broker::client::now_millis as now_ms;
-use crate::delivery::{DeliveryError, Dispatched, FilterType, HandOut, Holder, NackOutcome, Target, MAX_POLL_WAIT};
-use crate::gateway;
+use crate::delivery::{Dispatched, FilterType, HandOut, Holder, NackOutcome, Target, MAX_POLL_WAIT};
+use crate::gateway::{self, GatewayError, Settlement};
 
 /// The prefix of popgate's handles in a `POP_CK`.
 const HANDLE_PREFIX: &str = "pgr:";
@@ -145,7 +145,7 @@ pub(super) async fn pop_message(
     let (filter, filter_type) = filter_of(pop.exp_type.as_deref(), pop.exp.as_deref());
     let sub = match front.dispatcher.ensure_filtered(&group, &topic, &filter, filter_type).await {
         Ok(sub) => sub,
-        Err(refusal) => return delivery_error(refusal).into(),
+        Err(refusal) => return Refusal::from(GatewayError::from(refusal)).answer().into(),
     };
     let invisible = Duration::from_millis(pop.invisible_time).min(MAX_INVISIBLE);
     let client_id =
@@ -165,7 +165,7 @@ pub(super) async fn pop_message(
     };
     let deliveries = match polled {
         Ok(deliveries) => deliveries,
-        Err(refusal) => return delivery_error(refusal).into(),
+        Err(refusal) => return Refusal::from(GatewayError::from(refusal)).answer().into(),
     };
     let (reply, unencodable) =
         popped_answer(&deliveries, field(request, "bname").unwrap_or_default(), pop.invisible_time);
@@ -319,13 +319,13 @@ pub(super) async fn after_answer(front: &Front, handed: Vec<(String, u32)>, writ
 
 /// `ACK_MESSAGE`: the hand-out the handle names is ACKed (the ACK intent stored, then the broker ACK).
 pub(super) async fn ack_message(front: &Front, caller: &Caller, request: &RemotingCommand) -> RemotingCommand {
-    let target = match settled(front, caller, request) {
-        Ok(target) => target,
-        Err(refusal) => return refusal.answer(),
+    let acked = match settlement(request) {
+        Ok(settlement) => front.settling().ack(caller, settlement).await.map_err(Refusal::from),
+        Err(refusal) => Err(refusal),
     };
-    match front.dispatcher.ack(target).await {
+    match acked {
         Ok(()) => RemotingCommand::create_success_response_command(),
-        Err(refusal) => delivery_error(refusal),
+        Err(refusal) => refusal.answer(),
     }
 }
 
@@ -336,15 +336,15 @@ pub(super) async fn change_invisible_time(
     caller: &Caller,
     request: &RemotingCommand,
 ) -> RemotingCommand {
-    let target = match settled(front, caller, request) {
-        Ok(target) => target,
+    let settlement = match settlement(request) {
+        Ok(settlement) => settlement,
         Err(refusal) => return refusal.answer(),
     };
     let now = now_ms();
-    let due_ms = match front.dispatcher.nack(target, None).await {
+    let due_ms = match front.settling().nack(caller, settlement, None).await {
         Ok(NackOutcome::Retry { due_ms, .. }) => due_ms,
         Ok(NackOutcome::DeadLetter) => now,
-        Err(refusal) => return delivery_error(refusal),
+        Err(refusal) => return Refusal::from(refusal).answer(),
     };
     let mut answer = RemotingCommand::create_success_response_command();
     answer.add_ext_field("popTime", now.to_string());
@@ -353,26 +353,18 @@ pub(super) async fn change_invisible_time(
     answer
 }
 
-/// The hand-out an ACK or ChangeInvisibleTime settles, checked against its group.
-fn settled<'r>(front: &Front, caller: &Caller, request: &'r RemotingCommand) -> Result<Target<'r>, Refusal> {
+/// The hand-out an ACK or ChangeInvisibleTime settles, as the group the request names (the gateway checks it
+/// against the delivery's).
+fn settlement(request: &RemotingCommand) -> Result<Settlement<'_>, Refusal> {
     let group = field(request, "consumerGroup")
         .ok_or_else(|| Refusal::new(codes::SYSTEM_ERROR, "the request does not name its consumerGroup"))?;
-    gateway::may_consume(caller, group)?;
     let target = field(request, "extraInfo").and_then(handle_in).ok_or_else(|| {
         Refusal::new(
             codes::INVALID_PARAMETER,
             "the extraInfo holds no handle popgate issued (a message popped elsewhere?)",
         )
     })?;
-    match front.dispatcher.hold_of(target.id) {
-        Some((owner, _, _)) if owner != group => Err(Refusal::new(
-            codes::INVALID_PARAMETER,
-            format!("the message was popped by group `{owner}`, not `{group}`"),
-        )),
-        // Settling reads the message's topic: `Sub` on it too, whatever topic the request names.
-        Some((_, topic, _)) => Ok(gateway::may_read(caller, group, &topic).map(|()| target)?),
-        None => Ok(target),
-    }
+    Ok(Settlement { target, group: Some(group) })
 }
 
 /// popgate's handle in a `POP_CK`: its ninth field.
@@ -381,20 +373,6 @@ fn handle_in(extra_info: &str) -> Option<Target<'_>> {
     let (id, handout) = handle.rsplit_once('.')?;
     let handout = handout.parse().ok()?;
     (!id.is_empty()).then_some(Target { id, handout: Some(handout) })
-}
-
-/// The client's answer for a delivery-core refusal.
-fn delivery_error(refusal: DeliveryError) -> RemotingCommand {
-    let code = match &refusal {
-        DeliveryError::Unknown | DeliveryError::Stale | DeliveryError::NotInFlight | DeliveryError::Superseded => {
-            return error(codes::NO_MESSAGE, format!("receipt handle is expired: {refusal}"));
-        }
-        DeliveryError::Busy => codes::SYSTEM_BUSY,
-        DeliveryError::Store(_) => codes::SYSTEM_ERROR,
-        DeliveryError::Invalid("filter", _) => codes::SUBSCRIPTION_PARSE_FAILED,
-        DeliveryError::Invalid(..) => codes::INVALID_PARAMETER,
-    };
-    error(code, refusal.to_string())
 }
 
 #[cfg(test)]

@@ -20,11 +20,11 @@ use super::{auth, pop, relay, route, send, transaction, Parts};
 use crate::auth::{Caller, TokenTable};
 use crate::broker::BrokerClient;
 use crate::config::Config;
-use crate::delivery::Dispatcher;
+use crate::delivery::{DeliveryError, Dispatcher};
 use crate::gateway::GatewayError;
 use crate::metrics as m;
 use crate::publish::Publisher;
-use crate::transaction::Transactions;
+use crate::transaction::{TransactionError, Transactions};
 
 /// The remoting front's shared state.
 pub(super) struct Front {
@@ -57,6 +57,14 @@ impl Front {
     /// The gateway's publish path.
     pub(super) fn publishing(&self) -> crate::gateway::Publishing<'_> {
         crate::gateway::Publishing { publisher: &self.publisher, transactions: &self.transactions }
+    }
+
+    pub(super) fn ending(&self) -> crate::gateway::Ending<'_> {
+        crate::gateway::Ending { transactions: &self.transactions, front: "remoting" }
+    }
+
+    pub(super) fn settling(&self) -> crate::gateway::Settling<'_> {
+        crate::gateway::Settling { dispatcher: &self.dispatcher }
     }
 
     pub fn new(parts: Parts, config: Arc<Config>, advertised: String, stopping: watch::Receiver<bool>) -> Front {
@@ -257,8 +265,33 @@ impl From<GatewayError> for Refusal {
                 Refusal::new(refused.broker_code().unwrap_or(codes::SYSTEM_ERROR), refused.to_string())
             }
             GatewayError::Unavailable(why) => Refusal::new(codes::SYSTEM_ERROR, why),
+            GatewayError::MayNotSettle { refusal, .. } => Refusal::new(codes::NO_PERMISSION, refusal.to_string()),
+            GatewayError::HandleOfAnotherGroup { owner, named } => Refusal::new(
+                codes::INVALID_PARAMETER,
+                format!("the message was popped by group `{owner}`, not `{named}`"),
+            ),
+            GatewayError::Delivery(refusal) => delivery_refusal(&refusal),
+            GatewayError::Transaction(failed @ TransactionError::Busy(_)) => {
+                Refusal::new(codes::SYSTEM_BUSY, failed.to_string())
+            }
+            GatewayError::Transaction(failed) => Refusal::new(codes::TRANSACTION_FAILED, failed.to_string()),
         }
     }
+}
+
+/// A delivery-core refusal in the broker's codes: a handle that no longer settles anything is `NO_MESSAGE`
+/// with Apache's proxy's words.
+fn delivery_refusal(refusal: &DeliveryError) -> Refusal {
+    let code = match refusal {
+        DeliveryError::Unknown | DeliveryError::Stale | DeliveryError::NotInFlight | DeliveryError::Superseded => {
+            return Refusal::new(codes::NO_MESSAGE, format!("receipt handle is expired: {refusal}"));
+        }
+        DeliveryError::Busy => codes::SYSTEM_BUSY,
+        DeliveryError::Store(_) => codes::SYSTEM_ERROR,
+        DeliveryError::Invalid("filter", _) => codes::SUBSCRIPTION_PARSE_FAILED,
+        DeliveryError::Invalid(..) => codes::INVALID_PARAMETER,
+    };
+    Refusal::new(code, refusal.to_string())
 }
 
 /// The value of header field `name` of `request`.

@@ -18,16 +18,14 @@ use super::relay;
 use super::service::{error, field, Front, Refusal};
 use crate::auth::Caller;
 use crate::broker::transaction::PROPERTY_TRANSACTION_PREPARED;
-use crate::gateway;
+use crate::gateway::{self, EndRequest, GatewayError};
 use crate::metrics as m;
-use crate::transaction::{CheckForwarder, Orphan, Resolution, TransactionError};
+use crate::transaction::{CheckForwarder, Orphan, Resolution};
 
 /// `commitOrRollback` values (`MessageSysFlag.TRANSACTION_*_TYPE`).
 const COMMIT: i32 = 8;
 const ROLLBACK: i32 = 12;
 const NOT_DECIDED: i32 = 0;
-/// `ResponseCode.TRANSACTION_FAILED`.
-const TRANSACTION_FAILED: i32 = 4;
 /// What a broker answers an end whose offsets name no half message (`SYSTEM_ERROR`, "Find prepared transaction
 /// message failed").
 const NOT_A_HALF_MESSAGE: i32 = codes::SYSTEM_ERROR;
@@ -40,32 +38,25 @@ const PROPERTY_REAL_TOPIC: &str = "REAL_TOPIC";
 pub(super) async fn end_transaction(front: &Front, caller: &Caller, request: &RemotingCommand) -> RemotingCommand {
     let from_check = field(request, "fromTransactionCheck") == Some("true");
     let resolution = match field(request, "commitOrRollback").and_then(|v| v.parse::<i32>().ok()) {
-        Some(COMMIT) => Resolution::Commit,
-        Some(ROLLBACK) => Resolution::Rollback,
-        Some(NOT_DECIDED) => {
-            // The producer does not know yet: the broker asks again at its next check.
-            if from_check {
-                counter!(m::TRANSACTION_CHECK_ANSWERS, "front" => "remoting", "answer" => "unknown").increment(1);
-            }
-            return RemotingCommand::create_success_response_command();
-        }
+        Some(COMMIT) => Some(Resolution::Commit),
+        Some(ROLLBACK) => Some(Resolution::Rollback),
+        // The producer does not know yet: the broker asks again at its next check.
+        Some(NOT_DECIDED) => None,
         other => return error(codes::SYSTEM_ERROR, format!("END_TRANSACTION with commitOrRollback {other:?}")),
     };
-    let Some((id, topic)) = recorded(front, request) else {
-        return end_unrecorded(front, caller, request).await;
+    let id = match recorded(front, request) {
+        Some(id) => id,
+        None if resolution.is_none() => String::new(),
+        None => return end_unrecorded(front, caller, request).await,
     };
-    if let Err(refused) = gateway::may_publish(caller, &topic) {
-        return Refusal::from(refused).answer();
-    }
-    if from_check {
-        counter!(m::TRANSACTION_CHECK_ANSWERS, "front" => "remoting", "answer" => resolution.as_str()).increment(1);
-    }
-    match front.transactions.end(&topic, &id, resolution, from_check, None).await {
+    let end = EndRequest { id: &id, topic: None, resolution, from_check, answer_by: None };
+    match front.ending().end(caller, end).await {
         Ok(_) => RemotingCommand::create_success_response_command(),
-        Err(failed @ TransactionError::Busy(_)) => error(codes::SYSTEM_BUSY, failed.to_string()),
-        Err(failed) => {
-            tracing::info!(error = %failed, transaction = %id, "A remoting producer's END_TRANSACTION was refused.");
-            error(TRANSACTION_FAILED, failed.to_string())
+        Err(refused) => {
+            if matches!(refused, GatewayError::Transaction(_)) {
+                tracing::info!(error = %refused, transaction = %id, "A remoting producer's END_TRANSACTION was refused.");
+            }
+            Refusal::from(refused).answer()
         }
     }
 }
@@ -122,11 +113,11 @@ async fn half_message_topic(front: &Front, request: &RemotingCommand) -> Result<
 }
 
 /// The transaction id popgate has a record under, of the ids the request names (`msgId`, the client's
-/// message id; `transactionId`), and its topic.
-fn recorded(front: &Front, request: &RemotingCommand) -> Option<(String, String)> {
+/// message id; `transactionId`).
+fn recorded(front: &Front, request: &RemotingCommand) -> Option<String> {
     ["msgId", "transactionId"].iter().filter_map(|name| field(request, name)).find_map(|id| {
         match front.transactions.lookup(id) {
-            Ok(Some(record)) => Some((id.to_owned(), record.half.topic)),
+            Ok(Some(_)) => Some(id.to_owned()),
             Ok(None) => None,
             Err(error) => {
                 tracing::warn!(%error, transaction = id, "Could not read a transaction record.");
