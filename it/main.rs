@@ -5,6 +5,7 @@
 #![recursion_limit = "256"]
 
 mod apache_parity;
+mod cluster_acl;
 mod config;
 mod dashboards;
 mod data;

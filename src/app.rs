@@ -123,6 +123,14 @@ pub async fn serve(
     check_profile_at_start(&monitor, config.reliability.fail_on_mismatch).await?;
     let check_every = Duration::from_secs(config.reliability.broker_check_interval_secs);
     let tokens = Arc::new(TokenTable::new(&config.auth));
+    // The cluster's users and ACLs are read before the fronts take requests, and again every refresh.
+    let cluster_acl = if config.auth.cluster_acl {
+        crate::auth::cluster::read_into(&tokens, &broker).await;
+        let every = Duration::from_secs(config.auth.cluster_acl_refresh_secs);
+        Some(tokio::spawn(crate::auth::cluster::keep_reading(tokens.clone(), broker.clone(), every)))
+    } else {
+        None
+    };
     let config = Arc::new(config);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let grpc_server = grpc.map(|(listener, tls)| {
@@ -205,6 +213,10 @@ pub async fn serve(
     }
     gauges.abort();
     profile_checks.abort();
+    if let Some(cluster_acl) = cluster_acl {
+        cluster_acl.abort();
+        let _ = cluster_acl.await;
+    }
     dispatcher.shutdown().await;
     transactions.shutdown().await;
     drop(transactions);

@@ -96,6 +96,8 @@ pub const TRANSACTIONS_ENDED: &str = "popgate_transactions_ended_total";
 /// Counter (`outcome`): the brokers' transaction check-backs: forwarded to a producer, answered from popgate's
 /// record (its end was known), or dropped with no producer to ask (no_producer).
 pub const TRANSACTION_CHECKS: &str = "popgate_transaction_checks_total";
+/// Counter (`result`: ok, failed): reads of the cluster's ACL 2.0 users and ACLs (`auth.cluster_acl`).
+pub const CLUSTER_ACL_READS: &str = "popgate_cluster_acl_reads_total";
 /// Counter (`front`, `answer`): producers' answers to forwarded check-backs: commit, rollback, unknown, or
 /// failed (an HTTP checker that did not answer, or answered something else).
 pub const TRANSACTION_CHECK_ANSWERS: &str = "popgate_transaction_check_answers_total";
@@ -215,6 +217,7 @@ const ZERO_SERIES: &[(&str, &str, &[&str])] = &[
     (REMOTING_CONNECTIONS_CLOSED, "reason", &["idle", "not_reading"]),
     (REMOTING_REREGISTRATIONS, "result", &["ok", "failed"]),
     (REMOTING_ROUTE_ANSWERS, "source", &["cache", "name_server", "stale"]),
+    (CLUSTER_ACL_READS, "result", &["ok", "failed"]),
     (WEBHOOK_TARGETS_REFUSED, "reason", &["literal", "dns"]),
     (WEBHOOK_HEADERS_SKIPPED, "reason", &crate::delivery::webhook::headers::Skip::LABELS),
     (ACKS, "result", &["acked", "repeated", "unknown", "stale", "superseded", "not_in_flight", "busy", "store_error"]),
@@ -370,6 +373,7 @@ fn describe_all() {
     describe_gauge!(REMOTING_REQUESTS_IN_FLIGHT, "Remoting requests being served now.");
     describe_counter!(TRANSACTIONS_ENDED, Unit::Count, "Transaction ends, by resolution and result.");
     describe_counter!(TRANSACTION_CHECKS, Unit::Count, "Brokers' transaction check-backs, by outcome.");
+    describe_counter!(CLUSTER_ACL_READS, Unit::Count, "Reads of the cluster's ACL 2.0 users and ACLs, by result.");
     describe_counter!(
         TRANSACTION_CHECK_ANSWERS,
         Unit::Count,

@@ -54,6 +54,19 @@ impl Direct {
         Direct { admin, _owner: owner }
     }
 
+    /// [`Direct::connect`] for a cluster with authentication on: every request signed with `access_key` and
+    /// `secret_key` (RocketMQ's `AclClientRPCHook`).
+    #[allow(dead_code)]
+    pub async fn connect_as(namesrv_addr: &str, access_key: &str, secret_key: &str) -> Direct {
+        let (owner, runtime) = popgate::broker::client::start_client_runtime().expect("client runtime");
+        let credentials = rocketmq_client_rust::SessionCredentials::with_keys(access_key, secret_key);
+        let hook = std::sync::Arc::new(rocketmq_client_rust::AclClientRPCHook::new(credentials));
+        let mut admin = DefaultMQAdminExt::with_rpc_hook(runtime, hook);
+        admin.set_namesrv_addr(namesrv_addr);
+        admin.start().await.expect("admin client starts");
+        Direct { admin, _owner: owner }
+    }
+
     /// Sends one message straight to a broker, as any RocketMQ producer could, with properties that popgate's
     /// fronts would refuse (control characters, …): what a consumer of popgate must cope with. Auto-creates
     /// the topic as the broker allows.

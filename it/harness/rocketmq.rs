@@ -444,6 +444,42 @@ impl Cluster {
         self._watchdog = Watchdog::arm(&pids, self.dir.path());
     }
 
+    /// Runs `mqadmin <command> <args…> -n <name server>` (Apache's `MQAdminStartup`) signed with `credentials`
+    /// (an access key and secret, through `conf/tools.yml` as mqadmin reads them) and returns what it printed.
+    /// Panics when it exits with an error. `-c` in `args` may name [`Cluster::name`].
+    #[allow(dead_code)]
+    pub fn mqadmin(&self, credentials: (&str, &str), command: &str, args: &[&str]) -> String {
+        let home = self.dir.path().join("mqadmin");
+        fs::create_dir_all(home.join("conf")).expect("mqadmin home");
+        let (access_key, secret_key) = credentials;
+        fs::write(home.join("conf/tools.yml"), format!("accessKey: {access_key}\nsecretKey: {secret_key}\n"))
+            .expect("tools.yml");
+        let output = Command::new("java")
+            .args(["-Xms64m", "-Xmx128m", "-XX:+UseSerialGC"])
+            .arg(format!("-Drocketmq.home.dir={}", home.display()))
+            .arg(format!("-Duser.home={}", home.display()))
+            .arg("-cp")
+            .arg(format!("{}/*", self.lib.display()))
+            .arg("org.apache.rocketmq.tools.command.MQAdminStartup")
+            .arg(command)
+            .args(args)
+            .args(["-n", &self.namesrv_addr])
+            .current_dir(&home)
+            .stdin(Stdio::null())
+            .output()
+            .expect("java must be installed");
+        let printed = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+        let failed = !output.status.success() || printed.contains("Exception") || printed.contains("failed");
+        assert!(!failed, "mqadmin {command} {args:?}: {printed}");
+        printed
+    }
+
+    /// The cluster's name (`brokerClusterName`).
+    #[allow(dead_code)]
+    pub fn name(&self) -> &'static str {
+        CLUSTER_NAME
+    }
+
     /// The broker named `name` (its master).
     pub fn broker(&self, name: &str) -> &Broker {
         self.brokers.iter().find(|b| b.name == name).expect("broker in the cluster")

@@ -1,5 +1,5 @@
-//! Admin requests to the cluster: which brokers exist (GET_BROKER_CLUSTER_INFO, from the name server) and how
-//! each is configured (GET_BROKER_CONFIG, from the broker).
+//! Admin requests to the cluster: which brokers exist (GET_BROKER_CLUSTER_INFO, from the name server), how
+//! each is configured (GET_BROKER_CONFIG, from the broker), and its ACL 2.0 users and ACLs (AUTH_LIST_*).
 
 use std::collections::BTreeMap;
 
@@ -67,6 +67,47 @@ impl BrokerClient {
         let request = RemotingCommand::create_request_command(RequestCode::GetBrokerConfig, EmptyHeader {});
         let body = self.admin_request(addr, request).await?;
         Ok(parse_properties(&String::from_utf8_lossy(&body)))
+    }
+}
+
+/// `RequestCode.AUTH_LIST_USER` and `AUTH_LIST_ACL` (RocketMQ 5.3+, ACL 2.0).
+const AUTH_LIST_USER: i32 = 3005;
+const AUTH_LIST_ACL: i32 = 3010;
+
+/// The cluster's ACL 2.0 users and ACLs, as a broker keeps them (JSON lists of `UserInfo` and `AclInfo`; empty
+/// when there are none).
+#[derive(Debug, Clone, Default)]
+pub struct AuthMetadata {
+    /// `[{"username":…,"password":…,"userType":"Super"|"Normal","userStatus":"enable"|"disable"},…]`.
+    pub users: Vec<u8>,
+    /// `[{"subject":"User:…","policies":[{"policyType":…,"entries":[{"resource":…,"actions":[…],…}]}]},…]`.
+    pub acls: Vec<u8>,
+}
+
+impl BrokerClient {
+    /// The users and ACLs of the cluster, from the first master that answers both lists (each broker keeps its
+    /// own copy; `mqadmin createUser -c <cluster>` writes every one). Signed with `broker.access_key`: the
+    /// broker answers only a user it lets read them.
+    ///
+    /// # Errors
+    /// [`BrokerError`] when no master answered (the last failure).
+    pub async fn auth_metadata(&self) -> Result<AuthMetadata, BrokerError> {
+        let mut last_error = BrokerError::Unreachable("the name server knows no master broker".to_owned());
+        for master in self.cluster_masters().await? {
+            let users = self.admin_request(&master.addr, RemotingCommand::create_remoting_command(AUTH_LIST_USER));
+            let users = match users.await {
+                Ok(users) => users,
+                Err(error) => {
+                    last_error = error;
+                    continue;
+                }
+            };
+            match self.admin_request(&master.addr, RemotingCommand::create_remoting_command(AUTH_LIST_ACL)).await {
+                Ok(acls) => return Ok(AuthMetadata { users, acls }),
+                Err(error) => last_error = error,
+            }
+        }
+        Err(last_error)
     }
 }
 

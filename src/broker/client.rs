@@ -28,7 +28,8 @@ use std::time::{Duration, Instant};
 
 use cheetah_string::CheetahString;
 use rocketmq_client_rust::{
-    ClientConfig, ClientError, ClientInstanceHandle, ClientRuntime, ClientRuntimeConfig, TelemetryHandle,
+    AclClientRPCHook, ClientConfig, ClientError, ClientInstanceHandle, ClientRpcHook, ClientRuntime,
+    ClientRuntimeConfig, SessionCredentials, TelemetryHandle,
 };
 use rocketmq_error::CanonicalCondition;
 use rocketmq_model::common::message::message_client_id_setter::MessageClientIDSetter;
@@ -266,6 +267,8 @@ pub struct BrokerClient {
     relay_handles: super::relay::RelayHandles,
     next_handle: std::sync::atomic::AtomicUsize,
     runtime: Arc<ClientRuntime>,
+    /// Signs every request with `broker.access_key`, when one is given.
+    signer: Option<Arc<ClientRpcHook>>,
     routes: moka::sync::Cache<String, CachedRoute>,
     /// What the name server said of exactly one topic (no auto-create fallback), for the checks a receive or
     /// a gRPC route query makes: one name-server request per topic and TTL, not one per call, so thousands of
@@ -283,14 +286,16 @@ impl BrokerClient {
     /// [`BrokerError::Client`] when the client runtime cannot be created.
     pub async fn connect(config: &BrokerConfig, producer_group: &str) -> Result<BrokerClient, BrokerError> {
         let (owner, runtime) = start_client_runtime()?;
+        // One hook for every instance: the crate tells instances apart by it, so each handle must share it.
+        let signer = signer(config);
         let handles = (0..HANDLE_POOL_SIZE)
-            .map(|_| Self::handle(&runtime, config, REQUEST_INSTANCE))
+            .map(|_| Self::handle(&runtime, config, &signer, REQUEST_INSTANCE))
             .collect::<Result<Vec<_>, _>>()?;
         // All handles share one client instance: starting it once starts it for all.
         handles[0].start().await.map_err(|e| BrokerError::Client(e.to_string()))?;
-        let pop_instance = Self::handle(&runtime, config, POP_INSTANCE)?;
+        let pop_instance = Self::handle(&runtime, config, &signer, POP_INSTANCE)?;
         pop_instance.start().await.map_err(|e| BrokerError::Client(e.to_string()))?;
-        let relay_instance = Self::handle(&runtime, config, super::relay::RELAY_INSTANCE)?;
+        let relay_instance = Self::handle(&runtime, config, &signer, super::relay::RELAY_INSTANCE)?;
         relay_instance.start().await.map_err(|e| BrokerError::Client(e.to_string()))?;
         Ok(BrokerClient {
             config: config.clone(),
@@ -301,6 +306,7 @@ impl BrokerClient {
             relay_handles: super::relay::RelayHandles::default(),
             next_handle: std::sync::atomic::AtomicUsize::new(0),
             runtime,
+            signer,
             routes: route_cache(config.route_ttl()),
             exact_routes: route_cache(config.route_ttl()),
             _owner: owner,
@@ -325,7 +331,7 @@ impl BrokerClient {
 
     /// A new handle on the (started) POP client instance, whose connections carry nothing but POPs.
     pub(crate) fn new_pop_handle(&self) -> Result<ClientInstanceHandle, BrokerError> {
-        Self::handle(&self.runtime, &self.config, POP_INSTANCE)
+        Self::handle(&self.runtime, &self.config, &self.signer, POP_INSTANCE)
     }
 
     /// A handle on the client instance named `instance`: the crate gives every handle of one instance the
@@ -333,10 +339,18 @@ impl BrokerClient {
     fn handle(
         runtime: &ClientRuntime,
         config: &BrokerConfig,
+        signer: &Option<Arc<ClientRpcHook>>,
         instance: &str,
     ) -> Result<ClientInstanceHandle, BrokerError> {
-        ClientInstanceHandle::get_or_create(runtime, CLIENT_DOMAIN, Self::config_for(config, instance), None)
+        let client_config = Self::config_for(config, instance);
+        ClientInstanceHandle::get_or_create(runtime, CLIENT_DOMAIN, client_config, signer.clone())
             .map_err(|e| BrokerError::Client(e.to_string()))
+    }
+
+    /// What signs popgate's requests to the brokers, when it is given credentials (the one every instance of
+    /// popgate's has: a client of the crate's own that joins one must bring the same).
+    pub(super) fn signer(&self) -> Option<Arc<ClientRpcHook>> {
+        self.signer.clone()
     }
 
     /// The client config of client instance `instance` (before the crate adds its domain to the name).
@@ -349,7 +363,7 @@ impl BrokerClient {
 
     /// A handle on client instance `instance` of popgate's client runtime (created when new).
     pub(super) fn instance_handle(&self, instance: &str) -> Result<ClientInstanceHandle, BrokerError> {
-        Self::handle(&self.runtime, &self.config, instance)
+        Self::handle(&self.runtime, &self.config, &self.signer, instance)
     }
 
     /// The client config of instance `instance`, for a client of the crate's own (a producer) that must
@@ -625,6 +639,17 @@ fn wall_millis() -> i64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
         .unwrap_or_default()
+}
+
+/// The hook that signs every request to the cluster with `broker.access_key` (RocketMQ's `AclClientRPCHook`:
+/// the sorted header values and the body, HMAC-SHA1 keyed by the secret). It replaces a relayed client's own
+/// `AccessKey` and `Signature`: the cluster sees popgate, and popgate's gateway decided what the client may do.
+fn signer(config: &BrokerConfig) -> Option<Arc<ClientRpcHook>> {
+    if config.access_key.is_empty() {
+        return None;
+    }
+    let credentials = SessionCredentials::with_keys(config.access_key.as_str(), config.secret_key.as_str());
+    Some(Arc::new(AclClientRPCHook::new(credentials)))
 }
 
 /// Starts the client crate's own Tokio runtime and the client runtime on it. The owner must outlive every

@@ -412,12 +412,15 @@ impl BrokerClient {
         for cluster in &clusters {
             instance.refresh_topic_route(&CheetahString::from(cluster.as_str())).await;
         }
-        let mut producer = TransactionMQProducer::builder(self.runtime())
+        let mut builder = TransactionMQProducer::builder(self.runtime())
             .client_config(client_config_for_managed_domain(self.client_domain(), self.client_config(&instance_name)))
             .producer_group(producer_group)
             .transaction_listener(ForwardChecks(checks))
-            .check_request_hold_max(CHECK_BACKLOG as u32)
-            .build();
+            .check_request_hold_max(CHECK_BACKLOG as u32);
+        if let Some(signer) = self.signer() {
+            builder = builder.rpc_hook(signer);
+        }
+        let mut producer = builder.build();
         producer.start().await.map_err(|e| BrokerError::Client(e.to_string()))?;
         let backs = CheckBacks {
             producer: tokio::sync::Mutex::new(producer),

@@ -308,11 +308,24 @@ pub struct AuthConfig {
     /// A gRPC signature's `x-mq-date-time` may be this far from popgate's clock, either way; outside it the
     /// call is refused, so a captured header is not a lasting credential.
     pub max_clock_skew_secs: u64,
+    /// Also take the users and ACLs of the cluster (RocketMQ 5.3+ ACL 2.0, made with `mqadmin createUser` and
+    /// `createAcl`), read with `broker.access_key`: an app's existing access key and secret sign its remoting
+    /// and gRPC requests to popgate unchanged, and its ACL decides what it may do.
+    pub cluster_acl: bool,
+    /// How often the cluster's users and ACLs are read again (Apache's proxy: 20 s); a failed read keeps the
+    /// last ones.
+    pub cluster_acl_refresh_secs: u64,
 }
 
 impl Default for AuthConfig {
     fn default() -> Self {
-        AuthConfig { enabled: true, tokens: Vec::new(), max_clock_skew_secs: 900 }
+        AuthConfig {
+            enabled: true,
+            tokens: Vec::new(),
+            max_clock_skew_secs: 900,
+            cluster_acl: false,
+            cluster_acl_refresh_secs: 20,
+        }
     }
 }
 
@@ -490,11 +503,23 @@ pub struct BrokerConfig {
     pub route_ttl_ms: u64,
     /// Timeout of one request to a name server or broker that is not a send (route, POP, ACK, admin).
     pub request_timeout_ms: u64,
+    /// The access key popgate signs every broker request with (RocketMQ's `AclClientRPCHook`), for a cluster
+    /// with authentication on; empty: requests are not signed. Give a user the cluster lets do everything
+    /// popgate does for its clients (a `Super` user, as Apache's proxy's `innerClientAuthenticationCredentials`).
+    pub access_key: String,
+    /// The secret of [`Self::access_key`].
+    pub secret_key: String,
 }
 
 impl Default for BrokerConfig {
     fn default() -> Self {
-        BrokerConfig { namesrv_addr: "127.0.0.1:9876".to_owned(), route_ttl_ms: 30_000, request_timeout_ms: 3_000 }
+        BrokerConfig {
+            namesrv_addr: "127.0.0.1:9876".to_owned(),
+            route_ttl_ms: 30_000,
+            request_timeout_ms: 3_000,
+            access_key: String::new(),
+            secret_key: String::new(),
+        }
     }
 }
 

@@ -213,6 +213,32 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
         check((100..=60_000).contains(&checker.timeout_ms), &format!("{key}.timeout_ms"), "must be in 100..=60000");
     }
     out.extend(auth_problems(&config.auth));
+    out.extend(cluster_acl_problems(config));
+    out
+}
+
+fn cluster_acl_problems(config: &Config) -> Vec<String> {
+    let mut out = Vec::new();
+    let broker = &config.broker;
+    if broker.access_key.is_empty() != broker.secret_key.is_empty() {
+        out.push("config key `broker.secret_key`: give `broker.access_key` and `broker.secret_key` together".into());
+    }
+    if config.auth.cluster_acl {
+        if !config.auth.enabled {
+            out.push(
+                "config key `auth.cluster_acl`: needs auth.enabled (with auth off every caller may do everything)"
+                    .into(),
+            );
+        }
+        if broker.access_key.is_empty() {
+            out.push(
+                "config key `auth.cluster_acl`: needs broker.access_key and broker.secret_key to read them".into(),
+            );
+        }
+        if !(1..=3600).contains(&config.auth.cluster_acl_refresh_secs) {
+            out.push("config key `auth.cluster_acl_refresh_secs`: must be in 1..=3600".into());
+        }
+    }
     out
 }
 
@@ -221,7 +247,7 @@ const MIN_TOKEN_LEN: usize = 16;
 
 fn auth_problems(auth: &super::AuthConfig) -> Vec<String> {
     let mut out = Vec::new();
-    if auth.enabled && auth.tokens.is_empty() {
+    if auth.enabled && auth.tokens.is_empty() && !auth.cluster_acl {
         out.push(
             "config key `auth.tokens`: authentication is on and no token is configured; add [[auth.tokens]] or set \
              auth.enabled = false explicitly (every caller may then do everything)"

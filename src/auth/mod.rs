@@ -9,6 +9,11 @@
 //! bytes matched. The gRPC front's HMAC signatures need the secret itself, so the secret of each token given
 //! as `token` is kept in memory for them. A token is never logged; only its configured `name` is.
 //!
+//! With `auth.cluster_acl`, the users and ACLs of the cluster itself (ACL 2.0, as `mqadmin createUser` and
+//! `createAcl` made them) are read too ([`cluster`]): a user's name and password sign remoting and gRPC
+//! requests as a token's name and secret do, and its ACL's entries are its grants. A configured token of the
+//! same name wins.
+//!
 //! [`TokenBudget`] bounds how many calls of one kind each token has open at once (the fronts' long polls and
 //! streams).
 
@@ -16,9 +21,11 @@ use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
+
+pub mod cluster;
 
 use crate::config::names::{AclEntry, NamePattern, ResourceType};
 use crate::config::{AuthConfig, TokenConfig};
@@ -88,11 +95,16 @@ impl Caller {
             },
             Action::Admin => return self.admin,
         };
-        self.grants
-            .iter()
-            .filter(|grant| grant.covers(resource_type, name, verb) && grant.applies_from(self.source_ip))
-            .max_by_key(|grant| (grant.specificity(), grant.deny))
-            .is_some_and(|decisive| !decisive.deny)
+        // A cluster ACL's `Default` policy speaks only where no entry of its `Custom` one covers the request.
+        let decide = |fallback: bool| {
+            self.grants
+                .iter()
+                .filter(|grant| grant.fallback == fallback)
+                .filter(|grant| grant.covers(resource_type, name, verb) && grant.applies_from(self.source_ip))
+                .max_by_key(|grant| (grant.specificity(), grant.deny))
+                .map(|decisive| !decisive.deny)
+        };
+        decide(false).or_else(|| decide(true)).unwrap_or(false)
     }
 }
 
@@ -111,6 +123,8 @@ struct Grant {
     subscribe: bool,
     deny: bool,
     source_ips: Vec<ipnet::IpNet>,
+    /// An entry of a cluster ACL's `Default` policy: it decides only where no other grant covers a request.
+    fallback: bool,
 }
 
 /// The names a grant covers.
@@ -131,7 +145,7 @@ impl Grant {
             NamePattern::Prefixed(prefix) => Names::Prefixed(prefix),
         };
         let AclEntry { resource_type, publish, subscribe, deny, source_ips, .. } = entry;
-        Grant { resource_type, names, publish, subscribe, deny, source_ips }
+        Grant { resource_type, names, publish, subscribe, deny, source_ips, fallback: false }
     }
 
     /// An allowing grant of one verb on the names a token pattern (`orders-*`, `*`, `a*b`) covers.
@@ -143,7 +157,7 @@ impl Grant {
             Some(_) => Names::Wildcard(Pattern::new(pattern)),
         };
         let (publish, subscribe) = (verb == Verb::Pub, verb == Verb::Sub);
-        Grant { resource_type, names, publish, subscribe, deny: false, source_ips: Vec::new() }
+        Grant { resource_type, names, publish, subscribe, deny: false, source_ips: Vec::new(), fallback: false }
     }
 
     fn covers(&self, resource_type: ResourceType, name: &str, verb: Verb) -> bool {
@@ -188,6 +202,8 @@ pub struct TokenTable {
     /// Tokens configured with their secret (not only its digest), by name: the RocketMQ SDKs sign each call
     /// with an access key (the token's name) and an HMAC keyed by the secret, so only these can verify one.
     signing: Vec<(String, Vec<u8>, Caller)>,
+    /// The cluster's users (`auth.cluster_acl`), replaced whole at each read.
+    cluster: Arc<RwLock<Arc<cluster::ClusterUsers>>>,
 }
 
 impl TokenTable {
@@ -214,7 +230,26 @@ impl TokenTable {
                 Some((token.name.clone(), secret.as_bytes().to_vec(), caller))
             })
             .collect();
-        TokenTable { enabled: config.enabled, entries, signing }
+        TokenTable { enabled: config.enabled, entries, signing, cluster: Arc::default() }
+    }
+
+    /// Replaces the cluster's users with a fresh read of them.
+    pub fn set_cluster_users(&self, users: cluster::ClusterUsers) {
+        *self.cluster.write() = Arc::new(users);
+    }
+
+    /// How many cluster users signatures are checked against.
+    pub fn cluster_user_count(&self) -> usize {
+        self.cluster.read().len()
+    }
+
+    /// The secret and caller of access key `access_key`: a configured token's, else a cluster user's.
+    fn signer(&self, access_key: &str) -> Option<(Vec<u8>, Caller)> {
+        if let Some((_, secret, caller)) = self.signing.iter().find(|(name, _, _)| name == access_key) {
+            return Some((secret.clone(), caller.clone()));
+        }
+        let users = self.cluster.read().clone();
+        users.get(access_key).map(|(secret, caller)| (secret.clone(), caller.clone()))
     }
 
     /// The caller a RocketMQ SDK signature stands for: `access_key` names a token configured with its
@@ -223,11 +258,11 @@ impl TokenTable {
     pub fn authenticate_signature(&self, access_key: &str, signed: &str, signature: &str) -> Option<Caller> {
         use hmac::{Hmac, Mac};
         let presented = hex::decode(signature.to_ascii_lowercase()).ok()?;
-        let (_, secret, caller) = self.signing.iter().find(|(name, _, _)| name == access_key)?;
-        let mut mac = Hmac::<sha1::Sha1>::new_from_slice(secret).ok()?;
+        let (secret, caller) = self.signer(access_key)?;
+        let mut mac = Hmac::<sha1::Sha1>::new_from_slice(&secret).ok()?;
         mac.update(signed.as_bytes());
         mac.verify_slice(&presented).ok()?;
-        Some(caller.clone())
+        Some(caller)
     }
 
     /// The caller a RocketMQ remoting client's ACL signature stands for (`AclClientRPCHook`): `access_key`
@@ -237,11 +272,11 @@ impl TokenTable {
         use base64::Engine;
         use hmac::{Hmac, Mac};
         let presented = base64::engine::general_purpose::STANDARD.decode(signature.trim()).ok()?;
-        let (_, secret, caller) = self.signing.iter().find(|(name, _, _)| name == access_key)?;
-        let mut mac = Hmac::<sha1::Sha1>::new_from_slice(secret).ok()?;
+        let (secret, caller) = self.signer(access_key)?;
+        let mut mac = Hmac::<sha1::Sha1>::new_from_slice(&secret).ok()?;
         mac.update(signed);
         mac.verify_slice(&presented).ok()?;
-        Some(caller.clone())
+        Some(caller)
     }
 
     /// Whether requests must carry a token.
