@@ -1336,6 +1336,14 @@ async fn a_half_message_to_a_topic_not_typed_for_transactions_is_refused_as_apac
     );
     let taken = ask(&mut stream, half(&transactional)).await.expect("answered");
     assert_eq!(taken.code(), 0, "the same half message to a TRANSACTION topic is stored: {:?}", taken.remark());
+
+    // With the check switched off (Apache's proxy's `enableTopicMessageTypeCheck = false`), the half message goes
+    // to the NORMAL topic, as a broker alone takes it (Apache's remoting e2e suite sends its transactions so).
+    let unchecked = "[publish]\ncheck_topic_message_type = false\n";
+    let (_unchecked_popgate, unchecked_namesrv) = popgate_with_remoting(cluster, unchecked).await;
+    let mut stream = TcpStream::connect(&unchecked_namesrv).await.expect("connect");
+    let taken = ask(&mut stream, half(&normal)).await.expect("answered");
+    assert_eq!(taken.code(), 0, "unchecked, a half message to a NORMAL topic is stored: {:?}", taken.remark());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -557,6 +557,10 @@ pub struct PublishConfig {
     /// How long a keyed send is remembered, so its repeat is answered with the first receipt (0 switches the
     /// de-duplication window off).
     pub dedup_window_secs: u64,
+    /// A transactional message only to a topic typed TRANSACTION (or MIXED), and the gRPC SDK told to check a
+    /// message's type against its topic's: Apache's proxy's `enableTopicMessageTypeCheck` (on by default there
+    /// too). Off, a half message goes to any topic, as a broker alone takes it.
+    pub check_topic_message_type: bool,
 }
 
 /// What a message may carry, under `[publish.limits]` (checked by `publish::limits`).
@@ -593,6 +597,7 @@ impl Default for PublishConfig {
             max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
             limits: MessageLimits::default(),
             dedup_window_secs: 600,
+            check_topic_message_type: true,
         }
     }
 }

@@ -49,7 +49,7 @@ impl Publishing<'_> {
     pub async fn publish(&self, caller: &Caller, request: PublishRequest) -> Result<Published, GatewayError> {
         let PublishRequest { message, placement, mode, deadline, retry_key, half } = request;
         may_publish(caller, &message.topic)?;
-        if half {
+        if half && self.publisher.checks_topic_message_type() {
             self.check_takes_transactions(&message.topic).await?;
         }
         let published = self
@@ -64,7 +64,7 @@ impl Publishing<'_> {
     }
 
     /// A transactional message may only go to a topic typed TRANSACTION (or MIXED), as Apache's proxy checks
-    /// it on every front.
+    /// it on every front (unless its `enableTopicMessageTypeCheck` is off: `publish.check_topic_message_type`).
     async fn check_takes_transactions(&self, topic: &str) -> Result<(), GatewayError> {
         match self.publisher.message_type_of(topic).await {
             Ok(Some(kind)) if kind.takes_transactions() => Ok(()),

@@ -15,8 +15,10 @@ const ACCEPTED_TYPES: [MessageType; 3] = [MessageType::Normal, MessageType::Fifo
 /// The types a queue of `topic` (route `route`) accepts.
 pub(super) async fn accepted_types(front: &Front, topic: &str, route: &crate::publish::TopicRoute) -> Vec<i32> {
     let mut types: Vec<i32> = ACCEPTED_TYPES.iter().map(|t| *t as i32).collect();
-    // A topic whose type cannot be read takes no transactions until it can.
-    if front.publisher.topic_message_type(topic, route).await.is_ok_and(|t| t.takes_transactions()) {
+    // A topic whose type cannot be read takes no transactions until it can; every topic does when the check is
+    // switched off.
+    let unchecked = !front.publisher.checks_topic_message_type();
+    if unchecked || front.publisher.topic_message_type(topic, route).await.is_ok_and(|t| t.takes_transactions()) {
         types.push(MessageType::Transaction as i32);
     }
     types

@@ -26,8 +26,9 @@ pub fn reply(client: Settings, config: &Config, group_sub: Option<&Subscription>
     match reply.pub_sub.take() {
         Some(settings::PubSub::Publishing(mut publishing)) => {
             publishing.max_body_size = i32::try_from(config.publish.max_message_bytes).unwrap_or(i32::MAX);
-            // Only the types popgate's queues accept (see QueryRoute) pass the SDK's own check.
-            publishing.validate_message_type = true;
+            // Only the types popgate's queues accept (see QueryRoute) pass the SDK's own check, unless the check is
+            // switched off (Apache's proxy answers its `enableTopicMessageTypeCheck` here).
+            publishing.validate_message_type = config.publish.check_topic_message_type;
             reply.backoff_policy = Some(producer_backoff(reply.backoff_policy.take(), config));
             reply.pub_sub = Some(settings::PubSub::Publishing(publishing));
         }

@@ -319,6 +319,11 @@ impl Publisher {
         self.topic_types.of(&self.broker, topic, route).await.map_err(|e| e.to_string())
     }
 
+    /// Whether a message's type is checked against its topic's (`publish.check_topic_message_type`).
+    pub fn checks_topic_message_type(&self) -> bool {
+        self.config.check_topic_message_type
+    }
+
     /// The message type of `topic`, from its brokers' config (cached); `None` when the topic does not exist.
     ///
     /// # Errors
