@@ -5,13 +5,13 @@
 //! nothing the owner did not commit.
 
 use popgate::grpc::proto::{self as pb, Code};
-use reqwest::Client;
 use serde_json::{json, Value};
 
 use crate::grpc_raw::{connect, request, resource};
-use crate::harness::popgate::{status_and_json, Popgate};
+use crate::harness::popgate::Popgate;
 use crate::harness::unique_topic;
 use crate::publish::shared_cluster;
+use crate::scopes::http;
 use crate::transaction::{create_transaction_topic, stored_bodies};
 
 /// The token whose delivery and transaction the cases reach for, and the token that reaches for them.
@@ -27,23 +27,8 @@ fn tokens_toml() -> String {
     )
 }
 
-/// An HTTP request with `token`.
-async fn http(
-    popgate: &Popgate,
-    method: reqwest::Method,
-    path: &str,
-    token: &str,
-    body: Option<Value>,
-) -> (u16, Value) {
-    let mut request = Client::new().request(method, format!("{}{path}", popgate.base)).bearer_auth(token);
-    if let Some(body) = body {
-        request = request.json(&body);
-    }
-    status_and_json(request.send().await.expect("HTTP request")).await
-}
-
 async fn post(popgate: &Popgate, path: &str, token: (&str, &str), body: Value) -> (u16, Value) {
-    http(popgate, reqwest::Method::POST, path, token.1, Some(body)).await
+    http(popgate, "POST", path, token.1, Some(body)).await
 }
 
 /// The code of a gRPC answer's status.
@@ -64,7 +49,7 @@ async fn a_token_reaches_no_other_tokens_deliveries_or_transactions_on_any_front
     let (status, sent) = post(&popgate, "/events/publish", OWNER, json!({"topic": topic, "data": "plain"})).await;
     assert_eq!(status, 200, "{sent}");
     let poll = format!("/events/poll?group={group}&topic={topic}&max=1&waitMs=20000");
-    let (status, polled) = http(&popgate, reqwest::Method::GET, &poll, OWNER.1, None).await;
+    let (status, polled) = http(&popgate, "GET", &poll, OWNER.1, None).await;
     assert_eq!(status, 200, "{polled}");
     let id = polled["deliveries"][0]["deliveryId"].as_str().expect("a delivery").to_owned();
 
@@ -153,8 +138,7 @@ async fn a_token_reaches_no_other_tokens_deliveries_or_transactions_on_any_front
     );
 
     // Nothing changed: the transaction is open, nothing of it is stored; the owner's commit lands.
-    let (status, shown) =
-        http(&popgate, reqwest::Method::GET, &format!("/events/transactions/{tx}"), OWNER.1, None).await;
+    let (status, shown) = http(&popgate, "GET", &format!("/events/transactions/{tx}"), OWNER.1, None).await;
     assert_eq!((status, &shown["state"]), (200, &json!("open")), "{shown}");
     assert_eq!(stored_bodies(cluster, &topic).await, vec!["plain".to_owned()]);
     let (status, ended) =

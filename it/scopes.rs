@@ -292,7 +292,14 @@ async fn reading_needs_sub_on_group_and_topic_and_publishing_pub_on_the_topic_on
     assert!(forbidden >= 20.0, "{}", popgate.metrics_text().await);
 }
 
-async fn http(popgate: &Popgate, method: &str, path: &str, token: &str, body: Option<Value>) -> (u16, Value) {
+/// An HTTP request with bearer token `token`, and its answer.
+pub(crate) async fn http(
+    popgate: &Popgate,
+    method: &str,
+    path: &str,
+    token: &str,
+    body: Option<Value>,
+) -> (u16, Value) {
     let method = reqwest::Method::from_bytes(method.as_bytes()).expect("method");
     let mut request = Client::new().request(method, format!("{}{path}", popgate.base)).bearer_auth(token);
     if let Some(body) = body {

@@ -170,32 +170,26 @@ impl From<DeliveryError> for ApiError {
 /// fault, 503 (with the attempts made) when the message could not be stored.
 impl From<GatewayError> for ApiError {
     fn from(error: GatewayError) -> ApiError {
-        let error = match error {
-            GatewayError::Delivery(refusal) => return ApiError::from(refusal),
-            GatewayError::Transaction(refusal) => return transaction_refusal(refusal),
-            other => other,
-        };
-        let forbidden_field = match &error {
-            GatewayError::MayNotConsume(_) => "group",
-            GatewayError::MayNotRead(_) | GatewayError::MayNotPublish(_) => "topic",
-            GatewayError::MayNotAdminister => "token",
-            GatewayError::ClientIdTaken(_) => "clientId",
-            GatewayError::TopicNotFound(topic) => return ApiError::unknown_topic(topic),
-            GatewayError::TakesNoTransactions { .. } => {
-                return ApiError::invalid_field("transaction", error.to_string())
-            }
-            GatewayError::NotStored { attempts, .. } => {
-                let attempts = serde_json::json!({ "attempts": attempts });
-                return ApiError::unavailable(error.to_string(), attempts);
-            }
-            GatewayError::Unavailable(why) => return ApiError::unavailable(why.clone(), serde_json::json!({})),
+        let said = error.to_string();
+        let forbidden = |field: &str| ApiError::forbidden(field, format!("this token {said}"));
+        match error {
+            GatewayError::MayNotConsume(_) => forbidden("group"),
+            GatewayError::MayNotRead(_) | GatewayError::MayNotPublish(_) => forbidden("topic"),
+            GatewayError::MayNotAdminister => forbidden("token"),
+            GatewayError::ClientIdTaken(_) => forbidden("clientId"),
             GatewayError::MayNotSettle { refusal, .. } => {
-                return ApiError::forbidden("deliveryId", format!("this token {refusal}"))
+                ApiError::forbidden("deliveryId", format!("this token {refusal}"))
             }
-            GatewayError::HandleOfAnotherGroup { .. } => return ApiError::invalid_field("group", error.to_string()),
-            GatewayError::Delivery(_) | GatewayError::Transaction(_) => "token",
-        };
-        ApiError::forbidden(forbidden_field, format!("this token {error}"))
+            GatewayError::TopicNotFound(topic) => ApiError::unknown_topic(&topic),
+            GatewayError::TakesNoTransactions { .. } => ApiError::invalid_field("transaction", said),
+            GatewayError::HandleOfAnotherGroup { .. } => ApiError::invalid_field("group", said),
+            GatewayError::NotStored { attempts, .. } => {
+                ApiError::unavailable(said, serde_json::json!({ "attempts": attempts }))
+            }
+            GatewayError::Unavailable(why) => ApiError::unavailable(why, serde_json::json!({})),
+            GatewayError::Delivery(refusal) => ApiError::from(refusal),
+            GatewayError::Transaction(refusal) => transaction_refusal(refusal),
+        }
     }
 }
 

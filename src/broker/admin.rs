@@ -94,20 +94,18 @@ impl BrokerClient {
     pub async fn auth_metadata(&self) -> Result<AuthMetadata, BrokerError> {
         let mut last_error = BrokerError::Unreachable("the name server knows no master broker".to_owned());
         for master in self.cluster_masters().await? {
-            let users = self.admin_request(&master.addr, RemotingCommand::create_remoting_command(AUTH_LIST_USER));
-            let users = match users.await {
-                Ok(users) => users,
-                Err(error) => {
-                    last_error = error;
-                    continue;
-                }
-            };
-            match self.admin_request(&master.addr, RemotingCommand::create_remoting_command(AUTH_LIST_ACL)).await {
-                Ok(acls) => return Ok(AuthMetadata { users, acls }),
+            match self.auth_metadata_at(&master.addr).await {
+                Ok(metadata) => return Ok(metadata),
                 Err(error) => last_error = error,
             }
         }
         Err(last_error)
+    }
+
+    /// Both lists from the broker at `addr`.
+    async fn auth_metadata_at(&self, addr: &str) -> Result<AuthMetadata, BrokerError> {
+        let list = |code| self.admin_request(addr, RemotingCommand::create_remoting_command(code));
+        Ok(AuthMetadata { users: list(AUTH_LIST_USER).await?, acls: list(AUTH_LIST_ACL).await? })
     }
 }
 
