@@ -63,13 +63,13 @@ mod layering {
         ("delivery", &["api", "app", "auth", "cli", "dlq", "reliability"]),
         ("auth", &["api", "app", "cli", "delivery", "dlq", "publish", "store"]),
         ("dlq", &["api", "app", "auth", "cli"]),
-        ("api", &["app", "broker", "cli", "grpc", "remoting"]),
+        // A front reaches the delivery core, the transaction records and the brokers only through the gateway
+        // (`gateway::below` lists what it may name of them).
+        ("api", &["app", "broker", "cli", "delivery", "grpc", "remoting", "store", "transaction"]),
         // The gateway is below every front and above the layers it decides for.
         ("gateway", &["api", "app", "cli", "grpc", "remoting"]),
-        ("grpc", &["api", "app", "broker", "cli", "dlq", "remoting", "store"]),
-        // The remoting front relays pull consumers' queue requests to their broker as they are: it names the
-        // broker for that, and for the message type it forwards; POP consumers it serves from the delivery core.
-        ("remoting", &["api", "app", "cli", "dlq", "grpc", "store"]),
+        ("grpc", &["api", "app", "broker", "cli", "delivery", "dlq", "remoting", "store", "transaction"]),
+        ("remoting", &["api", "app", "broker", "cli", "delivery", "dlq", "grpc", "store", "transaction"]),
         // Transaction records live in the state store, their ends go to the brokers; the fronts call it.
         ("transaction", &["api", "app", "auth", "cli", "delivery", "dlq", "grpc", "publish", "reliability"]),
     ];

@@ -26,9 +26,9 @@ use tokio::sync::Semaphore;
 
 use super::events::event_json;
 use crate::config::CheckerConfig;
-use crate::delivery::webhook::signature;
+use crate::gateway::below::signature;
+use crate::gateway::below::{CheckForwarder, Orphan, Resolution, Transactions};
 use crate::metrics as m;
-use crate::transaction::{CheckForwarder, Orphan, Resolution, Transactions};
 
 /// Check-back requests in flight at once to one checker; more wait.
 const MAX_IN_FLIGHT: usize = 16;

@@ -3,10 +3,10 @@
 
 use axum::http::StatusCode;
 
-use crate::delivery::DeliveryError;
+use crate::gateway::below::DeliveryError;
+use crate::gateway::below::TransactionError;
 use crate::gateway::GatewayError;
 use crate::publish::request::RequestError;
-use crate::transaction::TransactionError;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Serialize;
@@ -177,6 +177,7 @@ impl From<GatewayError> for ApiError {
             GatewayError::MayNotRead(_) | GatewayError::MayNotPublish(_) => forbidden("topic"),
             GatewayError::MayNotAdminister => forbidden("token"),
             GatewayError::ClientIdTaken(_) => forbidden("clientId"),
+            GatewayError::TooManyClients { .. } => ApiError::too_many(said),
             GatewayError::MayNotSettle { refusal, .. } => {
                 ApiError::forbidden("deliveryId", format!("this token {refusal}"))
             }

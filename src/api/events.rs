@@ -33,7 +33,9 @@ use serde_json::{json, Value};
 use super::guard::{read_body, rejected, Budget};
 use super::{ApiError, AppState};
 use crate::auth::Caller;
-use crate::delivery::{content, Dispatched, Event, FilterType, NackOutcome, Subscription, SubscriptionRequest, Target};
+use crate::gateway::below::{
+    content, Dispatched, Event, FilterType, NackOutcome, Subscription, SubscriptionRequest, Target,
+};
 use crate::gateway::{self, Settlement};
 
 /// Default long-poll wait when `waitMs` is absent.
@@ -54,7 +56,7 @@ struct SubscribeBody {
     initial_backoff_ms: Option<u64>,
     max_backoff_ms: Option<u64>,
     ordered: Option<bool>,
-    push: Option<crate::delivery::webhook::WebhookPush>,
+    push: Option<crate::gateway::below::WebhookPush>,
 }
 
 #[derive(Deserialize)]
@@ -197,8 +199,11 @@ pub async fn poll(
     let topic = required_param(&query, "topic")?;
     gateway::may_read(&caller, &group, &topic)?;
     let max = number_param(&query, "max", DEFAULT_MAX)?;
-    if max == 0 || max > crate::delivery::MAX_POLL_BATCH {
-        return Err(ApiError::invalid_field("max", format!("must be in 1..={}", crate::delivery::MAX_POLL_BATCH)));
+    if max == 0 || max > crate::gateway::below::MAX_POLL_BATCH {
+        return Err(ApiError::invalid_field(
+            "max",
+            format!("must be in 1..={}", crate::gateway::below::MAX_POLL_BATCH),
+        ));
     }
     let wait = Duration::from_millis(number_param(&query, "waitMs", DEFAULT_WAIT_MS)?);
     let _waiting = state.limits.acquire(&caller, Budget::Waiters)?;

@@ -41,11 +41,11 @@ pub use error::ApiError;
 
 use crate::auth::TokenTable;
 use crate::config::Config;
-use crate::delivery::Dispatcher;
 use crate::dlq::DlqAdmin;
+use crate::gateway::below::Dispatcher;
+use crate::gateway::below::Transactions;
 use crate::publish::Publisher;
 use crate::reliability::ProfileMonitor;
-use crate::transaction::Transactions;
 use guard::{ConnectionLimits, SizeLimits};
 
 /// What the handlers share.

@@ -79,7 +79,7 @@ async fn handle(
     let transaction_params = (param("transaction"), param("producerGroup"));
     let parsed = request::parse(headers, param("topic"), transaction_params, &body, max, limits)?;
     let mut message = parsed.message;
-    let key = request::dedup_key(headers, &message)?;
+    let key = request::dedup_key(headers, message.message())?;
     if let Some(transactional) = &parsed.transaction {
         super::transactions::prepare_half(state, mode, transactional, &mut message)?;
     }

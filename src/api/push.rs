@@ -34,7 +34,7 @@ use super::events::{delivery_json, required_param, settlement};
 use super::guard::{Budget, Slot};
 use super::{ApiError, AppState};
 use crate::auth::Caller;
-use crate::delivery::{DeliveryError, Dispatched, NackOutcome, Subscriber};
+use crate::gateway::below::{DeliveryError, Dispatched, NackOutcome, Subscriber};
 use crate::gateway::{self, GatewayError};
 
 /// How long one wait for deliveries lasts before a transport looks at its connection again.

@@ -28,10 +28,11 @@ use super::events::parse_body;
 use super::guard::read_body;
 use super::{ApiError, AppState};
 use crate::auth::Caller;
+use crate::gateway::below::{mark_half, Ended, RecordState, Resolution, TransactionError, TransactionRecord};
 use crate::gateway::{self, EndRequest, GatewayError};
+use crate::publish::limits::WithinLimits;
 use crate::publish::request::Transactional;
-use crate::publish::{OutgoingMessage, SendMode};
-use crate::transaction::{mark_half, Ended, Resolution, State as RecordState, TransactionError, TransactionRecord};
+use crate::publish::SendMode;
 
 /// Makes `message` a half message, after checking that it can be one: a synchronous send (its answer carries
 /// the transaction id) and a checker that is configured. The gateway checks the topic's type as it publishes.
@@ -42,7 +43,7 @@ pub fn prepare_half(
     state: &AppState,
     mode: SendMode,
     transactional: &Transactional,
-    message: &mut OutgoingMessage,
+    message: &mut WithinLimits,
 ) -> Result<(), ApiError> {
     if mode != SendMode::Sync {
         return Err(ApiError::invalid_field(
@@ -57,7 +58,7 @@ pub fn prepare_half(
             format!("no checker is configured for producer group `{group}` (transactions.checkers)"),
         ));
     }
-    mark_half(message, state.transactions.producer_group(), checker);
+    message.amend(|message| mark_half(message, state.transactions.producer_group(), checker));
     Ok(())
 }
 

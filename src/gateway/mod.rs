@@ -8,8 +8,11 @@
 //! ([`may_publish`]), and a publish goes through [`Publishing::publish`] whichever front it came in on;
 //! reading a topic needs `Sub` on the topic as well as on the group ([`may_read`]), and so does settling a
 //! delivery, whichever front it came in on ([`Settling`]); ending a recorded transaction needs `Pub` on its half
-//! message's topic ([`Ending`]).
+//! message's topic ([`Ending`]); a client id is the token's that first used it, and a front keeps a bounded
+//! number of them ([`ClientIds`]).
 
+pub(crate) mod below;
+mod clients;
 mod publish;
 mod settle;
 mod transaction;
@@ -22,6 +25,7 @@ use crate::metrics as m;
 use crate::publish::Attempt;
 use crate::transaction::TransactionError;
 
+pub use clients::ClientIds;
 pub use publish::{PublishRequest, Publishing};
 pub use settle::{Settlement, Settling};
 pub use transaction::{EndRequest, Ending};
@@ -44,6 +48,14 @@ pub enum GatewayError {
     /// The client id is used by another token (it is that token's until it expires).
     #[error("client id `{0}` is used by another token")]
     ClientIdTaken(String),
+    /// A new client id, when the front keeps as many as it may.
+    #[error("popgate keeps at most {max} clients ({setting}); try again later")]
+    TooManyClients {
+        /// The bound.
+        max: usize,
+        /// The setting that sets it.
+        setting: &'static str,
+    },
     /// The topic does not exist (and the broker would not create it).
     #[error("topic `{0}` does not exist")]
     TopicNotFound(String),
@@ -103,6 +115,7 @@ impl GatewayError {
             | GatewayError::ClientIdTaken(_)
             | GatewayError::MayNotSettle { .. } => "forbidden",
             GatewayError::HandleOfAnotherGroup { .. } => "bad_request",
+            GatewayError::TooManyClients { .. } => "busy",
             GatewayError::Delivery(refusal) => refusal.code(),
             GatewayError::Transaction(TransactionError::Unknown(_)) => "not_found",
             GatewayError::Transaction(TransactionError::AlreadyEnded { .. } | TransactionError::Refused { .. }) => {

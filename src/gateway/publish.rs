@@ -2,8 +2,8 @@
 //! topic typed for transactions, the send under the front's placement and retry key, and a half message's
 //! record stored before the publish is answered (a commit must find it, after a restart too).
 //!
-//! What the front decides, because its protocol says it: the message itself (decoded and checked against the
-//! limits with the protocol's own error words), where it goes (`Placement`), and what a retry of it is known by
+//! What the front decides, because its protocol says it: the message itself (decoded, and checked against the
+//! limits with the protocol's own error words: a [`WithinLimits`] is the only message the gateway takes), where it goes (`Placement`), and what a retry of it is known by
 //! (`retry_key`: the SDK's message id, a remoting `UNIQ_KEY`, an HTTP `Idempotency-Key`).
 
 use std::sync::Arc;
@@ -11,13 +11,14 @@ use std::time::Instant;
 
 use super::{may_publish, GatewayError};
 use crate::auth::Caller;
-use crate::publish::{OutgoingMessage, Placement, PublishError, Published, Publisher, SendMode};
+use crate::publish::limits::WithinLimits;
+use crate::publish::{Placement, PublishError, Published, Publisher, SendMode};
 use crate::transaction::Transactions;
 
 /// One message to publish, as a front decoded it.
 pub struct PublishRequest {
-    /// The message (a half message already marked as popgate's, when `half`).
-    pub message: OutgoingMessage,
+    /// The message, within the limits (a half message already marked as popgate's, when `half`).
+    pub message: WithinLimits,
     /// Where it goes: popgate's producer policy, or the queue a remoting client chose.
     pub placement: Placement,
     /// Sync, async or one-way.
@@ -48,13 +49,14 @@ impl Publishing<'_> {
     /// could not be read or a stored half message could not be recorded.
     pub async fn publish(&self, caller: &Caller, request: PublishRequest) -> Result<Published, GatewayError> {
         let PublishRequest { message, placement, mode, deadline, retry_key, half } = request;
+        let message = message.message();
         may_publish(caller, &message.topic)?;
         if half && self.publisher.checks_topic_message_type() {
             self.check_takes_transactions(&message.topic).await?;
         }
         let published = self
             .publisher
-            .publish_once_at(&message, &placement, mode, deadline, retry_key.as_deref())
+            .publish_once_at(message, &placement, mode, deadline, retry_key.as_deref())
             .await
             .map_err(not_published)?;
         if half {

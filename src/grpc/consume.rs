@@ -24,7 +24,9 @@ use super::settings::duration;
 use super::status::{delivery_status, ok, overall, refused, status};
 use super::{deadline, names};
 use crate::auth::Caller;
-use crate::delivery::{Dispatched, FilterType, HandOut, Holder, Subscription, Target, MAX_POLL_BATCH, MAX_POLL_WAIT};
+use crate::gateway::below::{
+    Dispatched, FilterType, HandOut, Holder, Subscription, Target, MAX_POLL_BATCH, MAX_POLL_WAIT,
+};
 use crate::gateway::{self, Settlement};
 use crate::metrics as m;
 
@@ -326,7 +328,7 @@ pub(super) struct HandOutFacts {
 /// A stored message as the SDK reads one, with its hand-out's handle, time left and attempt when it is handed
 /// out (a transaction check-back's message is not: no handle, attempt 1, as Apache's proxy sends it).
 pub(super) fn message_of(
-    event: &crate::delivery::Event,
+    event: &crate::gateway::below::Event,
     namespace: &str,
     hand_out: Option<HandOutFacts>,
 ) -> pb::Message {
@@ -365,7 +367,7 @@ pub(super) fn message_of(
 
 /// Apache's rule (`GrpcConverter.buildMessageType`): transactional, else delayed (any timer property), else FIFO
 /// (a message group), else normal.
-fn message_type(event: &crate::delivery::Event) -> MessageType {
+fn message_type(event: &crate::gateway::below::Event) -> MessageType {
     let system = &event.stored.system;
     if system.get("TRAN_MSG").is_some_and(|v| v == "true") {
         MessageType::Transaction
@@ -380,7 +382,7 @@ fn message_type(event: &crate::delivery::Event) -> MessageType {
 
 /// When a timer message was due (epoch ms): `TIMER_DELAY_SEC` from now, as Apache's proxy computes it, else
 /// `TIMER_DELIVER_MS`.
-fn delivery_timestamp(event: &crate::delivery::Event) -> Option<i64> {
+fn delivery_timestamp(event: &crate::gateway::below::Event) -> Option<i64> {
     let system = &event.stored.system;
     if let Some(seconds) = system.get("TIMER_DELAY_SEC").and_then(|v| v.parse::<i64>().ok()) {
         return Some(now_ms().saturating_add(seconds.saturating_mul(1000)));

@@ -34,9 +34,9 @@ pub use listener::{tls_config, GrpcTlsError};
 
 use crate::auth::TokenTable;
 use crate::config::Config;
-use crate::delivery::Dispatcher;
+use crate::gateway::below::Dispatcher;
+use crate::gateway::below::Transactions;
 use crate::publish::Publisher;
-use crate::transaction::Transactions;
 
 /// Largest gRPC message popgate reads: a send of the largest body the broker takes, plus its properties.
 const MAX_DECODING_BYTES: usize = 16 * 1024 * 1024;
@@ -68,7 +68,7 @@ pub async fn serve(
     let config_keepalive_secs = config.grpc.keepalive_secs;
     let front = Arc::new(service::Front::new(parts, config, stop_asked));
     // The brokers' transaction check-backs go to this front's producers.
-    let forwarder: std::sync::Weak<dyn crate::transaction::CheckForwarder> = Arc::downgrade(&front) as _;
+    let forwarder: std::sync::Weak<dyn crate::gateway::below::CheckForwarder> = Arc::downgrade(&front) as _;
     front.transactions.add_forwarder(forwarder);
     tokio::spawn(service::keep_alive_loop(Arc::downgrade(&front)));
     let service = written::WatchReceives::new(

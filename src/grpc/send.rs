@@ -13,13 +13,13 @@ use super::service::Front;
 use super::status::{ok, overall_of_sends, status};
 use crate::auth::Caller;
 use crate::config::PublishConfig;
+use crate::gateway::below::mark_half;
 use crate::gateway::PublishRequest;
 use crate::metrics as m;
-use crate::publish::limits::Part;
+use crate::publish::limits::{Part, WithinLimits};
 use crate::publish::{
     OutgoingMessage, Placement, SendMode, DELIVER_AT_PROPERTY, MESSAGE_GROUP_PROPERTY, MESSAGE_ID_PROPERTY,
 };
-use crate::transaction::mark_half;
 
 /// How long the broker waits before it first checks a transaction back, when the message asks
 /// (`orphaned_transaction_recovery_duration`), and the most a message may ask (Apache's proxy's
@@ -131,7 +131,7 @@ fn to_outgoing(
     message: pb::Message,
     config: &PublishConfig,
     half_group: Option<&str>,
-) -> Result<OutgoingMessage, pb::Status> {
+) -> Result<WithinLimits, pb::Status> {
     let topic = names::topic(message.topic.as_ref())?;
     if message.body.is_empty() {
         return Err(status(Code::MessageBodyEmpty, "message body cannot be empty"));
@@ -180,7 +180,7 @@ fn to_outgoing(
         }
         (None, None) => {}
     }
-    config.limits.check_with_user_properties(&outgoing, &user_properties).map_err(|broken| {
+    let mut outgoing = config.limits.admit_sdk_message(outgoing, &user_properties).map_err(|broken| {
         let code = match broken.part {
             Part::Tag => Code::IllegalMessageTag,
             Part::Key => Code::IllegalMessageKey,
@@ -193,10 +193,12 @@ fn to_outgoing(
     })?;
     // System properties, set after the limits (which refuse them from the app).
     if let Some(group) = half_group {
-        mark_half(&mut outgoing, group, None);
-        if let Some(seconds) = recovery_secs {
-            outgoing.properties.insert(PROPERTY_CHECK_IMMUNITY_TIME.to_owned(), seconds.to_string());
-        }
+        outgoing.amend(|half| {
+            mark_half(half, group, None);
+            if let Some(seconds) = recovery_secs {
+                half.properties.insert(PROPERTY_CHECK_IMMUNITY_TIME.to_owned(), seconds.to_string());
+            }
+        });
     }
     Ok(outgoing)
 }

@@ -2,7 +2,7 @@
 //! message or delivery state of its own: only which clients are alive (for the gauge, and so the deliveries a
 //! live PushConsumer holds stay handed out: [`keep_alive_loop`]).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -28,11 +28,11 @@ use super::transaction;
 use super::written;
 use crate::auth::{Caller, TokenTable};
 use crate::config::Config;
-use crate::delivery::Dispatcher;
-use crate::gateway::{self, GatewayError};
+use crate::gateway::below::Dispatcher;
+use crate::gateway::below::Transactions;
+use crate::gateway::{self, ClientIds, GatewayError};
 use crate::metrics as m;
 use crate::publish::Publisher;
-use crate::transaction::Transactions;
 
 /// A client that stops heartbeating (it heartbeats every 10 s) is forgotten after this long.
 const CLIENT_EXPIRY: Duration = Duration::from_secs(60);
@@ -66,61 +66,58 @@ const TELEMETRY_BACKLOG: usize = 64;
 const CLIENT_KINDS: [&str; 4] = ["producer", "push_consumer", "simple_consumer", "other"];
 
 /// Which clients were seen when, with a count per kind kept at every change: a call costs a map update and
-/// four gauge sets, never a pass over the clients.
-#[derive(Default)]
+/// four gauge sets, never a pass over the clients. Whose each client id is, and how many are kept, is the
+/// gateway's rule ([`ClientIds`]).
 struct Liveness {
-    seen: HashMap<String, Seen>,
+    seen: ClientIds<Seen>,
     per_kind: [usize; CLIENT_KINDS.len()],
-    /// The request timeout each client's Settings gave: a long poll keeps half of it back (see `deadline`).
-    request_timeouts: HashMap<String, Duration>,
 }
 
-/// A client id's kind, when it was last seen, and the token that first used it: its owner until it expires.
+/// A client id's kind, when it was last seen, and the request timeout its Settings gave (a long poll keeps
+/// half of it back, see `deadline`).
 struct Seen {
     kind: &'static str,
     at: Instant,
-    owner: String,
+    request_timeout: Option<Duration>,
 }
 
 impl Liveness {
+    fn new(max_clients: usize) -> Liveness {
+        Liveness { seen: ClientIds::new(max_clients, "grpc.max_clients"), per_kind: [0; CLIENT_KINDS.len()] }
+    }
+
     fn kind_index(kind: &str) -> usize {
         CLIENT_KINDS.iter().position(|k| *k == kind).unwrap_or(CLIENT_KINDS.len() - 1)
     }
 
-    /// `id` was seen now, used by token `owner`; its kind is updated when the call tells it.
+    /// `id` was seen now, used by `caller`; its kind is updated when the call tells it.
     ///
     /// # Errors
-    /// [`GatewayError::ClientIdTaken`] when another token uses the id (nothing changes).
-    fn saw(&mut self, id: &str, kind: Option<&'static str>, now: Instant, owner: &str) -> Result<(), GatewayError> {
-        match self.seen.get_mut(id) {
-            Some(seen) if seen.owner != owner => return Err(GatewayError::ClientIdTaken(id.to_owned())),
-            Some(seen) => {
-                seen.at = now;
-                if let Some(kind) = kind.filter(|k| *k != seen.kind) {
-                    self.per_kind[Self::kind_index(seen.kind)] -= 1;
-                    self.per_kind[Self::kind_index(kind)] += 1;
-                    seen.kind = kind;
-                }
-            }
-            None => {
-                let kind = kind.unwrap_or("other");
-                self.per_kind[Self::kind_index(kind)] += 1;
-                self.seen.insert(id.to_owned(), Seen { kind, at: now, owner: owner.to_owned() });
-            }
+    /// [`GatewayError::ClientIdTaken`] when another token uses the id, [`GatewayError::TooManyClients`] for a
+    /// new id past `grpc.max_clients` (nothing changes).
+    fn saw(&mut self, id: &str, kind: Option<&'static str>, now: Instant, caller: &Caller) -> Result<(), GatewayError> {
+        let mut new = false;
+        let seen = self.seen.claim(id, caller, || {
+            new = true;
+            Seen { kind: kind.unwrap_or("other"), at: now, request_timeout: None }
+        })?;
+        if new {
+            self.per_kind[Self::kind_index(seen.kind)] += 1;
+            return Ok(());
+        }
+        seen.at = now;
+        if let Some(kind) = kind.filter(|k| *k != seen.kind) {
+            self.per_kind[Self::kind_index(seen.kind)] -= 1;
+            self.per_kind[Self::kind_index(kind)] += 1;
+            seen.kind = kind;
         }
         Ok(())
-    }
-
-    /// Whether `id` is used by a token other than `owner`.
-    fn used_by_another(&self, id: &str, owner: &str) -> bool {
-        self.seen.get(id).is_some_and(|seen| seen.owner != owner)
     }
 
     fn forget(&mut self, id: &str) {
         if let Some(seen) = self.seen.remove(id) {
             self.per_kind[Self::kind_index(seen.kind)] -= 1;
         }
-        self.request_timeouts.remove(id);
     }
 
     /// Forgets the clients not seen for [`CLIENT_EXPIRY`].
@@ -133,8 +130,6 @@ impl Liveness {
             }
             keep
         });
-        let seen = &self.seen;
-        self.request_timeouts.retain(|id, _| seen.contains_key(id));
     }
 
     fn publish_gauge(&self) {
@@ -165,7 +160,7 @@ impl Front {
     ) -> Front {
         let receives = OpenCalls::new("receives", config.grpc.max_receives_per_token);
         let streams = OpenCalls::new("Telemetry streams", config.grpc.max_streams_per_token);
-        let clients = Mutex::new(Liveness::default());
+        let clients = Mutex::new(Liveness::new(config.grpc.max_clients));
         let super::Parts { publisher, dispatcher, transactions, tokens } = parts;
         let producers = Producers::default();
         Front { publisher, dispatcher, transactions, tokens, config, clients, stop_asked, receives, streams, producers }
@@ -242,15 +237,7 @@ impl Front {
     ) -> Result<(), pb::Status> {
         let Some(id) = client_id(metadata) else { return Ok(()) };
         let mut clients = self.clients.lock();
-        let max = self.config.grpc.max_clients;
-        if clients.seen.len() >= max && !clients.seen.contains_key(id) {
-            counter!(m::REQUESTS_REJECTED, "reason" => "too_many_clients").increment(1);
-            return Err(status(Code::TooManyRequests, format!("popgate keeps track of {max} clients at most")));
-        }
-        if let Err(taken) = clients.saw(id, kind, Instant::now(), &caller.name) {
-            counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
-            return Err(super::status::refused(&taken));
-        }
+        clients.saw(id, kind, Instant::now(), caller).map_err(|refused| super::status::refused(&refused))?;
         clients.publish_gauge();
         Ok(())
     }
@@ -264,9 +251,9 @@ impl Front {
             Ok(group) => group,
             Err(refused) => return refused,
         };
-        if self.clients.lock().used_by_another(id, &caller.name) {
-            counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
-            return super::status::refused(&GatewayError::ClientIdTaken(id.to_owned()));
+        let mine = self.clients.lock().seen.of_caller(id, caller).map(|_| ());
+        if let Err(taken) = mine {
+            return super::status::refused(&taken);
         }
         if let Some(group) = group {
             match gateway::leave_group(&self.dispatcher, caller, id, &group).await {
@@ -292,14 +279,15 @@ impl Front {
         let Some(id) = client_id(metadata) else { return };
         let timeout = settings.request_timeout.and_then(consume::to_std).unwrap_or(deadline::DEFAULT_REQUEST_TIMEOUT);
         let mut clients = self.clients.lock();
-        if clients.seen.contains_key(id) {
-            clients.request_timeouts.insert(id.to_owned(), timeout);
+        if let Some(seen) = clients.seen.get_mut(id) {
+            seen.request_timeout = Some(timeout);
         }
     }
 
     /// The request timeout of a client, as its Settings gave it.
     pub(super) fn request_timeout_of(&self, client_id: &str) -> Duration {
-        self.clients.lock().request_timeouts.get(client_id).copied().unwrap_or(deadline::DEFAULT_REQUEST_TIMEOUT)
+        let timeout = self.clients.lock().seen.get(client_id).and_then(|seen| seen.request_timeout);
+        timeout.unwrap_or(deadline::DEFAULT_REQUEST_TIMEOUT)
     }
 
     /// Forgets the clients not seen for [`CLIENT_EXPIRY`]: one pass per keep-alive tick, so a hundred thousand
@@ -317,8 +305,8 @@ impl Front {
         clients
             .seen
             .iter()
-            .filter(|(_, seen)| now.duration_since(seen.at) < ALIVE_WINDOW)
-            .map(|(id, _)| id.clone())
+            .filter(|(_, _, seen)| now.duration_since(seen.at) < ALIVE_WINDOW)
+            .map(|(id, _, _)| id.to_owned())
             .collect()
     }
 }
@@ -326,7 +314,7 @@ impl Front {
 impl Front {
     /// popgate's subscription for a consumer's Settings (its group and first topic with one), whose retry
     /// policy and ordering the reply carries.
-    fn subscription_of(&self, client: &pb::Settings) -> Option<crate::delivery::Subscription> {
+    fn subscription_of(&self, client: &pb::Settings) -> Option<crate::gateway::below::Subscription> {
         let Some(settings_pub_sub::Subscription(subscription)) = &client.pub_sub else { return None };
         let group = subscription.group.as_ref()?;
         subscription.subscriptions.iter().find_map(|entry| {
@@ -644,8 +632,8 @@ impl MessagingService for Arc<Front> {
 }
 
 /// A broker's transaction check-back goes to a producer of its topic with an open Telemetry stream.
-impl crate::transaction::CheckForwarder for Front {
-    fn forward(&self, orphan: &crate::transaction::Orphan) -> bool {
+impl crate::gateway::below::CheckForwarder for Front {
+    fn forward(&self, orphan: &crate::gateway::below::Orphan) -> bool {
         let recover = pb::RecoverOrphanedTransactionCommand {
             message: Some(consume::message_of(&orphan.event, "", None)),
             transaction_id: orphan.transaction_id.clone(),

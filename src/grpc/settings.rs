@@ -9,8 +9,8 @@ use super::proto::{
     retry_policy, settings, ClientType, CustomizedBackoff, ExponentialBackoff, Metric, RetryPolicy, Settings,
 };
 use crate::config::Config;
-use crate::delivery::retry::RetryPolicy as DeliveryRetryPolicy;
-use crate::delivery::Subscription;
+use crate::gateway::below::RetryPolicy as DeliveryRetryPolicy;
+use crate::gateway::below::Subscription;
 
 /// Messages a consumer receives per call, when it does not say.
 const RECEIVE_BATCH_SIZE: i32 = 32;

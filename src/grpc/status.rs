@@ -2,7 +2,7 @@
 //! SDKs expect from Apache's proxy).
 
 use super::proto::{Code, Status};
-use crate::delivery::DeliveryError;
+use crate::gateway::below::DeliveryError;
 use crate::gateway::GatewayError;
 
 /// A body status with `code` and a message for the app's logs.
@@ -21,6 +21,7 @@ pub fn refused(error: &GatewayError) -> Status {
         | GatewayError::MayNotPublish(_)
         | GatewayError::MayNotAdminister => status(Code::Unauthorized, error.to_string()),
         GatewayError::ClientIdTaken(_) => status(Code::Forbidden, error.to_string()),
+        GatewayError::TooManyClients { .. } => status(Code::TooManyRequests, error.to_string()),
         GatewayError::TopicNotFound(_) => status(Code::TopicNotFound, error.to_string()),
         GatewayError::TakesNoTransactions { topic_type, .. } => status(
             Code::MessagePropertyConflictWithType,

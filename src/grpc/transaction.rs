@@ -8,8 +8,8 @@ use super::proto::{self as pb, Code, TransactionResolution, TransactionSource};
 use super::service::Front;
 use super::status::{ok, refused, status};
 use crate::auth::Caller;
+use crate::gateway::below::{Resolution, TransactionError};
 use crate::gateway::{self, EndRequest};
-use crate::transaction::{Resolution, TransactionError};
 
 /// The words Apache's proxy answers an end it has no transaction data for with (a `ProxyException`).
 const NOT_FOUND: &str = "org.apache.rocketmq.proxy.common.ProxyException: cannot found transaction data";

@@ -87,13 +87,66 @@ fn is_set_by_popgate(name: &str) -> bool {
     matches!(name, PROPERTY_SHARDING_KEY | PROPERTY_TIMER_DELIVER_MS | PROPERTY_UNIQ_KEY | PROPERTY_CONTENT_TYPE)
 }
 
+/// A message whose limits were checked ([`MessageLimits::admit`] and its kin): the only kind the gateway
+/// publishes, so no front can send a message past them (the remoting front once did). What popgate sets itself
+/// after the check (a half message's marks, the SDK's message id) goes through [`WithinLimits::amend`]: the
+/// limits are the app's, and refuse those names from it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WithinLimits(OutgoingMessage);
+
+impl WithinLimits {
+    /// The message.
+    pub fn message(&self) -> &OutgoingMessage {
+        &self.0
+    }
+
+    /// Sets what popgate itself adds to the message, which the limits are not for.
+    pub fn amend(&mut self, set_by_popgate: impl FnOnce(&mut OutgoingMessage)) {
+        set_by_popgate(&mut self.0);
+    }
+}
+
+impl MessageLimits {
+    /// `message`, made by popgate from an app's request (HTTP), once [`MessageLimits::check`] passed it.
+    ///
+    /// # Errors
+    /// The first [`LimitError`] found.
+    pub fn admit(&self, message: OutgoingMessage) -> Result<WithinLimits, LimitError> {
+        self.check(&message)?;
+        Ok(WithinLimits(message))
+    }
+
+    /// `message`, made from an SDK's message whose user properties are `user` (gRPC), once
+    /// [`MessageLimits::check_with_user_properties`] passed it.
+    ///
+    /// # Errors
+    /// The first [`LimitError`] found.
+    pub fn admit_sdk_message(
+        &self,
+        message: OutgoingMessage,
+        user: &BTreeMap<String, String>,
+    ) -> Result<WithinLimits, LimitError> {
+        self.check_with_user_properties(&message, user)?;
+        Ok(WithinLimits(message))
+    }
+
+    /// `message`, as a RocketMQ remoting client made it, once [`MessageLimits::check_client_made`] passed it.
+    ///
+    /// # Errors
+    /// The first [`LimitError`] found.
+    pub fn admit_client_made(&self, message: OutgoingMessage) -> Result<WithinLimits, LimitError> {
+        self.check_client_made(&message)?;
+        Ok(WithinLimits(message))
+    }
+}
+
 impl MessageLimits {
     /// Checks `message` in the order Apache's proxy does: properties, tag, keys, total size, delivery time,
     /// message group.
     ///
     /// # Errors
     /// The first [`LimitError`] found.
-    pub fn check(&self, message: &OutgoingMessage) -> Result<(), LimitError> {
+    fn check(&self, message: &OutgoingMessage) -> Result<(), LimitError> {
         let user: Vec<(&String, &String)> = message.properties.iter().filter(|(k, _)| !is_set_by_popgate(k)).collect();
         self.check_with(message, &user)
     }
@@ -105,7 +158,7 @@ impl MessageLimits {
     ///
     /// # Errors
     /// The first [`LimitError`] found.
-    pub fn check_with_user_properties(
+    fn check_with_user_properties(
         &self,
         message: &OutgoingMessage,
         user: &BTreeMap<String, String>,
@@ -170,7 +223,7 @@ impl MessageLimits {
     ///
     /// # Errors
     /// The first [`LimitError`] found.
-    pub fn check_client_made(&self, message: &OutgoingMessage) -> Result<(), LimitError> {
+    fn check_client_made(&self, message: &OutgoingMessage) -> Result<(), LimitError> {
         let mut view = OutgoingMessage::new(message.topic.clone(), bytes::Bytes::new());
         view.tags = message.properties.get(PROPERTY_TAGS).cloned();
         view.keys = message

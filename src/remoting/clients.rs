@@ -6,12 +6,11 @@
 //! A client leaves its groups when it unregisters, when its connection closes, or when it has sent no
 //! heartbeat for `remoting.client_expiry_secs`.
 //!
-//! A client id belongs to the token that first registered it, for as long as it stays registered: another
-//! token's heartbeat or unregistration under that id is refused, so nobody can take over another app's client
-//! entry (and with it the check-backs of its producer groups). At most `remoting.max_clients` ids are kept.
+//! A client id belongs to the token that first registered it, for as long as it stays registered, and at most
+//! `remoting.max_clients` ids are kept: the gateway's rule for every front ([`gateway::ClientIds`]). So nobody
+//! can take over another app's client entry (and with it the check-backs of its producer groups).
 
-use std::collections::hash_map::Entry;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Weak;
 use std::time::Duration;
 
@@ -28,7 +27,7 @@ use tokio::time::Instant;
 use super::codes;
 use super::connection::Connection;
 use crate::auth::Caller;
-use crate::gateway;
+use crate::gateway::{self, ClientIds, GatewayError};
 use crate::metrics as m;
 
 /// How often clients are checked for a missed heartbeat.
@@ -127,9 +126,8 @@ impl Kind {
     }
 }
 
+/// What popgate keeps of a remoting client, beside its id and owner.
 struct Client {
-    /// Who registered the client id: only the same token may heartbeat or unregister under it.
-    caller: Caller,
     connection: Connection,
     last_heartbeat: Instant,
     /// The heartbeat last passed on to the brokers, and when.
@@ -139,6 +137,16 @@ struct Client {
 }
 
 impl Client {
+    fn new(connection: &Connection) -> Client {
+        Client {
+            connection: connection.clone(),
+            last_heartbeat: Instant::now(),
+            forwarded: None,
+            producer_groups: BTreeSet::new(),
+            consumer_groups: BTreeMap::new(),
+        }
+    }
+
     fn kinds(&self) -> BTreeSet<Kind> {
         let mut kinds: BTreeSet<Kind> = self.consumer_groups.values().copied().collect();
         if !self.producer_groups.is_empty() {
@@ -150,21 +158,8 @@ impl Client {
 
 /// The clients, by client id.
 pub(super) struct Clients {
-    clients: Mutex<HashMap<String, Client>>,
+    clients: Mutex<ClientIds<Client>>,
     expiry: Duration,
-    /// Most client ids kept.
-    max: usize,
-}
-
-/// Why a heartbeat or an unregistration was refused.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub(super) enum ClientRefusal {
-    /// The id is registered by another token.
-    #[error("client id `{0}` is registered by another token")]
-    NotYours(String),
-    /// `remoting.max_clients` ids are registered.
-    #[error("popgate keeps at most {0} remoting clients (remoting.max_clients); try again later")]
-    Full(usize),
 }
 
 impl Clients {
@@ -172,40 +167,26 @@ impl Clients {
         for kind in Kind::ALL {
             gauge!(m::REMOTING_CLIENTS, "kind" => kind.label()).set(0.0);
         }
-        Clients { clients: Mutex::new(HashMap::new()), expiry, max }
+        Clients { clients: Mutex::new(ClientIds::new(max, "remoting.max_clients")), expiry }
     }
 
     /// Takes a heartbeat of `caller` from `connection`; the consumer groups it joined or left, whose members are
     /// to be told ([`Clients::tell_members`]) once the brokers have its subscriptions.
     ///
     /// # Errors
-    /// [`ClientRefusal`] when the id is another token's, or a new id finds `max_clients` registered.
+    /// [`GatewayError::ClientIdTaken`] when the id is another token's, [`GatewayError::TooManyClients`] when a
+    /// new id finds `max_clients` registered (counted by the gateway; nothing changes).
     pub fn heartbeat(
         &self,
         connection: &Connection,
         caller: &Caller,
         heartbeat: &Heartbeat,
-    ) -> Result<Vec<String>, ClientRefusal> {
+    ) -> Result<Vec<String>, GatewayError> {
         let changed = {
             let mut clients = self.clients.lock();
             let known = clients.len();
-            let client = match clients.entry(heartbeat.client_id.clone()) {
-                Entry::Occupied(entry) if entry.get().caller.name != caller.name => {
-                    return Err(ClientRefusal::NotYours(heartbeat.client_id.clone()))
-                }
-                Entry::Occupied(entry) => entry.into_mut(),
-                Entry::Vacant(_) if known >= self.max => return Err(ClientRefusal::Full(self.max)),
-                Entry::Vacant(entry) => entry.insert(Client {
-                    caller: caller.clone(),
-                    connection: connection.clone(),
-                    last_heartbeat: Instant::now(),
-                    forwarded: None,
-                    producer_groups: BTreeSet::new(),
-                    consumer_groups: BTreeMap::new(),
-                }),
-            };
+            let client = clients.claim(&heartbeat.client_id, caller, || Client::new(connection))?;
             let kinds_before = client.kinds();
-            client.caller = caller.clone();
             client.connection = connection.clone();
             client.last_heartbeat = Instant::now();
             client.producer_groups = heartbeat.producer_data_set.iter().map(|p| p.group_name.clone()).collect();
@@ -221,8 +202,9 @@ impl Clients {
                 .collect();
             let after: BTreeSet<String> = client.consumer_groups.keys().cloned().collect();
             let changed: Vec<String> = after.symmetric_difference(&before).cloned().collect();
+            let kinds_changed = client.kinds() != kinds_before;
             // The gauge is counted again only when a client's kinds changed: most heartbeats change nothing.
-            if client.kinds() != kinds_before || known != clients.len() {
+            if kinds_changed || known != clients.len() {
                 Self::count(&clients);
             }
             changed
@@ -234,25 +216,23 @@ impl Clients {
     /// then in no group, it is forgotten.
     ///
     /// # Errors
-    /// [`ClientRefusal::NotYours`] when another token registered the id.
+    /// [`GatewayError::ClientIdTaken`] when another token registered the id (counted; nothing changes).
     pub fn unregister(
         &self,
         client_id: &str,
         caller: &Caller,
         producer_group: Option<&str>,
         consumer_group: Option<&str>,
-    ) -> Result<(), ClientRefusal> {
+    ) -> Result<(), GatewayError> {
         let left: Vec<String> = {
             let mut clients = self.clients.lock();
-            let Some(client) = clients.get_mut(client_id) else { return Ok(()) };
-            if client.caller.name != caller.name {
-                return Err(ClientRefusal::NotYours(client_id.to_owned()));
-            }
+            let Some(client) = clients.of_caller(client_id, caller)? else { return Ok(()) };
             if let Some(group) = producer_group {
                 client.producer_groups.remove(group);
             }
             let left = consumer_group.filter(|g| client.consumer_groups.remove(*g).is_some()).map(str::to_owned);
-            if client.producer_groups.is_empty() && client.consumer_groups.is_empty() {
+            let in_no_group = client.producer_groups.is_empty() && client.consumer_groups.is_empty();
+            if in_no_group {
                 clients.remove(client_id);
             }
             Self::count(&clients);
@@ -270,8 +250,11 @@ impl Clients {
     /// The client ids of consumer group `group`'s members.
     pub fn consumers_of(&self, group: &str) -> Vec<String> {
         let clients = self.clients.lock();
-        let mut members: Vec<String> =
-            clients.iter().filter(|(_, c)| c.consumer_groups.contains_key(group)).map(|(id, _)| id.clone()).collect();
+        let mut members: Vec<String> = clients
+            .iter()
+            .filter(|(_, _, c)| c.consumer_groups.contains_key(group))
+            .map(|(id, _, _)| id.to_owned())
+            .collect();
         members.sort();
         members
     }
@@ -279,10 +262,11 @@ impl Clients {
     /// The id of the client on connection `connection_id` that said in its heartbeat it consumes as `group`.
     pub fn consumer_on(&self, connection_id: u64, group: &str) -> Option<String> {
         let clients = self.clients.lock();
-        clients
+        let consumer = clients
             .iter()
-            .find(|(_, c)| c.connection.id == connection_id && c.consumer_groups.contains_key(group))
-            .map(|(id, _)| id.clone())
+            .find(|(_, _, c)| c.connection.id == connection_id && c.consumer_groups.contains_key(group))
+            .map(|(id, _, _)| id.to_owned());
+        consumer
     }
 
     /// Whether `client_id`'s heartbeat `registration` is to be passed on to the brokers: when it changed, or the
@@ -305,9 +289,9 @@ impl Clients {
     pub fn registrations_of(&self, group: &str) -> Vec<Registration> {
         let clients = self.clients.lock();
         clients
-            .values()
-            .filter(|c| c.consumer_groups.contains_key(group))
-            .filter_map(|c| c.forwarded.as_ref().map(|(registration, _)| registration.clone()))
+            .iter()
+            .filter(|(_, _, c)| c.consumer_groups.contains_key(group))
+            .filter_map(|(_, _, c)| c.forwarded.as_ref().map(|(registration, _)| registration.clone()))
             .collect()
     }
 
@@ -317,10 +301,10 @@ impl Clients {
     pub fn producer_connection(&self, group: &str, topic: &str) -> Option<Connection> {
         let clients = self.clients.lock();
         clients
-            .values()
-            .filter(|c| c.producer_groups.contains(group) && gateway::may_be_checked_back(&c.caller, topic))
-            .max_by_key(|c| c.last_heartbeat)
-            .map(|c| c.connection.clone())
+            .iter()
+            .filter(|(_, owner, c)| c.producer_groups.contains(group) && gateway::may_be_checked_back(owner, topic))
+            .max_by_key(|(_, _, c)| c.last_heartbeat)
+            .map(|(_, _, c)| c.connection.clone())
     }
 
     fn expire(&self) {
@@ -358,7 +342,7 @@ impl Clients {
         }
         let clients = self.clients.lock();
         for group in groups {
-            for client in clients.values().filter(|c| c.consumer_groups.contains_key(group)) {
+            for (_, _, client) in clients.iter().filter(|(_, _, c)| c.consumer_groups.contains_key(group)) {
                 let mut push =
                     RemotingCommand::create_remoting_command(codes::NOTIFY_CONSUMER_IDS_CHANGED).mark_oneway_rpc();
                 push.add_ext_field("consumerGroup", group.as_str());
@@ -367,9 +351,9 @@ impl Clients {
         }
     }
 
-    fn count(clients: &HashMap<String, Client>) {
+    fn count(clients: &ClientIds<Client>) {
         let mut counts: BTreeMap<Kind, usize> = Kind::ALL.iter().map(|k| (*k, 0)).collect();
-        for client in clients.values() {
+        for (_, _, client) in clients.iter() {
             for kind in client.kinds() {
                 *counts.entry(kind).or_default() += 1;
             }
@@ -476,20 +460,8 @@ mod tests {
         assert!(clients.registrations_of("payments").is_empty(), "only the group's members'");
     }
 
-    /// The caller of a token named `name` that may publish to `publish` and consume as `consume`.
     fn token(name: &str, publish: &str, consume: &str) -> Caller {
-        let config = crate::config::AuthConfig {
-            enabled: true,
-            tokens: vec![crate::config::TokenConfig {
-                name: name.into(),
-                token: Some(format!("{name}-secret-0123456789")),
-                publish: vec![publish.into()],
-                consume: vec![consume.into()],
-                ..crate::config::TokenConfig::default()
-            }],
-            ..crate::config::AuthConfig::default()
-        };
-        crate::auth::TokenTable::new(&config).authenticate(&format!("{name}-secret-0123456789")).expect("the token")
+        Caller::of_test_token(name, publish, consume)
     }
 
     #[tokio::test]
@@ -499,14 +471,14 @@ mod tests {
         let (owner, other) = (token("owner", "t", "orders"), token("other", "u", "*"));
         clients.heartbeat(&connection, &owner, &heartbeat("a@1", &["orders"])).expect("registered");
         let taken = clients.heartbeat(&connection, &other, &heartbeat("a@1", &["orders"]));
-        assert_eq!(taken, Err(ClientRefusal::NotYours("a@1".into())), "another token cannot take the id over");
+        assert!(matches!(taken, Err(GatewayError::ClientIdTaken(_))), "another token cannot take the id over");
         let left = clients.unregister("a@1", &other, None, Some("orders"));
-        assert_eq!(left, Err(ClientRefusal::NotYours("a@1".into())), "nor unregister it");
+        assert!(matches!(left, Err(GatewayError::ClientIdTaken(_))), "nor unregister it");
         assert_eq!(clients.consumers_of("orders"), ["a@1"]);
         clients.heartbeat(&connection, &owner, &heartbeat("a@1", &["orders"])).expect("its own token, again");
         clients.heartbeat(&connection, &other, &heartbeat("b@2", &["orders"])).expect("a second id");
         let third = clients.heartbeat(&connection, &other, &heartbeat("c@3", &["orders"]));
-        assert_eq!(third, Err(ClientRefusal::Full(2)), "no third id");
+        assert!(matches!(third, Err(GatewayError::TooManyClients { max: 2, .. })), "no third id");
         // Out of all its groups (the heartbeat's inner producer's too), the id is forgotten.
         clients.unregister("b@2", &other, Some("CLIENT_INNER_PRODUCER"), Some("orders")).expect("its own");
         clients.heartbeat(&connection, &other, &heartbeat("c@3", &["orders"])).expect("room again");
@@ -539,7 +511,7 @@ mod tests {
             heartbeat.client_id = format!("flood@{n}");
             match clients.heartbeat(&connection, &anyone(), &heartbeat) {
                 Ok(_) => {}
-                Err(ClientRefusal::Full(_)) => full += 1,
+                Err(GatewayError::TooManyClients { .. }) => full += 1,
                 Err(other) => panic!("{other}"),
             }
         }

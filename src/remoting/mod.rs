@@ -40,11 +40,11 @@ use std::sync::Arc;
 use tokio::net::TcpListener;
 
 use crate::auth::TokenTable;
-use crate::broker::BrokerClient;
 use crate::config::Config;
-use crate::delivery::Dispatcher;
+use crate::gateway::below::BrokerClient;
+use crate::gateway::below::Dispatcher;
+use crate::gateway::below::Transactions;
 use crate::publish::Publisher;
-use crate::transaction::Transactions;
 
 /// The layers the front calls, and who may call it.
 pub struct Parts {
@@ -77,7 +77,7 @@ pub async fn start(
     let (stop, stopping) = tokio::sync::watch::channel(false);
     let front = Arc::new(service::Front::new(parts, config, advertised, stopping));
     // The brokers' check-backs of remoting producers' transactions are asked of those producers.
-    let forwarder: std::sync::Weak<dyn crate::transaction::CheckForwarder> = Arc::downgrade(&front) as _;
+    let forwarder: std::sync::Weak<dyn crate::gateway::below::CheckForwarder> = Arc::downgrade(&front) as _;
     front.transactions.add_forwarder(forwarder);
     tokio::spawn(clients::expiry_loop(Arc::downgrade(&front.clients)));
     tokio::spawn(async move {

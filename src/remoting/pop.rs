@@ -35,8 +35,8 @@ use super::codes;
 use super::connection::Connection;
 use super::service::{error, field, Front, Refusal, Reply};
 use crate::auth::Caller;
-use crate::broker::client::now_millis as now_ms;
-use crate::delivery::{Dispatched, FilterType, HandOut, Holder, NackOutcome, Target, MAX_POLL_WAIT};
+use crate::gateway::below::now_millis as now_ms;
+use crate::gateway::below::{Dispatched, FilterType, HandOut, Holder, NackOutcome, Target, MAX_POLL_WAIT};
 use crate::gateway::{self, GatewayError, Settlement};
 
 /// The prefix of popgate's handles in a `POP_CK`.

@@ -14,7 +14,7 @@ use metrics::counter;
 use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
 use serde::Deserialize;
 
-use super::clients::{ClientRefusal, Heartbeat, Registration};
+use super::clients::{Heartbeat, Registration};
 use super::codes;
 use super::connection::Connection;
 use super::service::{error, field, Front, Refusal};
@@ -62,7 +62,7 @@ pub(super) async fn heartbeat(
     }
     let changed = match front.clients.heartbeat(connection, caller, &heartbeat) {
         Ok(changed) => changed,
-        Err(refused) => return client_refused(&refused),
+        Err(refused) => return Refusal::from(refused).answer(),
     };
     let forward = front.clients.should_forward(&heartbeat.client_id, &registration, HEARTBEAT_FORWARD_INTERVAL);
     if !heartbeat.consumer_data_set.is_empty() && forward {
@@ -111,7 +111,7 @@ pub(super) async fn unregister(front: &Front, caller: &Caller, request: &Remotin
         }
     }
     if let Err(refused) = front.clients.unregister(client_id, caller, field(request, "producerGroup"), consumer_group) {
-        return client_refused(&refused);
+        return Refusal::from(refused).answer();
     }
     if let Some(group) = consumer_group {
         match gateway::leave_group(&front.dispatcher, caller, client_id, group).await {
@@ -126,20 +126,6 @@ pub(super) async fn unregister(front: &Front, caller: &Caller, request: &Remotin
         }
     }
     RemotingCommand::create_success_response_command()
-}
-
-/// The answer to a heartbeat or unregistration [`super::clients::Clients`] refused, counted.
-fn client_refused(refused: &ClientRefusal) -> RemotingCommand {
-    match refused {
-        ClientRefusal::NotYours(_) => {
-            counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
-            error(codes::NO_PERMISSION, refused.to_string())
-        }
-        ClientRefusal::Full(_) => {
-            counter!(m::REQUESTS_REJECTED, "reason" => "too_many_clients").increment(1);
-            error(codes::SYSTEM_BUSY, refused.to_string())
-        }
-    }
 }
 
 /// `GET_CONSUMER_LIST_BY_GROUP`: the group's members connected to this popgate.

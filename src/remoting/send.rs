@@ -31,13 +31,13 @@ use sha2::Digest;
 use super::codes;
 use super::service::{error, Front, Refusal};
 use crate::auth::Caller;
-use crate::broker::message::{is_reserved_property, ClientWire, PROPERTY_UNIQ_KEY};
-use crate::broker::transaction::{PROPERTY_PRODUCER_GROUP, PROPERTY_TRANSACTION_PREPARED};
-use crate::broker::{SendReceipt, StoreStatus};
+use crate::gateway::below::PROPERTY_REMOTING_GROUP;
+use crate::gateway::below::{is_reserved_property, ClientWire, PROPERTY_UNIQ_KEY};
+use crate::gateway::below::{SendReceipt, StoreStatus};
+use crate::gateway::below::{PROPERTY_PRODUCER_GROUP, PROPERTY_TRANSACTION_PREPARED};
 use crate::gateway::PublishRequest;
 use crate::metrics as m;
 use crate::publish::{OutgoingMessage, Placement, SendMode};
-use crate::transaction::PROPERTY_REMOTING_GROUP;
 
 /// The property popgate keeps for itself among the reserved ones: a client may not set it.
 const POPGATE_PROPERTY_PREFIX: &str = "__POPGATE";
@@ -67,20 +67,20 @@ async fn send_checked(front: &Front, caller: &Caller, request: &RemotingCommand)
         Ok(message) => message,
         Err(refusal) => return refusal.answer(),
     };
-    if let Err(broken) = front.config.publish.limits.check_client_made(&message) {
-        return error(codes::MESSAGE_ILLEGAL, broken.message);
-    }
     let transactional = is_half(&header, &message);
-    let mut message = message;
+    let mut message = match front.config.publish.limits.admit_client_made(message) {
+        Ok(message) => message,
+        Err(broken) => return error(codes::MESSAGE_ILLEGAL, broken.message),
+    };
     if transactional {
-        as_popgates_half(&mut message, front.transactions.producer_group());
+        message.amend(|message| as_popgates_half(message, front.transactions.producer_group()));
     }
     let placement = placement(front, &header).await;
     let mode = if request.is_oneway_rpc() { SendMode::Oneway } else { SendMode::Sync };
     // A half message is never taken for a retry of an earlier send: the same message sent again in a new
     // transaction is a new transaction, whose end must find its own record. A client's retry of a half message
     // that did land leaves an orphan the broker checks back, as straight at the cluster.
-    let retry_key = if transactional { None } else { dedup_key(&message) };
+    let retry_key = if transactional { None } else { dedup_key(message.message()) };
     let publish = PublishRequest { message, placement, mode, deadline: None, retry_key, half: transactional };
     match front.publishing().publish(caller, publish).await {
         Ok(published) => match published.receipt {

@@ -18,13 +18,13 @@ use super::offset_turns::OffsetTurns;
 use super::ports::{self, BrokerPorts};
 use super::{auth, pop, relay, route, send, transaction, Parts};
 use crate::auth::{Caller, TokenTable};
-use crate::broker::BrokerClient;
 use crate::config::Config;
-use crate::delivery::{DeliveryError, Dispatcher};
+use crate::gateway::below::BrokerClient;
+use crate::gateway::below::{DeliveryError, Dispatcher};
+use crate::gateway::below::{TransactionError, Transactions};
 use crate::gateway::GatewayError;
 use crate::metrics as m;
 use crate::publish::Publisher;
-use crate::transaction::{TransactionError, Transactions};
 
 /// The remoting front's shared state.
 pub(super) struct Front {
@@ -254,6 +254,7 @@ impl From<GatewayError> for Refusal {
             | GatewayError::MayNotPublish(_)
             | GatewayError::MayNotAdminister
             | GatewayError::ClientIdTaken(_) => Refusal::new(codes::NO_PERMISSION, refused.to_string()),
+            GatewayError::TooManyClients { .. } => Refusal::new(codes::SYSTEM_BUSY, refused.to_string()),
             GatewayError::TopicNotFound(topic) => {
                 Refusal::new(codes::TOPIC_NOT_EXIST, format!("topic[{topic}] not exist, apply first please!"))
             }

@@ -17,10 +17,10 @@ use super::codes;
 use super::relay;
 use super::service::{error, field, Front, Refusal};
 use crate::auth::Caller;
-use crate::broker::transaction::PROPERTY_TRANSACTION_PREPARED;
+use crate::gateway::below::PROPERTY_TRANSACTION_PREPARED;
+use crate::gateway::below::{CheckForwarder, Orphan, Resolution};
 use crate::gateway::{self, EndRequest, GatewayError};
 use crate::metrics as m;
-use crate::transaction::{CheckForwarder, Orphan, Resolution};
 
 /// `commitOrRollback` values (`MessageSysFlag.TRANSACTION_*_TYPE`).
 const COMMIT: i32 = 8;

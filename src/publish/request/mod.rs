@@ -25,7 +25,7 @@ use base64::Engine;
 use bytes::Bytes;
 use serde_json::{Map, Value};
 
-use super::limits::{MessageLimits, Part};
+use super::limits::{MessageLimits, Part, WithinLimits};
 use crate::broker::client::now_millis;
 use crate::broker::content::{DataKind, PROPERTY_CONTENT_TYPE};
 use crate::broker::message::{
@@ -87,8 +87,8 @@ const CE_REQUIRED: [&str; 4] = ["specversion", "id", "source", "type"];
 /// One publish request, parsed.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PublishRequest {
-    /// The message to send.
-    pub message: OutgoingMessage,
+    /// The message to send, within the limits.
+    pub message: WithinLimits,
     /// It starts a transaction: it is sent as a half message, and ended later.
     pub transaction: Option<Transactional>,
 }
@@ -138,9 +138,11 @@ pub fn parse(
     if message.body.len() > max_message_bytes {
         return Err(RequestError::too_large(max_message_bytes));
     }
-    limits.check(&message).map_err(|broken| RequestError::invalid_field(field_of(broken.part), broken.message))?;
+    let message =
+        limits.admit(message).map_err(|broken| RequestError::invalid_field(field_of(broken.part), broken.message))?;
     let wanted = query_transaction.0.map(parse_flag).transpose()?.or(body_transaction.0);
-    let transaction = transactional(wanted, query_transaction.1.or(body_transaction.1.as_deref()), &message)?;
+    let producer_group = query_transaction.1.or(body_transaction.1.as_deref());
+    let transaction = transactional(wanted, producer_group, message.message())?;
     Ok(PublishRequest { message, transaction })
 }
 

@@ -12,7 +12,7 @@ fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
 }
 
 fn json(body: &str) -> Result<OutgoingMessage, RequestError> {
-    json_request(body, (None, None)).map(|r| r.message)
+    json_request(body, (None, None)).map(|r| r.message.message().clone())
 }
 
 fn json_request(body: &str, query: TransactionParams<'_>) -> Result<PublishRequest, RequestError> {
@@ -34,7 +34,7 @@ fn parse_message(
     max: usize,
     limits: &MessageLimits,
 ) -> Result<OutgoingMessage, RequestError> {
-    parse(h, topic, (None, None), body, max, limits).map(|r| r.message)
+    parse(h, topic, (None, None), body, max, limits).map(|r| r.message.message().clone())
 }
 
 fn field_of(result: Result<OutgoingMessage, RequestError>) -> String {

@@ -1,0 +1,29 @@
+//! What a front may name of the layers below the gateway (the delivery core, transaction records, the broker
+//! client): this list, and nothing else of them (the `layering` test in `lib.rs` refuses a front's file that
+//! names `crate::delivery`, `crate::transaction`, `crate::broker` or `crate::store`). So what a front can reach
+//! past the gateway's decisions is read here, in one place, instead of in every front's imports.
+//!
+//! Most of it is what requests and answers are made of (a delivery's event, a resolution, a send receipt).
+//! The services a front holds are here too, with what each front does with them itself, and why:
+//! - [`Dispatcher`]: subscribing and polling, after [`super::may_read`]; settling goes through
+//!   [`super::Settling`].
+//! - [`Transactions`]: answering check-backs the broker sends a front's producers; ending goes through
+//!   [`super::Ending`].
+//! - [`BrokerClient`]: the remoting front relays a pull consumer's queue requests to their broker as they are,
+//!   each request code on the remoting front's explicit list (`remoting::relay::RELAYED`) with the permission
+//!   the gateway checks for it.
+
+pub(crate) use crate::broker::client::now_millis;
+pub(crate) use crate::broker::message::{is_reserved_property, ClientWire, PROPERTY_UNIQ_KEY};
+pub(crate) use crate::broker::transaction::{PROPERTY_PRODUCER_GROUP, PROPERTY_TRANSACTION_PREPARED};
+pub(crate) use crate::broker::{BrokerClient, SendReceipt, StoreStatus};
+pub(crate) use crate::delivery::retry::RetryPolicy;
+pub(crate) use crate::delivery::webhook::{signature, WebhookPush};
+pub(crate) use crate::delivery::{
+    content, DeliveryError, Dispatched, Dispatcher, Event, FilterType, HandOut, Holder, NackOutcome, Subscriber,
+    Subscription, SubscriptionRequest, Target, MAX_POLL_BATCH, MAX_POLL_WAIT,
+};
+pub(crate) use crate::transaction::{
+    mark_half, CheckForwarder, Ended, Orphan, Resolution, State as RecordState, TransactionError, TransactionRecord,
+    Transactions, PROPERTY_REMOTING_GROUP,
+};
