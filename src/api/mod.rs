@@ -74,7 +74,7 @@ pub struct AppState {
 impl AppState {
     /// The gateway's publish path.
     pub fn publishing(&self) -> crate::gateway::Publishing<'_> {
-        crate::gateway::Publishing { publisher: &self.publisher, transactions: &self.transactions }
+        crate::gateway::Publishing { publisher: &self.publisher, transactions: &self.transactions, front: "http" }
     }
 
     /// Ending transactions, through the gateway.

@@ -17,18 +17,16 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use axum::Json;
-use metrics::{counter, histogram};
 use serde_json::json;
 
 use super::guard::rejected;
 use super::{ApiError, AppState};
 use crate::auth::Caller;
 use crate::config::Profile;
-use crate::gateway::{GatewayError, PublishRequest};
-use crate::metrics as m;
+use crate::gateway::{self, GatewayError, PublishRefused, PublishRequest};
 use crate::publish::{request, Placement, Published, SendMode};
 
-/// Handles one publish request, counting its result and timing it.
+/// Handles one publish request; the gateway counts it and times it.
 pub async fn publish(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
@@ -36,24 +34,43 @@ pub async fn publish(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let started = Instant::now();
-    let (result, response) = match handle(&state, &caller, &query, &headers, body).await {
-        Ok(response) => ("ok", response),
-        Err(error) => (result_label(&error), error.into_response()),
+    let received_at = Instant::now();
+    let request = match decode(&state, &query, &headers, body, received_at) {
+        Ok(request) => request,
+        Err(refused) => {
+            let why = if refused.status == StatusCode::PAYLOAD_TOO_LARGE {
+                PublishRefused::TooLarge
+            } else {
+                PublishRefused::BadRequest
+            };
+            gateway::count_refused_publish("http", why, received_at);
+            return refused.into_response();
+        }
     };
-    let result = if response.status() == StatusCode::ACCEPTED { "accepted" } else { result };
-    counter!(m::PUBLISH_REQUESTS, "result" => result, "transport" => "http").increment(1);
-    histogram!(m::PUBLISH_DURATION).record(started.elapsed().as_secs_f64());
-    response
+    let half = request.half;
+    match state.publishing().publish(&caller, request).await {
+        Ok(published) => {
+            let id = published.receipt.as_ref().map(|r| r.message_id.clone());
+            tracing::debug!(topic = %published.topic, event_id = ?id, "Event published.");
+            answer(published, id.filter(|_| half))
+        }
+        Err(failed) => {
+            if let GatewayError::NotStored { attempts, last_error } = &failed {
+                tracing::warn!(attempts = attempts.len(), error = %last_error, "Publish failed.");
+            }
+            ApiError::from(failed).into_response()
+        }
+    }
 }
 
-async fn handle(
+/// The publish the request asks for, or why it cannot be one: 413, or 400 naming the field.
+fn decode(
     state: &AppState,
-    caller: &Caller,
     query: &HashMap<String, String>,
     headers: &HeaderMap,
     body: Result<Bytes, BytesRejection>,
-) -> Result<Response, ApiError> {
+    received_at: Instant,
+) -> Result<PublishRequest, ApiError> {
     let max = state.config.publish.max_message_bytes;
     let body = body.map_err(|rejection| {
         if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
@@ -79,20 +96,12 @@ async fn handle(
     let transaction_params = (param("transaction"), param("producerGroup"));
     let parsed = request::parse(headers, param("topic"), transaction_params, &body, max, limits)?;
     let mut message = parsed.message;
-    let key = request::dedup_key(headers, message.message())?;
+    let retry_key = request::dedup_key(headers, message.message())?;
     if let Some(transactional) = &parsed.transaction {
         super::transactions::prepare_half(state, mode, transactional, &mut message)?;
     }
     let half = parsed.transaction.is_some();
-    let publish = PublishRequest { message, placement: Placement::Policy, mode, deadline: None, retry_key: key, half };
-    let published = state.publishing().publish(caller, publish).await.inspect_err(|error| {
-        if let GatewayError::NotStored { attempts, last_error } = error {
-            tracing::warn!(attempts = attempts.len(), error = %last_error, "Publish failed.");
-        }
-    })?;
-    let id = published.receipt.as_ref().map(|r| r.message_id.clone());
-    tracing::debug!(topic = %published.topic, event_id = ?id, "Event published.");
-    Ok(answer(published, id.filter(|_| half)))
+    Ok(PublishRequest { message, placement: Placement::Policy, mode, deadline: None, retry_key, half, received_at })
 }
 
 /// The answer to a publish; `transaction_id` for a transactional one.
@@ -116,14 +125,4 @@ fn answer(published: Published, transaction_id: Option<String>) -> Response {
         body["transactionId"] = json!(id);
     }
     Json(body).into_response()
-}
-
-fn result_label(error: &ApiError) -> &'static str {
-    match error.status {
-        StatusCode::PAYLOAD_TOO_LARGE => "too_large",
-        StatusCode::NOT_FOUND => "not_found",
-        StatusCode::SERVICE_UNAVAILABLE => "unavailable",
-        status if status.is_client_error() => "bad_request",
-        _ => "error",
-    }
 }

@@ -16,7 +16,7 @@
 pub(crate) use crate::broker::client::now_millis;
 pub(crate) use crate::broker::message::{is_reserved_property, ClientWire, PROPERTY_UNIQ_KEY};
 pub(crate) use crate::broker::transaction::{PROPERTY_PRODUCER_GROUP, PROPERTY_TRANSACTION_PREPARED};
-pub(crate) use crate::broker::{BrokerClient, SendReceipt, StoreStatus};
+pub(crate) use crate::broker::{BrokerClient, SendReceipt};
 pub(crate) use crate::delivery::retry::RetryPolicy;
 pub(crate) use crate::delivery::webhook::{signature, WebhookPush};
 pub(crate) use crate::delivery::{

@@ -26,7 +26,7 @@ use crate::publish::Attempt;
 use crate::transaction::TransactionError;
 
 pub use clients::ClientIds;
-pub use publish::{PublishRequest, Publishing};
+pub use publish::{count_refused_publish, PublishRefused, PublishRequest, Publishing};
 pub use settle::{Settlement, Settling};
 pub use transaction::{EndRequest, Ending};
 

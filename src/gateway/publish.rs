@@ -1,6 +1,8 @@
 //! Publishing, the same for every front: the caller's `Pub` on the topic, a transactional message only to a
-//! topic typed for transactions, the send under the front's placement and retry key, and a half message's
-//! record stored before the publish is answered (a commit must find it, after a restart too).
+//! topic typed for transactions, the send under the front's placement and retry key, a half message's
+//! record stored before the publish is answered (a commit must find it, after a restart too), and the count of
+//! every publish request by its outcome (`popgate_publish_requests_total`), a front's own refusals of what did
+//! not decode included ([`count_refused_publish`]).
 //!
 //! What the front decides, because its protocol says it: the message itself (decoded, and checked against the
 //! limits with the protocol's own error words: a [`WithinLimits`] is the only message the gateway takes), where it goes (`Placement`), and what a retry of it is known by
@@ -9,8 +11,11 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use metrics::{counter, histogram};
+
 use super::{may_publish, GatewayError};
 use crate::auth::Caller;
+use crate::metrics as m;
 use crate::publish::limits::WithinLimits;
 use crate::publish::{Placement, PublishError, Published, Publisher, SendMode};
 use crate::transaction::Transactions;
@@ -29,6 +34,46 @@ pub struct PublishRequest {
     pub retry_key: Option<String>,
     /// A transaction's half message.
     pub half: bool,
+    /// When the front received the request: the publish's duration is counted from here.
+    pub received_at: Instant,
+}
+
+/// Why a front refused a publish before it reached the gateway.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PublishRefused {
+    /// The message is larger than `publish.max_message_bytes`.
+    TooLarge,
+    /// The request did not decode, or its message broke a limit.
+    BadRequest,
+}
+
+/// Counts a publish request its front refused before it reached the gateway, received at `received_at`.
+pub fn count_refused_publish(front: &'static str, why: PublishRefused, received_at: Instant) {
+    let result = match why {
+        PublishRefused::TooLarge => "too_large",
+        PublishRefused::BadRequest => "bad_request",
+    };
+    count_publish(front, result, received_at);
+}
+
+fn count_publish(front: &'static str, result: &'static str, received_at: Instant) {
+    counter!(m::PUBLISH_REQUESTS, "result" => result, "transport" => front).increment(1);
+    histogram!(m::PUBLISH_DURATION).record(received_at.elapsed().as_secs_f64());
+}
+
+/// A publish's result label: `accepted` for a send the broker does not confirm (one-way), none for a refusal
+/// of the caller's rights (counted in `popgate_requests_rejected_total` instead).
+fn result_of(outcome: &Result<Published, GatewayError>) -> Option<&'static str> {
+    match outcome {
+        Ok(published) if published.receipt.is_none() => Some("accepted"),
+        Ok(_) => Some("ok"),
+        Err(refused) => match refused.code() {
+            "forbidden" => None,
+            "not_found" => Some("not_found"),
+            "bad_request" => Some("bad_request"),
+            _ => Some("unavailable"),
+        },
+    }
 }
 
 /// What publishing needs from the rest of popgate.
@@ -37,10 +82,12 @@ pub struct Publishing<'a> {
     pub publisher: &'a Arc<Publisher>,
     /// Where half messages are recorded.
     pub transactions: &'a Transactions,
+    /// The front, as `popgate_publish_requests_total` labels it (`transport`).
+    pub front: &'static str,
 }
 
 impl Publishing<'_> {
-    /// Publishes `request` for `caller`.
+    /// Publishes `request` for `caller`, and counts it.
     ///
     /// # Errors
     /// [`GatewayError::MayNotPublish`] (counted), [`GatewayError::TopicNotFound`],
@@ -48,7 +95,16 @@ impl Publishing<'_> {
     /// [`GatewayError::NotStored`] when no attempt stored it, [`GatewayError::Unavailable`] when the topic's type
     /// could not be read or a stored half message could not be recorded.
     pub async fn publish(&self, caller: &Caller, request: PublishRequest) -> Result<Published, GatewayError> {
-        let PublishRequest { message, placement, mode, deadline, retry_key, half } = request;
+        let received_at = request.received_at;
+        let outcome = self.publish_uncounted(caller, request).await;
+        if let Some(result) = result_of(&outcome) {
+            count_publish(self.front, result, received_at);
+        }
+        outcome
+    }
+
+    async fn publish_uncounted(&self, caller: &Caller, request: PublishRequest) -> Result<Published, GatewayError> {
+        let PublishRequest { message, placement, mode, deadline, retry_key, half, received_at: _ } = request;
         let message = message.message();
         may_publish(caller, &message.topic)?;
         if half && self.publisher.checks_topic_message_type() {

@@ -5,8 +5,6 @@
 
 use std::collections::BTreeMap;
 
-use metrics::{counter, histogram};
-
 use super::names;
 use super::proto::{self as pb, Code, MessageType};
 use super::service::Front;
@@ -14,8 +12,7 @@ use super::status::{ok, overall_of_sends, status};
 use crate::auth::Caller;
 use crate::config::PublishConfig;
 use crate::gateway::below::mark_half;
-use crate::gateway::PublishRequest;
-use crate::metrics as m;
+use crate::gateway::{self, PublishRefused, PublishRequest};
 use crate::publish::limits::{Part, WithinLimits};
 use crate::publish::{
     OutgoingMessage, Placement, SendMode, DELIVER_AT_PROPERTY, MESSAGE_GROUP_PROPERTY, MESSAGE_ID_PROPERTY,
@@ -53,36 +50,14 @@ pub(super) async fn send_messages(
     pb::SendMessageResponse { status: Some(overall_of_sends(&statuses)), entries }
 }
 
-/// Sends one message and counts it as the HTTP front counts a publish (`transport="grpc"`).
+/// Sends one message (the gateway counts it, and this front counts a message it refuses while decoding it).
 async fn send_one(
     front: &Front,
     caller: &Caller,
     message: pb::Message,
     deadline: Option<std::time::Instant>,
 ) -> pb::SendResultEntry {
-    let started = std::time::Instant::now();
-    let entry = send_checked(front, caller, message, deadline).await;
-    let code = entry.status.as_ref().map_or(Code::Ok as i32, |s| s.code);
-    let result = match Code::try_from(code) {
-        Ok(Code::Ok) => "ok",
-        Ok(Code::MessageBodyTooLarge) => "too_large",
-        Ok(Code::TopicNotFound) => "not_found",
-        Ok(Code::InternalServerError) => "unavailable",
-        // Counted in `popgate_requests_rejected_total`, as the HTTP front's refusals are.
-        Ok(Code::Unauthorized | Code::Forbidden) => return entry,
-        _ => "bad_request",
-    };
-    counter!(m::PUBLISH_REQUESTS, "result" => result, "transport" => "grpc").increment(1);
-    histogram!(m::PUBLISH_DURATION).record(started.elapsed().as_secs_f64());
-    entry
-}
-
-async fn send_checked(
-    front: &Front,
-    caller: &Caller,
-    message: pb::Message,
-    deadline: Option<std::time::Instant>,
-) -> pb::SendResultEntry {
+    let received_at = std::time::Instant::now();
     let message_id = message.system_properties.as_ref().map(|p| p.message_id.clone()).unwrap_or_default();
     let refused = |status: pb::Status| pb::SendResultEntry {
         status: Some(status),
@@ -94,7 +69,15 @@ async fn send_checked(
     let half_group = transactional.then(|| front.transactions.producer_group());
     let outgoing = match to_outgoing(message, &front.config.publish, half_group) {
         Ok(outgoing) => outgoing,
-        Err(invalid) => return refused(invalid),
+        Err(invalid) => {
+            let why = if invalid.code == Code::MessageBodyTooLarge as i32 {
+                PublishRefused::TooLarge
+            } else {
+                PublishRefused::BadRequest
+            };
+            gateway::count_refused_publish("grpc", why, received_at);
+            return refused(invalid);
+        }
     };
     // Every retry of one SDK message carries its message id: a repeat is answered from the de-duplication window.
     let publish = PublishRequest {
@@ -104,6 +87,7 @@ async fn send_checked(
         deadline,
         retry_key: Some(message_id.clone()),
         half: transactional,
+        received_at,
     };
     match front.publishing().publish(caller, publish).await {
         Ok(published) => {

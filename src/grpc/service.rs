@@ -142,7 +142,7 @@ impl Liveness {
 impl Front {
     /// The gateway's publish path.
     pub(super) fn publishing(&self) -> crate::gateway::Publishing<'_> {
-        crate::gateway::Publishing { publisher: &self.publisher, transactions: &self.transactions }
+        crate::gateway::Publishing { publisher: &self.publisher, transactions: &self.transactions, front: "grpc" }
     }
 
     pub(super) fn ending(&self) -> crate::gateway::Ending<'_> {

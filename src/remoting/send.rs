@@ -18,7 +18,6 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use metrics::{counter, histogram};
 use rocketmq_model::common::sys_flag::message_sys_flag::MessageSysFlag;
 use rocketmq_protocol::code::request_code::RequestCode;
 use rocketmq_protocol::common::message::message_decoder::string_to_message_properties;
@@ -29,49 +28,48 @@ use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
 use sha2::Digest;
 
 use super::codes;
-use super::service::{error, Front, Refusal};
+use super::service::{Front, Refusal};
 use crate::auth::Caller;
-use crate::gateway::below::PROPERTY_REMOTING_GROUP;
-use crate::gateway::below::{is_reserved_property, ClientWire, PROPERTY_UNIQ_KEY};
-use crate::gateway::below::{SendReceipt, StoreStatus};
-use crate::gateway::below::{PROPERTY_PRODUCER_GROUP, PROPERTY_TRANSACTION_PREPARED};
-use crate::gateway::PublishRequest;
-use crate::metrics as m;
+use crate::gateway::below::{
+    is_reserved_property, ClientWire, SendReceipt, PROPERTY_PRODUCER_GROUP, PROPERTY_REMOTING_GROUP,
+    PROPERTY_TRANSACTION_PREPARED, PROPERTY_UNIQ_KEY,
+};
+use crate::gateway::{self, PublishRefused, PublishRequest};
 use crate::publish::{OutgoingMessage, Placement, SendMode};
 
 /// The property popgate keeps for itself among the reserved ones: a client may not set it.
 const POPGATE_PROPERTY_PREFIX: &str = "__POPGATE";
 
 pub(super) async fn send_message(front: &Front, caller: &Caller, request: RemotingCommand) -> RemotingCommand {
-    let started = Instant::now();
-    let answer = send_checked(front, caller, &request).await;
-    let result = match answer.code() {
-        code if StoreStatus::of_response_code(code).is_some() => "ok",
-        codes::TOPIC_NOT_EXIST => "not_found",
-        codes::MESSAGE_ILLEGAL => "bad_request",
-        // Counted in `popgate_requests_rejected_total`, as the other fronts' refusals are.
-        codes::NO_PERMISSION => return answer,
-        _ => "unavailable",
+    let received_at = Instant::now();
+    let publish = match decode(front, &request, received_at).await {
+        Ok(publish) => publish,
+        Err(refused) => {
+            gateway::count_refused_publish("remoting", PublishRefused::BadRequest, received_at);
+            return refused.answer();
+        }
     };
-    counter!(m::PUBLISH_REQUESTS, "result" => result, "transport" => "remoting").increment(1);
-    histogram!(m::PUBLISH_DURATION).record(started.elapsed().as_secs_f64());
-    answer
+    match front.publishing().publish(caller, publish).await {
+        Ok(published) => match published.receipt {
+            Some(receipt) => stored(&receipt),
+            None => RemotingCommand::create_success_response_command(),
+        },
+        Err(failed) => Refusal::from(failed).answer(),
+    }
 }
 
-async fn send_checked(front: &Front, caller: &Caller, request: &RemotingCommand) -> RemotingCommand {
-    let header = match parse_request_header(request, RequestCode::from(request.code())) {
-        Ok(header) => header,
-        Err(why) => return error(codes::MESSAGE_ILLEGAL, format!("the send's header does not decode: {why}")),
-    };
-    let message = match to_outgoing(&header, request) {
-        Ok(message) => message,
-        Err(refusal) => return refusal.answer(),
-    };
+/// The publish a send asks for, or the answer refusing it (`MESSAGE_ILLEGAL`, mostly).
+async fn decode(front: &Front, request: &RemotingCommand, received_at: Instant) -> Result<PublishRequest, Refusal> {
+    let header = parse_request_header(request, RequestCode::from(request.code()))
+        .map_err(|why| Refusal::new(codes::MESSAGE_ILLEGAL, format!("the send's header does not decode: {why}")))?;
+    let message = to_outgoing(&header, request)?;
     let transactional = is_half(&header, &message);
-    let mut message = match front.config.publish.limits.admit_client_made(message) {
-        Ok(message) => message,
-        Err(broken) => return error(codes::MESSAGE_ILLEGAL, broken.message),
-    };
+    let mut message = front
+        .config
+        .publish
+        .limits
+        .admit_client_made(message)
+        .map_err(|broken| Refusal::new(codes::MESSAGE_ILLEGAL, broken.message))?;
     if transactional {
         message.amend(|message| as_popgates_half(message, front.transactions.producer_group()));
     }
@@ -81,14 +79,7 @@ async fn send_checked(front: &Front, caller: &Caller, request: &RemotingCommand)
     // transaction is a new transaction, whose end must find its own record. A client's retry of a half message
     // that did land leaves an orphan the broker checks back, as straight at the cluster.
     let retry_key = if transactional { None } else { dedup_key(message.message()) };
-    let publish = PublishRequest { message, placement, mode, deadline: None, retry_key, half: transactional };
-    match front.publishing().publish(caller, publish).await {
-        Ok(published) => match published.receipt {
-            Some(receipt) => stored(&receipt),
-            None => RemotingCommand::create_success_response_command(),
-        },
-        Err(failed) => Refusal::from(failed).answer(),
-    }
+    Ok(PublishRequest { message, placement, mode, deadline: None, retry_key, half: transactional, received_at })
 }
 
 /// The message to publish, or the answer refusing it.

@@ -56,7 +56,7 @@ pub(super) struct Front {
 impl Front {
     /// The gateway's publish path.
     pub(super) fn publishing(&self) -> crate::gateway::Publishing<'_> {
-        crate::gateway::Publishing { publisher: &self.publisher, transactions: &self.transactions }
+        crate::gateway::Publishing { publisher: &self.publisher, transactions: &self.transactions, front: "remoting" }
     }
 
     pub(super) fn ending(&self) -> crate::gateway::Ending<'_> {
