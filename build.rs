@@ -4,7 +4,8 @@
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     // protox bundles google/protobuf/{duration,timestamp}.proto; only the vendored folder is given.
-    let descriptors = protox::compile(["apache/rocketmq/v2/service.proto"], ["proto"])?;
+    // popgate's own peer link between the instances of a tier (`proto/popgate/peer/v1`) is compiled alongside.
+    let descriptors = protox::compile(["apache/rocketmq/v2/service.proto", "popgate/peer/v1/peer.proto"], ["proto"])?;
     tonic_prost_build::configure()
         .build_server(true)
         // The client is for the it/ tests, which speak to the front directly where the SDK cannot (foreign handles).

@@ -9,6 +9,7 @@ command -v java >/dev/null 2>&1 || need_apt+=(openjdk-17-jre-headless)
 command -v mvn >/dev/null 2>&1 || need_apt+=(maven)
 command -v promtool >/dev/null 2>&1 || need_apt+=(prometheus)                # promtool checks /metrics in it/
 command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)                      # the TLS test's certificates
+[ -x /usr/sbin/haproxy ] || command -v haproxy >/dev/null 2>&1 || need_apt+=(haproxy) # the tier test's balancer
 python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need_apt+=(python3-venv) # schemathesis, below
 if ((${#need_apt[@]})); then
   echo "setup: installing ${need_apt[*]}" >&2
@@ -30,3 +31,12 @@ if ! "$SCHEMATHESIS" --version 2>/dev/null | grep -q "$SCHEMATHESIS_VERSION"; th
   "$HOME/.cache/popgate/venv/bin/pip" install -q "schemathesis==$SCHEMATHESIS_VERSION" >&2
 fi
 export SCHEMATHESIS
+
+# kubernetes-validate (PyPI, with the Kubernetes JSON schemas inside) checks docker/k8s/ in it/config.rs.
+KUBERNETES_VALIDATE_VERSION=1.37.0
+KUBERNETES_VALIDATE="$HOME/.cache/popgate/venv/bin/kubernetes-validate"
+if ! "$HOME/.cache/popgate/venv/bin/pip" show kubernetes-validate 2>/dev/null | grep -q "^Version: $KUBERNETES_VALIDATE_VERSION$"; then
+  echo "setup: installing kubernetes-validate $KUBERNETES_VALIDATE_VERSION" >&2
+  "$HOME/.cache/popgate/venv/bin/pip" install -q "kubernetes-validate==$KUBERNETES_VALIDATE_VERSION" >&2
+fi
+export KUBERNETES_VALIDATE

@@ -76,9 +76,18 @@ async fn receive_published(
     client: &mut MessagingServiceClient<Channel>,
     req: pb::ReceiveMessageRequest,
 ) -> (i32, Vec<pb::Message>) {
+    receive_published_signed(client, req, None).await
+}
+
+/// [`receive_published`], signed by `signed_by` when given.
+pub(crate) async fn receive_published_signed(
+    client: &mut MessagingServiceClient<Channel>,
+    req: pb::ReceiveMessageRequest,
+    signed_by: Option<(&str, &str)>,
+) -> (i32, Vec<pb::Message>) {
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     loop {
-        let (code, messages) = receive(client, req.clone()).await;
+        let (code, messages) = receive_signed(client, req.clone(), signed_by).await;
         if !messages.is_empty() || code != Code::MessageNotFound as i32 || std::time::Instant::now() > deadline {
             return (code, messages);
         }
@@ -123,7 +132,7 @@ pub(crate) async fn receive_signed_as(
     (code, messages)
 }
 
-fn handle_of(message: &pb::Message) -> String {
+pub(crate) fn handle_of(message: &pb::Message) -> String {
     message.system_properties.as_ref().and_then(|p| p.receipt_handle.clone()).unwrap_or_default()
 }
 

@@ -30,6 +30,7 @@ mod remoting_hostile;
 mod rust_client;
 mod scopes;
 mod security;
+mod tier;
 mod transaction;
 mod transaction_http;
 mod webhook;

@@ -21,6 +21,8 @@ use crate::publish::dedup::DedupWindow;
 use crate::publish::Publisher;
 use crate::reliability::ProfileMonitor;
 use crate::store::{StateStore, StoreError};
+use crate::tier::server::{serve as serve_peer_link, PeerService};
+use crate::tier::{InstanceId, Tier};
 use crate::transaction::Transactions;
 
 /// The producer group popgate's sends are registered under at the broker.
@@ -59,6 +61,9 @@ pub enum AppError {
     /// The remoting front's certificate cannot be used.
     #[error("remoting TLS: {0}")]
     RemotingTls(#[from] crate::tls::TlsError),
+    /// This instance's id cannot be settled (see `tier.instance_id`).
+    #[error("instance id: {0}")]
+    Identity(#[from] crate::tier::IdentityError),
 }
 
 /// Runs popgate on `listener` until `shutdown` resolves; in-flight requests then get
@@ -80,6 +85,7 @@ pub async fn serve(
     // The gRPC front's certificate too, and its port is bound before anything starts.
     let grpc = bind_grpc(&config).await?;
     let remoting = bind_remoting(&config).await?;
+    let peer_link = bind_peer_link(&config).await?;
     if !config.auth.enabled {
         tracing::warn!("Authentication is switched off (auth.enabled = false): every caller may do everything.");
     }
@@ -93,6 +99,9 @@ pub async fn serve(
     let broker = Arc::new(BrokerClient::connect(&config.broker, PRODUCER_GROUP).await?);
     let profile = config.reliability.profile;
     std::fs::create_dir_all(&config.delivery.state_dir)?;
+    // Every delivery id starts with this instance's id, so any instance of a tier can tell whose it is.
+    let instance = InstanceId::resolve(config.tier.instance_id.as_deref(), &config.delivery.state_dir)?;
+    tracing::info!(instance = %instance, "popgate instance {instance}");
     // Sync-flush profiles sync every state write, as the broker syncs every message; async ones group-commit.
     let sync_writes = profile.sync_flush();
     let store = Arc::new(StateStore::open(&config.delivery.state_dir, sync_writes)?);
@@ -111,6 +120,7 @@ pub async fn serve(
         config.delivery.clone(),
         webhook_targets,
         group_commit,
+        instance.as_str(),
     )
     .await?;
     tracing::info!(?recovered, state_dir = %config.delivery.state_dir.display(), "Delivery state recovered.");
@@ -133,12 +143,26 @@ pub async fn serve(
     };
     let config = Arc::new(config);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    // The peer link: deliveries another instance handed out are settled there, and this one settles its own
+    // for the others.
+    let (owners, peer_server) = match peer_link {
+        Some(listener) => {
+            let tier = Tier::new(&config.tier, instance.clone());
+            tier.look_up().await;
+            tokio::spawn(Tier::keep_looking_up(Arc::downgrade(&tier)));
+            let service = PeerService::new(instance, &config.tier.secret, dispatcher.clone(), tokens.clone());
+            let server = spawn_front("peer link", serve_peer_link(listener, service, stop_asked(&stop_rx)));
+            (Some(tier as Arc<dyn crate::gateway::Owners>), Some(server))
+        }
+        None => (None, None),
+    };
     let grpc_server = grpc.map(|(listener, tls)| {
         let parts = crate::grpc::Parts {
             publisher: publisher.clone(),
             dispatcher: dispatcher.clone(),
             transactions: transactions.clone(),
             tokens: tokens.clone(),
+            owners: owners.clone(),
         };
         let front = crate::grpc::serve(listener, tls, parts, config.clone(), stop_asked(&stop_rx));
         spawn_front("gRPC", front)
@@ -152,6 +176,7 @@ pub async fn serve(
                 tokens: tokens.clone(),
                 transactions: transactions.clone(),
                 tls,
+                owners: owners.clone(),
             };
             // Its brokers' ports are open again before the HTTP server answers /healthz.
             let front = crate::remoting::start(listener, advertised, parts, config.clone(), stop_asked(&stop_rx)).await;
@@ -169,6 +194,7 @@ pub async fn serve(
         dispatcher: dispatcher.clone(),
         transactions: transactions.clone(),
         metrics,
+        owners,
     };
 
     let gauges = tokio::spawn(refresh_gauges(publisher.clone()));
@@ -206,6 +232,10 @@ pub async fn serve(
         if grace_spent {
             grpc_server.abort();
         }
+    }
+    if let Some(peer_server) = peer_server {
+        // Settlements other instances ask are answered until here; after, they fail over to a retry.
+        peer_server.abort();
     }
     if let Some(remoting_server) = remoting_server {
         // Its connections close with the listener; a request still being served is dropped with them.
@@ -257,6 +287,17 @@ async fn bind_grpc(config: &Config) -> Result<Option<(TcpListener, Arc<rustls::S
     let bound = listener.local_addr()?;
     tracing::info!(addr = %bound, "popgate gRPC listening on {bound} (TLS and plaintext)");
     Ok(Some((listener, tls)))
+}
+
+/// Binds the peer link's port, when this instance is in a tier (`tier.listen`).
+async fn bind_peer_link(config: &Config) -> Result<Option<TcpListener>, AppError> {
+    if config.tier.listen.is_empty() {
+        return Ok(None);
+    }
+    let listener = TcpListener::bind(config.tier.listen.as_str()).await?;
+    let bound = listener.local_addr()?;
+    tracing::info!(addr = %bound, "popgate peer link listening on {bound}");
+    Ok(Some(listener))
 }
 
 /// Binds the remoting front's port, when the front is on; with the address clients are given for it and its

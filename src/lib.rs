@@ -14,6 +14,8 @@
 //! - [`api`]: the HTTP routes and the one error type they answer with.
 //! - [`grpc`]: the RocketMQ 5 gRPC front (`MessagingService`), for apps on the official 5.x SDKs.
 //! - [`remoting`]: the RocketMQ remoting front, for apps on the remoting Java client (4.x style).
+//! - [`tier`]: several instances as one tier: each instance's id, and the peer link over which any instance
+//!   settles a delivery another one handed out.
 //! - [`transaction`]: transactional messages' durable records and their ends.
 //! - [`metrics`]: every metric's name, help text and buckets.
 //! - [`cli`]: the operator CLI's client of the admin API.
@@ -45,6 +47,7 @@ pub mod publish;
 pub mod reliability;
 pub mod remoting;
 pub mod store;
+pub mod tier;
 pub mod tls;
 pub mod transaction;
 
@@ -70,6 +73,8 @@ mod layering {
         ("gateway", &["api", "app", "cli", "grpc", "remoting"]),
         ("grpc", &["api", "app", "broker", "cli", "delivery", "dlq", "remoting", "store", "transaction"]),
         ("remoting", &["api", "app", "broker", "cli", "delivery", "dlq", "grpc", "store", "transaction"]),
+        // The peer link between the instances of a tier is a front too.
+        ("tier", &["api", "app", "broker", "cli", "delivery", "dlq", "grpc", "remoting", "store", "transaction"]),
         // Transaction records live in the state store, their ends go to the brokers; the fronts call it.
         ("transaction", &["api", "app", "auth", "cli", "delivery", "dlq", "grpc", "publish", "reliability"]),
     ];

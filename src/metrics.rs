@@ -101,6 +101,14 @@ pub const CLUSTER_ACL_READS: &str = "popgate_cluster_acl_reads_total";
 /// Counter (`front`, `answer`): producers' answers to forwarded check-backs: commit, rollback, unknown, or
 /// failed (an HTTP checker that did not answer, or answered something else).
 pub const TRANSACTION_CHECK_ANSWERS: &str = "popgate_transaction_check_answers_total";
+/// Counter (`action`, `result`): settlements of deliveries another instance of the tier handed out, asked of
+/// that instance (`result`: ok, refused, unreachable).
+pub const TIER_FORWARDED: &str = "popgate_tier_settlements_forwarded_total";
+/// Counter (`action`, `result`): settlements another instance of the tier asked of this one (`result`: ok,
+/// refused, unauthenticated).
+pub const TIER_SERVED: &str = "popgate_tier_settlements_served_total";
+/// Gauge: the other instances of the tier this one knows an address of.
+pub const TIER_PEERS: &str = "popgate_tier_peers";
 /// Gauge: transaction resolutions the broker could not be given yet (retried until it has them).
 pub const TRANSACTIONS_OWED: &str = "popgate_transactions_owed";
 /// Counter (`code`, `result`): remoting requests answered, by request code (RocketMQ's name in lower case, or
@@ -316,6 +324,15 @@ fn register_zeroes() {
         metrics::counter!(TRANSACTIONS_ENDED, "resolution" => resolution, "result" => result).increment(0);
     }
     metrics::gauge!(TRANSACTIONS_OWED).set(0.0);
+    for action in ["ack", "nack", "term", "extend"] {
+        for result in ["ok", "refused", "unreachable"] {
+            metrics::counter!(TIER_FORWARDED, "action" => action, "result" => result).increment(0);
+        }
+        for result in ["ok", "refused", "unauthenticated"] {
+            metrics::counter!(TIER_SERVED, "action" => action, "result" => result).increment(0);
+        }
+    }
+    metrics::gauge!(TIER_PEERS).set(0.0);
     for front in ["http", "grpc", "remoting"] {
         for answer in ["commit", "rollback", "unknown", "failed"] {
             metrics::counter!(TRANSACTION_CHECK_ANSWERS, "front" => front, "answer" => answer).increment(0);
@@ -379,6 +396,17 @@ fn describe_all() {
         Unit::Count,
         "Producers' answers to forwarded transaction check-backs, by front and answer."
     );
+    describe_counter!(
+        TIER_FORWARDED,
+        Unit::Count,
+        "Settlements of deliveries another instance handed out, asked of that instance, by action and result."
+    );
+    describe_counter!(
+        TIER_SERVED,
+        Unit::Count,
+        "Settlements other instances of the tier asked of this one, by action and result."
+    );
+    describe_gauge!(TIER_PEERS, "Other instances of the tier this one knows an address of.");
     describe_gauge!(TRANSACTIONS_OWED, "Transaction resolutions owed to an unreachable broker (retried).");
     describe_counter!(
         GRPC_UNWRITTEN_DELIVERIES,

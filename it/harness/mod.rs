@@ -6,6 +6,7 @@
 //! - [`go_client`]: Apache's Go client (`rocketmq-client-go`, remoting) run by the Go test driver.
 //! - [`direct`]: a direct RocketMQ client, to check what reached the broker without trusting popgate.
 
+pub mod balancer;
 pub mod direct;
 pub mod go_client;
 pub mod popgate;

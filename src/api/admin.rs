@@ -129,6 +129,9 @@ pub async fn config(State(state): State<AppState>) -> Result<Json<Value>, ApiErr
     for checker in config.transactions.checkers.values_mut() {
         checker.secret = REDACTED.to_owned();
     }
+    if !config.tier.secret.is_empty() {
+        config.tier.secret = REDACTED.to_owned();
+    }
     if !config.broker.secret_key.is_empty() {
         config.broker.secret_key = REDACTED.to_owned();
     }

@@ -69,6 +69,8 @@ pub struct AppState {
     pub limits: Arc<ConnectionLimits>,
     /// Renders `/metrics`.
     pub metrics: PrometheusHandle,
+    /// The tier's other instances, when this one is in a tier.
+    pub owners: Option<Arc<dyn crate::gateway::Owners>>,
 }
 
 impl AppState {
@@ -84,7 +86,7 @@ impl AppState {
 
     /// Settling deliveries, through the gateway.
     pub fn settling(&self) -> crate::gateway::Settling<'_> {
-        crate::gateway::Settling { dispatcher: &self.dispatcher }
+        crate::gateway::Settling { dispatcher: &self.dispatcher, owners: self.owners.as_ref() }
     }
 }
 

@@ -91,7 +91,12 @@ impl Caller {
         self
     }
 
-    /// Whether this is the caller of a popgate whose authentication is off (allowed everything).
+    /// Where the caller's request came from, when the front knows it.
+    pub fn source_ip(&self) -> Option<IpAddr> {
+        self.source_ip
+    }
+
+    /// Whether the caller may do everything (authentication is off).
     pub fn is_unrestricted(&self) -> bool {
         self.unrestricted
     }
@@ -295,6 +300,19 @@ impl TokenTable {
         mac.update(signed);
         mac.verify_slice(&presented).ok()?;
         Some(caller)
+    }
+
+    /// The caller named `name` (a configured token's or a cluster user's), as another instance of the tier
+    /// authenticated it; everyone when authentication is off here. `None` for a name this instance does not know.
+    pub fn caller_named(&self, name: &str) -> Option<Caller> {
+        if !self.enabled {
+            return Some(Caller::unrestricted());
+        }
+        if let Some((_, caller)) = self.entries.iter().find(|(_, caller)| caller.name == name) {
+            return Some(caller.clone());
+        }
+        let users = self.cluster.read().clone();
+        users.get(name).map(|(_, caller)| caller.clone())
     }
 
     /// Whether requests must carry a token.

@@ -47,6 +47,17 @@ pub const DEFAULT_NETWORK_ERROR_ISOLATION_MS: u64 = 600_000;
 /// How often the operators' gauges ask the brokers: about a scrape's worth of freshness for a dashboard, one
 /// GET_CONSUME_STATS per broker per subscription and one GET_TOPIC_STATS_INFO per broker per group.
 pub const DEFAULT_GAUGE_REFRESH_MS: u64 = 15_000;
+/// Most characters of a tier instance's id (`tier.instance_id`): it starts every delivery id and handle.
+pub const MAX_INSTANCE_ID_LEN: usize = 40;
+
+/// Whether `id` may be a tier instance's id: 1 to [`MAX_INSTANCE_ID_LEN`] lowercase ASCII letters, digits and
+/// `-`, starting with a letter or digit (a Kubernetes pod name's first label fits).
+pub fn is_valid_instance_id(id: &str) -> bool {
+    (1..=MAX_INSTANCE_ID_LEN).contains(&id.len())
+        && id.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !id.starts_with('-')
+}
+
 /// The shortest refresh period allowed: tests use a short one; below this the broker requests are a load.
 pub const MIN_GAUGE_REFRESH_MS: u64 = 100;
 
@@ -79,6 +90,49 @@ pub struct Config {
     pub webhook: WebhookConfig,
     /// Transactional messages: their producer group and how long their records are kept.
     pub transactions: TransactionConfig,
+    /// Several popgate instances as one tier: this instance's id, and the peer link over which any instance
+    /// settles a delivery another one handed out.
+    pub tier: TierConfig,
+}
+
+/// Several popgate instances behind one load balancer. Each delivery id and handle names the instance that
+/// handed it out; a settlement that reaches another instance is asked of that one over the peer link.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct TierConfig {
+    /// This instance's id: lowercase letters, digits and `-`, at most 40. Unset: the id stored in the state
+    /// directory, or, on a first start, one made of the host name and a random suffix (and stored there). A
+    /// state directory belongs to one instance: a set id that differs from the stored one stops the start.
+    pub instance_id: Option<String>,
+    /// Address the peer link listens on (host:port); empty: this instance is alone, and settles only what it
+    /// handed out. Keep it off the clients' network.
+    pub listen: String,
+    /// The peers' peer-link addresses (host:port), this instance's own among them or not.
+    pub peers: Vec<String>,
+    /// A DNS name (host:port) whose addresses are the peers (a Kubernetes headless Service), looked up again
+    /// every `refresh_secs`.
+    pub peer_dns: String,
+    /// How often the peers are looked up and asked who they are.
+    pub refresh_secs: u64,
+    /// The tier's shared secret: every peer request is signed with it (HMAC-SHA256 over a timestamp and the
+    /// request). At least 16 characters; the same on every instance.
+    pub secret: String,
+    /// How long a settlement asked of another instance may take before it fails (the client may retry).
+    pub forward_timeout_ms: u64,
+}
+
+impl Default for TierConfig {
+    fn default() -> Self {
+        TierConfig {
+            instance_id: None,
+            listen: String::new(),
+            peers: Vec::new(),
+            peer_dns: String::new(),
+            refresh_secs: 10,
+            secret: String::new(),
+            forward_timeout_ms: 3_000,
+        }
+    }
 }
 
 /// Transactional messages (RocketMQ's half messages). popgate keeps, in its state store, what ending each

@@ -153,6 +153,7 @@ fn every_section_of_the_file_is_a_section_the_environment_may_set() {
         "reliability",
         "remoting",
         "server",
+        "tier",
         "transactions",
         "webhook",
     ];
@@ -306,4 +307,21 @@ fn the_remoting_front_is_off_by_default_and_its_bad_keys_are_named() {
     let behind =
         parse("[remoting]\nlisten = \"0.0.0.0:9876\"\nadvertised_addr = \"popgate.internal:9876\"\n").expect("valid");
     assert_eq!(behind.remoting.advertised(bound), "popgate.internal:9876");
+}
+
+#[test]
+fn a_tier_needs_a_peer_link_with_a_secret_and_a_valid_instance_id() {
+    let error = |text: &str| parse(text).expect_err("refused").to_string();
+    let tier = "[tier]\nlisten = \"127.0.0.1:8090\"\npeers = [\"127.0.0.1:8091\"]\n";
+    assert!(error(tier).contains("tier.secret"), "{}", error(tier));
+    let with_secret = format!("{tier}secret = \"tier-secret-0123456789\"\n");
+    let config = parse(&with_secret).expect("a tier");
+    assert_eq!((config.tier.refresh_secs, config.tier.forward_timeout_ms), (10, 3_000));
+    assert!(error("[tier]\npeers = [\"127.0.0.1:8091\"]\n").contains("tier.listen"));
+    assert!(error(&format!("{with_secret}instance_id = \"Popgate_0\"\n")).contains("tier.instance_id"));
+    assert!(error(&format!("{with_secret}instance_id = \"{}\"\n", "a".repeat(41))).contains("tier.instance_id"));
+    assert!(error("[tier]\nlisten = \"127.0.0.1:8090\"\nsecret = \"short\"\n").contains("tier.secret"));
+    assert!(
+        error(&format!("{tier}secret = \"tier-secret-0123456789\"\npeer_dns = \"no-port\"\n")).contains("tier.peers")
+    );
 }

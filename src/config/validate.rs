@@ -214,6 +214,37 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
     }
     out.extend(auth_problems(&config.auth));
     out.extend(cluster_acl_problems(config));
+    out.extend(tier_problems(&config.tier));
+    out
+}
+
+fn tier_problems(tier: &super::TierConfig) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut check = |ok: bool, key: &str, reason: &str| {
+        if !ok {
+            out.push(format!("config key `tier.{key}`: {reason}"));
+        }
+    };
+    if let Some(id) = &tier.instance_id {
+        check(
+            super::is_valid_instance_id(id),
+            "instance_id",
+            "must be 1 to 40 lowercase letters, digits and `-`, starting with a letter or digit",
+        );
+    }
+    let is_host_port =
+        |addr: &str| addr.rsplit_once(':').is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+    for addr in tier.peers.iter().chain([&tier.peer_dns].into_iter().filter(|d| !d.is_empty())) {
+        check(is_host_port(addr), "peers", &format!("`{addr}` is not host:port"));
+    }
+    if tier.listen.is_empty() {
+        check(tier.peers.is_empty() && tier.peer_dns.is_empty(), "listen", "peers need a peer link to answer on");
+        return out;
+    }
+    check(is_host_port(&tier.listen), "listen", "must be host:port");
+    check(tier.secret.len() >= 16, "secret", "the peer link needs a shared secret of at least 16 characters");
+    check((1..=3600).contains(&tier.refresh_secs), "refresh_secs", "must be in 1..=3600");
+    check((100..=60_000).contains(&tier.forward_timeout_ms), "forward_timeout_ms", "must be in 100..=60000");
     out
 }
 

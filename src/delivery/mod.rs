@@ -49,7 +49,7 @@ use tokio::task::JoinHandle;
 /// writes the property it reads; the fronts reach it through here.
 pub use crate::broker::content;
 pub use record::{Event, FilterType, Holder, Subscription};
-pub use state::new_delivery_id;
+pub use state::{instance_of, new_delivery_id};
 pub use subscriber::Subscriber;
 
 use recovery::RecoveryReport;
@@ -287,7 +287,8 @@ impl Dispatcher {
     /// [`DeliveryError::Store`] when the store cannot be read.
     ///
     /// `group_commit` is the WAL sync interval when the store does not sync each write (async-flush profiles).
-    /// `webhook_targets` says which addresses webhook pushes may reach.
+    /// `webhook_targets` says which addresses webhook pushes may reach. `instance` is this instance's id, the
+    /// start of every delivery id it mints (empty: the ids name no instance).
     pub async fn start(
         store: Arc<StateStore>,
         broker: Arc<BrokerClient>,
@@ -295,9 +296,10 @@ impl Dispatcher {
         config: DeliveryConfig,
         webhook_targets: webhook::TargetPolicy,
         group_commit: Option<Duration>,
+        instance: &str,
     ) -> Result<(Arc<Dispatcher>, RecoveryReport), DeliveryError> {
         let group_order = group_order::GroupOrder::new(broker.clone(), config.follow_group_config);
-        let deliveries = Arc::new(Deliveries::new(store, broker, publisher, config));
+        let deliveries = Arc::new(Deliveries::new(store, broker, publisher, config).with_instance(instance));
         let (report, poppers) = recovery::recover(&deliveries).await?;
         let dispatcher = Arc::new_cyclic(|me| Dispatcher {
             deliveries: deliveries.clone(),

@@ -20,8 +20,8 @@ pub(crate) use crate::broker::{BrokerClient, SendReceipt};
 pub(crate) use crate::delivery::retry::RetryPolicy;
 pub(crate) use crate::delivery::webhook::{signature, WebhookPush};
 pub(crate) use crate::delivery::{
-    content, DeliveryError, Dispatched, Dispatcher, Event, FilterType, HandOut, Holder, NackOutcome, Subscriber,
-    Subscription, SubscriptionRequest, Target, MAX_POLL_BATCH, MAX_POLL_WAIT,
+    content, instance_of, DeliveryError, Dispatched, Dispatcher, Event, FilterType, HandOut, Holder, NackOutcome,
+    Subscriber, Subscription, SubscriptionRequest, Target, MAX_POLL_BATCH, MAX_POLL_WAIT,
 };
 pub(crate) use crate::transaction::{
     mark_half, CheckForwarder, Ended, Orphan, Resolution, State as RecordState, TransactionError, TransactionRecord,

@@ -4,12 +4,70 @@
 //!
 //! What the front decides, because its protocol says it: which delivery and hand-out its handle or id names
 //! ([`Settlement`]), and what a refusal looks like to its clients (each front's one rescue).
+//!
+//! In a tier of several instances, a delivery handed out by another instance is settled there: the
+//! [`Owners`] of the tier (the peer link) ask that instance, which applies the same checks to the same caller.
 
+use std::sync::Arc;
 use std::time::Duration;
+
+use futures::future::BoxFuture;
 
 use super::{may_consume, may_read, GatewayError};
 use crate::auth::Caller;
 use crate::delivery::{Dispatcher, NackOutcome, Target};
+
+/// What a settlement does to its delivery.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Settle {
+    /// Processed: the broker ACK follows.
+    Ack,
+    /// Not processed: the attempt is spent, the next comes after `delay` (or the backoff), or the DLQ.
+    Nack {
+        /// The next attempt's delay; `None`: the backoff decides.
+        delay: Option<Duration>,
+    },
+    /// Never to be processed: straight to the DLQ.
+    Term {
+        /// Why, kept with the dead-lettered message.
+        reason: String,
+    },
+    /// Still being processed: a new deadline `by` from now.
+    Extend {
+        /// How far from now.
+        by: Duration,
+    },
+}
+
+/// What a settlement did.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Settled {
+    /// ACKed.
+    Acked,
+    /// NACKed, with what comes next.
+    Nacked(NackOutcome),
+    /// On its way to the DLQ.
+    Termed,
+    /// The new deadline (epoch ms).
+    Extended(i64),
+}
+
+/// The other instances of a tier, as the gateway needs them: which one handed a delivery out, and a way to ask
+/// it to settle it (the peer link, `tier`).
+pub trait Owners: Send + Sync {
+    /// The instance that handed delivery `id` out, when it is another one than this.
+    fn elsewhere(&self, id: &str) -> Option<String>;
+
+    /// Asks instance `owner` to settle `settlement` as `caller` asked: the owner checks the caller's rights as
+    /// for its own clients, and answers what it did or why it refused.
+    fn settle_at<'a>(
+        &'a self,
+        owner: &'a str,
+        caller: &'a Caller,
+        settlement: Settlement<'a>,
+        action: &'a Settle,
+    ) -> BoxFuture<'a, Result<Settled, GatewayError>>;
+}
 
 /// One settlement a client asks for.
 #[derive(Debug, Clone, Copy)]
@@ -25,9 +83,44 @@ pub struct Settlement<'a> {
 pub struct Settling<'a> {
     /// The delivery core.
     pub dispatcher: &'a Dispatcher,
+    /// The tier's other instances, when this one is in a tier: deliveries they handed out are settled there.
+    pub owners: Option<&'a Arc<dyn Owners>>,
 }
 
 impl Settling<'_> {
+    /// Settles `settlement` as `action` says: here when this instance handed the delivery out, else at the
+    /// instance that did.
+    ///
+    /// # Errors
+    /// As [`Settling::may_settle`]; [`GatewayError::Delivery`] when the delivery core refuses it;
+    /// [`GatewayError::Unavailable`] when the instance that handed it out cannot be asked.
+    pub async fn settle(
+        &self,
+        caller: &Caller,
+        settlement: Settlement<'_>,
+        action: &Settle,
+    ) -> Result<Settled, GatewayError> {
+        if let Some(owners) = self.owners {
+            if let Some(owner) = owners.elsewhere(settlement.target.id) {
+                return owners.settle_at(&owner, caller, settlement, action).await;
+            }
+        }
+        self.may_settle(caller, settlement)?;
+        let target = settlement.target;
+        Ok(match action {
+            Settle::Ack => {
+                self.dispatcher.ack(target).await?;
+                Settled::Acked
+            }
+            Settle::Nack { delay } => Settled::Nacked(self.dispatcher.nack(target, *delay).await?),
+            Settle::Term { reason } => {
+                self.dispatcher.term(target, reason).await?;
+                Settled::Termed
+            }
+            Settle::Extend { by } => Settled::Extended(self.dispatcher.extend(target, *by).await?),
+        })
+    }
+
     /// Whether `caller` may settle `settlement`. A delivery popgate does not hold passes: the delivery core
     /// answers it (unknown, or already ACKed), and it reveals nothing of another group's.
     ///
@@ -55,15 +148,20 @@ impl Settling<'_> {
     /// ACKs a delivery.
     ///
     /// # Errors
-    /// As [`Settling::may_settle`]; [`GatewayError::Delivery`] when the delivery core refuses it.
+    /// As [`Settling::settle`].
     pub async fn ack(&self, caller: &Caller, settlement: Settlement<'_>) -> Result<(), GatewayError> {
-        self.may_settle(caller, settlement)?;
-        Ok(self.dispatcher.ack(settlement.target).await?)
+        self.settle(caller, settlement, &Settle::Ack).await.map(|_| ())
     }
 
     /// ACKs a batch: each settlement answered in order as [`Settling::ack`] would, the allowed ones in one
     /// store write and one broker request per broker.
+    /// Settlements of deliveries another instance handed out are asked of it, one by one.
     pub async fn ack_all(&self, caller: &Caller, settlements: &[Settlement<'_>]) -> Vec<Result<(), GatewayError>> {
+        let elsewhere = |s: &Settlement<'_>| self.owners.and_then(|owners| owners.elsewhere(s.target.id));
+        if settlements.iter().any(|s| elsewhere(s).is_some()) {
+            let acks = settlements.iter().map(|s| self.ack(caller, *s));
+            return futures::future::join_all(acks).await;
+        }
         let checked: Vec<Result<Target<'_>, GatewayError>> =
             settlements.iter().map(|s| self.may_settle(caller, *s).map(|()| s.target)).collect();
         let allowed: Vec<Target<'_>> = checked.iter().filter_map(|c| c.as_ref().ok().copied()).collect();
@@ -83,32 +181,40 @@ impl Settling<'_> {
     /// NACKs a delivery: the attempt is spent, the next comes after `delay` (or the backoff), or the DLQ.
     ///
     /// # Errors
-    /// As [`Settling::ack`].
+    /// As [`Settling::settle`].
     pub async fn nack(
         &self,
         caller: &Caller,
         settlement: Settlement<'_>,
         delay: Option<Duration>,
     ) -> Result<NackOutcome, GatewayError> {
-        self.may_settle(caller, settlement)?;
-        Ok(self.dispatcher.nack(settlement.target, delay).await?)
+        match self.settle(caller, settlement, &Settle::Nack { delay }).await? {
+            Settled::Nacked(outcome) => Ok(outcome),
+            other => Err(unexpected(&other)),
+        }
     }
 
     /// TERMs a delivery: straight to the DLQ with `reason`.
     ///
     /// # Errors
-    /// As [`Settling::ack`].
+    /// As [`Settling::settle`].
     pub async fn term(&self, caller: &Caller, settlement: Settlement<'_>, reason: &str) -> Result<(), GatewayError> {
-        self.may_settle(caller, settlement)?;
-        Ok(self.dispatcher.term(settlement.target, reason).await?)
+        self.settle(caller, settlement, &Settle::Term { reason: reason.to_owned() }).await.map(|_| ())
     }
 
     /// Gives a handed-out delivery a new deadline `by` from now; returns it (epoch ms).
     ///
     /// # Errors
-    /// As [`Settling::ack`].
+    /// As [`Settling::settle`].
     pub async fn extend(&self, caller: &Caller, settlement: Settlement<'_>, by: Duration) -> Result<i64, GatewayError> {
-        self.may_settle(caller, settlement)?;
-        Ok(self.dispatcher.extend(settlement.target, by).await?)
+        match self.settle(caller, settlement, &Settle::Extend { by }).await? {
+            Settled::Extended(deadline_ms) => Ok(deadline_ms),
+            other => Err(unexpected(&other)),
+        }
     }
+}
+
+/// A settlement answered with what another action does (a peer that answers out of turn).
+fn unexpected(settled: &Settled) -> GatewayError {
+    GatewayError::Unavailable(format!("the settlement was answered with {settled:?}"))
 }

@@ -51,6 +51,8 @@ pub struct Parts {
     pub transactions: Arc<Transactions>,
     /// The tokens.
     pub tokens: Arc<TokenTable>,
+    /// The tier's other instances, when this one is in a tier.
+    pub owners: Option<Arc<dyn crate::gateway::Owners>>,
 }
 
 /// Serves the gRPC front on `listener` until `shutdown` resolves.

@@ -46,6 +46,8 @@ const KEEP_ALIVE_EVERY: Duration = Duration::from_secs(5);
 pub struct Front {
     pub(super) publisher: Arc<Publisher>,
     pub(super) dispatcher: Arc<Dispatcher>,
+    /// The tier's other instances, when this one is in a tier: deliveries they handed out are settled there.
+    owners: Option<Arc<dyn crate::gateway::Owners>>,
     pub(super) transactions: Arc<Transactions>,
     pub(super) tokens: Arc<TokenTable>,
     pub(super) config: Arc<Config>,
@@ -150,7 +152,7 @@ impl Front {
     }
 
     pub(super) fn settling(&self) -> crate::gateway::Settling<'_> {
-        crate::gateway::Settling { dispatcher: &self.dispatcher }
+        crate::gateway::Settling { dispatcher: &self.dispatcher, owners: self.owners.as_ref() }
     }
 
     pub(super) fn new(
@@ -161,9 +163,21 @@ impl Front {
         let receives = OpenCalls::new("receives", config.grpc.max_receives_per_token);
         let streams = OpenCalls::new("Telemetry streams", config.grpc.max_streams_per_token);
         let clients = Mutex::new(Liveness::new(config.grpc.max_clients));
-        let super::Parts { publisher, dispatcher, transactions, tokens } = parts;
+        let super::Parts { publisher, dispatcher, transactions, tokens, owners } = parts;
         let producers = Producers::default();
-        Front { publisher, dispatcher, transactions, tokens, config, clients, stop_asked, receives, streams, producers }
+        Front {
+            publisher,
+            dispatcher,
+            owners,
+            transactions,
+            tokens,
+            config,
+            clients,
+            stop_asked,
+            receives,
+            streams,
+            producers,
+        }
     }
 
     /// Resolves once popgate is shutting down (at once when it already is).

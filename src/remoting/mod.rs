@@ -60,6 +60,8 @@ pub struct Parts {
     pub transactions: Arc<Transactions>,
     /// TLS for the clients that use it, on the same ports as plaintext.
     pub tls: Arc<rustls::ServerConfig>,
+    /// The tier's other instances, when this one is in a tier.
+    pub owners: Option<Arc<dyn crate::gateway::Owners>>,
 }
 
 /// Starts the remoting front: its brokers' own ports (for clients before 4.9.5) are bound again before this

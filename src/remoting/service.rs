@@ -31,6 +31,8 @@ pub(super) struct Front {
     pub publisher: Arc<Publisher>,
     pub broker: Arc<BrokerClient>,
     pub dispatcher: Arc<Dispatcher>,
+    /// The tier's other instances, when this one is in a tier: deliveries they handed out are settled there.
+    pub owners: Option<Arc<dyn crate::gateway::Owners>>,
     pub tokens: Arc<TokenTable>,
     pub transactions: Arc<Transactions>,
     pub config: Arc<Config>,
@@ -64,7 +66,7 @@ impl Front {
     }
 
     pub(super) fn settling(&self) -> crate::gateway::Settling<'_> {
-        crate::gateway::Settling { dispatcher: &self.dispatcher }
+        crate::gateway::Settling { dispatcher: &self.dispatcher, owners: self.owners.as_ref() }
     }
 
     pub fn new(parts: Parts, config: Arc<Config>, advertised: String, stopping: watch::Receiver<bool>) -> Front {
@@ -79,6 +81,7 @@ impl Front {
             publisher: parts.publisher,
             broker: parts.broker,
             dispatcher: parts.dispatcher,
+            owners: parts.owners,
             tokens: parts.tokens,
             transactions: parts.transactions,
             clients: Arc::new(Clients::new(expiry, config.remoting.max_clients)),

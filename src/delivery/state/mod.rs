@@ -156,6 +156,8 @@ pub(super) struct Deliveries {
     /// The next admission sequence number (see [`DeliveryRecord::seq`]).
     next_seq: AtomicU64,
     shutting_down: AtomicBool,
+    /// This instance's id, the start of every delivery id it mints (empty: ids name no instance).
+    instance: String,
 }
 
 // === construction, configuration, persistence ===
@@ -187,7 +189,14 @@ impl Deliveries {
             bells: Mutex::new(HashMap::new()),
             next_seq: AtomicU64::new(1),
             shutting_down: AtomicBool::new(false),
+            instance: String::new(),
         }
+    }
+
+    /// These deliveries' ids start with `instance`, so any instance of a tier can tell whose they are.
+    pub(super) fn with_instance(mut self, instance: &str) -> Deliveries {
+        self.instance = instance.to_owned();
+        self
     }
 
     pub(super) fn config(&self) -> &DeliveryConfig {
@@ -455,7 +464,7 @@ impl Deliveries {
                     Phase::Ready { due_ms: now }
                 };
                 DeliveryRecord {
-                    id: new_delivery_id().into(),
+                    id: new_delivery_id(&self.instance).into(),
                     group: sub.group.as_str().into(),
                     topic: sub.topic.as_str().into(),
                     event: p.event,
@@ -1629,10 +1638,22 @@ impl Drop for PutBackOnDrop<'_> {
 }
 
 /// A fresh 128-bit random delivery id (32 hex chars): unguessable and never reused across restarts.
-pub fn new_delivery_id() -> String {
+pub fn new_delivery_id(instance: &str) -> String {
     let mut bytes = [0u8; 16];
     rand::rng().fill_bytes(&mut bytes);
-    hex::encode(bytes)
+    if instance.is_empty() {
+        return hex::encode(bytes);
+    }
+    format!("{instance}{INSTANCE_SEPARATOR}{}", hex::encode(bytes))
+}
+
+/// Between the instance that minted a delivery id and the id's random part: a character no instance id and no
+/// hex digit has, and that every front carries as it is (URLs, gRPC and remoting handles).
+const INSTANCE_SEPARATOR: char = '~';
+
+/// The instance that minted delivery id `id`, when the id names one (ids of a popgate before tiers name none).
+pub fn instance_of(id: &str) -> Option<&str> {
+    id.split_once(INSTANCE_SEPARATOR).map(|(instance, _)| instance).filter(|instance| !instance.is_empty())
 }
 
 #[cfg(test)]

@@ -1,0 +1,296 @@
+//! popgate as a tier (issue #35): three instances behind a real round-robin load balancer (HAProxy, no
+//! stickiness), each with its own state directory, one peer link between them. A subscriber that polls and
+//! ACKs through the balancer reaches a different instance for its ACK than for its poll most of the time; the
+//! ACK must land anyway (asked of the instance that handed the delivery out), so nothing is redelivered or
+//! dead-lettered; another token's ACK is refused by that instance as it would refuse it itself.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use reqwest::Client;
+use serde_json::{json, Value};
+
+use popgate::grpc::proto::{self as pb, Code};
+
+use crate::grpc_raw::{connect, handle_of, receive_published_signed, receive_request, request, resource};
+use crate::harness::balancer::Balancer;
+use crate::harness::direct::Direct;
+use crate::harness::popgate::{status_and_json, Popgate};
+use crate::harness::{free_port, unique_topic};
+use crate::publish::shared_cluster;
+
+/// The app whose events the tier delivers, and another app that reaches for them.
+const APP: (&str, &str) = ("tier-app", "tier-app-secret-0123456789");
+const OTHER: (&str, &str) = ("tier-other", "tier-other-secret-0123456789");
+const SECRET: &str = "tier-secret-it-0123456789";
+const EVENTS: usize = 30;
+
+/// The config of instance `n` of a tier whose peer links listen on `peer_ports`, with `delivery` in its
+/// `[delivery]` section.
+fn instance_toml(n: usize, peer_ports: &[u16], delivery: &str) -> String {
+    let peers: Vec<String> = peer_ports.iter().map(|p| format!("\"127.0.0.1:{p}\"")).collect();
+    format!(
+        "{delivery}\n\
+         [tier]\ninstance_id = \"it-tier-{n}\"\nlisten = \"127.0.0.1:{port}\"\npeers = [{peers}]\nsecret = \"{SECRET}\"\n\n\
+         [auth]\nenabled = true\n\n\
+         [[auth.tokens]]\nname = \"{}\"\ntoken = \"{}\"\npublish = [\"tier_*\"]\nconsume = [\"tier_g*\"]\n\n\
+         [[auth.tokens]]\nname = \"{}\"\ntoken = \"{}\"\npublish = [\"other_*\"]\nconsume = [\"other_g*\"]\n",
+        APP.0,
+        APP.1,
+        OTHER.0,
+        OTHER.1,
+        port = peer_ports[n],
+        peers = peers.join(", "),
+    )
+}
+
+/// `method path` through `base` as `token`.
+async fn call(
+    client: &Client,
+    base: &str,
+    method: reqwest::Method,
+    path: &str,
+    token: &str,
+    body: Option<Value>,
+) -> (u16, Value) {
+    let mut request = client.request(method, format!("{base}{path}")).bearer_auth(token);
+    if let Some(body) = body {
+        request = request.json(&body);
+    }
+    status_and_json(request.send().await.expect("HTTP request")).await
+}
+
+/// Three instances of one tier, each with `delivery` in its `[delivery]` section.
+async fn start_tier(namesrv: &str, delivery: &str) -> [Popgate; 3] {
+    let peer_ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+    let configs: Vec<String> = (0..3).map(|n| instance_toml(n, &peer_ports, delivery)).collect();
+    let (a, b, c) = tokio::join!(
+        Popgate::start(namesrv, &configs[0]),
+        Popgate::start(namesrv, &configs[1]),
+        Popgate::start(namesrv, &configs[2]),
+    );
+    [a, b, c]
+}
+
+async fn forwarded(instances: &[Popgate], action: &str, result: &str) -> f64 {
+    let series = format!("popgate_tier_settlements_forwarded_total{{action=\"{action}\",result=\"{result}\"}}");
+    let mut sum = 0.0;
+    for instance in instances {
+        sum += instance.metric(&series).await;
+    }
+    sum
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscriber_settles_through_a_round_robin_balancer_whatever_instance_each_request_reaches() {
+    let cluster = shared_cluster();
+    let (topic, group) = (unique_topic("tier"), unique_topic("tier_g"));
+    let instances = start_tier(&cluster.namesrv_addr, "ack_timeout_ms = 5000").await;
+    let backends: Vec<String> = instances.iter().map(|p| p.base.trim_start_matches("http://").to_owned()).collect();
+    let balancer = Balancer::http(&backends).await;
+    let (base, client) = (balancer.base(), Client::new());
+
+    for n in 0..EVENTS {
+        let event = json!({"topic": topic, "data": format!("event-{n}")});
+        let (status, answer) = call(&client, &base, reqwest::Method::POST, "/events/publish", APP.1, Some(event)).await;
+        assert_eq!(status, 200, "{answer}");
+    }
+
+    // Poll and ACK through the balancer until every event is ACKed. Every ACK must land, whichever instance
+    // it reaches; the other token's ACK of each delivery first, refused by the instance that handed it out.
+    let poll = format!("/events/poll?group={group}&topic={topic}&max=8&waitMs=1000");
+    let mut acked: BTreeSet<String> = BTreeSet::new();
+    let mut owners: BTreeMap<String, usize> = BTreeMap::new();
+    let mut refusals = 0;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while acked.len() < EVENTS && Instant::now() < deadline {
+        let (status, polled) = call(&client, &base, reqwest::Method::GET, &poll, APP.1, None).await;
+        assert_eq!(status, 200, "{polled}");
+        for delivery in polled["deliveries"].as_array().cloned().unwrap_or_default() {
+            let id = delivery["deliveryId"].as_str().expect("an id").to_owned();
+            let data = delivery["event"]["data"].as_str().expect("data").to_owned();
+            assert_eq!(delivery["attempt"], 1, "nothing comes back: every ACK landed ({data})");
+            *owners.entry(id.split_once('~').expect("an instance").0.to_owned()).or_default() += 1;
+            let ack = json!({"deliveryId": id});
+            let (status, answer) =
+                call(&client, &base, reqwest::Method::POST, "/events/ack", OTHER.1, Some(ack.clone())).await;
+            assert_eq!((status, answer["error"]["field"].as_str()), (403, Some("deliveryId")), "{answer}");
+            refusals += 1;
+            let (status, answer) = call(&client, &base, reqwest::Method::POST, "/events/ack", APP.1, Some(ack)).await;
+            assert_eq!((status, &answer["status"]), (200, &json!("acked")), "{data}: {answer}");
+            assert!(acked.insert(data.clone()), "{data} delivered twice");
+        }
+    }
+    assert_eq!(acked.len(), EVENTS, "every event delivered and ACKed once");
+    println!("tier: deliveries by the instance that handed them out: {owners:?}");
+    assert!(owners.len() >= 2, "the balancer spread the polls over the instances: {owners:?}");
+
+    // Round robin: most ACKs reached another instance than the one that handed the delivery out, and were
+    // asked of it; the other token's were refused there.
+    let asked = forwarded(&instances, "ack", "ok").await;
+    let refused = forwarded(&instances, "ack", "refused").await;
+    println!("tier: ACKs asked of another instance: {asked} landed, {refused} refused (of {refusals} refusals)");
+    assert!(asked >= 1.0, "some ACK reached an instance that did not hand the delivery out");
+    assert!(refused >= 1.0, "some refusal came from the instance that handed the delivery out");
+    assert_eq!(forwarded(&instances, "ack", "unreachable").await, 0.0);
+
+    // Past every ACK timeout (5 s) and backoff: nothing comes back on any instance, nothing was dead-lettered.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    for _ in 0..instances.len() {
+        let (status, polled) = call(&client, &base, reqwest::Method::GET, &poll, APP.1, None).await;
+        assert_eq!((status, &polled["deliveries"]), (200, &json!([])), "nothing redelivered: {polled}");
+    }
+    let direct = Direct::connect(&cluster.namesrv_addr).await;
+    let dead = direct.try_read_all(&format!("%DLQ%{group}")).await.unwrap_or_default();
+    assert!(dead.is_empty(), "nothing dead-lettered: {} messages", dead.len());
+
+    a_grpc_handle_is_settled_on_another_instance_than_the_one_that_issued_it(&instances, &base).await;
+}
+
+/// A gRPC client whose connection moved to another instance (a pod restarted, the balancer rebalanced) goes on
+/// with the handles the first one issued: a new invisible duration on the second instance, the ACK on the
+/// third, both asked of the first.
+async fn a_grpc_handle_is_settled_on_another_instance_than_the_one_that_issued_it(instances: &[Popgate], base: &str) {
+    let (topic, group) = (unique_topic("tier_grpc"), unique_topic("tier_gg"));
+    let event = json!({"topic": topic, "data": "over grpc"});
+    let (status, answer) =
+        call(&Client::new(), base, reqwest::Method::POST, "/events/publish", APP.1, Some(event)).await;
+    assert_eq!(status, 200, "{answer}");
+    let mut first = connect(&instances[0]).await;
+    let (code, messages) =
+        receive_published_signed(&mut first, receive_request(&group, &topic, false), Some(APP)).await;
+    assert_eq!((code, messages.len()), (Code::Ok as i32, 1), "{messages:?}");
+    let handle = handle_of(&messages[0]);
+    assert!(handle.starts_with("pg2:it-tier-0~"), "the handle names the instance that issued it: {handle}");
+
+    let later = pb::ChangeInvisibleDurationRequest {
+        group: resource(&group),
+        topic: resource(&topic),
+        receipt_handle: handle,
+        invisible_duration: Some(prost_types::Duration { seconds: 60, nanos: 0 }),
+        message_id: messages[0].system_properties.as_ref().map(|p| p.message_id.clone()).unwrap_or_default(),
+        lite_topic: None,
+        suspend: None,
+    };
+    let mut second = connect(&instances[1]).await;
+    let answer = second.change_invisible_duration(request(later, Some(APP))).await.expect("call").into_inner();
+    assert_eq!(answer.status.as_ref().map(|s| s.code), Some(Code::Ok as i32), "{answer:?}");
+
+    let ack = pb::AckMessageRequest {
+        group: resource(&group),
+        topic: resource(&topic),
+        entries: vec![pb::AckMessageEntry {
+            message_id: String::new(),
+            receipt_handle: answer.receipt_handle.clone(),
+            lite_topic: None,
+        }],
+    };
+    let mut third = connect(&instances[2]).await;
+    let acked = third.ack_message(request(ack, Some(APP))).await.expect("call").into_inner();
+    assert_eq!(acked.entries[0].status.as_ref().map(|s| s.code), Some(Code::Ok as i32), "{acked:?}");
+    let extended =
+        instances.iter().map(|i| i.metric(r#"popgate_tier_settlements_served_total{action="extend",result="ok"}"#));
+    let served: f64 = futures::future::join_all(extended).await.into_iter().sum();
+    assert_eq!(served, 1.0, "the new invisible duration was asked of the instance that issued the handle");
+}
+
+/// Polls `group` on instance `instance` (straight, not through the balancer) until it has handed out `count`
+/// deliveries: those deliveries.
+async fn hand_out(instance: &Popgate, group: &str, topic: &str, count: usize) -> Vec<Value> {
+    let poll = format!("/events/poll?group={group}&topic={topic}&max=16&waitMs=1000");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut held = Vec::new();
+    while held.len() < count && Instant::now() < deadline {
+        let (status, polled) = call(&Client::new(), &instance.base, reqwest::Method::GET, &poll, APP.1, None).await;
+        assert_eq!(status, 200, "{polled}");
+        held.extend(polled["deliveries"].as_array().cloned().unwrap_or_default());
+    }
+    assert_eq!(held.len(), count, "{held:?}");
+    held
+}
+
+fn id_of(delivery: &Value) -> String {
+    delivery["deliveryId"].as_str().expect("an id").to_owned()
+}
+
+fn data_of(delivery: &Value) -> String {
+    delivery["event"]["data"].as_str().expect("data").to_owned()
+}
+
+async fn ack_at(instance: &Popgate, id: &str) -> (u16, Value) {
+    call(&Client::new(), &instance.base, reqwest::Method::POST, "/events/ack", APP.1, Some(json!({"deliveryId": id})))
+        .await
+}
+
+async fn assert_acked_at(instance: &Popgate, id: &str) {
+    let (status, answer) = ack_at(instance, id).await;
+    assert_eq!((status, &answer["status"]), (200, &json!("acked")), "{id}: {answer}");
+}
+
+/// One instance `kill -9`ed and restarted, one stopped for good with its state directory deleted. Each instance
+/// holds every event of its own consumer group (`tier_gk0`, `…1`, `…2`), handed out and not ACKed. An ACK of
+/// the killed instance's delivery fails while it is down (the client is told to try again, nothing changes)
+/// and lands once it is back; the lost instance's deliveries come back through the broker within their lease
+/// and are ACKed on the others. Nothing is lost; only the lost instance's deliveries are delivered twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_instance_settles_after_its_restart_and_a_lost_ones_deliveries_come_back_within_their_lease() {
+    const COUNT: usize = 6;
+    let cluster = shared_cluster();
+    let topic = unique_topic("tier_kill");
+    let groups: Vec<String> = (0..3).map(|n| unique_topic(&format!("tier_gk{n}"))).collect();
+    let mut instances = start_tier(&cluster.namesrv_addr, "ack_timeout_ms = 120000\nlease_ms = 8000").await;
+    for n in 0..COUNT {
+        let event = json!({"topic": topic, "data": format!("event-{n}")});
+        let (status, answer) =
+            call(&Client::new(), &instances[0].base, reqwest::Method::POST, "/events/publish", APP.1, Some(event))
+                .await;
+        assert_eq!(status, 200, "{answer}");
+    }
+    let mut held: Vec<Vec<Value>> = Vec::new();
+    for (instance, group) in instances.iter().zip(&groups) {
+        held.push(hand_out(instance, group, &topic, COUNT).await);
+    }
+
+    // Instance 1 is killed: an ACK of its delivery on instance 0 cannot be asked of it; the client is told to
+    // try again. After its restart (same state directory), the same ACK lands, and so do those of its other
+    // deliveries, from any instance.
+    let killed = id_of(&held[1][0]);
+    instances[1].kill9();
+    let (status, answer) = ack_at(&instances[0], &killed).await;
+    assert_eq!((status, answer["error"]["code"].as_str()), (503, Some("unavailable")), "{answer}");
+    assert!(forwarded(&instances[..1], "ack", "unreachable").await >= 1.0);
+    instances[1].restart().await;
+    assert_acked_at(&instances[0], &killed).await;
+    for delivery in &held[1][1..] {
+        assert_acked_at(&instances[2], &id_of(delivery)).await;
+    }
+    for delivery in &held[0] {
+        assert_acked_at(&instances[1], &id_of(delivery)).await;
+    }
+
+    // Instance 2 is lost for good, state directory and all: what it held comes back through the broker once its
+    // lease (8 s) runs out, and is handed out by another instance.
+    let [first, second, third] = instances;
+    let state_dir = third.state_dir.clone();
+    drop(third);
+    let _ = std::fs::remove_dir_all(&state_dir);
+    let gone_at = Instant::now();
+    let back = hand_out(&first, &groups[2], &topic, COUNT).await;
+    let took = gone_at.elapsed();
+    let lost: BTreeSet<String> = held[2].iter().map(data_of).collect();
+    assert_eq!(back.iter().map(data_of).collect::<BTreeSet<_>>(), lost, "every event it held came back");
+    for delivery in &back {
+        assert_eq!(delivery["attempt"], 2, "the broker's redelivery: {delivery}");
+        assert_acked_at(&second, &id_of(delivery)).await;
+    }
+    println!("tier: the lost instance's {COUNT} deliveries came back in {took:?} (lease 8 s); delivered twice: {COUNT}, lost: 0");
+    assert!(took < Duration::from_secs(40), "within the lease and a POP or two: {took:?}");
+
+    // Nothing else comes back on the survivors.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    for (instance, group) in [(&first, &groups[0]), (&second, &groups[1]), (&first, &groups[2])] {
+        let poll = format!("/events/poll?group={group}&topic={topic}&max=16&waitMs=1000");
+        let (_, polled) = call(&Client::new(), &instance.base, reqwest::Method::GET, &poll, APP.1, None).await;
+        assert_eq!(polled["deliveries"], json!([]), "{group}: {polled}");
+    }
+}

@@ -1,0 +1,281 @@
+//! popgate as a tier: several instances behind one load balancer, any of which settles any delivery.
+//!
+//! Each instance has an id ([`InstanceId`]) that starts every delivery id it mints, and so every handle of
+//! every front (`pg2:<delivery id>.<hand-out>`, `pgr:…`, an HTTP `deliveryId`). A settlement (ACK, NACK, TERM,
+//! a new deadline) that reaches an instance which did not hand the delivery out is asked of the one that did,
+//! over the peer link: popgate's own small gRPC service (`proto/popgate/peer/v1`), on its own port
+//! (`tier.listen`), each request signed with the tier's shared secret. The owner applies it as it would its own
+//! client's: the same caller's rights, stale holders fenced, the ACK intent stored before the broker ACK.
+//!
+//! Peers are the addresses of `tier.peers` and of `tier.peer_dns` (a Kubernetes headless Service), looked up
+//! every `tier.refresh_secs` and asked who they are; a settlement for an instance not known yet looks again
+//! at once (at most once a second).
+//!
+//! This module is a front (the peer link's server, [`server`]) and the gateway's way to the other instances
+//! ([`Tier`], the gateway's [`Owners`]).
+
+mod identity;
+mod proto;
+pub mod server;
+mod wire;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::future::BoxFuture;
+use hmac::{Hmac, Mac};
+use metrics::{counter, gauge};
+use parking_lot::Mutex;
+use tonic::transport::{Channel, Endpoint};
+
+pub use identity::{IdentityError, InstanceId};
+use proto::peer_client::PeerClient;
+
+use crate::auth::Caller;
+use crate::config::TierConfig;
+use crate::gateway::below::instance_of;
+use crate::gateway::{GatewayError, Owners, Settle, Settled, Settlement};
+use crate::metrics as m;
+
+/// The metadata entry that carries a peer request's signature: `<unix ms>:<hex HMAC-SHA256>`.
+const SIGNATURE_HEADER: &str = "x-popgate-peer-signature";
+/// How far a peer request's time may be from the answering instance's clock.
+const MAX_SKEW_MS: i64 = 30_000;
+/// The soonest the peers are looked up again for a settlement of an instance not known yet.
+const LOOKUP_AGAIN_AFTER: Duration = Duration::from_secs(1);
+
+/// This instance in its tier: its id, and the other instances' peer links.
+pub struct Tier {
+    instance: InstanceId,
+    secret: Vec<u8>,
+    config: TierConfig,
+    /// The other instances' peer links, by instance id.
+    peers: Mutex<HashMap<String, PeerClient<Channel>>>,
+    /// The channel of each peer address, kept across look-ups (a channel reconnects by itself).
+    channels: Mutex<HashMap<String, Channel>>,
+    /// When the peers were last looked up.
+    looked_up: tokio::sync::Mutex<Option<Instant>>,
+}
+
+impl Tier {
+    /// This instance (`instance`) in the tier `config` describes; nobody known yet ([`Tier::look_up`]).
+    pub fn new(config: &TierConfig, instance: InstanceId) -> Arc<Tier> {
+        Arc::new(Tier {
+            instance,
+            secret: config.secret.as_bytes().to_vec(),
+            config: config.clone(),
+            peers: Mutex::new(HashMap::new()),
+            channels: Mutex::new(HashMap::new()),
+            looked_up: tokio::sync::Mutex::new(None),
+        })
+    }
+
+    /// This instance's id.
+    pub fn instance(&self) -> &InstanceId {
+        &self.instance
+    }
+
+    fn timeout(&self) -> Duration {
+        Duration::from_millis(self.config.forward_timeout_ms)
+    }
+
+    /// Looks the peers up: every address of `tier.peers` and `tier.peer_dns`, each asked who it is. An
+    /// address that does not answer is left out until the next look-up.
+    pub async fn look_up(&self) {
+        let mut looked_up = self.looked_up.lock().await;
+        let addresses = self.addresses().await;
+        let asked = addresses.iter().map(|address| self.identify(address));
+        let answers = futures::future::join_all(asked).await;
+        let mut found = HashMap::new();
+        for (address, answer) in addresses.iter().zip(answers) {
+            match answer {
+                Ok((id, _)) if id == self.instance.as_str() => {}
+                Ok((id, client)) => {
+                    found.insert(id, client);
+                }
+                Err(why) => tracing::debug!(%address, %why, "A tier peer did not say who it is."),
+            }
+        }
+        gauge!(m::TIER_PEERS).set(found.len() as f64);
+        *self.peers.lock() = found;
+        *looked_up = Some(Instant::now());
+    }
+
+    /// Looks the peers up every `tier.refresh_secs`, for as long as the tier lives.
+    pub async fn keep_looking_up(tier: std::sync::Weak<Tier>) {
+        let every = match tier.upgrade() {
+            Some(tier) => Duration::from_secs(tier.config.refresh_secs),
+            None => return,
+        };
+        let mut tick = tokio::time::interval(every);
+        loop {
+            tick.tick().await;
+            let Some(tier) = tier.upgrade() else { return };
+            tier.look_up().await;
+        }
+    }
+
+    /// The peer addresses: the configured ones and those `tier.peer_dns` resolves to.
+    async fn addresses(&self) -> Vec<String> {
+        let mut addresses: Vec<String> = self.config.peers.clone();
+        if !self.config.peer_dns.is_empty() {
+            match tokio::net::lookup_host(self.config.peer_dns.as_str()).await {
+                Ok(resolved) => addresses.extend(resolved.map(|addr| addr.to_string())),
+                Err(why) => tracing::warn!(name = %self.config.peer_dns, %why, "tier.peer_dns did not resolve."),
+            }
+        }
+        addresses.sort();
+        addresses.dedup();
+        addresses
+    }
+
+    /// Who answers on `address`, and a client of it.
+    async fn identify(&self, address: &str) -> Result<(String, PeerClient<Channel>), String> {
+        let channel = self.channel(address)?;
+        let mut client = PeerClient::new(channel);
+        let mut request = tonic::Request::new(proto::IdentifyRequest {});
+        request.set_timeout(self.timeout());
+        sign_request(&mut request, &self.secret, "identify", "");
+        let reply = client.identify(request).await.map_err(|status| status.message().to_owned())?;
+        Ok((reply.into_inner().instance_id, client))
+    }
+
+    fn channel(&self, address: &str) -> Result<Channel, String> {
+        let mut channels = self.channels.lock();
+        if let Some(channel) = channels.get(address) {
+            return Ok(channel.clone());
+        }
+        let endpoint = Endpoint::from_shared(format!("http://{address}"))
+            .map_err(|e| format!("`{address}` is not an address: {e}"))?
+            .connect_timeout(self.timeout())
+            .tcp_nodelay(true);
+        let channel = endpoint.connect_lazy();
+        channels.insert(address.to_owned(), channel.clone());
+        Ok(channel)
+    }
+
+    /// The peer link of instance `owner`; looked up again once when it is not known (at most once a second).
+    async fn client_of(&self, owner: &str) -> Option<PeerClient<Channel>> {
+        if let Some(client) = self.peers.lock().get(owner) {
+            return Some(client.clone());
+        }
+        let stale = self.looked_up.lock().await.is_none_or(|at| at.elapsed() >= LOOKUP_AGAIN_AFTER);
+        if stale {
+            self.look_up().await;
+        }
+        self.peers.lock().get(owner).cloned()
+    }
+
+    async fn forward(
+        &self,
+        owner: &str,
+        caller: &Caller,
+        settlement: Settlement<'_>,
+        action: &Settle,
+    ) -> Result<Settled, GatewayError> {
+        let label = wire::action_label(action);
+        let unreachable = |why: String| {
+            counter!(m::TIER_FORWARDED, "action" => label, "result" => "unreachable").increment(1);
+            tracing::warn!(owner, delivery = settlement.target.id, %why, "A settlement could not be asked of the instance that handed the delivery out.");
+            GatewayError::Unavailable(format!(
+                "the delivery was handed out by instance `{owner}`, which cannot be reached now ({why}); try again"
+            ))
+        };
+        let Some(mut client) = self.client_of(owner).await else {
+            return Err(unreachable("it is not among the tier's peers".to_owned()));
+        };
+        let mut request = tonic::Request::new(wire::settle_request(caller, settlement, action));
+        request.set_timeout(self.timeout());
+        sign_request(&mut request, &self.secret, "settle", settlement.target.id);
+        let reply = client.settle(request).await.map_err(|status| unreachable(status.message().to_owned()))?;
+        let outcome = wire::outcome_of(reply.into_inner(), settlement.target.id);
+        let result = if outcome.is_ok() { "ok" } else { "refused" };
+        counter!(m::TIER_FORWARDED, "action" => label, "result" => result).increment(1);
+        outcome
+    }
+}
+
+impl Owners for Tier {
+    fn elsewhere(&self, id: &str) -> Option<String> {
+        instance_of(id).filter(|owner| *owner != self.instance.as_str()).map(str::to_owned)
+    }
+
+    fn settle_at<'a>(
+        &'a self,
+        owner: &'a str,
+        caller: &'a Caller,
+        settlement: Settlement<'a>,
+        action: &'a Settle,
+    ) -> BoxFuture<'a, Result<Settled, GatewayError>> {
+        Box::pin(self.forward(owner, caller, settlement, action))
+    }
+}
+
+/// The signature of a peer request `rpc` about `subject` (a delivery id) made at `at_ms`: the HMAC-SHA256 of
+/// the three, keyed by the tier's secret. Binding the delivery id keeps a captured request from settling
+/// another delivery; the time keeps it from being replayed later than [`MAX_SKEW_MS`].
+fn signature(secret: &[u8], at_ms: i64, rpc: &str, subject: &str) -> Option<Vec<u8>> {
+    let mut mac = Hmac::<sha2::Sha256>::new_from_slice(secret).ok()?;
+    mac.update(format!("{at_ms}\n{rpc}\n{subject}").as_bytes());
+    Some(mac.finalize().into_bytes().to_vec())
+}
+
+fn sign_request<T>(request: &mut tonic::Request<T>, secret: &[u8], rpc: &str, subject: &str) {
+    let at_ms = now_ms();
+    let Some(signature) = signature(secret, at_ms, rpc, subject) else { return };
+    if let Ok(value) = format!("{at_ms}:{}", hex::encode(signature)).parse() {
+        request.metadata_mut().insert(SIGNATURE_HEADER, value);
+    }
+}
+
+/// Whether `request` is signed with `secret` for `rpc` about `subject`, within [`MAX_SKEW_MS`] of now.
+fn signed_by_the_tier<T>(request: &tonic::Request<T>, secret: &[u8], rpc: &str, subject: &str) -> bool {
+    let Some(header) = request.metadata().get(SIGNATURE_HEADER).and_then(|v| v.to_str().ok()) else {
+        return false;
+    };
+    let Some((at, presented)) = header.split_once(':') else { return false };
+    let (Ok(at_ms), Ok(presented)) = (at.parse::<i64>(), hex::decode(presented)) else { return false };
+    if (now_ms() - at_ms).abs() > MAX_SKEW_MS {
+        return false;
+    }
+    let Ok(mut mac) = Hmac::<sha2::Sha256>::new_from_slice(secret) else { return false };
+    mac.update(format!("{at_ms}\n{rpc}\n{subject}").as_bytes());
+    mac.verify_slice(&presented).is_ok()
+}
+
+fn now_ms() -> i64 {
+    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_signature_holds_for_its_secret_rpc_delivery_and_time_only() {
+        let secret = b"tier-secret-0123456789";
+        let mut request = tonic::Request::new(());
+        sign_request(&mut request, secret, "settle", "popgate-0~ab");
+        assert!(signed_by_the_tier(&request, secret, "settle", "popgate-0~ab"));
+        assert!(!signed_by_the_tier(&request, b"another-secret-0123456", "settle", "popgate-0~ab"));
+        assert!(!signed_by_the_tier(&request, secret, "settle", "popgate-0~cd"), "another delivery");
+        assert!(!signed_by_the_tier(&request, secret, "identify", "popgate-0~ab"), "another call");
+        let old = now_ms() - 2 * MAX_SKEW_MS;
+        let stale = format!("{old}:{}", hex::encode(signature(secret, old, "settle", "x").expect("mac")));
+        let mut replayed = tonic::Request::new(());
+        replayed.metadata_mut().insert(SIGNATURE_HEADER, stale.parse().expect("ascii"));
+        assert!(!signed_by_the_tier(&replayed, secret, "settle", "x"), "too old");
+        assert!(!signed_by_the_tier(&tonic::Request::new(()), secret, "settle", "x"), "unsigned");
+    }
+
+    #[test]
+    fn a_delivery_is_elsewhere_when_another_instance_minted_its_id() {
+        let config = TierConfig { secret: "tier-secret-0123456789".into(), ..TierConfig::default() };
+        let tier = Tier::new(&config, InstanceId::parse("popgate-0").expect("id"));
+        assert_eq!(tier.elsewhere("popgate-1~0a1b"), Some("popgate-1".to_owned()));
+        assert_eq!(tier.elsewhere("popgate-0~0a1b"), None, "its own");
+        assert_eq!(tier.elsewhere("0a1b2c"), None, "an id of a popgate before tiers");
+    }
+}

@@ -1,0 +1,96 @@
+//! The peer link's server: another instance of the tier asks this one to settle a delivery this one handed
+//! out. The request must be signed with the tier's secret; the caller it names is looked up here (a token or a
+//! cluster user of the same name) and settles as it would on any front of this instance, through the
+//! gateway, with its rights checked here.
+
+use std::future::Future;
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use metrics::counter;
+use tokio::net::TcpListener;
+use tonic::{Request, Response, Status};
+
+use super::proto::peer_server::{Peer, PeerServer};
+use super::proto::{self as pb};
+use super::{signed_by_the_tier, wire, InstanceId};
+use crate::auth::{Caller, TokenTable};
+use crate::gateway::below::{DeliveryError, Dispatcher};
+use crate::gateway::{GatewayError, Settling};
+use crate::metrics as m;
+
+/// What the peer link's server needs.
+pub struct PeerService {
+    instance: InstanceId,
+    secret: Vec<u8>,
+    dispatcher: Arc<Dispatcher>,
+    tokens: Arc<TokenTable>,
+}
+
+impl PeerService {
+    /// The server of instance `instance`, which checks requests against `secret`.
+    pub fn new(instance: InstanceId, secret: &str, dispatcher: Arc<Dispatcher>, tokens: Arc<TokenTable>) -> Self {
+        PeerService { instance, secret: secret.as_bytes().to_vec(), dispatcher, tokens }
+    }
+
+    /// The caller another instance authenticated, as this instance knows it (its grants are this instance's).
+    fn caller_of(&self, request: &pb::SettleRequest) -> Option<Caller> {
+        let caller = self.tokens.caller_named(&request.caller)?;
+        Some(match request.source_ip.parse::<IpAddr>() {
+            Ok(ip) => caller.from_address(ip),
+            Err(_) => caller,
+        })
+    }
+}
+
+#[tonic::async_trait]
+impl Peer for PeerService {
+    async fn identify(&self, request: Request<pb::IdentifyRequest>) -> Result<Response<pb::IdentifyReply>, Status> {
+        if !signed_by_the_tier(&request, &self.secret, "identify", "") {
+            return Err(Status::unauthenticated("not signed with the tier's secret"));
+        }
+        Ok(Response::new(pb::IdentifyReply { instance_id: self.instance.to_string() }))
+    }
+
+    async fn settle(&self, request: Request<pb::SettleRequest>) -> Result<Response<pb::SettleReply>, Status> {
+        let subject = request.get_ref().delivery_id.clone();
+        let signed = signed_by_the_tier(&request, &self.secret, "settle", &subject);
+        let request = request.into_inner();
+        let Some((settlement, action)) = wire::asked(&request) else {
+            return Err(Status::invalid_argument("a settlement names its action"));
+        };
+        let label = wire::action_label(&action);
+        if !signed {
+            counter!(m::TIER_SERVED, "action" => label, "result" => "unauthenticated").increment(1);
+            return Err(Status::unauthenticated("not signed with the tier's secret"));
+        }
+        let outcome = match self.caller_of(&request) {
+            // Only what this instance handed out is settled here: no asking on (a loop between instances).
+            Some(caller) => {
+                let settling = Settling { dispatcher: &self.dispatcher, owners: None };
+                settling.settle(&caller, settlement, &action).await
+            }
+            // A caller this instance does not know (its config differs): nothing it may do here.
+            None => Err(GatewayError::Delivery(DeliveryError::Unknown)),
+        };
+        let result = if outcome.is_ok() { "ok" } else { "refused" };
+        counter!(m::TIER_SERVED, "action" => label, "result" => result).increment(1);
+        Ok(Response::new(wire::reply(outcome)))
+    }
+}
+
+/// Serves the peer link on `listener` until `shutdown` resolves.
+///
+/// # Errors
+/// When the server fails.
+pub async fn serve(
+    listener: TcpListener,
+    service: PeerService,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), tonic::transport::Error> {
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    tonic::transport::Server::builder()
+        .add_service(PeerServer::new(service))
+        .serve_with_incoming_shutdown(incoming, shutdown)
+        .await
+}

@@ -1,0 +1,198 @@
+//! The peer link's messages and the gateway's settlements and refusals, each way: one function per direction,
+//! so the forwarding instance's clients see the same refusal the owner's own clients would.
+
+use std::time::Duration;
+
+use super::proto::{self as pb, settle_reply::Outcome, settle_request::Action};
+use crate::auth::Caller;
+use crate::gateway::below::{DeliveryError, NackOutcome, Target};
+use crate::gateway::{GatewayError, Settle, Settled, Settlement};
+
+/// The action's label in the tier metrics.
+pub(super) fn action_label(action: &Settle) -> &'static str {
+    match action {
+        Settle::Ack => "ack",
+        Settle::Nack { .. } => "nack",
+        Settle::Term { .. } => "term",
+        Settle::Extend { .. } => "extend",
+    }
+}
+
+/// The request that asks the owner for `settlement`, as `caller` asked it.
+pub(super) fn settle_request(caller: &Caller, settlement: Settlement<'_>, action: &Settle) -> pb::SettleRequest {
+    let action = match action {
+        Settle::Ack => Action::Ack(pb::Ack {}),
+        Settle::Nack { delay } => Action::Nack(pb::Nack { delay_ms: delay.map(millis) }),
+        Settle::Term { reason } => Action::Term(pb::Term { reason: reason.clone() }),
+        Settle::Extend { by } => Action::Extend(pb::Extend { by_ms: millis(*by) }),
+    };
+    pb::SettleRequest {
+        caller: caller.name.clone(),
+        source_ip: caller.source_ip().map(|ip| ip.to_string()).unwrap_or_default(),
+        delivery_id: settlement.target.id.to_owned(),
+        hand_out: settlement.target.handout,
+        group: settlement.group.map(str::to_owned),
+        action: Some(action),
+    }
+}
+
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// What a request asks of the owner: its settlement and action; `None` without an action.
+pub(super) fn asked(request: &pb::SettleRequest) -> Option<(Settlement<'_>, Settle)> {
+    let action = match request.action.as_ref()? {
+        Action::Ack(_) => Settle::Ack,
+        Action::Nack(nack) => Settle::Nack { delay: nack.delay_ms.map(Duration::from_millis) },
+        Action::Term(term) => Settle::Term { reason: term.reason.clone() },
+        Action::Extend(extend) => Settle::Extend { by: Duration::from_millis(extend.by_ms) },
+    };
+    let target = Target { id: &request.delivery_id, handout: request.hand_out };
+    Some((Settlement { target, group: request.group.as_deref() }, action))
+}
+
+/// The owner's reply: what it did, or why it refused.
+pub(super) fn reply(outcome: Result<Settled, GatewayError>) -> pb::SettleReply {
+    let outcome = match outcome {
+        Ok(Settled::Acked) => Outcome::Acked(pb::Acked {}),
+        Ok(Settled::Nacked(NackOutcome::DeadLetter)) => {
+            Outcome::Nacked(pb::Nacked { dead_lettered: true, next_attempt: 0, due_ms: 0 })
+        }
+        Ok(Settled::Nacked(NackOutcome::Retry { attempt, due_ms })) => {
+            Outcome::Nacked(pb::Nacked { dead_lettered: false, next_attempt: attempt, due_ms })
+        }
+        Ok(Settled::Termed) => Outcome::Termed(pb::Termed {}),
+        Ok(Settled::Extended(deadline_ms)) => Outcome::Extended(pb::Extended { deadline_ms }),
+        Err(refused) => Outcome::Refused(refusal(&refused)),
+    };
+    pb::SettleReply { outcome: Some(outcome) }
+}
+
+fn refusal(refused: &GatewayError) -> pb::Refused {
+    let message = refused.to_string();
+    let named = |kind: &str, name: &str, name_is_group: bool| pb::Refused {
+        kind: kind.to_owned(),
+        message: message.clone(),
+        name: name.to_owned(),
+        name_is_group,
+        named: String::new(),
+    };
+    match refused {
+        GatewayError::MayNotConsume(group) => named("may_not_consume", group, true),
+        GatewayError::MayNotSettle { refusal, .. } => match refusal.as_ref() {
+            GatewayError::MayNotConsume(group) => named("may_not_settle", group, true),
+            GatewayError::MayNotRead(topic) => named("may_not_settle", topic, false),
+            _ => named("unavailable", "", false),
+        },
+        GatewayError::HandleOfAnotherGroup { owner, named: asked } => {
+            pb::Refused { named: asked.clone(), ..named("handle_of_another_group", owner, true) }
+        }
+        GatewayError::Delivery(DeliveryError::Store(_)) => named("unavailable", "", false),
+        GatewayError::Delivery(refusal) => named(refusal.code(), "", false),
+        _ => named("unavailable", "", false),
+    }
+}
+
+/// What the owner's reply means here, for delivery `id`.
+pub(super) fn outcome_of(reply: pb::SettleReply, id: &str) -> Result<Settled, GatewayError> {
+    match reply.outcome {
+        Some(Outcome::Acked(_)) => Ok(Settled::Acked),
+        Some(Outcome::Nacked(nacked)) if nacked.dead_lettered => Ok(Settled::Nacked(NackOutcome::DeadLetter)),
+        Some(Outcome::Nacked(nacked)) => {
+            Ok(Settled::Nacked(NackOutcome::Retry { attempt: nacked.next_attempt, due_ms: nacked.due_ms }))
+        }
+        Some(Outcome::Termed(_)) => Ok(Settled::Termed),
+        Some(Outcome::Extended(extended)) => Ok(Settled::Extended(extended.deadline_ms)),
+        Some(Outcome::Refused(refused)) => Err(refused_here(refused, id)),
+        None => Err(GatewayError::Unavailable("the instance that handed the delivery out answered nothing".into())),
+    }
+}
+
+fn refused_here(refused: pb::Refused, id: &str) -> GatewayError {
+    let pb::Refused { kind, message, name, name_is_group, named } = refused;
+    let delivery = |error: DeliveryError| GatewayError::Delivery(error);
+    match kind.as_str() {
+        "may_not_consume" => GatewayError::MayNotConsume(name),
+        "may_not_settle" => GatewayError::MayNotSettle {
+            delivery: id.to_owned(),
+            refusal: Box::new(if name_is_group {
+                GatewayError::MayNotConsume(name)
+            } else {
+                GatewayError::MayNotRead(name)
+            }),
+        },
+        "handle_of_another_group" => GatewayError::HandleOfAnotherGroup { owner: name, named },
+        "unknown" => delivery(DeliveryError::Unknown),
+        "stale" => delivery(DeliveryError::Stale),
+        "not_in_flight" => delivery(DeliveryError::NotInFlight),
+        "superseded" => delivery(DeliveryError::Superseded),
+        "busy" => delivery(DeliveryError::Busy),
+        _ => GatewayError::Unavailable(message),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every refusal the owner can answer comes out here as the same refusal, so the front maps it as its own.
+    #[test]
+    fn a_refusal_crosses_the_peer_link_unchanged() {
+        let id = "popgate-1~ab";
+        let refusals = || {
+            [
+                GatewayError::MayNotConsume("g".into()),
+                GatewayError::MayNotSettle {
+                    delivery: id.into(),
+                    refusal: Box::new(GatewayError::MayNotRead("t".into())),
+                },
+                GatewayError::MayNotSettle {
+                    delivery: id.into(),
+                    refusal: Box::new(GatewayError::MayNotConsume("g".into())),
+                },
+                GatewayError::HandleOfAnotherGroup { owner: "g".into(), named: "h".into() },
+                GatewayError::Delivery(DeliveryError::Unknown),
+                GatewayError::Delivery(DeliveryError::Stale),
+                GatewayError::Delivery(DeliveryError::NotInFlight),
+                GatewayError::Delivery(DeliveryError::Superseded),
+                GatewayError::Delivery(DeliveryError::Busy),
+            ]
+        };
+        for (refused, sent) in refusals().into_iter().zip(refusals()) {
+            let crossed = outcome_of(reply(Err(sent)), id).expect_err("refused");
+            assert_eq!(crossed.to_string(), refused.to_string());
+            assert_eq!(crossed.code(), refused.code());
+        }
+        let settled = [
+            Settled::Acked,
+            Settled::Termed,
+            Settled::Extended(17),
+            Settled::Nacked(NackOutcome::DeadLetter),
+            Settled::Nacked(NackOutcome::Retry { attempt: 3, due_ms: 99 }),
+        ];
+        for done in settled {
+            assert_eq!(outcome_of(reply(Ok(done.clone())), id).expect("settled"), done);
+        }
+    }
+
+    #[test]
+    fn a_request_carries_the_settlement_and_action_as_asked() {
+        let caller = Caller::of_test_token("app", "*", "*").from_address("10.1.2.3".parse().expect("ip"));
+        let settlement = Settlement { target: Target { id: "popgate-1~ab", handout: Some(4) }, group: Some("g") };
+        for action in [
+            Settle::Ack,
+            Settle::Nack { delay: Some(Duration::from_millis(1500)) },
+            Settle::Nack { delay: None },
+            Settle::Term { reason: "poison".into() },
+            Settle::Extend { by: Duration::from_secs(30) },
+        ] {
+            let request = settle_request(&caller, settlement, &action);
+            assert_eq!((request.caller.as_str(), request.source_ip.as_str()), ("app", "10.1.2.3"));
+            let (asked_settlement, asked_action) = asked(&request).expect("an action");
+            assert_eq!(asked_action, action);
+            assert_eq!(asked_settlement.target, settlement.target);
+            assert_eq!(asked_settlement.group, Some("g"));
+        }
+    }
+}
