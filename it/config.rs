@@ -1,6 +1,6 @@
 //! The real binary's configuration from its environment: in a Kubernetes pod, next to a Service named
 //! `popgate`, it starts and becomes ready, saying once which variables it ignored; a typo in a config key still
-//! stops it.
+//! stops it. The Kubernetes manifests shipped in `docker/k8s/` are valid, and so is the config they give a pod.
 
 use std::time::Duration;
 
@@ -40,4 +40,56 @@ async fn a_typo_in_a_config_key_from_the_environment_still_stops_popgate() {
     let (code, output) = Popgate::expect_exit_with_env(&cluster.namesrv_addr, "", &env).await;
     assert_eq!(code, Some(64), "{output}");
     assert!(output.contains("send_timeout_mz"), "the key is named: {output}");
+}
+
+/// The Kubernetes manifests (`docker/k8s/`) are valid for Kubernetes 1.30 (`kubernetes-validate`, from PyPI,
+/// installed by docker/setup.sh: `KUBERNETES_VALIDATE` names it), strictly (no unknown field), and the
+/// `popgate.toml` their ConfigMap carries loads, with the environment their StatefulSet gives each pod.
+#[test]
+fn the_kubernetes_manifests_validate_and_their_config_loads_as_a_pod_gets_it() {
+    let manifests = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docker/k8s");
+    let mut files: Vec<std::path::PathBuf> = std::fs::read_dir(&manifests)
+        .expect("docker/k8s")
+        .flatten()
+        .map(|entry| entry.path())
+        .filter(|path| path.extension().is_some_and(|e| e == "yaml"))
+        .collect();
+    files.sort();
+    assert!(files.len() >= 5, "the manifests: {files:?}");
+    let tool =
+        std::env::var("KUBERNETES_VALIDATE").expect("KUBERNETES_VALIDATE names kubernetes-validate (docker/setup.sh)");
+    let checked = std::process::Command::new(tool)
+        .args(["--strict", "--kubernetes-version", "1.30.0"])
+        .args(&files)
+        .output()
+        .expect("run kubernetes-validate");
+    let said = format!("{}{}", String::from_utf8_lossy(&checked.stdout), String::from_utf8_lossy(&checked.stderr));
+    assert!(checked.status.success(), "{said}");
+    assert_eq!(said.matches("passed").count(), 6, "each resource checked: {said}");
+
+    // The ConfigMap's popgate.toml, as the pod mounts it.
+    let configmap = std::fs::read_to_string(manifests.join("configmap.yaml")).expect("configmap.yaml");
+    let toml: String = configmap
+        .lines()
+        .skip_while(|line| line.trim() != "popgate.toml: |")
+        .skip(1)
+        .map(|line| line.strip_prefix("    ").unwrap_or(line.trim()))
+        .map(|line| format!("{line}\n"))
+        .collect();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("popgate.toml");
+    std::fs::write(&path, toml).expect("write");
+    let loaded = std::process::Command::new(env!("CARGO_BIN_EXE_popgate"))
+        .args(["check-config", "--config"])
+        .arg(&path)
+        .env("POPGATE_TIER__INSTANCE_ID", "popgate-0")
+        .env("POPGATE_TIER__PEER_DNS", "popgate-peers:8090")
+        .env("POPGATE_TIER__SECRET", "a-secret-from-the-popgate-tier-secret")
+        .output()
+        .expect("run popgate check-config");
+    let effective = String::from_utf8_lossy(&loaded.stdout);
+    assert!(loaded.status.success(), "{effective}{}", String::from_utf8_lossy(&loaded.stderr));
+    for line in ["instance_id = \"popgate-0\"", "listen = \"0.0.0.0:8090\"", "peer_dns = \"popgate-peers:8090\""] {
+        assert!(effective.contains(line), "{line} in {effective}");
+    }
 }
