@@ -16,8 +16,11 @@ use crate::grpc_raw::{connect, handle_of, receive_published_signed, receive_requ
 use crate::harness::balancer::Balancer;
 use crate::harness::direct::Direct;
 use crate::harness::popgate::{status_and_json, Popgate};
+use crate::harness::push::SseClient;
+use crate::harness::rocketmq::Cluster;
 use crate::harness::{free_port, unique_topic};
 use crate::publish::shared_cluster;
+use crate::transaction::{create_transaction_topic, stored_bodies};
 
 /// The app whose events the tier delivers, and another app that reaches for them.
 const APP: (&str, &str) = ("tier-app", "tier-app-secret-0123456789");
@@ -144,7 +147,27 @@ async fn a_subscriber_settles_through_a_round_robin_balancer_whatever_instance_e
     let dead = direct.try_read_all(&format!("%DLQ%{group}")).await.unwrap_or_default();
     assert!(dead.is_empty(), "nothing dead-lettered: {} messages", dead.len());
 
+    an_sse_subscribers_acks_land_whatever_instance_they_reach(&base, &topic).await;
     a_grpc_handle_is_settled_on_another_instance_than_the_one_that_issued_it(&instances, &base).await;
+    a_transaction_ends_on_another_instance_than_the_one_that_recorded_it(cluster, &instances).await;
+}
+
+/// An SSE stream opened through the balancer stays on one instance; its subscriber's ACKs, each a request of
+/// its own through the balancer, mostly reach the others, and land: every event once, nothing back.
+async fn an_sse_subscribers_acks_land_whatever_instance_they_reach(base: &str, topic: &str) {
+    let group = unique_topic("tier_gs");
+    let mut stream = SseClient::connect_as(base, &format!("group={group}&topic={topic}"), APP.1).await;
+    let client = Client::new();
+    let mut acked = BTreeSet::new();
+    while acked.len() < EVENTS {
+        let delivery = stream.next(Duration::from_secs(60)).await.expect("the next event over SSE");
+        assert_eq!(delivery["attempt"], 1, "nothing comes back: {delivery}");
+        let ack = json!({"deliveryId": delivery["deliveryId"]});
+        let (status, answer) = call(&client, base, reqwest::Method::POST, "/events/ack", APP.1, Some(ack)).await;
+        assert_eq!((status, &answer["status"]), (200, &json!("acked")), "{answer}");
+        assert!(acked.insert(delivery["event"]["data"].as_str().expect("data").to_owned()), "{delivery}");
+    }
+    assert!(stream.next(Duration::from_secs(7)).await.is_none(), "nothing redelivered past the ACK timeout");
 }
 
 /// A gRPC client whose connection moved to another instance (a pod restarted, the balancer rebalanced) goes on
@@ -192,6 +215,44 @@ async fn a_grpc_handle_is_settled_on_another_instance_than_the_one_that_issued_i
         instances.iter().map(|i| i.metric(r#"popgate_tier_settlements_served_total{action="extend",result="ok"}"#));
     let served: f64 = futures::future::join_all(extended).await.into_iter().sum();
     assert_eq!(served, 1.0, "the new invisible duration was asked of the instance that issued the handle");
+}
+
+/// A transaction whose half message one instance recorded is ended through another: asked of every peer, ended
+/// by the one that recorded it, with its checks (another token's commit is refused there). An id no instance
+/// knows is still unknown.
+async fn a_transaction_ends_on_another_instance_than_the_one_that_recorded_it(
+    cluster: &Cluster,
+    instances: &[Popgate],
+) {
+    let topic = unique_topic("tier_tx");
+    create_transaction_topic(cluster, &topic).await;
+    let client = Client::new();
+    let post = |instance: &Popgate, path: String, token: &'static str, body: Value| {
+        let (client, base) = (client.clone(), instance.base.clone());
+        async move { call(&client, &base, reqwest::Method::POST, &path, token, Some(body)).await }
+    };
+    let half = json!({"topic": topic, "data": "half", "transaction": true});
+    let (status, sent) = post(&instances[0], "/events/publish".into(), APP.1, half).await;
+    assert_eq!(status, 200, "{sent}");
+    let id = sent["transactionId"].as_str().expect("a transaction id").to_owned();
+    let commit = json!({"resolution": "commit"});
+
+    let path = format!("/events/transactions/{id}");
+    let (status, answer) = post(&instances[1], path.clone(), OTHER.1, commit.clone()).await;
+    assert_eq!(
+        (status, answer["error"]["field"].as_str()),
+        (403, Some("id")),
+        "refused where it is recorded: {answer}"
+    );
+    assert!(stored_bodies(cluster, &topic).await.is_empty(), "nothing committed");
+    let (status, answer) = post(&instances[2], path.clone(), APP.1, commit.clone()).await;
+    assert_eq!((status, &answer["state"], &answer["topic"]), (200, &json!("ended"), &json!(topic)), "{answer}");
+    let (status, shown) = call(&client, &instances[0].base, reqwest::Method::GET, &path, APP.1, None).await;
+    assert_eq!((status, &shown["state"]), (200, &json!("ended")), "ended at the instance that recorded it: {shown}");
+    assert_eq!(stored_bodies(cluster, &topic).await, vec!["half".to_owned()]);
+
+    let (status, answer) = post(&instances[1], "/events/transactions/no-such-id".into(), APP.1, commit).await;
+    assert_eq!(status, 404, "no instance knows it: {answer}");
 }
 
 /// Polls `group` on instance `instance` (straight, not through the balancer) until it has handed out `count`

@@ -21,7 +21,7 @@ use crate::publish::dedup::DedupWindow;
 use crate::publish::Publisher;
 use crate::reliability::ProfileMonitor;
 use crate::store::{StateStore, StoreError};
-use crate::tier::server::{serve as serve_peer_link, PeerService};
+use crate::tier::server::{serve as serve_peer_link, PeerParts, PeerService};
 use crate::tier::{InstanceId, Tier};
 use crate::transaction::Transactions;
 
@@ -150,7 +150,12 @@ pub async fn serve(
             let tier = Tier::new(&config.tier, instance.clone());
             tier.look_up().await;
             tokio::spawn(Tier::keep_looking_up(Arc::downgrade(&tier)));
-            let service = PeerService::new(instance, &config.tier.secret, dispatcher.clone(), tokens.clone());
+            let parts = PeerParts {
+                dispatcher: dispatcher.clone(),
+                transactions: transactions.clone(),
+                tokens: tokens.clone(),
+            };
+            let service = PeerService::new(instance, &config.tier.secret, parts);
             let server = spawn_front("peer link", serve_peer_link(listener, service, stop_asked(&stop_rx)));
             (Some(tier as Arc<dyn crate::gateway::Owners>), Some(server))
         }

@@ -26,8 +26,17 @@ pub struct SseClient {
 impl SseClient {
     /// Opens `GET {base}/events/stream?{query}`.
     pub async fn connect(base: &str, query: &str) -> SseClient {
-        let resp =
-            reqwest::Client::new().get(format!("{base}/events/stream?{query}")).send().await.expect("connect SSE");
+        SseClient::connect_with(reqwest::Client::new().get(format!("{base}/events/stream?{query}"))).await
+    }
+
+    /// [`SseClient::connect`] with `token` as the bearer token.
+    pub async fn connect_as(base: &str, query: &str, token: &str) -> SseClient {
+        let request = reqwest::Client::new().get(format!("{base}/events/stream?{query}")).bearer_auth(token);
+        SseClient::connect_with(request).await
+    }
+
+    async fn connect_with(request: reqwest::RequestBuilder) -> SseClient {
+        let resp = request.send().await.expect("connect SSE");
         assert_eq!(resp.status().as_u16(), 200, "SSE stream opens");
         SseClient { body: Box::pin(resp.bytes_stream()), buffer: String::new(), parsed: VecDeque::new() }
     }

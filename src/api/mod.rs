@@ -81,7 +81,7 @@ impl AppState {
 
     /// Ending transactions, through the gateway.
     pub fn ending(&self) -> crate::gateway::Ending<'_> {
-        crate::gateway::Ending { transactions: &self.transactions, front: "http" }
+        crate::gateway::Ending { transactions: &self.transactions, front: "http", owners: self.owners.as_ref() }
     }
 
     /// Settling deliveries, through the gateway.

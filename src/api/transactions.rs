@@ -29,7 +29,7 @@ use super::guard::read_body;
 use super::{ApiError, AppState};
 use crate::auth::Caller;
 use crate::gateway::below::{mark_half, Ended, RecordState, Resolution, TransactionError, TransactionRecord};
-use crate::gateway::{self, EndRequest, GatewayError};
+use crate::gateway::{self, EndOutcome, EndRequest, GatewayError};
 use crate::publish::limits::WithinLimits;
 use crate::publish::request::Transactional;
 use crate::publish::SendMode;
@@ -82,14 +82,24 @@ pub async fn end(
         "rollback" => Resolution::Rollback,
         _ => return Err(ApiError::invalid_field("resolution", "must be commit or rollback")),
     };
-    let record = known(&state, &caller, &id)?;
-    let topic = record.half.topic;
-    let end =
-        EndRequest { id: &id, topic: Some(&topic), resolution: Some(resolution), from_check: false, answer_by: None };
-    let (status, word) = match state.ending().end(&caller, end).await? {
-        Some(Ended::Landed) => (StatusCode::OK, "ended"),
-        // `None` (not decided) is not a resolution HTTP takes.
-        Some(Ended::Owed) | None => (StatusCode::ACCEPTED, "owed"),
+    let recorded_topic = match known(&state, &caller, &id) {
+        Ok(record) => Some(record.half.topic),
+        // Another instance of the tier may have recorded it: the gateway asks them.
+        Err(unknown) if unknown.status == StatusCode::NOT_FOUND && state.owners.is_some() => None,
+        Err(refused) => return Err(refused),
+    };
+    let topic = recorded_topic.as_deref();
+    let end = EndRequest { id: &id, topic, resolution: Some(resolution), from_check: false, answer_by: None };
+    let ended = state.ending().end(&caller, end).await.map_err(|refused| match refused {
+        // As for a transaction recorded here: the id is what the token may not end.
+        GatewayError::MayNotPublish(_) => ApiError::forbidden("id", format!("this token {refused}")),
+        other => ApiError::from(other),
+    })?;
+    let (status, word, topic) = match ended {
+        Some(EndOutcome { ended: Ended::Landed, topic }) => (StatusCode::OK, "ended", topic),
+        Some(EndOutcome { ended: Ended::Owed, topic }) => (StatusCode::ACCEPTED, "owed", topic),
+        // Not decided: not a resolution HTTP takes.
+        None => (StatusCode::ACCEPTED, "owed", recorded_topic.unwrap_or_default()),
     };
     let body = json!({"transactionId": id, "topic": topic, "resolution": resolution.as_str(), "state": word});
     Ok((status, Json(body)).into_response())

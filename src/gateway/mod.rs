@@ -28,7 +28,7 @@ use crate::transaction::TransactionError;
 pub use clients::ClientIds;
 pub use publish::{count_refused_publish, PublishRefused, PublishRequest, Publishing};
 pub use settle::{Owners, Settle, Settled, Settlement, Settling};
-pub use transaction::{EndRequest, Ending};
+pub use transaction::{EndOutcome, EndRequest, Ending};
 
 /// Why the gateway refused a request, the same whichever front it came in on.
 #[derive(Debug, thiserror::Error)]

@@ -67,6 +67,14 @@ pub trait Owners: Send + Sync {
         settlement: Settlement<'a>,
         action: &'a Settle,
     ) -> BoxFuture<'a, Result<Settled, GatewayError>>;
+
+    /// Asks the other instances to end a transaction this one has no record of, as `caller` asked: the answer
+    /// of the instance that recorded it, `None` when none did (or none could be asked).
+    fn end_elsewhere<'a>(
+        &'a self,
+        caller: &'a Caller,
+        request: super::EndRequest<'a>,
+    ) -> BoxFuture<'a, Option<Result<super::EndOutcome, GatewayError>>>;
 }
 
 /// One settlement a client asks for.

@@ -148,7 +148,7 @@ impl Front {
     }
 
     pub(super) fn ending(&self) -> crate::gateway::Ending<'_> {
-        crate::gateway::Ending { transactions: &self.transactions, front: "grpc" }
+        crate::gateway::Ending { transactions: &self.transactions, front: "grpc", owners: self.owners.as_ref() }
     }
 
     pub(super) fn settling(&self) -> crate::gateway::Settling<'_> {

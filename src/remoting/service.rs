@@ -62,7 +62,7 @@ impl Front {
     }
 
     pub(super) fn ending(&self) -> crate::gateway::Ending<'_> {
-        crate::gateway::Ending { transactions: &self.transactions, front: "remoting" }
+        crate::gateway::Ending { transactions: &self.transactions, front: "remoting", owners: self.owners.as_ref() }
     }
 
     pub(super) fn settling(&self) -> crate::gateway::Settling<'_> {

@@ -35,7 +35,7 @@ use proto::peer_client::PeerClient;
 use crate::auth::Caller;
 use crate::config::TierConfig;
 use crate::gateway::below::instance_of;
-use crate::gateway::{GatewayError, Owners, Settle, Settled, Settlement};
+use crate::gateway::{EndOutcome, EndRequest, GatewayError, Owners, Settle, Settled, Settlement};
 use crate::metrics as m;
 
 /// The metadata entry that carries a peer request's signature: `<unix ms>:<hex HMAC-SHA256>`.
@@ -196,6 +196,40 @@ impl Tier {
     }
 }
 
+impl Tier {
+    /// Asks every known peer to end the transaction; the answer of the one that recorded it.
+    async fn end_at_peers(&self, caller: &Caller, request: EndRequest<'_>) -> Option<Result<EndOutcome, GatewayError>> {
+        let peers: Vec<PeerClient<Channel>> = self.peers.lock().values().cloned().collect();
+        let asked = wire::end_request(caller, request)?;
+        let ends = peers.into_iter().map(|mut client| {
+            let mut call = tonic::Request::new(asked.clone());
+            call.set_timeout(self.timeout());
+            sign_request(&mut call, &self.secret, "end", request.id);
+            async move { client.end(call).await }
+        });
+        let mut unreachable = 0;
+        let mut found = None;
+        for answer in futures::future::join_all(ends).await {
+            match answer.map(|reply| wire::end_outcome_of(reply.into_inner(), request.id)) {
+                Ok(Some(outcome)) => found = Some(outcome),
+                Ok(None) => {}
+                Err(status) => {
+                    unreachable += 1;
+                    tracing::warn!(transaction = request.id, error = %status.message(), "A peer could not be asked to end a transaction.");
+                }
+            }
+        }
+        let result = match &found {
+            Some(Ok(_)) => "ok",
+            Some(Err(_)) => "refused",
+            None if unreachable > 0 => "unreachable",
+            None => return None,
+        };
+        counter!(m::TIER_FORWARDED, "action" => "end", "result" => result).increment(1);
+        found
+    }
+}
+
 impl Owners for Tier {
     fn elsewhere(&self, id: &str) -> Option<String> {
         instance_of(id).filter(|owner| *owner != self.instance.as_str()).map(str::to_owned)
@@ -209,6 +243,14 @@ impl Owners for Tier {
         action: &'a Settle,
     ) -> BoxFuture<'a, Result<Settled, GatewayError>> {
         Box::pin(self.forward(owner, caller, settlement, action))
+    }
+
+    fn end_elsewhere<'a>(
+        &'a self,
+        caller: &'a Caller,
+        request: EndRequest<'a>,
+    ) -> BoxFuture<'a, Option<Result<EndOutcome, GatewayError>>> {
+        Box::pin(self.end_at_peers(caller, request))
     }
 }
 

@@ -1,5 +1,5 @@
 //! The peer link's server: another instance of the tier asks this one to settle a delivery this one handed
-//! out. The request must be signed with the tier's secret; the caller it names is looked up here (a token or a
+//! out, or to end a transaction this one recorded. The request must be signed with the tier's secret; the caller it names is looked up here (a token or a
 //! cluster user of the same name) and settles as it would on any front of this instance, through the
 //! gateway, with its rights checked here.
 
@@ -15,8 +15,8 @@ use super::proto::peer_server::{Peer, PeerServer};
 use super::proto::{self as pb};
 use super::{signed_by_the_tier, wire, InstanceId};
 use crate::auth::{Caller, TokenTable};
-use crate::gateway::below::{DeliveryError, Dispatcher};
-use crate::gateway::{GatewayError, Settling};
+use crate::gateway::below::{DeliveryError, Dispatcher, Transactions};
+use crate::gateway::{Ending, GatewayError, Settling};
 use crate::metrics as m;
 
 /// What the peer link's server needs.
@@ -24,19 +24,32 @@ pub struct PeerService {
     instance: InstanceId,
     secret: Vec<u8>,
     dispatcher: Arc<Dispatcher>,
+    transactions: Arc<Transactions>,
     tokens: Arc<TokenTable>,
+}
+
+/// The parts of popgate the peer link's server settles and ends with.
+pub struct PeerParts {
+    /// The delivery core.
+    pub dispatcher: Arc<Dispatcher>,
+    /// Transactional messages' records.
+    pub transactions: Arc<Transactions>,
+    /// The tokens (and cluster users) callers are looked up in by name.
+    pub tokens: Arc<TokenTable>,
 }
 
 impl PeerService {
     /// The server of instance `instance`, which checks requests against `secret`.
-    pub fn new(instance: InstanceId, secret: &str, dispatcher: Arc<Dispatcher>, tokens: Arc<TokenTable>) -> Self {
-        PeerService { instance, secret: secret.as_bytes().to_vec(), dispatcher, tokens }
+    pub fn new(instance: InstanceId, secret: &str, parts: PeerParts) -> Self {
+        let PeerParts { dispatcher, transactions, tokens } = parts;
+        PeerService { instance, secret: secret.as_bytes().to_vec(), dispatcher, transactions, tokens }
     }
 
-    /// The caller another instance authenticated, as this instance knows it (its grants are this instance's).
-    fn caller_of(&self, request: &pb::SettleRequest) -> Option<Caller> {
-        let caller = self.tokens.caller_named(&request.caller)?;
-        Some(match request.source_ip.parse::<IpAddr>() {
+    /// The caller `name` another instance authenticated (its request came from `source_ip`), as this instance
+    /// knows it: its grants are this instance's.
+    fn caller_of(&self, name: &str, source_ip: &str) -> Option<Caller> {
+        let caller = self.tokens.caller_named(name)?;
+        Some(match source_ip.parse::<IpAddr>() {
             Ok(ip) => caller.from_address(ip),
             Err(_) => caller,
         })
@@ -64,7 +77,7 @@ impl Peer for PeerService {
             counter!(m::TIER_SERVED, "action" => label, "result" => "unauthenticated").increment(1);
             return Err(Status::unauthenticated("not signed with the tier's secret"));
         }
-        let outcome = match self.caller_of(&request) {
+        let outcome = match self.caller_of(&request.caller, &request.source_ip) {
             // Only what this instance handed out is settled here: no asking on (a loop between instances).
             Some(caller) => {
                 let settling = Settling { dispatcher: &self.dispatcher, owners: None };
@@ -76,6 +89,31 @@ impl Peer for PeerService {
         let result = if outcome.is_ok() { "ok" } else { "refused" };
         counter!(m::TIER_SERVED, "action" => label, "result" => result).increment(1);
         Ok(Response::new(wire::reply(outcome)))
+    }
+
+    async fn end(&self, request: Request<pb::EndRequest>) -> Result<Response<pb::EndReply>, Status> {
+        let subject = request.get_ref().transaction_id.clone();
+        if !signed_by_the_tier(&request, &self.secret, "end", &subject) {
+            counter!(m::TIER_SERVED, "action" => "end", "result" => "unauthenticated").increment(1);
+            return Err(Status::unauthenticated("not signed with the tier's secret"));
+        }
+        let request = request.into_inner();
+        let outcome = match self.caller_of(&request.caller, &request.source_ip) {
+            // Only what this instance recorded is ended here: no asking on.
+            Some(caller) => {
+                let ending = Ending { transactions: &self.transactions, front: "tier", owners: None };
+                ending.end(&caller, wire::asked_end(&request)).await
+            }
+            None => Ok(None),
+        };
+        let reply = wire::end_reply(outcome);
+        let result = match &reply.outcome {
+            Some(pb::end_reply::Outcome::Ended(_)) => "ok",
+            Some(pb::end_reply::Outcome::Refused(_)) => "refused",
+            _ => "not_here",
+        };
+        counter!(m::TIER_SERVED, "action" => "end", "result" => result).increment(1);
+        Ok(Response::new(reply))
     }
 }
 

@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use super::proto::{self as pb, settle_reply::Outcome, settle_request::Action};
 use crate::auth::Caller;
-use crate::gateway::below::{DeliveryError, NackOutcome, Target};
-use crate::gateway::{GatewayError, Settle, Settled, Settlement};
+use crate::gateway::below::{DeliveryError, Ended, NackOutcome, Resolution, Target, TransactionError};
+use crate::gateway::{EndOutcome, EndRequest, GatewayError, Settle, Settled, Settlement};
 
 /// The action's label in the tier metrics.
 pub(super) fn action_label(action: &Settle) -> &'static str {
@@ -132,6 +132,85 @@ fn refused_here(refused: pb::Refused, id: &str) -> GatewayError {
     }
 }
 
+/// The request that asks the other instances to end `request`'s transaction as `caller` asked; `None` for an
+/// undecided end (nothing to ask: nothing changes).
+pub(super) fn end_request(caller: &Caller, request: EndRequest<'_>) -> Option<pb::EndRequest> {
+    let resolution = request.resolution?;
+    let within = request.answer_by.map(|by| millis(by.saturating_duration_since(std::time::Instant::now())));
+    Some(pb::EndRequest {
+        caller: caller.name.clone(),
+        source_ip: caller.source_ip().map(|ip| ip.to_string()).unwrap_or_default(),
+        transaction_id: request.id.to_owned(),
+        topic: request.topic.map(str::to_owned),
+        commit: resolution == Resolution::Commit,
+        from_check: request.from_check,
+        answer_within_ms: within,
+    })
+}
+
+/// What an end request asks, as the owner's gateway takes it.
+pub(super) fn asked_end(request: &pb::EndRequest) -> EndRequest<'_> {
+    EndRequest {
+        id: &request.transaction_id,
+        topic: request.topic.as_deref(),
+        resolution: Some(if request.commit { Resolution::Commit } else { Resolution::Rollback }),
+        from_check: request.from_check,
+        answer_by: request.answer_within_ms.map(|ms| std::time::Instant::now() + Duration::from_millis(ms)),
+    }
+}
+
+/// The owner's reply to an end: not its transaction, ended, or refused.
+pub(super) fn end_reply(outcome: Result<Option<EndOutcome>, GatewayError>) -> pb::EndReply {
+    use pb::end_reply::Outcome;
+    let refused = |kind: &str, message: String, name: &str| {
+        Outcome::Refused(pb::EndRefused { kind: kind.to_owned(), message, name: name.to_owned() })
+    };
+    let outcome = match outcome {
+        Ok(Some(EndOutcome { ended, topic })) => Outcome::Ended(pb::Ended { landed: ended == Ended::Landed, topic }),
+        // An undecided end is never asked of another instance.
+        Ok(None) => Outcome::NotHere(pb::NotHere {}),
+        Err(GatewayError::Transaction(TransactionError::Unknown(_))) => Outcome::NotHere(pb::NotHere {}),
+        Err(error) => {
+            let message = error.to_string();
+            match &error {
+                GatewayError::MayNotPublish(topic) => refused("may_not_publish", message, topic),
+                GatewayError::Transaction(TransactionError::AlreadyEnded { ended, .. }) => {
+                    refused("already_ended", message, ended.as_str())
+                }
+                GatewayError::Transaction(TransactionError::Busy(_)) => refused("busy", message, ""),
+                GatewayError::Transaction(TransactionError::Refused { .. }) => refused("refused", message, ""),
+                _ => refused("unavailable", message, ""),
+            }
+        }
+    };
+    pb::EndReply { outcome: Some(outcome) }
+}
+
+/// What the owner's reply to an end means here: `None` when it is not that instance's transaction.
+pub(super) fn end_outcome_of(reply: pb::EndReply, id: &str) -> Option<Result<EndOutcome, GatewayError>> {
+    use pb::end_reply::Outcome;
+    let transaction = |error: TransactionError| GatewayError::Transaction(error);
+    Some(match reply.outcome? {
+        Outcome::NotHere(_) => return None,
+        Outcome::Ended(ended) => {
+            Ok(EndOutcome { ended: if ended.landed { Ended::Landed } else { Ended::Owed }, topic: ended.topic })
+        }
+        Outcome::Refused(refused) => Err(match refused.kind.as_str() {
+            "may_not_publish" => GatewayError::MayNotPublish(refused.name),
+            "already_ended" => transaction(TransactionError::AlreadyEnded {
+                id: id.to_owned(),
+                ended: if refused.name == Resolution::Commit.as_str() {
+                    Resolution::Commit
+                } else {
+                    Resolution::Rollback
+                },
+            }),
+            "busy" => transaction(TransactionError::Busy(id.to_owned())),
+            _ => GatewayError::Unavailable(refused.message),
+        }),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -174,6 +253,48 @@ mod tests {
         for done in settled {
             assert_eq!(outcome_of(reply(Ok(done.clone())), id).expect("settled"), done);
         }
+    }
+
+    #[test]
+    fn an_end_crosses_the_peer_link_as_the_owner_answered_it() {
+        let id = "C0A8";
+        let landed = EndOutcome { ended: Ended::Landed, topic: "t".into() };
+        assert_eq!(end_outcome_of(end_reply(Ok(Some(landed.clone()))), id).expect("its").expect("ended"), landed);
+        let owed = EndOutcome { ended: Ended::Owed, topic: "t".into() };
+        assert_eq!(end_outcome_of(end_reply(Ok(Some(owed.clone()))), id).expect("its").expect("owed"), owed);
+        let unknown = GatewayError::Transaction(TransactionError::Unknown(id.into()));
+        assert!(end_outcome_of(end_reply(Err(unknown)), id).is_none(), "not that instance's");
+        let refusals = || {
+            [
+                GatewayError::MayNotPublish("t".into()),
+                GatewayError::Transaction(TransactionError::AlreadyEnded {
+                    id: id.into(),
+                    ended: Resolution::Rollback,
+                }),
+                GatewayError::Transaction(TransactionError::AlreadyEnded { id: id.into(), ended: Resolution::Commit }),
+                GatewayError::Transaction(TransactionError::Busy(id.into())),
+            ]
+        };
+        for (refused, sent) in refusals().into_iter().zip(refusals()) {
+            let crossed = end_outcome_of(end_reply(Err(sent)), id).expect("its").expect_err("refused");
+            assert_eq!((crossed.to_string(), crossed.code()), (refused.to_string(), refused.code()));
+        }
+        let caller = Caller::of_test_token("app", "*", "*");
+        let asked = EndRequest {
+            id,
+            topic: Some("t"),
+            resolution: Some(Resolution::Rollback),
+            from_check: true,
+            answer_by: None,
+        };
+        let request = end_request(&caller, asked).expect("decided");
+        let back = asked_end(&request);
+        assert_eq!(
+            (back.id, back.topic, back.resolution, back.from_check),
+            (id, Some("t"), Some(Resolution::Rollback), true)
+        );
+        let undecided = EndRequest { resolution: None, ..asked };
+        assert!(end_request(&caller, undecided).is_none(), "nothing to ask");
     }
 
     #[test]
