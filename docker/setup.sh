@@ -35,7 +35,8 @@ export SCHEMATHESIS
 # kubernetes-validate (PyPI, with the Kubernetes JSON schemas inside) checks docker/k8s/ in it/config.rs.
 KUBERNETES_VALIDATE_VERSION=1.37.0
 KUBERNETES_VALIDATE="$HOME/.cache/popgate/venv/bin/kubernetes-validate"
-if ! "$HOME/.cache/popgate/venv/bin/pip" show kubernetes-validate 2>/dev/null | grep -q "^Version: $KUBERNETES_VALIDATE_VERSION$"; then
+# (grep without -q reads all of pip's output: with pipefail, an early exit would fail pip with SIGPIPE.)
+if ! "$HOME/.cache/popgate/venv/bin/pip" show kubernetes-validate 2>/dev/null | grep "^Version: $KUBERNETES_VALIDATE_VERSION$" >/dev/null; then
   echo "setup: installing kubernetes-validate $KUBERNETES_VALIDATE_VERSION" >&2
   "$HOME/.cache/popgate/venv/bin/pip" install -q "kubernetes-validate==$KUBERNETES_VALIDATE_VERSION" >&2
 fi

@@ -14,6 +14,7 @@
 //! `cargo bench --bench popgate-bench` runs the full measurement. `cargo test --all-targets` runs this binary
 //! without `--bench`: a smoke run of a few seconds that only checks every phase works and loses nothing.
 //!
+//! A tier's forwarded ACK against a local one (`tier.rs`, issue #35).
 //! Parameters (environment): `BENCH_SIZE` (bytes, 1024), `BENCH_PRODUCERS` (8), `BENCH_SUBSCRIBERS` (4),
 //! `BENCH_SECS` (per phase, 15), `BENCH_IN_FLIGHT` (100000), `BENCH_RECOVERY_RECORDS` (1000000).
 
@@ -24,6 +25,7 @@ mod harness;
 mod apache_proxy;
 mod churn;
 mod fan_in;
+mod tier;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -689,6 +691,7 @@ fn print_table(report: &Value) {
     println!("in flight: {}", report["inFlight"]);
     println!("recovery: {}", report["recovery"]);
     println!("fan-in: {}", report["fanIn"]);
+    println!("tier (ACK forwarded to the instance that handed the delivery out / ACK at it): {}", report["tier"]);
     apache_proxy::print_table(&report["againstApacheProxy"]);
     churn::print_table(&report["churn"]);
 }
@@ -738,6 +741,7 @@ fn main() {
             assert_eq!(recovered, Some(params.recovery_records as f64), "smoke: recovery");
         }
         churn::check_smoke(&report["churn"]);
+        tier::check_smoke(&report["tier"]);
         println!("popgate-bench: smoke run passed (run `cargo bench --bench popgate-bench` for figures)");
     }
 }
@@ -747,7 +751,7 @@ async fn bench(params: Params) -> Value {
     let namesrv = cluster.namesrv_addr.clone();
     let addrs = vec![format!("127.0.0.1:{}", cluster.broker("broker-a").port)];
     let admin = Direct::connect(&namesrv).await;
-    let topics: Vec<String> = (0..11).map(|i| unique_topic(&format!("bench{i}"))).collect();
+    let topics: Vec<String> = (0..12).map(|i| unique_topic(&format!("bench{i}"))).collect();
     for topic in &topics {
         admin.create_topic(topic, &addrs).await;
     }
@@ -765,6 +769,10 @@ async fn bench(params: Params) -> Value {
         drop((direct, admin, cluster));
         let sdk = against_apache_proxy(&params).await;
         return json!({"parameters": {"full": params.full}, "runs": [], "againstApacheProxy": sdk});
+    }
+    if only == "tier" {
+        let tier = tier::tier(&params, &namesrv, &topics[11]).await;
+        return json!({"parameters": {"full": params.full}, "runs": [], "tier": tier});
     }
     if only == "fanin" {
         let fan_in = fan_in::fan_in(&params, &namesrv, [&topics[7], &topics[8]]).await;
@@ -830,6 +838,8 @@ async fn bench(params: Params) -> Value {
     let fan_in = fan_in::fan_in(&params, &namesrv, [&topics[7], &topics[8]]).await;
     println!("fan-in: {fan_in}");
     let churn = churn::churn(&params, &namesrv, [&topics[9], &topics[10]], false).await;
+    let tier = tier::tier(&params, &namesrv, &topics[11]).await;
+    println!("tier: {tier}");
     // Its own brokers: stop these first so they take no CPU from it.
     drop((direct, admin, cluster));
     let sdk = against_apache_proxy(&params).await;
@@ -845,6 +855,7 @@ async fn bench(params: Params) -> Value {
         "recovery": recovered,
         "fanIn": fan_in,
         "churn": churn,
+        "tier": tier,
         "againstApacheProxy": sdk,
     })
 }
