@@ -34,7 +34,7 @@ use proto::peer_client::PeerClient;
 
 use crate::auth::Caller;
 use crate::config::TierConfig;
-use crate::gateway::below::instance_of;
+use crate::gateway::below::{instance_of, now_millis};
 use crate::gateway::{EndOutcome, EndRequest, GatewayError, Owners, Settle, Settled, Settlement};
 use crate::metrics as m;
 
@@ -99,6 +99,9 @@ impl Tier {
         }
         gauge!(m::TIER_PEERS).set(found.len() as f64);
         *self.peers.lock() = found;
+        // Only the addresses of this look-up keep a channel: a restarted pod comes back at a new address, and
+        // the old one's channel would otherwise stay for good.
+        self.channels.lock().retain(|address, _| addresses.binary_search(address).is_ok());
         *looked_up = Some(Instant::now());
     }
 
@@ -254,17 +257,21 @@ impl Owners for Tier {
     }
 }
 
-/// The signature of a peer request `rpc` about `subject` (a delivery id) made at `at_ms`: the HMAC-SHA256 of
-/// the three, keyed by the tier's secret. Binding the delivery id keeps a captured request from settling
-/// another delivery; the time keeps it from being replayed later than [`MAX_SKEW_MS`].
-fn signature(secret: &[u8], at_ms: i64, rpc: &str, subject: &str) -> Option<Vec<u8>> {
+/// The MAC of a peer request `rpc` about `subject` (a delivery or transaction id) made at `at_ms`: HMAC-SHA256
+/// of the three, keyed by the tier's secret. Binding the id keeps a captured request from acting on another
+/// delivery; the time keeps it from being replayed later than [`MAX_SKEW_MS`].
+fn mac_of(secret: &[u8], at_ms: i64, rpc: &str, subject: &str) -> Option<Hmac<sha2::Sha256>> {
     let mut mac = Hmac::<sha2::Sha256>::new_from_slice(secret).ok()?;
     mac.update(format!("{at_ms}\n{rpc}\n{subject}").as_bytes());
-    Some(mac.finalize().into_bytes().to_vec())
+    Some(mac)
+}
+
+fn signature(secret: &[u8], at_ms: i64, rpc: &str, subject: &str) -> Option<Vec<u8>> {
+    Some(mac_of(secret, at_ms, rpc, subject)?.finalize().into_bytes().to_vec())
 }
 
 fn sign_request<T>(request: &mut tonic::Request<T>, secret: &[u8], rpc: &str, subject: &str) {
-    let at_ms = now_ms();
+    let at_ms = now_millis();
     let Some(signature) = signature(secret, at_ms, rpc, subject) else { return };
     if let Ok(value) = format!("{at_ms}:{}", hex::encode(signature)).parse() {
         request.metadata_mut().insert(SIGNATURE_HEADER, value);
@@ -278,17 +285,10 @@ fn signed_by_the_tier<T>(request: &tonic::Request<T>, secret: &[u8], rpc: &str, 
     };
     let Some((at, presented)) = header.split_once(':') else { return false };
     let (Ok(at_ms), Ok(presented)) = (at.parse::<i64>(), hex::decode(presented)) else { return false };
-    if (now_ms() - at_ms).abs() > MAX_SKEW_MS {
+    if (now_millis() - at_ms).abs() > MAX_SKEW_MS {
         return false;
     }
-    let Ok(mut mac) = Hmac::<sha2::Sha256>::new_from_slice(secret) else { return false };
-    mac.update(format!("{at_ms}\n{rpc}\n{subject}").as_bytes());
-    mac.verify_slice(&presented).is_ok()
-}
-
-fn now_ms() -> i64 {
-    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-    i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
+    mac_of(secret, at_ms, rpc, subject).is_some_and(|mac| mac.verify_slice(&presented).is_ok())
 }
 
 #[cfg(test)]
@@ -304,7 +304,7 @@ mod tests {
         assert!(!signed_by_the_tier(&request, b"another-secret-0123456", "settle", "popgate-0~ab"));
         assert!(!signed_by_the_tier(&request, secret, "settle", "popgate-0~cd"), "another delivery");
         assert!(!signed_by_the_tier(&request, secret, "identify", "popgate-0~ab"), "another call");
-        let old = now_ms() - 2 * MAX_SKEW_MS;
+        let old = now_millis() - 2 * MAX_SKEW_MS;
         let stale = format!("{old}:{}", hex::encode(signature(secret, old, "settle", "x").expect("mac")));
         let mut replayed = tonic::Request::new(());
         replayed.metadata_mut().insert(SIGNATURE_HEADER, stale.parse().expect("ascii"));
