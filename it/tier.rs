@@ -31,10 +31,16 @@ const EVENTS: usize = 30;
 /// The config of instance `n` of a tier whose peer links listen on `peer_ports`, with `delivery` in its
 /// `[delivery]` section.
 fn instance_toml(n: usize, peer_ports: &[u16], delivery: &str) -> String {
+    peer_toml(n, peer_ports[n], peer_ports, delivery)
+}
+
+/// The config of instance `n`, its peer link on `port`, looking for peers on `peer_ports`.
+fn peer_toml(n: usize, port: u16, peer_ports: &[u16], delivery: &str) -> String {
     let peers: Vec<String> = peer_ports.iter().map(|p| format!("\"127.0.0.1:{p}\"")).collect();
     format!(
         "{delivery}\n\
-         [tier]\ninstance_id = \"it-tier-{n}\"\nlisten = \"127.0.0.1:{port}\"\npeers = [{peers}]\nsecret = \"{SECRET}\"\n\n\
+         [tier]\ninstance_id = \"it-tier-{n}\"\nlisten = \"127.0.0.1:{port}\"\npeers = [{peers}]\nsecret = \"{SECRET}\"\n\
+         refresh_secs = 1\n\n\
          [auth]\nenabled = true\n\n\
          [[auth.tokens]]\nname = \"{}\"\ntoken = \"{}\"\npublish = [\"tier_*\"]\nconsume = [\"tier_g*\"]\n\n\
          [[auth.tokens]]\nname = \"{}\"\ntoken = \"{}\"\npublish = [\"other_*\"]\nconsume = [\"other_g*\"]\n",
@@ -42,7 +48,6 @@ fn instance_toml(n: usize, peer_ports: &[u16], delivery: &str) -> String {
         APP.1,
         OTHER.0,
         OTHER.1,
-        port = peer_ports[n],
         peers = peers.join(", "),
     )
 }
@@ -288,18 +293,39 @@ async fn assert_acked_at(instance: &Popgate, id: &str) {
     assert_eq!((status, &answer["status"]), (200, &json!("acked")), "{id}: {answer}");
 }
 
-/// One instance `kill -9`ed and restarted, one stopped for good with its state directory deleted. Each instance
-/// holds every event of its own consumer group (`tier_gk0`, `…1`, `…2`), handed out and not ACKed. An ACK of
-/// the killed instance's delivery fails while it is down (the client is told to try again, nothing changes)
-/// and lands once it is back; the lost instance's deliveries come back through the broker within their lease
-/// and are ACKed on the others. Nothing is lost; only the lost instance's deliveries are delivered twice.
+const SETTLED_AT_BROKER: &str = "popgate_tier_settled_at_broker_total{action=\"ack\",result=\"ok\"}";
+const LEARNED: &str = "popgate_tier_acks_learned_total{result=\"acked\"}";
+
+/// Polls `group` on `instance` for `wait`: what it hands out (nothing, when everything was settled).
+async fn handed_out_within(instance: &Popgate, group: &str, topic: &str, wait: Duration) -> Vec<Value> {
+    let poll = format!("/events/poll?group={group}&topic={topic}&max=16&waitMs=1000");
+    let deadline = Instant::now() + wait;
+    let mut handed = Vec::new();
+    while Instant::now() < deadline {
+        let (status, polled) = call(&Client::new(), &instance.base, reqwest::Method::GET, &poll, APP.1, None).await;
+        assert_eq!(status, 200, "{polled}");
+        handed.extend(polled["deliveries"].as_array().cloned().unwrap_or_default());
+    }
+    handed
+}
+
+/// One instance stopped for good with its state directory deleted, one `kill -9`ed and restarted. Each
+/// instance holds every event of its own consumer group (`tier_gk0`, `…1`, `…2`), handed out and not ACKed.
+/// - The lost instance: one of its deliveries is ACKed on another instance, which cannot reach it and ACKs at
+///   the broker with the lease the delivery id carries; that event never comes back. The others come back
+///   through the broker within their lease and are ACKed on the survivors.
+/// - The killed instance: an ACK of its delivery while it is down is made at the broker the same way; after
+///   its restart (same state directory) it learns of it from the peer before it serves anyone, and does not
+///   hand it out again; its other deliveries' ACKs land on it from any instance.
+/// Nothing is lost; only the lost instance's unACKed deliveries are delivered twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_killed_instance_settles_after_its_restart_and_a_lost_ones_deliveries_come_back_within_their_lease() {
+async fn a_lost_instances_deliveries_come_back_within_their_lease_and_a_killed_one_learns_what_was_acked_meanwhile() {
     const COUNT: usize = 6;
     let cluster = shared_cluster();
     let topic = unique_topic("tier_kill");
     let groups: Vec<String> = (0..3).map(|n| unique_topic(&format!("tier_gk{n}"))).collect();
-    let mut instances = start_tier(&cluster.namesrv_addr, "ack_timeout_ms = 120000\nlease_ms = 8000").await;
+    // The lease is renewed with half of it left (6 s): the lost instance's ACK below is made well before.
+    let instances = start_tier(&cluster.namesrv_addr, "ack_timeout_ms = 120000\nlease_ms = 12000").await;
     for n in 0..COUNT {
         let event = json!({"topic": topic, "data": format!("event-{n}")});
         let (status, answer) =
@@ -307,51 +333,100 @@ async fn a_killed_instance_settles_after_its_restart_and_a_lost_ones_deliveries_
                 .await;
         assert_eq!(status, 200, "{answer}");
     }
-    let mut held: Vec<Vec<Value>> = Vec::new();
-    for (instance, group) in instances.iter().zip(&groups) {
-        held.push(hand_out(instance, group, &topic, COUNT).await);
+    // Instance 1 hands its group's events out only before it is killed, below: a sealed lease is good for a lease
+    // (12 s), and the lost instance's part takes longer.
+    let mut held: Vec<Vec<Value>> = vec![Vec::new(); 3];
+    for n in [0, 2] {
+        held[n] = hand_out(&instances[n], &groups[n], &topic, COUNT).await;
     }
 
-    // Instance 1 is killed: an ACK of its delivery on instance 0 cannot be asked of it; the client is told to
-    // try again. After its restart (same state directory), the same ACK lands, and so do those of its other
-    // deliveries, from any instance.
-    let killed = id_of(&held[1][0]);
-    instances[1].kill9();
-    let (status, answer) = ack_at(&instances[0], &killed).await;
-    assert_eq!((status, answer["error"]["code"].as_str()), (503, Some("unavailable")), "{answer}");
-    assert!(forwarded(&instances[..1], "ack", "unreachable").await >= 1.0);
-    instances[1].restart().await;
-    assert_acked_at(&instances[0], &killed).await;
-    for delivery in &held[1][1..] {
-        assert_acked_at(&instances[2], &id_of(delivery)).await;
-    }
-    for delivery in &held[0] {
-        assert_acked_at(&instances[1], &id_of(delivery)).await;
-    }
-
-    // Instance 2 is lost for good, state directory and all: what it held comes back through the broker once its
-    // lease (8 s) runs out, and is handed out by another instance.
-    let [first, second, third] = instances;
+    // Instance 2 is lost for good, state directory and all. One of its deliveries is ACKed on instance 0, at the
+    // broker; the rest come back through the broker once their lease (12 s) runs out, handed out by another
+    // instance.
+    let [first, mut second, third] = instances;
     let state_dir = third.state_dir.clone();
     drop(third);
     let _ = std::fs::remove_dir_all(&state_dir);
     let gone_at = Instant::now();
-    let back = hand_out(&first, &groups[2], &topic, COUNT).await;
+    let (acked_lost, rest) = held[2].split_first().expect("held");
+    assert_acked_at(&first, &id_of(acked_lost)).await;
+    assert_eq!(first.metric(SETTLED_AT_BROKER).await, 1.0, "ACKed at the broker without its owner");
+    let back = hand_out(&first, &groups[2], &topic, COUNT - 1).await;
     let took = gone_at.elapsed();
-    let lost: BTreeSet<String> = held[2].iter().map(data_of).collect();
-    assert_eq!(back.iter().map(data_of).collect::<BTreeSet<_>>(), lost, "every event it held came back");
+    let unacked: BTreeSet<String> = rest.iter().map(data_of).collect();
+    assert_eq!(
+        back.iter().map(data_of).collect::<BTreeSet<_>>(),
+        unacked,
+        "every event it held came back but the ACKed one"
+    );
     for delivery in &back {
         assert_eq!(delivery["attempt"], 2, "the broker's redelivery: {delivery}");
         assert_acked_at(&second, &id_of(delivery)).await;
     }
-    println!("tier: the lost instance's {COUNT} deliveries came back in {took:?} (lease 8 s); delivered twice: {COUNT}, lost: 0");
-    assert!(took < Duration::from_secs(40), "within the lease and a POP or two: {took:?}");
+    println!(
+        "tier: the lost instance's {} unACKed deliveries came back in {took:?} (lease 12 s); delivered twice: {}, \
+         lost: 0; its delivery ACKed at the broker by a peer: not back",
+        COUNT - 1,
+        COUNT - 1
+    );
+    assert!(took < Duration::from_secs(50), "within the lease and a POP or two: {took:?}");
 
-    // Nothing else comes back on the survivors.
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    for (instance, group) in [(&first, &groups[0]), (&second, &groups[1]), (&first, &groups[2])] {
-        let poll = format!("/events/poll?group={group}&topic={topic}&max=16&waitMs=1000");
-        let (_, polled) = call(&Client::new(), &instance.base, reqwest::Method::GET, &poll, APP.1, None).await;
-        assert_eq!(polled["deliveries"], json!([]), "{group}: {polled}");
+    // Instance 1 is killed: an ACK of its delivery on instance 0 is made at the broker. After its restart (same
+    // state directory) it has learned of it, and the ACKs of its other deliveries land from any instance.
+    held[1] = hand_out(&second, &groups[1], &topic, COUNT).await;
+    let killed = id_of(&held[1][0]);
+    second.kill9();
+    assert_acked_at(&first, &killed).await;
+    assert_eq!(first.metric(SETTLED_AT_BROKER).await, 2.0);
+    second.restart().await;
+    assert_eq!(second.metric(LEARNED).await, 1.0, "told by its peer when it looked it up at its start");
+    for delivery in &held[1][1..] {
+        assert_acked_at(&first, &id_of(delivery)).await;
     }
+    for delivery in &held[0] {
+        assert_acked_at(&second, &id_of(delivery)).await;
+    }
+
+    // Nothing else comes back on the survivors: the killed instance's delivery ACKed without it is not handed
+    // out again.
+    for (instance, group) in [(&first, &groups[0]), (&second, &groups[1]), (&first, &groups[2])] {
+        let again = handed_out_within(instance, group, &topic, Duration::from_secs(3)).await;
+        assert_eq!(again, Vec::<Value>::new(), "{group}");
+    }
+}
+
+/// Peers that cannot reach each other: instance 1's peer link cannot reach instance 0 (it knows a port nobody
+/// listens on), while instance 0 reaches instance 1. An ACK of instance 0's delivery on instance 1 is made at
+/// the broker and counted; instance 0, at its next look-up of its peers (every second here), learns of it and
+/// ACKs with its current lease: the event is not handed out again, not even once its ACK timeout and its lease
+/// have passed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ack_whose_owner_cannot_be_reached_is_made_at_the_broker_and_the_owner_learns_of_it() {
+    let cluster = shared_cluster();
+    let (topic, group) = (unique_topic("tier_cut"), unique_topic("tier_gcut"));
+    let (port_0, port_1, nobody) = (free_port(), free_port(), free_port());
+    let delivery = "ack_timeout_ms = 8000\nlease_ms = 4000";
+    let (owner_toml, other_toml) =
+        (peer_toml(0, port_0, &[port_1], delivery), peer_toml(1, port_1, &[nobody], delivery));
+    let (owner, other) = tokio::join!(
+        Popgate::start(&cluster.namesrv_addr, &owner_toml),
+        Popgate::start(&cluster.namesrv_addr, &other_toml),
+    );
+    let event = json!({"topic": topic, "data": "cut-off"});
+    let (status, answer) =
+        call(&Client::new(), &owner.base, reqwest::Method::POST, "/events/publish", APP.1, Some(event)).await;
+    assert_eq!(status, 200, "{answer}");
+    let held = hand_out(&owner, &group, &topic, 1).await;
+
+    assert_acked_at(&other, &id_of(&held[0])).await;
+    assert_eq!(other.metric(SETTLED_AT_BROKER).await, 1.0);
+    let learned_by = Instant::now() + Duration::from_secs(20);
+    while owner.metric(LEARNED).await < 1.0 && Instant::now() < learned_by {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(owner.metric(LEARNED).await, 1.0, "the owner learned of the ACK from its peer");
+    // Past the ACK timeout (8 s) and the lease (4 s): neither popgate nor the broker hands it out again.
+    let again = handed_out_within(&owner, &group, &topic, Duration::from_secs(10)).await;
+    assert_eq!(again, Vec::<Value>::new());
+    assert_eq!(forwarded(std::slice::from_ref(&other), "ack", "unreachable").await, 1.0);
 }

@@ -15,7 +15,7 @@ use crate::auth::TokenTable;
 use crate::broker::{BrokerClient, BrokerError};
 use crate::config::Config;
 use crate::delivery::webhook::TargetPolicy;
-use crate::delivery::{DeliveryError, Dispatcher};
+use crate::delivery::{DeliveryError, Dispatcher, Issuer, LeaseSeal};
 use crate::dlq::DlqAdmin;
 use crate::publish::dedup::DedupWindow;
 use crate::publish::Publisher;
@@ -120,7 +120,12 @@ pub async fn serve(
         config.delivery.clone(),
         webhook_targets,
         group_commit,
-        instance.as_str(),
+        Issuer {
+            instance: instance.as_str(),
+            // In a tier, each hand-out carries its broker lease sealed with the tier's secret: a peer ACKs it at
+            // the broker with it when this instance cannot be reached.
+            lease_seal: (!config.tier.listen.is_empty()).then(|| LeaseSeal::new(config.tier.secret.as_bytes())),
+        },
     )
     .await?;
     tracing::info!(?recovered, state_dir = %config.delivery.state_dir.display(), "Delivery state recovered.");
@@ -147,13 +152,14 @@ pub async fn serve(
     // for the others.
     let (owners, peer_server) = match peer_link {
         Some(listener) => {
-            let tier = Tier::new(&config.tier, instance.clone());
+            let tier = Tier::new(&config.tier, instance.clone(), Some(dispatcher.clone()));
             tier.look_up().await;
             tokio::spawn(Tier::keep_looking_up(Arc::downgrade(&tier)));
             let parts = PeerParts {
                 dispatcher: dispatcher.clone(),
                 transactions: transactions.clone(),
                 tokens: tokens.clone(),
+                untold: tier.untold(),
             };
             let service = PeerService::new(instance, &config.tier.secret, parts);
             let server = spawn_front("peer link", serve_peer_link(listener, service, stop_asked(&stop_rx)));

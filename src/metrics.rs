@@ -107,6 +107,14 @@ pub const TIER_FORWARDED: &str = "popgate_tier_settlements_forwarded_total";
 /// Counter (`action`, `result`): settlements another instance of the tier asked of this one (`result`: ok,
 /// refused, unauthenticated).
 pub const TIER_SERVED: &str = "popgate_tier_settlements_served_total";
+/// Counter (`action`, `result`): settlements of deliveries whose owner could not be reached, made at the
+/// broker with the lease the handle carries (`action`: ack, nack; `result`: ok, stale, busy).
+pub const TIER_SETTLED_AT_BROKER: &str = "popgate_tier_settled_at_broker_total";
+/// Counter (`result`): ACKs another instance made at the broker while this one could not be reached, learned
+/// from it afterwards (`result`: acked, or why the delivery could not take it: unknown, superseded, …).
+pub const TIER_ACKS_LEARNED: &str = "popgate_tier_acks_learned_total";
+/// Counter: such ACKs dropped before their owner learned of them (more were owed than a peer keeps).
+pub const TIER_ACKS_UNTOLD: &str = "popgate_tier_acks_untold_total";
 /// Gauge: the other instances of the tier this one knows an address of.
 pub const TIER_PEERS: &str = "popgate_tier_peers";
 /// Gauge: transaction resolutions the broker could not be given yet (retried until it has them).
@@ -332,6 +340,13 @@ fn register_zeroes() {
             metrics::counter!(TIER_SERVED, "action" => action, "result" => result).increment(0);
         }
     }
+    for action in ["ack", "nack"] {
+        for result in ["ok", "stale", "busy"] {
+            metrics::counter!(TIER_SETTLED_AT_BROKER, "action" => action, "result" => result).increment(0);
+        }
+    }
+    metrics::counter!(TIER_ACKS_LEARNED, "result" => "acked").increment(0);
+    metrics::counter!(TIER_ACKS_UNTOLD).increment(0);
     metrics::gauge!(TIER_PEERS).set(0.0);
     for front in ["http", "grpc", "remoting"] {
         for answer in ["commit", "rollback", "unknown", "failed"] {
@@ -405,6 +420,21 @@ fn describe_all() {
         TIER_SERVED,
         Unit::Count,
         "Settlements other instances of the tier asked of this one, by action and result."
+    );
+    describe_counter!(
+        TIER_SETTLED_AT_BROKER,
+        Unit::Count,
+        "Settlements of deliveries whose owner could not be reached, made at the broker, by action and result."
+    );
+    describe_counter!(
+        TIER_ACKS_LEARNED,
+        Unit::Count,
+        "ACKs a peer made at the broker while this instance could not be reached, learned afterwards, by result."
+    );
+    describe_counter!(
+        TIER_ACKS_UNTOLD,
+        Unit::Count,
+        "ACKs made at the broker for an unreachable owner, dropped before it learned of them (bound reached)."
     );
     describe_gauge!(TIER_PEERS, "Other instances of the tier this one knows an address of.");
     describe_gauge!(TRANSACTIONS_OWED, "Transaction resolutions owed to an unreachable broker (retried).");

@@ -33,9 +33,7 @@ use serde_json::{json, Value};
 use super::guard::{read_body, rejected, Budget};
 use super::{ApiError, AppState};
 use crate::auth::Caller;
-use crate::gateway::below::{
-    content, Dispatched, Event, FilterType, NackOutcome, Subscription, SubscriptionRequest, Target,
-};
+use crate::gateway::below::{content, Dispatched, Event, FilterType, NackOutcome, Subscription, SubscriptionRequest};
 use crate::gateway::{self, Settlement};
 
 /// Default long-poll wait when `waitMs` is absent.
@@ -129,9 +127,10 @@ pub fn number_param<T: std::str::FromStr>(
     }
 }
 
-/// The settlement of delivery `id`: an HTTP request names no group (the gateway checks the delivery's own).
+/// The settlement of delivery `id` (a `deliveryId` as popgate handed it out): an HTTP request names no group
+/// (the gateway checks the delivery's own).
 pub fn settlement(id: &str) -> Settlement<'_> {
-    Settlement { target: Target::from(id), group: None }
+    Settlement::of(id, None, None)
 }
 
 /// The wire form of a subscription: its admin id (`<group>:<topic>`), and the webhook secret redacted (it is
@@ -215,7 +214,7 @@ pub async fn poll(
 /// The wire form of one delivery (shared by every transport).
 pub fn delivery_json(delivery: &Dispatched) -> Value {
     json!({
-        "deliveryId": delivery.id,
+        "deliveryId": delivery.handle_id(),
         "attempt": delivery.attempt,
         "ackDeadline": delivery.ack_deadline_ms,
         "event": event_json(&delivery.event),

@@ -28,6 +28,7 @@
 pub mod dlq;
 mod gauges;
 mod group_order;
+mod lease;
 mod popper;
 pub mod record;
 pub mod recovery;
@@ -48,6 +49,7 @@ use tokio::task::JoinHandle;
 /// How an event's data is handed back over HTTP: the rule lives beside the message type, as the publish path
 /// writes the property it reads; the fronts reach it through here.
 pub use crate::broker::content;
+pub use lease::{split_lease, with_lease, Lease, LeaseSeal};
 pub use record::{Event, FilterType, Holder, Subscription};
 pub use state::{instance_of, new_delivery_id};
 pub use subscriber::Subscriber;
@@ -110,6 +112,14 @@ impl DeliveryError {
     }
 }
 
+/// Who issues this instance's delivery ids and handles.
+pub struct Issuer<'a> {
+    /// The instance id every delivery id starts with (empty: ids name no instance).
+    pub instance: &'a str,
+    /// In a tier, seals each hand-out's broker lease into its handles ([`LeaseSeal`]).
+    pub lease_seal: Option<LeaseSeal>,
+}
+
 /// One delivery handed to a subscriber.
 #[derive(Debug, Clone)]
 pub struct Dispatched {
@@ -124,6 +134,17 @@ pub struct Dispatched {
     pub ack_deadline_ms: i64,
     /// The event.
     pub event: Event,
+    /// Its broker lease at the hand-out, sealed, in a tier ([`LeaseSeal`]): a peer ACKs it at the broker with
+    /// this when this instance cannot be reached.
+    pub lease: Option<String>,
+}
+
+impl Dispatched {
+    /// The id a front hands its client: the delivery id, with the sealed lease after it in a tier
+    /// ([`with_lease`]); the front reads it back with [`split_lease`].
+    pub fn handle_id(&self) -> String {
+        with_lease(&self.id, self.lease.as_deref())
+    }
 }
 
 /// What a settlement is for: a delivery, and, from a front whose handles name it, the hand-out it settles.
@@ -296,10 +317,12 @@ impl Dispatcher {
         config: DeliveryConfig,
         webhook_targets: webhook::TargetPolicy,
         group_commit: Option<Duration>,
-        instance: &str,
+        issuer: Issuer<'_>,
     ) -> Result<(Arc<Dispatcher>, RecoveryReport), DeliveryError> {
         let group_order = group_order::GroupOrder::new(broker.clone(), config.follow_group_config);
-        let deliveries = Arc::new(Deliveries::new(store, broker, publisher, config).with_instance(instance));
+        let deliveries = Arc::new(
+            Deliveries::new(store, broker, publisher, config).with_instance(issuer.instance, issuer.lease_seal),
+        );
         let (report, poppers) = recovery::recover(&deliveries).await?;
         let dispatcher = Arc::new_cyclic(|me| Dispatcher {
             deliveries: deliveries.clone(),
@@ -647,6 +670,22 @@ impl Dispatcher {
     /// [`Dispatcher::ack_many`] for targets that may name their hand-out.
     pub async fn ack_targets(&self, targets: &[Target<'_>]) -> Vec<Result<(), DeliveryError>> {
         self.deliveries.ack_many(targets).await
+    }
+
+    /// The broker lease a handle's sealed `token` carries, when this tier sealed it for delivery `id`
+    /// ([`LeaseSeal`]).
+    pub fn open_lease(&self, id: &str, token: &str) -> Option<Lease> {
+        self.deliveries.open_lease(id, token)
+    }
+
+    /// ACKs at the broker a delivery another instance handed out, with the lease its handle carries: for when
+    /// that instance cannot be reached. Nothing is recorded here; the caller tells the owner.
+    ///
+    /// # Errors
+    /// [`DeliveryError::Stale`] for a lease that ran out; [`DeliveryError::Busy`] when the broker did not take
+    /// the ACK.
+    pub async fn ack_lease(&self, lease: &Lease) -> Result<(), DeliveryError> {
+        self.deliveries.ack_lease(lease).await
     }
 
     /// NACK: the attempt is spent; the next is scheduled after `delay` (or the backoff), or the DLQ.

@@ -178,7 +178,17 @@ mod tests {
     async fn start_offline(store: StateStore) -> (Arc<Dispatcher>, RecoveryReport) {
         let (broker, publisher, config) = offline_parts().await;
         let targets = crate::delivery::webhook::TargetPolicy::default();
-        Dispatcher::start(Arc::new(store), broker, publisher, config, targets, None, "").await.expect("start")
+        Dispatcher::start(
+            Arc::new(store),
+            broker,
+            publisher,
+            config,
+            targets,
+            None,
+            crate::delivery::Issuer { instance: "", lease_seal: None },
+        )
+        .await
+        .expect("start")
     }
 
     #[tokio::test]

@@ -12,10 +12,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
+use metrics::counter;
 
 use super::{may_consume, may_read, GatewayError};
 use crate::auth::Caller;
-use crate::delivery::{Dispatcher, NackOutcome, Target};
+use crate::delivery::{split_lease, DeliveryError, Dispatcher, NackOutcome, Target};
+use crate::metrics as m;
 
 /// What a settlement does to its delivery.
 #[derive(Debug, Clone, PartialEq)]
@@ -68,6 +70,10 @@ pub trait Owners: Send + Sync {
         action: &'a Settle,
     ) -> BoxFuture<'a, Result<Settled, GatewayError>>;
 
+    /// Delivery `target`, handed out by `owner`, was ACKed at the broker without it (it could not be reached):
+    /// to be told to it when it can be, so that it does not hand the message out again.
+    fn settled_without_owner(&self, owner: &str, target: Target<'_>);
+
     /// Asks the other instances to end a transaction this one has no record of, as `caller` asked: the answer
     /// of the instance that recorded it, `None` when none did (or none could be asked).
     fn end_elsewhere<'a>(
@@ -85,6 +91,21 @@ pub struct Settlement<'a> {
     /// The consumer group the request names (gRPC, remoting); `None` where a front's request names none (HTTP,
     /// whose delivery ids are enough).
     pub group: Option<&'a str>,
+    /// The delivery's broker lease at the hand-out, sealed, as a tier's handles carry it: what a peer ACKs at
+    /// the broker with when the owner cannot be reached.
+    pub lease: Option<&'a str>,
+}
+
+impl<'a> Settlement<'a> {
+    /// The settlement of `handle_id` (a delivery id as a front handed it out: [`Dispatched::handle_id`], the
+    /// sealed lease after the id in a tier), hand-out `handout` where the front's handles name it, as the group
+    /// the request names.
+    ///
+    /// [`Dispatched::handle_id`]: crate::delivery::Dispatched::handle_id
+    pub fn of(handle_id: &'a str, handout: Option<u32>, group: Option<&'a str>) -> Settlement<'a> {
+        let (id, lease) = split_lease(handle_id);
+        Settlement { target: Target { id, handout }, group, lease }
+    }
 }
 
 /// What settling needs from the rest of popgate.
@@ -110,7 +131,12 @@ impl Settling<'_> {
     ) -> Result<Settled, GatewayError> {
         if let Some(owners) = self.owners {
             if let Some(owner) = owners.elsewhere(settlement.target.id) {
-                return owners.settle_at(&owner, caller, settlement, action).await;
+                return match owners.settle_at(&owner, caller, settlement, action).await {
+                    Err(GatewayError::Unavailable(why)) => {
+                        self.settle_without_owner(owners, &owner, caller, settlement, action, why).await
+                    }
+                    answered => answered,
+                };
             }
         }
         self.may_settle(caller, settlement)?;
@@ -127,6 +153,87 @@ impl Settling<'_> {
             }
             Settle::Extend { by } => Settled::Extended(self.dispatcher.extend(target, *by).await?),
         })
+    }
+
+    /// Settles a delivery whose owner cannot be reached (`unreachable` says why), with the broker lease its
+    /// handle carries: an ACK is made at the broker and the owner told when it can be (so, back, it does not
+    /// hand the message out again); a NACK is left to the broker, whose lease runs out and redelivers it. The
+    /// caller's rights are checked on the lease's group and topic, as the owner would check them. What needs
+    /// the owner's record (a TERM, a new deadline, any settlement without a lease) is refused as unavailable.
+    ///
+    /// What weakens here: the owner fences stale holders, and without it an ACK of a hand-out that has since
+    /// been superseded cannot be told from the current one's; and the lease is the one at the hand-out, which
+    /// the owner's renewal (with half of it left) replaces, after which the broker ACK changes nothing and only
+    /// the owner's own ACK, once it learns of it, settles the message.
+    async fn settle_without_owner(
+        &self,
+        owners: &Arc<dyn Owners>,
+        owner: &str,
+        caller: &Caller,
+        settlement: Settlement<'_>,
+        action: &Settle,
+        unreachable: String,
+    ) -> Result<Settled, GatewayError> {
+        let unavailable = || GatewayError::Unavailable(unreachable.clone());
+        let label = match action {
+            Settle::Ack => "ack",
+            Settle::Nack { .. } => "nack",
+            _ => return Err(unavailable()),
+        };
+        let Some(lease) = settlement.lease.and_then(|token| self.dispatcher.open_lease(settlement.target.id, token))
+        else {
+            return Err(unavailable());
+        };
+        if let Some(named) = settlement.group {
+            may_consume(caller, named)?;
+            if named != lease.group {
+                return Err(GatewayError::HandleOfAnotherGroup { owner: lease.group, named: named.to_owned() });
+            }
+        }
+        may_read(caller, &lease.group, &lease.topic).map_err(|refusal| GatewayError::MayNotSettle {
+            delivery: settlement.target.id.to_owned(),
+            refusal: Box::new(refusal),
+        })?;
+        let outcome = match action {
+            Settle::Ack => self.dispatcher.ack_lease(&lease).await.map(|()| Settled::Acked),
+            // The broker's lease redelivers it; nothing is owed before that.
+            _ => Ok(Settled::Nacked(NackOutcome::Retry {
+                attempt: settlement.target.handout.unwrap_or(0).saturating_add(1),
+                due_ms: lease.handle.lease_deadline_ms(),
+            })),
+        };
+        let result = match &outcome {
+            Ok(_) => "ok",
+            Err(error) => error.code(),
+        };
+        counter!(m::TIER_SETTLED_AT_BROKER, "action" => label, "result" => result).increment(1);
+        if outcome.is_ok() {
+            tracing::warn!(
+                owner,
+                delivery = settlement.target.id,
+                action = label,
+                "Settled at the broker without the instance that handed the delivery out (it cannot be reached)."
+            );
+            if let Settle::Ack = action {
+                owners.settled_without_owner(owner, settlement.target);
+            }
+        }
+        outcome.map_err(|error: DeliveryError| error.into())
+    }
+
+    /// A peer ACKed this instance's delivery `target` at the broker while this one could not be reached (see
+    /// [`Settling::settle`]): the ACK is applied here as a client's would be (the intent stored, then the
+    /// broker ACK with the current lease, which the peer's may not have been), so the message is not handed out
+    /// again. The caller's rights were checked by the peer, on the lease this instance sealed.
+    pub async fn acked_by_a_peer(&self, target: Target<'_>) {
+        let result = match self.dispatcher.ack(target).await {
+            Ok(()) => "acked",
+            Err(refused) => {
+                tracing::info!(delivery = target.id, %refused, "An ACK a peer made at the broker without this instance did not apply here.");
+                refused.code()
+            }
+        };
+        counter!(m::TIER_ACKS_LEARNED, "result" => result).increment(1);
     }
 
     /// Whether `caller` may settle `settlement`. A delivery popgate does not hold passes: the delivery core

@@ -24,9 +24,7 @@ use super::settings::duration;
 use super::status::{delivery_status, ok, overall, refused, status};
 use super::{deadline, names};
 use crate::auth::Caller;
-use crate::gateway::below::{
-    Dispatched, FilterType, HandOut, Holder, Subscription, Target, MAX_POLL_BATCH, MAX_POLL_WAIT,
-};
+use crate::gateway::below::{Dispatched, FilterType, HandOut, Holder, Subscription, MAX_POLL_BATCH, MAX_POLL_WAIT};
 use crate::gateway::{self, Settlement};
 use crate::metrics as m;
 
@@ -43,19 +41,20 @@ pub(super) const AUTO_RENEW_HOLD: Duration = Duration::from_secs(30);
 /// the message back through the retry policy.
 pub(super) const AUTO_RENEW_MAX: Duration = Duration::from_secs(3 * 3600);
 
-/// popgate's receipt handle for one hand-out of a delivery.
-pub(super) fn receipt_handle(delivery_id: &str, handout: u32) -> String {
-    format!("{HANDLE_PREFIX}{delivery_id}.{handout}")
+/// popgate's receipt handle for one hand-out of a delivery (`handle_id`: its id as handed out,
+/// [`gateway::below::Dispatched::handle_id`]).
+pub(super) fn receipt_handle(handle_id: &str, handout: u32) -> String {
+    format!("{HANDLE_PREFIX}{handle_id}.{handout}")
 }
 
-/// The delivery (and hand-out) a receipt handle popgate issued names.
-fn target_of(handle: &str) -> Option<Target<'_>> {
+/// The delivery id as handed out (and the hand-out) a receipt handle popgate issued names.
+fn parts_of(handle: &str) -> Option<(&str, Option<u32>)> {
     if let Some(id) = handle.strip_prefix(UNCOUNTED_HANDLE_PREFIX) {
-        return (!id.is_empty()).then_some(Target { id, handout: None });
+        return (!id.is_empty()).then_some((id, None));
     }
     let (id, handout) = handle.strip_prefix(HANDLE_PREFIX)?.rsplit_once('.')?;
     let handout = handout.parse().ok()?;
-    (!id.is_empty()).then_some(Target { id, handout: Some(handout) })
+    (!id.is_empty()).then_some((id, Some(handout)))
 }
 
 /// The group, checked against the caller's consume scope.
@@ -311,7 +310,7 @@ fn content(content: Content) -> pb::ReceiveMessageResponse {
 fn to_message(delivery: &Dispatched, namespace: &str) -> pb::Message {
     let remaining = delivery.ack_deadline_ms - now_ms();
     let hand_out = HandOutFacts {
-        receipt_handle: receipt_handle(&delivery.id, delivery.handout),
+        receipt_handle: receipt_handle(&delivery.handle_id(), delivery.handout),
         invisible: Duration::from_millis(u64::try_from(remaining).unwrap_or(0)),
         attempt: delivery.attempt,
     };
@@ -393,9 +392,9 @@ fn delivery_timestamp(event: &crate::gateway::below::Event) -> Option<i64> {
 /// What a handle settles, as the request's group: a handle popgate did not issue is `INVALID_RECEIPT_HANDLE`;
 /// the gateway checks the rest (the delivery's group and topic).
 fn settlement_of<'h>(group: &'h str, handle: &'h str) -> Result<Settlement<'h>, pb::Status> {
-    let target =
-        target_of(handle).ok_or_else(|| status(Code::InvalidReceiptHandle, "not a receipt handle popgate issued"))?;
-    Ok(Settlement { target, group: Some(group) })
+    let (id, handout) =
+        parts_of(handle).ok_or_else(|| status(Code::InvalidReceiptHandle, "not a receipt handle popgate issued"))?;
+    Ok(Settlement::of(id, handout, Some(group)))
 }
 
 /// The answer of one settlement.
@@ -527,13 +526,18 @@ fn timestamp(epoch_ms: i64) -> prost_types::Timestamp {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::gateway::below::Target;
 
     #[test]
     fn handles_round_trip_and_foreign_ones_are_refused() {
-        assert_eq!(target_of(&receipt_handle("abc", 3)), Some(Target { id: "abc", handout: Some(3) }));
-        assert_eq!(target_of("pg1:abc"), Some(Target { id: "abc", handout: None }), "issued by older popgate");
+        assert_eq!(parts_of(&receipt_handle("abc", 3)), Some(("abc", Some(3))));
+        assert_eq!(parts_of("pg1:abc"), Some(("abc", None)), "issued by older popgate");
+        let sealed = receipt_handle("popgate-0~abc!c2VhbGVk.bWFj", 2);
+        let settlement = settlement_of("g", &sealed).expect("popgate's");
+        assert_eq!(settlement.target, Target { id: "popgate-0~abc", handout: Some(2) });
+        assert_eq!(settlement.lease, Some("c2VhbGVk.bWFj"), "a tier's handle carries the sealed lease");
         for foreign in ["pg1:", "pg2:abc", "pg2:.1", "pg2:abc.x", "1 2 3 brokerA 0 1 2"] {
-            assert_eq!(target_of(foreign), None, "{foreign}");
+            assert_eq!(parts_of(foreign), None, "{foreign}");
         }
     }
 

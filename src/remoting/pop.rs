@@ -262,7 +262,7 @@ fn encode_delivery(delivery: &Dispatched, bname: &str, pop_time: i64) -> Result<
     }
     let invisible = (delivery.ack_deadline_ms - pop_time).max(0);
     let (queue_id, offset) = (stored.queue_id, stored.queue_offset);
-    let handle = format!("{HANDLE_PREFIX}{}.{}", delivery.id, delivery.handout);
+    let handle = format!("{HANDLE_PREFIX}{}.{}", delivery.handle_id(), delivery.handout);
     put(PROPERTY_POP_CK, format!("{offset} {pop_time} {invisible} 0 0 {bname} {queue_id} {offset} {handle}"));
 
     let mut message = Message::builder()
@@ -358,21 +358,21 @@ pub(super) async fn change_invisible_time(
 fn settlement(request: &RemotingCommand) -> Result<Settlement<'_>, Refusal> {
     let group = field(request, "consumerGroup")
         .ok_or_else(|| Refusal::new(codes::SYSTEM_ERROR, "the request does not name its consumerGroup"))?;
-    let target = field(request, "extraInfo").and_then(handle_in).ok_or_else(|| {
+    let (id, handout) = field(request, "extraInfo").and_then(handle_in).ok_or_else(|| {
         Refusal::new(
             codes::INVALID_PARAMETER,
             "the extraInfo holds no handle popgate issued (a message popped elsewhere?)",
         )
     })?;
-    Ok(Settlement { target, group: Some(group) })
+    Ok(Settlement::of(id, Some(handout), Some(group)))
 }
 
-/// popgate's handle in a `POP_CK`: its ninth field.
-fn handle_in(extra_info: &str) -> Option<Target<'_>> {
+/// popgate's handle in a `POP_CK`, its ninth field: the delivery id as handed out, and the hand-out.
+fn handle_in(extra_info: &str) -> Option<(&str, u32)> {
     let handle = extra_info.split(' ').nth(8)?.strip_prefix(HANDLE_PREFIX)?;
     let (id, handout) = handle.rsplit_once('.')?;
     let handout = handout.parse().ok()?;
-    (!id.is_empty()).then_some(Target { id, handout: Some(handout) })
+    (!id.is_empty()).then_some((id, handout))
 }
 
 #[cfg(test)]
@@ -382,7 +382,7 @@ mod tests {
     #[test]
     fn the_handle_is_the_ninth_field_of_the_pop_ck_and_foreign_ones_are_refused() {
         let extra = "7 1796000000000 60000 0 0 broker-a 1 7 pgr:abc.3";
-        assert_eq!(handle_in(extra), Some(Target { id: "abc", handout: Some(3) }));
+        assert_eq!(handle_in(extra), Some(("abc", 3)));
         for foreign in ["7 1796000000000 60000 0 0 broker-a 1 7", "7 1 2 0 0 b 1 7 pg2:abc.3", "7 1 2 0 0 b 1 7 pgr:.1"]
         {
             assert_eq!(handle_in(foreign), None, "{foreign}");

@@ -19,7 +19,7 @@ mod proto;
 pub mod server;
 mod wire;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -34,8 +34,8 @@ use proto::peer_client::PeerClient;
 
 use crate::auth::Caller;
 use crate::config::TierConfig;
-use crate::gateway::below::{instance_of, now_millis};
-use crate::gateway::{EndOutcome, EndRequest, GatewayError, Owners, Settle, Settled, Settlement};
+use crate::gateway::below::{instance_of, now_millis, Dispatcher, Target};
+use crate::gateway::{EndOutcome, EndRequest, GatewayError, Owners, Settle, Settled, Settlement, Settling};
 use crate::metrics as m;
 
 /// The metadata entry that carries a peer request's signature: `<unix ms>:<hex HMAC-SHA256>`.
@@ -44,6 +44,39 @@ const SIGNATURE_HEADER: &str = "x-popgate-peer-signature";
 const MAX_SKEW_MS: i64 = 30_000;
 /// The soonest the peers are looked up again for a settlement of an instance not known yet.
 const LOOKUP_AGAIN_AFTER: Duration = Duration::from_secs(1);
+/// Most ACKs made at the broker for unreachable owners kept until those owners learn of them, all owners
+/// together (each an id and a number: a few MB at most). Past it the oldest are dropped, and counted: their
+/// owner may hand them out again (at-least-once).
+const MAX_UNTOLD: usize = 100_000;
+
+/// A delivery id and the hand-out ACKed.
+type UntoldAck = (String, Option<u32>);
+
+/// Deliveries of other instances this one ACKed at the broker while they could not be reached, by owner,
+/// until each owner asks (its next look-up of the peers: [`Tier::look_up`]).
+#[derive(Default)]
+pub struct Untold {
+    by_owner: Mutex<HashMap<String, VecDeque<UntoldAck>>>,
+}
+
+impl Untold {
+    fn remember(&self, owner: &str, target: Target<'_>) {
+        let mut by_owner = self.by_owner.lock();
+        let total: usize = by_owner.values().map(VecDeque::len).sum();
+        if total >= MAX_UNTOLD {
+            if let Some(longest) = by_owner.values_mut().max_by_key(|untold| untold.len()) {
+                longest.pop_front();
+                counter!(m::TIER_ACKS_UNTOLD).increment(1);
+            }
+        }
+        by_owner.entry(owner.to_owned()).or_default().push_back((target.id.to_owned(), target.handout));
+    }
+
+    /// What `owner` was not told yet; from now on it is told.
+    pub(crate) fn take(&self, owner: &str) -> Vec<(String, Option<u32>)> {
+        self.by_owner.lock().remove(owner).map(Vec::from).unwrap_or_default()
+    }
+}
 
 /// This instance in its tier: its id, and the other instances' peer links.
 pub struct Tier {
@@ -56,11 +89,16 @@ pub struct Tier {
     channels: Mutex<HashMap<String, Channel>>,
     /// When the peers were last looked up.
     looked_up: tokio::sync::Mutex<Option<Instant>>,
+    /// What this instance ACKed at the broker for peers that could not be reached, until they ask.
+    untold: Arc<Untold>,
+    /// This instance's deliveries, to which what the peers ACKed without it is applied.
+    dispatcher: Option<Arc<Dispatcher>>,
 }
 
 impl Tier {
-    /// This instance (`instance`) in the tier `config` describes; nobody known yet ([`Tier::look_up`]).
-    pub fn new(config: &TierConfig, instance: InstanceId) -> Arc<Tier> {
+    /// This instance (`instance`) in the tier `config` describes, its deliveries those of `dispatcher`; nobody
+    /// known yet ([`Tier::look_up`]).
+    pub fn new(config: &TierConfig, instance: InstanceId, dispatcher: Option<Arc<Dispatcher>>) -> Arc<Tier> {
         Arc::new(Tier {
             instance,
             secret: config.secret.as_bytes().to_vec(),
@@ -68,7 +106,15 @@ impl Tier {
             peers: Mutex::new(HashMap::new()),
             channels: Mutex::new(HashMap::new()),
             looked_up: tokio::sync::Mutex::new(None),
+            untold: Arc::default(),
+            dispatcher,
         })
+    }
+
+    /// What this instance ACKed at the broker for unreachable peers: the peer link's server tells each when it
+    /// asks.
+    pub fn untold(&self) -> Arc<Untold> {
+        self.untold.clone()
     }
 
     /// This instance's id.
@@ -80,19 +126,22 @@ impl Tier {
         Duration::from_millis(self.config.forward_timeout_ms)
     }
 
-    /// Looks the peers up: every address of `tier.peers` and `tier.peer_dns`, each asked who it is. An
-    /// address that does not answer is left out until the next look-up.
+    /// Looks the peers up: every address of `tier.peers` and `tier.peer_dns`, each asked who it is (and told
+    /// who asks: it answers with the ACKs it made at the broker for this instance meanwhile, which are applied
+    /// here). An address that does not answer is left out until the next look-up.
     pub async fn look_up(&self) {
         let mut looked_up = self.looked_up.lock().await;
         let addresses = self.addresses().await;
         let asked = addresses.iter().map(|address| self.identify(address));
         let answers = futures::future::join_all(asked).await;
         let mut found = HashMap::new();
+        let mut acked_without_me = Vec::new();
         for (address, answer) in addresses.iter().zip(answers) {
             match answer {
-                Ok((id, _)) if id == self.instance.as_str() => {}
-                Ok((id, client)) => {
+                Ok((id, _, _)) if id == self.instance.as_str() => {}
+                Ok((id, client, acked)) => {
                     found.insert(id, client);
+                    acked_without_me.extend(acked);
                 }
                 Err(why) => tracing::debug!(%address, %why, "A tier peer did not say who it is."),
             }
@@ -103,6 +152,13 @@ impl Tier {
         // the old one's channel would otherwise stay for good.
         self.channels.lock().retain(|address, _| addresses.binary_search(address).is_ok());
         *looked_up = Some(Instant::now());
+        drop(looked_up);
+        if let Some(dispatcher) = &self.dispatcher {
+            let settling = Settling { dispatcher, owners: None };
+            for acked in acked_without_me {
+                settling.acked_by_a_peer(Target { id: &acked.delivery_id, handout: acked.hand_out }).await;
+            }
+        }
     }
 
     /// Looks the peers up every `tier.refresh_secs`, for as long as the tier lives.
@@ -133,15 +189,19 @@ impl Tier {
         addresses
     }
 
-    /// Who answers on `address`, and a client of it.
-    async fn identify(&self, address: &str) -> Result<(String, PeerClient<Channel>), String> {
+    /// Who answers on `address`, a client of it, and what it ACKed at the broker for this instance meanwhile.
+    async fn identify(
+        &self,
+        address: &str,
+    ) -> Result<(String, PeerClient<Channel>, Vec<proto::AckedWithoutYou>), String> {
         let channel = self.channel(address)?;
         let mut client = PeerClient::new(channel);
-        let mut request = tonic::Request::new(proto::IdentifyRequest {});
+        let asker = self.instance.to_string();
+        let mut request = tonic::Request::new(proto::IdentifyRequest { asker: asker.clone() });
         request.set_timeout(self.timeout());
-        sign_request(&mut request, &self.secret, "identify", "");
-        let reply = client.identify(request).await.map_err(|status| status.message().to_owned())?;
-        Ok((reply.into_inner().instance_id, client))
+        sign_request(&mut request, &self.secret, "identify", &asker);
+        let reply = client.identify(request).await.map_err(|status| status.message().to_owned())?.into_inner();
+        Ok((reply.instance_id, client, reply.acked_without_you))
     }
 
     fn channel(&self, address: &str) -> Result<Channel, String> {
@@ -248,6 +308,10 @@ impl Owners for Tier {
         Box::pin(self.forward(owner, caller, settlement, action))
     }
 
+    fn settled_without_owner(&self, owner: &str, target: Target<'_>) {
+        self.untold.remember(owner, target);
+    }
+
     fn end_elsewhere<'a>(
         &'a self,
         caller: &'a Caller,
@@ -315,7 +379,7 @@ mod tests {
     #[test]
     fn a_delivery_is_elsewhere_when_another_instance_minted_its_id() {
         let config = TierConfig { secret: "tier-secret-0123456789".into(), ..TierConfig::default() };
-        let tier = Tier::new(&config, InstanceId::parse("popgate-0").expect("id"));
+        let tier = Tier::new(&config, InstanceId::parse("popgate-0").expect("id"), None);
         assert_eq!(tier.elsewhere("popgate-1~0a1b"), Some("popgate-1".to_owned()));
         assert_eq!(tier.elsewhere("popgate-0~0a1b"), None, "its own");
         assert_eq!(tier.elsewhere("0a1b2c"), None, "an id of a popgate before tiers");

@@ -49,7 +49,7 @@ pub(super) fn asked(request: &pb::SettleRequest) -> Option<(Settlement<'_>, Sett
         Action::Extend(extend) => Settle::Extend { by: Duration::from_millis(extend.by_ms) },
     };
     let target = Target { id: &request.delivery_id, handout: request.hand_out };
-    Some((Settlement { target, group: request.group.as_deref() }, action))
+    Some((Settlement { target, group: request.group.as_deref(), lease: None }, action))
 }
 
 /// The owner's reply: what it did, or why it refused.
@@ -300,7 +300,8 @@ mod tests {
     #[test]
     fn a_request_carries_the_settlement_and_action_as_asked() {
         let caller = Caller::of_test_token("app", "*", "*").from_address("10.1.2.3".parse().expect("ip"));
-        let settlement = Settlement { target: Target { id: "popgate-1~ab", handout: Some(4) }, group: Some("g") };
+        let settlement =
+            Settlement { target: Target { id: "popgate-1~ab", handout: Some(4) }, group: Some("g"), lease: None };
         for action in [
             Settle::Ack,
             Settle::Nack { delay: Some(Duration::from_millis(1500)) },

@@ -35,6 +35,7 @@ use tokio::sync::Notify;
 
 use self::cluster::{BrokerCluster, Cluster};
 use self::table::{ActiveSubscription, Id, Table, Tracked};
+use super::lease::{Lease, LeaseSeal};
 use super::record::{DeliveryRecord, Holder, Phase, Subscription};
 use super::retry::{epoch_ms_after, NextStep, RetryPolicy};
 use super::{DeliveryError, Dispatched, HandOut, InFlight, NackOutcome, Target};
@@ -158,6 +159,8 @@ pub(super) struct Deliveries {
     shutting_down: AtomicBool,
     /// This instance's id, the start of every delivery id it mints (empty: ids name no instance).
     instance: String,
+    /// Seals each hand-out's broker lease into its handles, in a tier (see `delivery::lease`).
+    lease_seal: Option<LeaseSeal>,
 }
 
 // === construction, configuration, persistence ===
@@ -190,13 +193,33 @@ impl Deliveries {
             next_seq: AtomicU64::new(1),
             shutting_down: AtomicBool::new(false),
             instance: String::new(),
+            lease_seal: None,
         }
     }
 
-    /// These deliveries' ids start with `instance`, so any instance of a tier can tell whose they are.
-    pub(super) fn with_instance(mut self, instance: &str) -> Deliveries {
+    /// These deliveries' ids start with `instance`, so any instance of a tier can tell whose they are; with
+    /// `lease_seal`, each hand-out carries its broker lease, sealed, for a peer to ACK it without this one.
+    pub(super) fn with_instance(mut self, instance: &str, lease_seal: Option<LeaseSeal>) -> Deliveries {
         self.instance = instance.to_owned();
+        self.lease_seal = lease_seal;
         self
+    }
+
+    /// The lease `token` carries, when this tier sealed it for delivery `id`.
+    pub(super) fn open_lease(&self, id: &str, token: &str) -> Option<Lease> {
+        self.lease_seal.as_ref()?.open(id, token)
+    }
+
+    /// ACKs a lease another instance handed out, at the broker, without any record of it here (its owner
+    /// cannot be reached). Refused as the owner would refuse an ACK of a lapsed lease.
+    pub(super) async fn ack_lease(&self, lease: &Lease) -> Result<(), DeliveryError> {
+        if lease.handle.lease_deadline_ms() <= now_millis() {
+            return Err(DeliveryError::Stale);
+        }
+        self.cluster.ack(&lease.group, &lease.handle).await.map_err(|why| {
+            tracing::warn!(group = %lease.group, %why, "A broker ACK for an absent owner failed.");
+            DeliveryError::Busy
+        })
     }
 
     pub(super) fn config(&self) -> &DeliveryConfig {
@@ -629,6 +652,7 @@ impl Deliveries {
                 handout: record.handouts,
                 ack_deadline_ms: deadline_ms,
                 event,
+                lease: self.lease_seal.as_ref().and_then(|seal| seal.seal(&record)),
             });
             let id = record.id.clone();
             table.set_record(record);
