@@ -186,14 +186,8 @@ impl Settling<'_> {
         };
         if let Some(named) = settlement.group {
             may_consume(caller, named)?;
-            if named != lease.group {
-                return Err(GatewayError::HandleOfAnotherGroup { owner: lease.group, named: named.to_owned() });
-            }
         }
-        may_read(caller, &lease.group, &lease.topic).map_err(|refusal| GatewayError::MayNotSettle {
-            delivery: settlement.target.id.to_owned(),
-            refusal: Box::new(refusal),
-        })?;
+        may_settle_of(caller, settlement, lease.group.clone(), &lease.topic)?;
         let outcome = match action {
             Settle::Ack => self.dispatcher.ack_lease(&lease).await.map(|()| Settled::Acked),
             // The broker's lease redelivers it; nothing is owed before that.
@@ -247,17 +241,10 @@ impl Settling<'_> {
         if let Some(named) = settlement.group {
             may_consume(caller, named)?;
         }
-        let Some((owner, topic, _)) = self.dispatcher.hold_of(settlement.target.id) else {
-            return Ok(());
-        };
-        if let Some(named) = settlement.group.filter(|named| *named != owner) {
-            return Err(GatewayError::HandleOfAnotherGroup { owner, named: named.to_owned() });
+        match self.dispatcher.hold_of(settlement.target.id) {
+            Some((group, topic, _)) => may_settle_of(caller, settlement, group, &topic),
+            None => Ok(()),
         }
-        // Settling reads the delivery's topic: `Sub` on it too, whatever topic the request names.
-        may_read(caller, &owner, &topic).map_err(|refusal| GatewayError::MayNotSettle {
-            delivery: settlement.target.id.to_owned(),
-            refusal: Box::new(refusal),
-        })
     }
 
     /// ACKs a delivery.
@@ -327,6 +314,19 @@ impl Settling<'_> {
             other => Err(unexpected(&other)),
         }
     }
+}
+
+/// Whether `caller` may settle `settlement` of a delivery of `group` on `topic` (the group a request names
+/// already checked as the caller's): the named group must be the delivery's, and settling reads the delivery's
+/// topic, so `Sub` on it too, whatever topic the request names.
+fn may_settle_of(caller: &Caller, settlement: Settlement<'_>, group: String, topic: &str) -> Result<(), GatewayError> {
+    if let Some(named) = settlement.group.filter(|named| *named != group) {
+        return Err(GatewayError::HandleOfAnotherGroup { owner: group, named: named.to_owned() });
+    }
+    may_read(caller, &group, topic).map_err(|refusal| GatewayError::MayNotSettle {
+        delivery: settlement.target.id.to_owned(),
+        refusal: Box::new(refusal),
+    })
 }
 
 /// A settlement answered with what another action does (a peer that answers out of turn).

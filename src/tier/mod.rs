@@ -73,7 +73,7 @@ impl Untold {
     }
 
     /// What `owner` was not told yet; from now on it is told.
-    pub(crate) fn take(&self, owner: &str) -> Vec<(String, Option<u32>)> {
+    pub(crate) fn take(&self, owner: &str) -> Vec<UntoldAck> {
         self.by_owner.lock().remove(owner).map(Vec::from).unwrap_or_default()
     }
 }
@@ -374,6 +374,20 @@ mod tests {
         replayed.metadata_mut().insert(SIGNATURE_HEADER, stale.parse().expect("ascii"));
         assert!(!signed_by_the_tier(&replayed, secret, "settle", "x"), "too old");
         assert!(!signed_by_the_tier(&tonic::Request::new(()), secret, "settle", "x"), "unsigned");
+    }
+
+    #[test]
+    fn untold_acks_are_bounded_over_all_owners_the_oldest_of_the_longest_dropped() {
+        let untold = Untold::default();
+        for n in 0..MAX_UNTOLD {
+            untold.remember("popgate-1", Target { id: &format!("popgate-1~{n}"), handout: Some(1) });
+        }
+        untold.remember("popgate-2", Target { id: "popgate-2~0", handout: None });
+        let first = untold.take("popgate-1");
+        assert_eq!(first.len(), MAX_UNTOLD - 1, "one dropped to keep the bound");
+        assert_eq!(first[0].0, "popgate-1~1", "the oldest went");
+        assert_eq!(untold.take("popgate-2"), vec![("popgate-2~0".to_owned(), None)]);
+        assert!(untold.take("popgate-2").is_empty(), "told once");
     }
 
     #[test]
