@@ -17,7 +17,9 @@ use crate::harness::balancer::Balancer;
 use crate::harness::direct::Direct;
 use crate::harness::popgate::{status_and_json, Popgate};
 use crate::harness::push::SseClient;
+use crate::harness::remoting::RemotingClient;
 use crate::harness::rocketmq::Cluster;
+use crate::harness::sdk::Sdk;
 use crate::harness::{free_port, unique_topic};
 use crate::publish::shared_cluster;
 use crate::transaction::{create_transaction_topic, stored_bodies};
@@ -28,19 +30,14 @@ const OTHER: (&str, &str) = ("tier-other", "tier-other-secret-0123456789");
 const SECRET: &str = "tier-secret-it-0123456789";
 const EVENTS: usize = 30;
 
-/// The config of instance `n` of a tier whose peer links listen on `peer_ports`, with `delivery` in its
-/// `[delivery]` section.
-fn instance_toml(n: usize, peer_ports: &[u16], delivery: &str) -> String {
-    peer_toml(n, peer_ports[n], peer_ports, delivery)
-}
-
-/// The config of instance `n`, its peer link on `port`, looking for peers on `peer_ports`.
-fn peer_toml(n: usize, port: u16, peer_ports: &[u16], delivery: &str) -> String {
+/// The config of instance `n`, its peer link on `port`, looking for peers on `peer_ports`, with `tier_lines` in
+/// its `[tier]` section.
+fn peer_toml(n: usize, port: u16, peer_ports: &[u16], delivery: &str, tier_lines: &str) -> String {
     let peers: Vec<String> = peer_ports.iter().map(|p| format!("\"127.0.0.1:{p}\"")).collect();
     format!(
         "{delivery}\n\
          [tier]\ninstance_id = \"it-tier-{n}\"\nlisten = \"127.0.0.1:{port}\"\npeers = [{peers}]\nsecret = \"{SECRET}\"\n\
-         refresh_secs = 1\n\n\
+         refresh_secs = 1\n{tier_lines}\n\
          [auth]\nenabled = true\n\n\
          [[auth.tokens]]\nname = \"{}\"\ntoken = \"{}\"\npublish = [\"tier_*\"]\nconsume = [\"tier_g*\"]\n\n\
          [[auth.tokens]]\nname = \"{}\"\ntoken = \"{}\"\npublish = [\"other_*\"]\nconsume = [\"other_g*\"]\n",
@@ -70,8 +67,15 @@ async fn call(
 
 /// Three instances of one tier, each with `delivery` in its `[delivery]` section.
 async fn start_tier(namesrv: &str, delivery: &str) -> [Popgate; 3] {
+    start_tier_each(namesrv, "", |_| delivery.to_owned()).await
+}
+
+/// Three instances of one tier, each with `tier_lines` in its `[tier]` section, instance `n` with `delivery(n)`
+/// in its `[delivery]` section (and any sections of its own after it).
+async fn start_tier_each(namesrv: &str, tier_lines: &str, delivery: impl Fn(usize) -> String) -> [Popgate; 3] {
     let peer_ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
-    let configs: Vec<String> = (0..3).map(|n| instance_toml(n, &peer_ports, delivery)).collect();
+    let configs: Vec<String> =
+        (0..3).map(|n| peer_toml(n, peer_ports[n], &peer_ports, &delivery(n), tier_lines)).collect();
     let (a, b, c) = tokio::join!(
         Popgate::start(namesrv, &configs[0]),
         Popgate::start(namesrv, &configs[1]),
@@ -407,7 +411,7 @@ async fn an_ack_whose_owner_cannot_be_reached_is_made_at_the_broker_and_the_owne
     let (port_0, port_1, nobody) = (free_port(), free_port(), free_port());
     let delivery = "ack_timeout_ms = 8000\nlease_ms = 4000";
     let (owner_toml, other_toml) =
-        (peer_toml(0, port_0, &[port_1], delivery), peer_toml(1, port_1, &[nobody], delivery));
+        (peer_toml(0, port_0, &[port_1], delivery, ""), peer_toml(1, port_1, &[nobody], delivery, ""));
     let (owner, other) = tokio::join!(
         Popgate::start(&cluster.namesrv_addr, &owner_toml),
         Popgate::start(&cluster.namesrv_addr, &other_toml),
@@ -429,4 +433,175 @@ async fn an_ack_whose_owner_cannot_be_reached_is_made_at_the_broker_and_the_owne
     let again = handed_out_within(&owner, &group, &topic, Duration::from_secs(10)).await;
     assert_eq!(again, Vec::<Value>::new());
     assert_eq!(forwarded(std::slice::from_ref(&other), "ack", "unreachable").await, 1.0);
+}
+
+/// How many messages the consumers behind the TCP balancer each consume, published one every
+/// [`PUBLISH_EVERY`] while the balancer moves connections.
+const STREAMED: usize = 36;
+const PUBLISH_EVERY: Duration = Duration::from_millis(300);
+/// Every this long the balancer closes the connections of one instance (the next each time).
+const CUT_EVERY: Duration = Duration::from_millis(2000);
+
+/// The RocketMQ clients apps run, behind a TCP balancer (round robin, no stickiness, as a Kubernetes Service
+/// or an L4 load balancer): gRPC PushConsumers and SimpleConsumers of both SDK versions and a remoting POP
+/// consumer (5.x `rocketmq-client`), one consumer group each, under a steady stream of published messages,
+/// while the balancer closes one instance's connections every 2 s (a drained node, a rebalance). Each client
+/// connects again, to the next instance, and settles there what the previous one handed out: those ACKs are
+/// asked of the instance that handed the message out. Counted at the end: every message consumed and settled
+/// by every consumer (0 lost), nothing dead-lettered; the messages a consumer saw twice (a receive or an ACK
+/// cut in flight) are printed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rocketmq_clients_settle_through_a_tcp_balancer_that_moves_their_connections_between_instances() {
+    let cluster = shared_cluster();
+    let topic = unique_topic("tier_lb");
+    crate::remoting::create_topic(cluster, &topic).await;
+    // The remoting front gives clients one address for every broker: the balancer's, so that a client's
+    // connections to "the name server" and to "the brokers" all go through it.
+    let remoting_balancer_port = free_port();
+    let remoting_ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+    // A delivery due again where none of its group's consumers waits any more goes back to the broker after 3 s.
+    let instances = start_tier_each(&cluster.namesrv_addr, "give_back_unclaimed_ms = 3000\n", |n| {
+        format!(
+            "ack_timeout_ms = 10000\n\n[remoting]\nlisten = \"127.0.0.1:{}\"\nadvertised_addr = \"127.0.0.1:{remoting_balancer_port}\"\n",
+            remoting_ports[n]
+        )
+    })
+    .await;
+    let grpc_backends: Vec<String> = instances.iter().map(|p| p.grpc.clone()).collect();
+    let remoting_backends: Vec<String> = remoting_ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+    let grpc = Balancer::tcp_on(free_port(), &grpc_backends).await;
+    let remoting = Balancer::tcp_on(remoting_balancer_port, &remoting_backends).await;
+
+    let signed = |mut args: Value| {
+        args["accessKey"] = json!(APP.0);
+        args["secretKey"] = json!(APP.1);
+        args
+    };
+    let mut consumers = Vec::new();
+    for sdk in Sdk::ALL {
+        let group = unique_topic(&format!("tier_g_push_{}", sdk.0.replace('.', "")));
+        let push = json!({"endpoint": grpc.address, "group": group, "topic": topic, "expectSuccess": STREAMED,
+            "distinct": true, "holdMillis": 300, "consumptionThreadCount": 4, "timeoutSeconds": 150,
+            "closeTimeoutMillis": 3000});
+        consumers.push((format!("gRPC PushConsumer, SDK {}", sdk.0), group, sdk.start("push-consume", &signed(push))));
+        let group = unique_topic(&format!("tier_g_simple_{}", sdk.0.replace('.', "")));
+        let simple = json!({"endpoint": grpc.address, "group": group, "topic": topic, "expect": STREAMED,
+            "distinct": true, "invisibleSeconds": 10, "maxMessageNum": 4, "ackAfterMs": 150,
+            "stopOnRejection": false, "timeoutSeconds": 150});
+        consumers.push((
+            format!("gRPC SimpleConsumer, SDK {}", sdk.0),
+            group,
+            sdk.start("simple-consume", &signed(simple)),
+        ));
+    }
+    let group = unique_topic("tier_g_pop");
+    let pop = json!({"namesrv": remoting.address, "pollNameServerIntervalMs": 1000, "heartbeatBrokerIntervalMs": 2000,
+        "clientRebalance": false, "popInvisibleTimeMs": 10_000, "group": group, "topic": topic, "expect": STREAMED,
+        "holdMs": 300, "settleMs": 3000, "timeoutMs": 150_000});
+    let client = RemotingClient::V5;
+    consumers.push((
+        format!("remoting POP consumer, rocketmq-client {}", client.0),
+        group,
+        client.start("push-consume", &signed(pop)),
+    ));
+
+    // A steady stream of messages while the balancer moves connections, one instance's at a time; it goes on
+    // moving them a while after the last message, while the last ones are being settled.
+    let publisher = Client::new();
+    let mut cuts = 0;
+    let mut next_cut = Instant::now() + CUT_EVERY;
+    for n in 0..STREAMED {
+        let event = json!({"topic": topic, "data": format!("m-{n}")});
+        let base = &instances[n % instances.len()].base;
+        let (status, answer) =
+            call(&publisher, base, reqwest::Method::POST, "/events/publish", APP.1, Some(event)).await;
+        assert_eq!(status, 200, "{answer}");
+        tokio::time::sleep(PUBLISH_EVERY).await;
+        if Instant::now() >= next_cut {
+            cut_one(&[&grpc, &remoting], cuts).await;
+            cuts += 1;
+            next_cut += CUT_EVERY;
+        }
+    }
+    for _ in 0..4 {
+        tokio::time::sleep(CUT_EVERY).await;
+        cut_one(&[&grpc, &remoting], cuts).await;
+        cuts += 1;
+    }
+
+    let sent: BTreeSet<String> = (0..STREAMED).map(|n| format!("m-{n}")).collect();
+    let direct = Direct::connect(&cluster.namesrv_addr).await;
+    for (what, group, consumer) in consumers {
+        let result = consumer.finish(Duration::from_secs(200)).await;
+        assert_eq!(result["timedOut"], false, "{what} consumed every message: {result}");
+        let settled = settled_bodies(&result);
+        let missing: Vec<&String> = sent.difference(&settled).collect();
+        assert!(missing.is_empty(), "{what}: consumed and settled every message, not {missing:?}: {result}");
+        let dead = direct.try_read_all(&format!("%DLQ%{group}")).await.unwrap_or_default();
+        assert!(dead.is_empty(), "{what}: nothing dead-lettered: {} messages", dead.len());
+        println!("tier behind a TCP balancer: {what}: {} of {STREAMED} seen twice or more", twice(&result));
+    }
+    let asked = forwarded(&instances, "ack", "ok").await;
+    let refused = forwarded(&instances, "ack", "refused").await;
+    let unreachable = forwarded(&instances, "ack", "unreachable").await;
+    println!("tier behind a TCP balancer: {cuts} cuts; ACKs asked of another instance: {asked} landed, {refused} refused, {unreachable} unreachable");
+    assert!(asked >= 1.0, "clients whose connections moved settled on another instance what the first handed out");
+    assert_eq!(unreachable, 0.0, "every instance stayed reachable");
+
+    a_delivery_due_where_nobody_waits_reaches_its_consumers_on_another_instance(&instances).await;
+}
+
+/// A consumer NACKs a delivery on instance 0 and then waits on instance 1 only (its connection moved): the
+/// delivery, due again on 0 where nobody waits for it, goes back to the broker after `give_back_unclaimed_ms`
+/// (3 s), which hands it to instance 1's next POP. Alone, instance 0 would keep it for a consumer that may
+/// never come back to it.
+async fn a_delivery_due_where_nobody_waits_reaches_its_consumers_on_another_instance(instances: &[Popgate]) {
+    let (topic, group) = (unique_topic("tier_u"), unique_topic("tier_gu"));
+    let event = json!({"topic": topic, "data": "unclaimed"});
+    let (status, answer) =
+        call(&Client::new(), &instances[0].base, reqwest::Method::POST, "/events/publish", APP.1, Some(event)).await;
+    assert_eq!(status, 200, "{answer}");
+    const GIVEN_BACK: &str = "popgate_deliveries_given_back_total{reason=\"unclaimed\"}";
+    let given_back_before = instances[0].metric(GIVEN_BACK).await;
+    let held = hand_out(&instances[0], &group, &topic, 1).await;
+    let nack = json!({"deliveryId": id_of(&held[0]), "delayMs": 0});
+    let (status, answer) =
+        call(&Client::new(), &instances[0].base, reqwest::Method::POST, "/events/nack", APP.1, Some(nack)).await;
+    assert_eq!((status, &answer["status"]), (200, &json!("retry")), "{answer}");
+
+    let nacked = Instant::now();
+    let again = hand_out(&instances[1], &group, &topic, 1).await;
+    println!("tier: a delivery NACKed on an instance nobody waits on came back on another in {:?}", nacked.elapsed());
+    assert_eq!(data_of(&again[0]), "unclaimed");
+    assert!(id_of(&again[0]).starts_with("it-tier-1~"), "handed out by the instance its consumer waits on: {again:?}");
+    let given_back = instances[0].metric(GIVEN_BACK).await - given_back_before;
+    assert_eq!(given_back, 1.0, "given back to the broker by the instance nobody waited on");
+}
+
+/// Cut number `cut`: the balancers close their connections to instance `cut % 3`.
+async fn cut_one(balancers: &[&Balancer], cut: usize) {
+    for balancer in balancers {
+        let answer = balancer.cut_connections_to(cut % 3).await;
+        assert!(answer.is_empty(), "haproxy closed the connections: {answer}");
+    }
+}
+
+/// The bodies a consumer driver consumed and settled: a SimpleConsumer's ACKed ones, a PushConsumer's answered
+/// with success (the SDK ACKs those), a remoting consumer's consumed ones.
+fn settled_bodies(result: &Value) -> BTreeSet<String> {
+    let entries = result["received"].as_array().cloned().unwrap_or_default();
+    entries
+        .iter()
+        .filter(|e| e["acked"] == true || e["result"] == "SUCCESS" || e["result"] == "CONSUME_SUCCESS")
+        .filter_map(|e| e["body"].as_str().map(str::to_owned))
+        .collect()
+}
+
+/// How many bodies a consumer saw more than once.
+fn twice(result: &Value) -> usize {
+    let mut seen: BTreeMap<String, usize> = BTreeMap::new();
+    for entry in result["received"].as_array().cloned().unwrap_or_default() {
+        *seen.entry(entry["body"].as_str().unwrap_or_default().to_owned()).or_default() += 1;
+    }
+    seen.values().filter(|n| **n > 1).count()
 }

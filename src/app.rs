@@ -125,6 +125,9 @@ pub async fn serve(
             // In a tier, each hand-out carries its broker lease sealed with the tier's secret: a peer ACKs it at
             // the broker with it when this instance cannot be reached.
             lease_seal: (!config.tier.listen.is_empty()).then(|| LeaseSeal::new(config.tier.secret.as_bytes())),
+            // In a tier, another instance may have the group's consumers: what nobody here waits for goes back.
+            give_back_unclaimed: (!config.tier.listen.is_empty())
+                .then(|| Duration::from_millis(config.tier.give_back_unclaimed_ms)),
         },
     )
     .await?;

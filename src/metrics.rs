@@ -240,7 +240,7 @@ const ZERO_SERIES: &[(&str, &str, &[&str])] = &[
     (REDELIVERIES, "reason", &["timeout", "nack", "push_failure", "recovery"]),
     (RECOVERED_DELIVERIES, "outcome", &["redispatched", "ack_pending", "dead_letter_pending", "corrupt"]),
     (CONSUME_REQUEST_FAILURES, "op", &["pop", "renew", "give_back"]),
-    (DELIVERIES_GIVEN_BACK, "reason", &["unsubscribed", "not_admitted", "fifo_head_lost"]),
+    (DELIVERIES_GIVEN_BACK, "reason", &["unsubscribed", "not_admitted", "fifo_head_lost", "unclaimed"]),
     (STORE_UNDECODABLE, "family", &["dlq_replays", "payloads"]),
     (
         REQUESTS_REJECTED,

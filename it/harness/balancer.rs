@@ -1,6 +1,7 @@
 //! A real load balancer in front of several popgate instances: HAProxy from Debian's packages (installed by
 //! `docker/setup.sh`), run as a child process with a generated config, round-robin without stickiness, killed
-//! on drop.
+//! on drop. Its runtime API (a UNIX socket) cuts the connections of one instance, as draining a node or a
+//! balancer that rebalances does: the clients connect again, to the next instance in turn.
 
 use std::fmt::Write as _;
 use std::process::{Child, Command, Stdio};
@@ -15,6 +16,8 @@ pub struct Balancer {
     /// `127.0.0.1:port` of its front end.
     pub address: String,
     child: Child,
+    /// Its runtime API's UNIX socket.
+    admin: std::path::PathBuf,
     _dir: TempDir,
 }
 
@@ -25,13 +28,24 @@ impl Balancer {
         Balancer::start("http", "option http-server-close\n", backends).await
     }
 
+    /// HAProxy balancing TCP connections (gRPC, remoting: TLS or not, passed through), each new one to the next
+    /// of `backends` in turn, listening on `port` (a remoting front must advertise it before it starts).
+    pub async fn tcp_on(port: u16, backends: &[String]) -> Balancer {
+        Balancer::start_on(port, "tcp", "", backends).await
+    }
+
     async fn start(mode: &str, options: &str, backends: &[String]) -> Balancer {
+        Balancer::start_on(free_port(), mode, options, backends).await
+    }
+
+    async fn start_on(port: u16, mode: &str, options: &str, backends: &[String]) -> Balancer {
         let dir = tempfile::Builder::new().prefix("popgate-it-haproxy-").tempdir().expect("tempdir");
-        let port = free_port();
+        let admin = dir.path().join("admin.sock");
         let mut config = format!(
-            "global\n  maxconn 4096\n\ndefaults\n  mode {mode}\n  timeout connect 2s\n  timeout client 120s\n  \
-             timeout server 120s\n  {options}\nfrontend popgates\n  bind 127.0.0.1:{port}\n  default_backend instances\n\n\
-             backend instances\n  balance roundrobin\n"
+            "global\n  maxconn 4096\n  stats socket {} mode 600 level admin\n\ndefaults\n  mode {mode}\n  \
+             timeout connect 2s\n  timeout client 120s\n  timeout server 120s\n  {options}\nfrontend popgates\n  \
+             bind 127.0.0.1:{port}\n  default_backend instances\n\nbackend instances\n  balance roundrobin\n",
+            admin.display()
         );
         for (n, backend) in backends.iter().enumerate() {
             writeln!(config, "  server popgate{n} {backend}").expect("string");
@@ -48,13 +62,26 @@ impl Balancer {
             .stderr(log)
             .spawn()
             .expect("start haproxy (docker/setup.sh installs it)");
-        let balancer = Balancer { address: format!("127.0.0.1:{port}"), child, _dir: dir };
+        let balancer = Balancer { address: format!("127.0.0.1:{port}"), child, admin, _dir: dir };
         let deadline = Instant::now() + Duration::from_secs(10);
         while tokio::net::TcpStream::connect(&balancer.address).await.is_err() {
             assert!(Instant::now() < deadline, "haproxy did not listen on {}", balancer.address);
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         balancer
+    }
+
+    /// Closes every connection the balancer holds to backend `n` (`shutdown sessions server`): its clients
+    /// connect again, through the balancer, to the next instances in turn. Returns HAProxy's answer (empty
+    /// when it did it).
+    pub async fn cut_connections_to(&self, n: usize) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut socket = tokio::net::UnixStream::connect(&self.admin).await.expect("haproxy's runtime API socket");
+        let command = format!("shutdown sessions server instances/popgate{n}\n");
+        socket.write_all(command.as_bytes()).await.expect("write to haproxy's runtime API");
+        let mut answer = String::new();
+        socket.read_to_string(&mut answer).await.expect("read haproxy's runtime API");
+        answer.trim().to_owned()
     }
 
     /// `http://` and the address, for HTTP clients.

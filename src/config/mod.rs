@@ -119,6 +119,10 @@ pub struct TierConfig {
     pub secret: String,
     /// How long a settlement asked of another instance may take before it fails (the client may retry).
     pub forward_timeout_ms: u64,
+    /// A delivery due again (its backoff over) on an instance where no consumer of its group has waited for
+    /// this long is given back to the broker, which hands it to the next POP of any instance: a client whose
+    /// connection a balancer moved to another instance gets it there instead of never.
+    pub give_back_unclaimed_ms: u64,
 }
 
 impl Default for TierConfig {
@@ -131,6 +135,7 @@ impl Default for TierConfig {
             refresh_secs: 10,
             secret: String::new(),
             forward_timeout_ms: 3_000,
+            give_back_unclaimed_ms: 20_000,
         }
     }
 }

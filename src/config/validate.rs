@@ -245,6 +245,11 @@ fn tier_problems(tier: &super::TierConfig) -> Vec<String> {
     check(tier.secret.len() >= 16, "secret", "the peer link needs a shared secret of at least 16 characters");
     check((1..=3600).contains(&tier.refresh_secs), "refresh_secs", "must be in 1..=3600");
     check((100..=60_000).contains(&tier.forward_timeout_ms), "forward_timeout_ms", "must be in 100..=60000");
+    check(
+        (1_000..=3_600_000).contains(&tier.give_back_unclaimed_ms),
+        "give_back_unclaimed_ms",
+        "must be in 1000..=3600000",
+    );
     out
 }
 

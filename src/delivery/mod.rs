@@ -118,6 +118,9 @@ pub struct Issuer<'a> {
     pub instance: &'a str,
     /// In a tier, seals each hand-out's broker lease into its handles ([`LeaseSeal`]).
     pub lease_seal: Option<LeaseSeal>,
+    /// In a tier: a delivery due again while no consumer of its group has waited on this instance for this
+    /// long is given back to the broker, for whichever instance its consumers are connected to.
+    pub give_back_unclaimed: Option<Duration>,
 }
 
 /// One delivery handed to a subscriber.
@@ -321,7 +324,9 @@ impl Dispatcher {
     ) -> Result<(Arc<Dispatcher>, RecoveryReport), DeliveryError> {
         let group_order = group_order::GroupOrder::new(broker.clone(), config.follow_group_config);
         let deliveries = Arc::new(
-            Deliveries::new(store, broker, publisher, config).with_instance(issuer.instance, issuer.lease_seal),
+            Deliveries::new(store, broker, publisher, config)
+                .with_instance(issuer.instance, issuer.lease_seal)
+                .giving_back_unclaimed(issuer.give_back_unclaimed),
         );
         let (report, poppers) = recovery::recover(&deliveries).await?;
         let dispatcher = Arc::new_cyclic(|me| Dispatcher {

@@ -185,7 +185,7 @@ mod tests {
             config,
             targets,
             None,
-            crate::delivery::Issuer { instance: "", lease_seal: None },
+            crate::delivery::Issuer { instance: "", lease_seal: None, give_back_unclaimed: None },
         )
         .await
         .expect("start")

@@ -81,7 +81,8 @@ pub(super) enum Owed {
     /// Extend the lease (ChangeInvisibleTime) and store the new handle.
     Renew(Id),
     /// Hand the message back to the broker unACKed, then forget it: its subscription is gone
-    /// (`"unsubscribed"`), or an earlier event of its FIFO group lost its lease (`"fifo_head_lost"`).
+    /// (`"unsubscribed"`), an earlier event of its FIFO group lost its lease (`"fifo_head_lost"`), or, in a
+    /// tier, no consumer of its group waits on this instance (`"unclaimed"`).
     GiveBack(Id, &'static str),
 }
 
@@ -161,6 +162,9 @@ pub(super) struct Deliveries {
     instance: String,
     /// Seals each hand-out's broker lease into its handles, in a tier (see `delivery::lease`).
     lease_seal: Option<LeaseSeal>,
+    /// In a tier, how long a subscription may go without a waiting consumer before what is due on it is given
+    /// back to the broker (ms).
+    give_back_unclaimed_ms: Option<i64>,
 }
 
 // === construction, configuration, persistence ===
@@ -194,6 +198,7 @@ impl Deliveries {
             shutting_down: AtomicBool::new(false),
             instance: String::new(),
             lease_seal: None,
+            give_back_unclaimed_ms: None,
         }
     }
 
@@ -202,6 +207,13 @@ impl Deliveries {
     pub(super) fn with_instance(mut self, instance: &str, lease_seal: Option<LeaseSeal>) -> Deliveries {
         self.instance = instance.to_owned();
         self.lease_seal = lease_seal;
+        self
+    }
+
+    /// In a tier: deliveries due again on a subscription no consumer has waited on for `after` are given back
+    /// to the broker (see [`ActiveSubscription::unclaimed`]).
+    pub(super) fn giving_back_unclaimed(mut self, after: Option<Duration>) -> Deliveries {
+        self.give_back_unclaimed_ms = after.map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
         self
     }
 
@@ -443,6 +455,7 @@ impl Deliveries {
     pub(super) fn withdraw_demand(&self, key: &str, count: usize) {
         if let Some(active) = self.table.lock().subs.get_mut(key) {
             active.demand = active.demand.saturating_sub(count);
+            active.last_used_ms = now_millis();
         }
     }
 }
@@ -1324,6 +1337,16 @@ impl Deliveries {
                     Phase::Ready { due_ms } if *due_ms > now => next = next.min(*due_ms),
                     _ => {}
                 }
+                if let Some(after) = self.give_back_unclaimed_ms.filter(|_| tracked.dispatchable(now)) {
+                    let unclaimed = table.subs.get(&key).is_some_and(|a| a.unclaimed(now.saturating_sub(after)));
+                    if unclaimed {
+                        tracked.claimed = true;
+                        owed.push(Owed::GiveBack(id, "unclaimed"));
+                        continue;
+                    }
+                    // Looked at again once it may have become so.
+                    next = next.min(now + after);
+                }
                 if tracked.dispatchable(now) && !tracked.queued {
                     if let Some(active) = table.subs.get_mut(&key) {
                         tracked.queued = true;
@@ -1788,6 +1811,41 @@ mod tests {
         let mut expected = vec![g2.clone(), g3.clone()];
         expected.sort();
         assert_eq!(given_back, expected, "the rest of g goes back to the broker, and nothing of h");
+    }
+
+    /// What a sweep `at` gives back to the broker as unclaimed.
+    async fn given_back_unclaimed(deliveries: &Deliveries, at: i64) -> usize {
+        let owed = deliveries.sweep(at).await;
+        owed.iter().filter(|o| matches!(o, Owed::GiveBack(_, "unclaimed"))).count()
+    }
+
+    #[tokio::test]
+    async fn in_a_tier_what_is_due_where_no_consumer_waits_goes_back_to_the_broker() {
+        let after = Duration::from_secs(20);
+        let sub = subscription();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let alone = subscribed(dir.path(), &sub).await;
+        assert!(matches!(alone.admit(&sub.key(), vec![popped(b"a")]).await, Admission::Admitted));
+        assert_eq!(
+            given_back_unclaimed(&alone, now_millis() + 60_000).await,
+            0,
+            "alone, it keeps it for its consumers"
+        );
+
+        let dir = tempfile::tempdir().expect("tempdir");
+        let tier = subscribed(dir.path(), &sub).await.giving_back_unclaimed(Some(after));
+        assert!(matches!(tier.admit(&sub.key(), vec![popped(b"b")]).await, Admission::Admitted));
+        // A consumer waits here: kept, however long it has been.
+        tier.add_demand(&sub.key(), 1);
+        assert_eq!(given_back_unclaimed(&tier, now_millis() + 60_000).await, 0, "a consumer waits for it here");
+        // It stops waiting: kept for `after`, then given back.
+        tier.withdraw_demand(&sub.key(), 1);
+        assert_eq!(given_back_unclaimed(&tier, now_millis() + 1_000).await, 0, "its consumer may be back soon");
+        let stopped = now_millis();
+        let id = id_of(&tier, b"b");
+        tier.table.lock().timers.push(std::cmp::Reverse((0, id)));
+        assert_eq!(given_back_unclaimed(&tier, stopped + 21_000).await, 1, "nobody waited for it here for 20 s");
+        assert!(tier.hand_out(&sub.key(), 1, &long_poll(), None).await.expect("hand out").is_empty(), "claimed");
     }
 
     /// How long from now each tracked delivery's owed work waits, in ms.

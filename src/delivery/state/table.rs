@@ -179,6 +179,14 @@ impl ActiveSubscription {
         }
     }
 
+    /// Nobody waits on it, and nobody has since `since_ms`: in a tier, its consumers may be connected to another
+    /// instance, and what is due here is better given back to the broker, which hands it to the next POP of
+    /// any instance. Not an ordered subscription's: the broker's orderly POP keeps its queues' order, and a
+    /// message given back would be popped by no one sooner anyway.
+    pub(super) fn unclaimed(&self, since_ms: i64) -> bool {
+        !self.sub.ordered && self.demand == 0 && self.last_used_ms <= since_ms
+    }
+
     /// Created by a receive, with nobody waiting on it and nothing held for it since `idle_since_ms`.
     pub(super) fn idle_implicit(&self, held: usize, idle_since_ms: i64) -> bool {
         self.sub.implicit && self.demand == 0 && held == 0 && self.last_used_ms <= idle_since_ms

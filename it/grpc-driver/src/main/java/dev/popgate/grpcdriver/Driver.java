@@ -255,6 +255,8 @@ public final class Driver {
         long ackAfterMs = a.longValue("ackAfterMs", 0);
         Integer changeInvisibleFirst = a.has("changeInvisibleFirst") ? a.integer("changeInvisibleFirst", 0) : null;
         boolean stopOnRejection = a.bool("stopOnRejection", true);
+        // `expect` counts distinct bodies, not receipts (a consumer whose ACKs may be lost sees some twice).
+        boolean distinct = a.bool("distinct", false);
         ClientConfiguration config = clientConfiguration(a, endpoint);
         a.rejectUnknown();
 
@@ -281,8 +283,10 @@ public final class Driver {
         long deadline = System.currentTimeMillis() + timeoutSeconds * 1000L; // from when the client is up
         int receiveCalls = 0;
         boolean stoppedOnError = false;
-        while (System.currentTimeMillis() < deadline && (expect <= 0 || received.size() < expect)) {
-            int want = expect > 0 ? Math.min(maxMessageNum, expect - received.size()) : maxMessageNum;
+        Set<String> bodies = new HashSet<>();
+        while (System.currentTimeMillis() < deadline && (expect <= 0 || (distinct ? bodies.size() : received.size()) < expect)) {
+            int seen = distinct ? bodies.size() : received.size();
+            int want = expect > 0 ? Math.max(1, Math.min(maxMessageNum, expect - seen)) : maxMessageNum;
             List<MessageView> views;
             receiveCalls++;
             long t0 = System.currentTimeMillis();
@@ -308,6 +312,7 @@ public final class Driver {
                 Map<String, Object> entry = viewEntry(view);
                 entry.put("receivedAtMs", at);
                 received.add(entry);
+                bodies.add((String) entry.get("body"));
                 if (changeInvisibleFirst != null) {
                     try {
                         consumer.changeInvisibleDuration(view, Duration.ofSeconds(changeInvisibleFirst));
@@ -344,7 +349,7 @@ public final class Driver {
         out.put("receiveMs", receiveMs);
         out.put("receiveStartedAtMs", receiveStartedAtMs);
         out.put("stoppedOnError", stoppedOnError);
-        out.put("timedOut", !stoppedOnError && expect > 0 && received.size() < expect);
+        out.put("timedOut", !stoppedOnError && expect > 0 && (distinct ? bodies.size() : received.size()) < expect);
         out.put("closeMs", close(consumer, 5000));
         out.put("finishedAtMs", System.currentTimeMillis());
         return out;
@@ -366,6 +371,8 @@ public final class Driver {
         long closeTimeoutMillis = a.longValue("closeTimeoutMillis", 5000);
         Integer threads = a.has("consumptionThreadCount") ? a.integer("consumptionThreadCount", 20) : null;
         Integer maxCache = a.has("maxCacheMessageCount") ? a.integer("maxCacheMessageCount", 1024) : null;
+        // `expect`/`expectSuccess` count distinct bodies, not listener calls.
+        boolean distinct = a.bool("distinct", false);
         ClientConfiguration config = clientConfiguration(a, endpoint);
         a.rejectUnknown();
 
@@ -373,6 +380,8 @@ public final class Driver {
         Map<String, Object> out = new LinkedHashMap<>();
         List<Map<String, Object>> invocations = new ArrayList<>();
         int[] counts = new int[2]; // [done, succeeded], guarded by invocations
+        Set<String> doneBodies = new HashSet<>(); // with `distinct`, what counts replaces: guarded by invocations
+        Set<String> succeededBodies = new HashSet<>();
         long started = System.currentTimeMillis();
         out.put("startedAtMs", started);
         PushConsumerBuilder builder = provider.newPushConsumerBuilder().setClientConfiguration(config)
@@ -399,8 +408,10 @@ public final class Driver {
                 synchronized (invocations) {
                     entry.put("result", r.name());
                     entry.put("doneAtMs", System.currentTimeMillis());
-                    counts[0]++;
-                    if (r == ConsumeResult.SUCCESS) {
+                    if (!distinct || doneBodies.add(body)) {
+                        counts[0]++;
+                    }
+                    if (r == ConsumeResult.SUCCESS && (!distinct || succeededBodies.add(body))) {
                         counts[1]++;
                     }
                     invocations.notifyAll();
@@ -728,6 +739,10 @@ public final class Driver {
      * the client failed to start. An app would start it again; so does the driver, at most twice more, and
      * `startupRetries` in the result says how often. Any other failure is the scenario's.
      */
+    /**
+     * Starts a client as an app's supervisor would: again when its start outlasted an SDK deadline (a loaded
+     * machine) or its connection was closed under it (UNAVAILABLE: a balancer moved it), up to 5 times.
+     */
     static <T> T startClient(Map<String, Object> out, ClientStart<T> start) throws Exception {
         for (int retries = 0; ; retries++) {
             try {
@@ -735,17 +750,19 @@ public final class Driver {
                 out.put("startupRetries", retries);
                 return client;
             } catch (Exception e) {
-                if (retries >= 2 || !startTimedOut(e)) {
+                if (retries >= 5 || !startWorthRetrying(e)) {
                     throw e;
                 }
-                System.err.println("driver: the client's start outlasted an SDK deadline; starting it again: " + e);
+                System.err.println("driver: the client's start outlasted an SDK deadline or lost its connection;"
+                    + " starting it again: " + e);
             }
         }
     }
 
-    private static boolean startTimedOut(Throwable t) {
+    private static boolean startWorthRetrying(Throwable t) {
         for (Throwable c = t; c != null; c = c.getCause()) {
-            if (String.valueOf(c.getMessage()).contains("DEADLINE_EXCEEDED")) {
+            String message = String.valueOf(c.getMessage());
+            if (message.contains("DEADLINE_EXCEEDED") || message.contains("UNAVAILABLE")) {
                 return true;
             }
         }
