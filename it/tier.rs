@@ -328,8 +328,9 @@ async fn a_lost_instances_deliveries_come_back_within_their_lease_and_a_killed_o
     let cluster = shared_cluster();
     let topic = unique_topic("tier_kill");
     let groups: Vec<String> = (0..3).map(|n| unique_topic(&format!("tier_gk{n}"))).collect();
-    // The lease is renewed with half of it left (6 s): the lost instance's ACK below is made well before.
-    let instances = start_tier(&cluster.namesrv_addr, "ack_timeout_ms = 120000\nlease_ms = 12000").await;
+    // The lease is renewed with half of it left (10 s): the lost instance's ACK below is made well before, and the
+    // killed instance is back (after its peer's restart) before its own deliveries' lease runs out.
+    let instances = start_tier(&cluster.namesrv_addr, "ack_timeout_ms = 120000\nlease_ms = 20000").await;
     for n in 0..COUNT {
         let event = json!({"topic": topic, "data": format!("event-{n}")});
         let (status, answer) =
@@ -338,14 +339,14 @@ async fn a_lost_instances_deliveries_come_back_within_their_lease_and_a_killed_o
         assert_eq!(status, 200, "{answer}");
     }
     // Instance 1 hands its group's events out only before it is killed, below: a sealed lease is good for a lease
-    // (12 s), and the lost instance's part takes longer.
+    // (20 s), and the lost instance's part takes longer.
     let mut held: Vec<Vec<Value>> = vec![Vec::new(); 3];
     for n in [0, 2] {
         held[n] = hand_out(&instances[n], &groups[n], &topic, COUNT).await;
     }
 
     // Instance 2 is lost for good, state directory and all. One of its deliveries is ACKed on instance 0, at the
-    // broker; the rest come back through the broker once their lease (12 s) runs out, handed out by another
+    // broker; the rest come back through the broker once their lease (20 s) runs out, handed out by another
     // instance.
     let [first, mut second, third] = instances;
     let state_dir = third.state_dir.clone();
@@ -368,20 +369,25 @@ async fn a_lost_instances_deliveries_come_back_within_their_lease_and_a_killed_o
         assert_acked_at(&second, &id_of(delivery)).await;
     }
     println!(
-        "tier: the lost instance's {} unACKed deliveries came back in {took:?} (lease 12 s); delivered twice: {}, \
+        "tier: the lost instance's {} unACKed deliveries came back in {took:?} (lease 20 s); delivered twice: {}, \
          lost: 0; its delivery ACKed at the broker by a peer: not back",
         COUNT - 1,
         COUNT - 1
     );
     assert!(took < Duration::from_secs(50), "within the lease and a POP or two: {took:?}");
 
-    // Instance 1 is killed: an ACK of its delivery on instance 0 is made at the broker. After its restart (same
-    // state directory) it has learned of it, and the ACKs of its other deliveries land from any instance.
+    // Instance 1 is killed: an ACK of its delivery on instance 0 is made at the broker, and instance 0 is
+    // killed and restarted too before instance 1 is back: its note of the ACK was kept in its state store. After
+    // its restart (same state directory) instance 1 has learned of it, and the ACKs of its other deliveries land
+    // from any instance.
     held[1] = hand_out(&second, &groups[1], &topic, COUNT).await;
     let killed = id_of(&held[1][0]);
     second.kill9();
     assert_acked_at(&first, &killed).await;
     assert_eq!(first.metric(SETTLED_AT_BROKER).await, 2.0);
+    let mut first = first;
+    first.kill9();
+    first.restart().await;
     second.restart().await;
     assert_eq!(second.metric(LEARNED).await, 1.0, "told by its peer when it looked it up at its start");
     for delivery in &held[1][1..] {

@@ -162,7 +162,6 @@ pub async fn serve(
                 dispatcher: dispatcher.clone(),
                 transactions: transactions.clone(),
                 tokens: tokens.clone(),
-                untold: tier.untold(),
             };
             let service = PeerService::new(instance, &config.tier.secret, parts);
             let server = spawn_front("peer link", serve_peer_link(listener, service, stop_asked(&stop_rx)));

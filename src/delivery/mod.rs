@@ -38,6 +38,7 @@ pub mod subscriber;
 mod sweeper;
 #[cfg(test)]
 mod test_support;
+mod untold;
 pub mod webhook;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -301,6 +302,8 @@ pub struct Dispatcher {
     webhook_targets: Arc<webhook::TargetPolicy>,
     /// Which consumer groups the cluster makes orderly.
     group_order: Arc<group_order::GroupOrder>,
+    /// In a tier, the ACKs made at the broker for other instances that could not be reached, until they ask.
+    untold: untold::Untold,
 }
 
 impl Dispatcher {
@@ -323,6 +326,7 @@ impl Dispatcher {
         issuer: Issuer<'_>,
     ) -> Result<(Arc<Dispatcher>, RecoveryReport), DeliveryError> {
         let group_order = group_order::GroupOrder::new(broker.clone(), config.follow_group_config);
+        let untold = untold::Untold::load(store.clone(), untold::MAX_UNTOLD).map_err(DeliveryError::Store)?;
         let deliveries = Arc::new(
             Deliveries::new(store, broker, publisher, config)
                 .with_instance(issuer.instance, issuer.lease_seal)
@@ -336,6 +340,7 @@ impl Dispatcher {
             webhooks: parking_lot::Mutex::new(std::collections::HashMap::new()),
             webhook_targets: Arc::new(webhook_targets),
             group_order,
+            untold,
         });
         dispatcher.spawn(sweeper::run(deliveries.clone()));
         dispatcher.spawn(gauges::run(deliveries.clone()));
@@ -691,6 +696,18 @@ impl Dispatcher {
     /// the ACK.
     pub async fn ack_lease(&self, lease: &Lease) -> Result<(), DeliveryError> {
         self.deliveries.ack_lease(lease).await
+    }
+
+    /// Keeps a note, in the store, that `target`, handed out by instance `owner`, was ACKed at the broker
+    /// without it ([`Dispatcher::ack_lease`]), until `owner` asks ([`Dispatcher::take_untold`]).
+    pub async fn note_untold(&self, owner: &str, target: Target<'_>) {
+        self.untold.remember(owner, target).await;
+    }
+
+    /// The deliveries of instance `owner` ACKed at the broker without it (delivery id, hand-out), not told to it
+    /// yet; from now on they are told.
+    pub async fn take_untold(&self, owner: &str) -> Vec<(String, Option<u32>)> {
+        self.untold.take(owner).await
     }
 
     /// NACK: the attempt is spent; the next is scheduled after `delay` (or the backoff), or the DLQ.

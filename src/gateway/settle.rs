@@ -70,10 +70,6 @@ pub trait Owners: Send + Sync {
         action: &'a Settle,
     ) -> BoxFuture<'a, Result<Settled, GatewayError>>;
 
-    /// Delivery `target`, handed out by `owner`, was ACKed at the broker without it (it could not be reached):
-    /// to be told to it when it can be, so that it does not hand the message out again.
-    fn settled_without_owner(&self, owner: &str, target: Target<'_>);
-
     /// Asks the other instances to end a transaction this one has no record of, as `caller` asked: the answer
     /// of the instance that recorded it, `None` when none did (or none could be asked).
     fn end_elsewhere<'a>(
@@ -133,7 +129,7 @@ impl Settling<'_> {
             if let Some(owner) = owners.elsewhere(settlement.target.id) {
                 return match owners.settle_at(&owner, caller, settlement, action).await {
                     Err(GatewayError::Unavailable(why)) => {
-                        self.settle_without_owner(owners, &owner, caller, settlement, action, why).await
+                        self.settle_without_owner(&owner, caller, settlement, action, why).await
                     }
                     answered => answered,
                 };
@@ -167,7 +163,6 @@ impl Settling<'_> {
     /// the owner's own ACK, once it learns of it, settles the message.
     async fn settle_without_owner(
         &self,
-        owners: &Arc<dyn Owners>,
         owner: &str,
         caller: &Caller,
         settlement: Settlement<'_>,
@@ -209,7 +204,9 @@ impl Settling<'_> {
                 "Settled at the broker without the instance that handed the delivery out (it cannot be reached)."
             );
             if let Settle::Ack = action {
-                owners.settled_without_owner(owner, settlement.target);
+                // Told to the owner when it asks (kept in the store meanwhile), so that it does not hand the
+                // message out again.
+                self.dispatcher.note_untold(owner, settlement.target).await;
             }
         }
         outcome.map_err(|error: DeliveryError| error.into())

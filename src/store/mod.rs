@@ -58,16 +58,20 @@ pub enum Family {
     Published,
     /// Transactional messages: what ending each transaction needs, and how it ended, by transaction id.
     Transactions,
+    /// In a tier, ACKs made at the broker for another instance's deliveries while it could not be reached,
+    /// keyed by that instance and the delivery id, until it is told.
+    UntoldAcks,
 }
 
 impl Family {
-    const ALL: [Family; 6] = [
+    const ALL: [Family; 7] = [
         Family::Deliveries,
         Family::Subscriptions,
         Family::DlqReplays,
         Family::Payloads,
         Family::Published,
         Family::Transactions,
+        Family::UntoldAcks,
     ];
 
     /// The family's memtable size. Memtables count in popgate's RSS (two per family at most), so they are
@@ -80,6 +84,8 @@ impl Family {
             Family::Payloads => 4 * 1024 * 1024,
             Family::Deliveries => 8 * 1024 * 1024,
             Family::Subscriptions | Family::DlqReplays | Family::Published | Family::Transactions => 4 * 1024 * 1024,
+            // Written only while a peer cannot be reached.
+            Family::UntoldAcks => 1024 * 1024,
         }
     }
 
@@ -91,6 +97,7 @@ impl Family {
             Family::Payloads => "payloads",
             Family::Published => "published",
             Family::Transactions => "transactions",
+            Family::UntoldAcks => "untold_acks",
         }
     }
 }

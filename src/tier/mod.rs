@@ -19,7 +19,7 @@ mod proto;
 pub mod server;
 mod wire;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -44,40 +44,6 @@ const SIGNATURE_HEADER: &str = "x-popgate-peer-signature";
 const MAX_SKEW_MS: i64 = 30_000;
 /// The soonest the peers are looked up again for a settlement of an instance not known yet.
 const LOOKUP_AGAIN_AFTER: Duration = Duration::from_secs(1);
-/// Most ACKs made at the broker for unreachable owners kept until those owners learn of them, all owners
-/// together (each an id and a number: a few MB at most). Past it the oldest are dropped, and counted: their
-/// owner may hand them out again (at-least-once).
-const MAX_UNTOLD: usize = 100_000;
-
-/// A delivery id and the hand-out ACKed.
-type UntoldAck = (String, Option<u32>);
-
-/// Deliveries of other instances this one ACKed at the broker while they could not be reached, by owner,
-/// until each owner asks (its next look-up of the peers: [`Tier::look_up`]).
-#[derive(Default)]
-pub struct Untold {
-    by_owner: Mutex<HashMap<String, VecDeque<UntoldAck>>>,
-}
-
-impl Untold {
-    fn remember(&self, owner: &str, target: Target<'_>) {
-        let mut by_owner = self.by_owner.lock();
-        let total: usize = by_owner.values().map(VecDeque::len).sum();
-        if total >= MAX_UNTOLD {
-            if let Some(longest) = by_owner.values_mut().max_by_key(|untold| untold.len()) {
-                longest.pop_front();
-                counter!(m::TIER_ACKS_UNTOLD).increment(1);
-            }
-        }
-        by_owner.entry(owner.to_owned()).or_default().push_back((target.id.to_owned(), target.handout));
-    }
-
-    /// What `owner` was not told yet; from now on it is told.
-    pub(crate) fn take(&self, owner: &str) -> Vec<UntoldAck> {
-        self.by_owner.lock().remove(owner).map(Vec::from).unwrap_or_default()
-    }
-}
-
 /// This instance in its tier: its id, and the other instances' peer links.
 pub struct Tier {
     instance: InstanceId,
@@ -89,8 +55,6 @@ pub struct Tier {
     channels: Mutex<HashMap<String, Channel>>,
     /// When the peers were last looked up.
     looked_up: tokio::sync::Mutex<Option<Instant>>,
-    /// What this instance ACKed at the broker for peers that could not be reached, until they ask.
-    untold: Arc<Untold>,
     /// This instance's deliveries, to which what the peers ACKed without it is applied.
     dispatcher: Option<Arc<Dispatcher>>,
 }
@@ -106,15 +70,8 @@ impl Tier {
             peers: Mutex::new(HashMap::new()),
             channels: Mutex::new(HashMap::new()),
             looked_up: tokio::sync::Mutex::new(None),
-            untold: Arc::default(),
             dispatcher,
         })
-    }
-
-    /// What this instance ACKed at the broker for unreachable peers: the peer link's server tells each when it
-    /// asks.
-    pub fn untold(&self) -> Arc<Untold> {
-        self.untold.clone()
     }
 
     /// This instance's id.
@@ -308,10 +265,6 @@ impl Owners for Tier {
         Box::pin(self.forward(owner, caller, settlement, action))
     }
 
-    fn settled_without_owner(&self, owner: &str, target: Target<'_>) {
-        self.untold.remember(owner, target);
-    }
-
     fn end_elsewhere<'a>(
         &'a self,
         caller: &'a Caller,
@@ -374,20 +327,6 @@ mod tests {
         replayed.metadata_mut().insert(SIGNATURE_HEADER, stale.parse().expect("ascii"));
         assert!(!signed_by_the_tier(&replayed, secret, "settle", "x"), "too old");
         assert!(!signed_by_the_tier(&tonic::Request::new(()), secret, "settle", "x"), "unsigned");
-    }
-
-    #[test]
-    fn untold_acks_are_bounded_over_all_owners_the_oldest_of_the_longest_dropped() {
-        let untold = Untold::default();
-        for n in 0..MAX_UNTOLD {
-            untold.remember("popgate-1", Target { id: &format!("popgate-1~{n}"), handout: Some(1) });
-        }
-        untold.remember("popgate-2", Target { id: "popgate-2~0", handout: None });
-        let first = untold.take("popgate-1");
-        assert_eq!(first.len(), MAX_UNTOLD - 1, "one dropped to keep the bound");
-        assert_eq!(first[0].0, "popgate-1~1", "the oldest went");
-        assert_eq!(untold.take("popgate-2"), vec![("popgate-2~0".to_owned(), None)]);
-        assert!(untold.take("popgate-2").is_empty(), "told once");
     }
 
     #[test]

@@ -13,7 +13,7 @@ use tonic::{Request, Response, Status};
 
 use super::proto::peer_server::{Peer, PeerServer};
 use super::proto::{self as pb};
-use super::{signed_by_the_tier, wire, InstanceId, Untold};
+use super::{signed_by_the_tier, wire, InstanceId};
 use crate::auth::{Caller, TokenTable};
 use crate::gateway::below::{DeliveryError, Dispatcher, Transactions};
 use crate::gateway::{Ending, GatewayError, Settling};
@@ -26,7 +26,6 @@ pub struct PeerService {
     dispatcher: Arc<Dispatcher>,
     transactions: Arc<Transactions>,
     tokens: Arc<TokenTable>,
-    untold: Arc<Untold>,
 }
 
 /// The parts of popgate the peer link's server settles and ends with.
@@ -37,15 +36,13 @@ pub struct PeerParts {
     pub transactions: Arc<Transactions>,
     /// The tokens (and cluster users) callers are looked up in by name.
     pub tokens: Arc<TokenTable>,
-    /// What this instance ACKed at the broker for unreachable peers ([`super::Tier::untold`]).
-    pub untold: Arc<Untold>,
 }
 
 impl PeerService {
     /// The server of instance `instance`, which checks requests against `secret`.
     pub fn new(instance: InstanceId, secret: &str, parts: PeerParts) -> Self {
-        let PeerParts { dispatcher, transactions, tokens, untold } = parts;
-        PeerService { instance, secret: secret.as_bytes().to_vec(), dispatcher, transactions, tokens, untold }
+        let PeerParts { dispatcher, transactions, tokens } = parts;
+        PeerService { instance, secret: secret.as_bytes().to_vec(), dispatcher, transactions, tokens }
     }
 
     /// The caller `name` another instance authenticated (its request came from `source_ip`), as this instance
@@ -67,8 +64,9 @@ impl Peer for PeerService {
             return Err(Status::unauthenticated("not signed with the tier's secret"));
         }
         let acked_without_you = self
-            .untold
-            .take(&asker)
+            .dispatcher
+            .take_untold(&asker)
+            .await
             .into_iter()
             .map(|(delivery_id, hand_out)| pb::AckedWithoutYou { delivery_id, hand_out })
             .collect();
