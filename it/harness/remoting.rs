@@ -55,6 +55,13 @@ impl RemotingClient {
         Scenario::start_jar(self.driver_jar(), &format!("rocketmq-client {}", self.0), &jvm, scenario, args)
     }
 
+    /// As [`RemotingClient::start`], with the client logging at info (on stderr, see
+    /// [`Scenario::finish_with_log`]): its rebalances, heartbeats and what failed in them.
+    pub fn start_logging(self, scenario: &str, args: &Value) -> Scenario {
+        let jvm = ["-Xmx256m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1", "-Drocketmq.log.level=info"];
+        Scenario::start_jar(self.driver_jar(), &format!("rocketmq-client {}", self.0), &jvm, scenario, args)
+    }
+
     /// Runs `scenario` on this version to its end; panics when it fails as a whole.
     pub async fn run(self, scenario: &str, args: &Value, timeout: Duration) -> Value {
         self.start(scenario, args).finish(timeout).await

@@ -114,6 +114,15 @@ impl Scenario {
         result
     }
 
+    /// As [`Scenario::finish`], with the driver's stderr (the client's own log), for a test that shows it when
+    /// a timing it checks was not met.
+    pub async fn finish_with_log(self, timeout: Duration) -> (Value, String) {
+        let what = self.what.clone();
+        let (result, stderr) = self.output(timeout).await;
+        assert!(result.get("error").is_none(), "the driver failed ({what}): {result}\nstderr: {stderr}");
+        (result, stderr)
+    }
+
     /// As [`Scenario::finish`], for a scenario expected to fail as a whole (a client refused at start).
     pub async fn finish_allowing_error(self, timeout: Duration) -> Value {
         self.output(timeout).await.0

@@ -330,12 +330,8 @@ impl Clients {
     }
 
     /// Tells every member of each of `groups` that its members changed: they rebalance at once (one-way,
-    /// as a broker does).
-    ///
-    /// Only once the brokers have the subscription of the heartbeat that changed them, and before that heartbeat
-    /// is answered, as a broker does: the client's rebalance sends a heartbeat of its own, which it skips while
-    /// another is unanswered, and without it the broker refuses the pulls that name the rebalanced subscription
-    /// (`SUBSCRIPTION_NOT_LATEST`) until the next periodic heartbeat.
+    /// as a broker does). After a heartbeat, only once the brokers have its subscriptions and its answer is
+    /// queued ([`super::relay::heartbeat`] says why).
     pub fn tell_members(&self, groups: &[String]) {
         if groups.is_empty() {
             return;

@@ -302,6 +302,8 @@ fn dispatch(front: &Arc<Front>, connection: &Connection, request: RemotingComman
             // An answer that hands out deliveries: whether it left decides what becomes of them.
             (false, false) => connection.answer_written(answer).await,
         };
+        // Queued behind the answer, so the client reads it first (see `relay::heartbeat`).
+        front.clients.tell_members(&reply.then_tell);
         if !reply.handed.is_empty() {
             front.after_reply(reply.handed, written).await;
         }

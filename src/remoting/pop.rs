@@ -234,7 +234,7 @@ fn popped_answer(deliveries: &[Dispatched], bname: &str, invisible_ms: u64) -> (
         answer.add_ext_field("msgOffsetInfo", each.join(";"));
         answer = answer.set_body(encoded.freeze());
     }
-    (Reply { command: answer, handed }, unencodable)
+    (Reply { command: answer, handed, then_tell: Vec::new() }, unencodable)
 }
 
 /// A delivery as the broker stores a message (`MessageDecoder.encode`), with the attempt as its

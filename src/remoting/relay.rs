@@ -17,7 +17,7 @@ use serde::Deserialize;
 use super::clients::{Heartbeat, Registration};
 use super::codes;
 use super::connection::Connection;
-use super::service::{error, field, Front, Refusal};
+use super::service::{error, field, Front, Refusal, Reply};
 use crate::auth::Caller;
 use crate::gateway;
 use crate::metrics as m;
@@ -34,19 +34,26 @@ const MASTERS_TTL: Duration = Duration::from_secs(5);
 
 /// `HEART_BEAT`: the client's groups are recorded here (membership, rebalance notifications), and its consumer
 /// groups are passed on to every master broker, which needs a group's subscription to serve its pulls.
+///
+/// The members of a group the heartbeat changed are told to rebalance only once the brokers have its
+/// subscriptions, and behind the heartbeat's answer: a rebalance that moves queues sends a heartbeat with a new
+/// subscription version, which the client skips while another of its heartbeats is unanswered, and a broker
+/// refuses every pull naming that version (`SUBSCRIPTION_NOT_LATEST`) until a later heartbeat brings it (seen: a
+/// new consumer's first message 20 s late on a loaded machine, where the notification came first).
 pub(super) async fn heartbeat(
     front: &Front,
     connection: &Connection,
     caller: &Caller,
     request: &RemotingCommand,
-) -> RemotingCommand {
+) -> Reply {
     let Some(registration) = Registration::of(request) else {
-        return error(codes::SYSTEM_ERROR, "HEART_BEAT without a body (HeartbeatData)");
+        return error(codes::SYSTEM_ERROR, "HEART_BEAT without a body (HeartbeatData)").into();
     };
     let heartbeat: Heartbeat = match serde_json::from_slice(registration.body()) {
         Ok(heartbeat) => heartbeat,
         Err(why) => {
-            return error(codes::SYSTEM_ERROR, format!("the HEART_BEAT body (HeartbeatData) does not decode: {why}"))
+            let why = format!("the HEART_BEAT body (HeartbeatData) does not decode: {why}");
+            return error(codes::SYSTEM_ERROR, why).into();
         }
     };
     // Each consumer group, and each topic it subscribes to as that group (its `%RETRY%` topic is the group's).
@@ -58,18 +65,17 @@ pub(super) async fn heartbeat(
             .try_for_each(|s| gateway::may_read(caller, &consumer.group_name, &s.topic))
     });
     if let Err(refused) = may_read_all {
-        return Refusal::from(refused).answer();
+        return Refusal::from(refused).answer().into();
     }
     let changed = match front.clients.heartbeat(connection, caller, &heartbeat) {
         Ok(changed) => changed,
-        Err(refused) => return Refusal::from(refused).answer(),
+        Err(refused) => return Refusal::from(refused).answer().into(),
     };
     let forward = front.clients.should_forward(&heartbeat.client_id, &registration, HEARTBEAT_FORWARD_INTERVAL);
     if !heartbeat.consumer_data_set.is_empty() && forward {
         forward_to_masters(front, request).await;
     }
-    front.clients.tell_members(&changed);
-    RemotingCommand::create_success_response_command()
+    Reply { command: RemotingCommand::create_success_response_command(), handed: Vec::new(), then_tell: changed }
 }
 
 /// Passes `request` on to every master broker, and waits for their answers (a pull right after start-up

@@ -168,7 +168,7 @@ impl Front {
                 send::send_message(self, caller, request).await
             }
             codes::END_TRANSACTION => transaction::end_transaction(self, caller, &request).await,
-            codes::HEART_BEAT => relay::heartbeat(self, connection, caller, &request).await,
+            codes::HEART_BEAT => return Some(relay::heartbeat(self, connection, caller, &request).await),
             codes::UNREGISTER_CLIENT => relay::unregister(self, caller, &request).await,
             codes::GET_CONSUMER_LIST_BY_GROUP => relay::consumer_list(self, caller, &request),
             codes::CHECK_CLIENT_CONFIG => relay::check_client_config(self, caller, &request).await,
@@ -210,11 +210,14 @@ pub(super) struct Reply {
     pub command: RemotingCommand,
     /// The hand-outs it carries (delivery id, hand-out number).
     pub handed: Vec<(String, u32)>,
+    /// Consumer groups whose members are told to rebalance once this answer is on its way, behind it on the
+    /// connection ([`super::relay::heartbeat`] says why).
+    pub then_tell: Vec<String>,
 }
 
 impl From<RemotingCommand> for Reply {
     fn from(command: RemotingCommand) -> Reply {
-        Reply { command, handed: Vec::new() }
+        Reply { command, handed: Vec::new(), then_tell: Vec::new() }
     }
 }
 
