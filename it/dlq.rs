@@ -263,7 +263,10 @@ async fn a_replay_whose_ledger_cannot_be_written_stops_is_counted_and_finishes_o
     let (status, answer) = popgate.post_json(&format!("/admin/dlq/replay?group={group}&max=100"), &json!({})).await;
     assert_eq!(status, 200, "{answer}");
     let results = answer["results"].as_array().cloned().unwrap_or_default();
-    assert_eq!(results.len(), count - attempt, "everything not yet replayed is replayed now: {answer}");
+    // The refused replay's message is replayed now, unless the write that failed was its second entry's sync
+    // (`replayed`, after the publish): then it went out, the entry stands, and it is not sent again.
+    let not_yet_replayed = [count - attempt, count - attempt - 1];
+    assert!(not_yet_replayed.contains(&results.len()), "everything not yet replayed is replayed now: {answer}");
     assert!(results.iter().all(|r| r["status"] == "replayed"), "{answer}");
     assert!(browse(&popgate, &group).await.is_empty(), "the DLQ view is empty");
 }
