@@ -16,6 +16,9 @@ use serde_json::Value;
 
 use super::sdk::Scenario;
 
+/// The JVM options every driver process runs with: small and quick to start, many run at once.
+const DRIVER_JVM: [&str; 3] = ["-Xmx256m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1"];
+
 /// One version of the remoting client the driver is built against.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RemotingClient(pub &'static str);
@@ -51,14 +54,13 @@ impl RemotingClient {
 
     /// Starts `scenario` with `args` on this client version.
     pub fn start(self, scenario: &str, args: &Value) -> Scenario {
-        let jvm = ["-Xmx256m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1"];
-        Scenario::start_jar(self.driver_jar(), &format!("rocketmq-client {}", self.0), &jvm, scenario, args)
+        Scenario::start_jar(self.driver_jar(), &format!("rocketmq-client {}", self.0), &DRIVER_JVM, scenario, args)
     }
 
     /// As [`RemotingClient::start`], with the client logging at info (on stderr, see
     /// [`Scenario::finish_with_log`]): its rebalances, heartbeats and what failed in them.
     pub fn start_logging(self, scenario: &str, args: &Value) -> Scenario {
-        let jvm = ["-Xmx256m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1", "-Drocketmq.log.level=info"];
+        let jvm = [&DRIVER_JVM[..], &["-Drocketmq.log.level=info"]].concat();
         Scenario::start_jar(self.driver_jar(), &format!("rocketmq-client {}", self.0), &jvm, scenario, args)
     }
 
