@@ -125,8 +125,9 @@ pub const REMOTING_REQUESTS: &str = "popgate_remoting_requests_total";
 /// Counter (`code`, `result`): remoting requests relayed to a broker, by request code and result (`ok`: the
 /// broker answered, whatever it said; `refused`; `unreachable`).
 pub const REMOTING_RELAYS: &str = "popgate_remoting_relays_total";
-/// Counter (`result`: `ok`, `failed`): remoting consumers' registrations passed on to a broker again because
-/// one of their pulls found the broker without their group's subscription (popgate's connection to it closed).
+/// Counter (`result`: `ok`, `failed`, `coalesced`): remoting consumers' registrations passed on to a broker again
+/// because one of their pulls found the broker without their group's subscription (popgate's connection to it
+/// closed); `coalesced`: a refused pull that took the outcome of its group's re-registration made just before.
 pub const REMOTING_REREGISTRATIONS: &str = "popgate_remoting_reregistrations_total";
 /// Counter (`source`: `cache`, `name_server`, `stale`): remoting route requests (`GET_ROUTEINFO_BY_TOPIC`)
 /// answered, by where the answer came from (`stale`: a cached route, because the name server could not be asked).
@@ -156,7 +157,8 @@ pub const GRPC_CLIENTS: &str = "popgate_grpc_clients";
 pub const PROFILE_MISMATCH: &str = "popgate_profile_mismatch";
 /// Requests refused before or by their handler for a limit or for authentication, by `reason`
 /// (unauthenticated, forbidden, uri_too_long, headers_too_large, body_too_large, batch_too_large,
-/// too_many_waiters, too_many_streams).
+/// too_many_waiters, too_many_streams, too_many_open_calls, too_many_clients, stale_signature,
+/// too_many_tier_ends).
 pub const REQUESTS_REJECTED: &str = "popgate_requests_rejected_total";
 /// TLS handshakes that failed or timed out.
 pub const TLS_HANDSHAKE_FAILURES: &str = "popgate_tls_handshake_failures_total";
@@ -231,7 +233,7 @@ const ZERO_SERIES: &[(&str, &str, &[&str])] = &[
     (PUSH_WRITE_FAILURES, "transport", &["sse", "websocket", "webhook"]),
     (REMOTING_FRAME_ERRORS, "reason", &["oversize", "undecodable", "truncated", "bad_header"]),
     (REMOTING_CONNECTIONS_CLOSED, "reason", &["idle", "not_reading"]),
-    (REMOTING_REREGISTRATIONS, "result", &["ok", "failed"]),
+    (REMOTING_REREGISTRATIONS, "result", &["ok", "failed", "coalesced"]),
     (REMOTING_ROUTE_ANSWERS, "source", &["cache", "name_server", "stale"]),
     (CLUSTER_ACL_READS, "result", &["ok", "failed"]),
     (WEBHOOK_TARGETS_REFUSED, "reason", &["literal", "dns"]),
@@ -257,6 +259,7 @@ const ZERO_SERIES: &[(&str, &str, &[&str])] = &[
             "too_many_open_calls",
             "too_many_clients",
             "stale_signature",
+            "too_many_tier_ends",
         ],
     ),
     (DLQ_REPLAYS, "result", &["replayed", "failed"]),

@@ -123,6 +123,10 @@ pub struct TierConfig {
     /// this long is given back to the broker, which hands it to the next POP of any instance: a client whose
     /// connection a balancer moved to another instance gets it there instead of never.
     pub give_back_unclaimed_ms: u64,
+    /// Transaction ends being asked of the peers at once. An end of a transaction this instance has no record
+    /// of asks every peer; past this many, such an end is answered "try again" instead of asking (a flood of
+    /// ends of made-up ids would otherwise multiply into the peers' calls).
+    pub max_ends_asked_at_once: usize,
 }
 
 impl Default for TierConfig {
@@ -136,6 +140,7 @@ impl Default for TierConfig {
             secret: String::new(),
             forward_timeout_ms: 3_000,
             give_back_unclaimed_ms: 20_000,
+            max_ends_asked_at_once: 64,
         }
     }
 }

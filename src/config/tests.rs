@@ -319,6 +319,8 @@ fn a_tier_needs_a_peer_link_with_a_secret_and_a_valid_instance_id() {
     assert_eq!((config.tier.refresh_secs, config.tier.forward_timeout_ms), (10, 3_000));
     assert_eq!(config.tier.give_back_unclaimed_ms, 20_000);
     assert!(error(&format!("{with_secret}give_back_unclaimed_ms = 10\n")).contains("tier.give_back_unclaimed_ms"));
+    assert_eq!(config.tier.max_ends_asked_at_once, 64);
+    assert!(error(&format!("{with_secret}max_ends_asked_at_once = 0\n")).contains("tier.max_ends_asked_at_once"));
     assert!(error("[tier]\npeers = [\"127.0.0.1:8091\"]\n").contains("tier.listen"));
     assert!(error(&format!("{with_secret}instance_id = \"Popgate_0\"\n")).contains("tier.instance_id"));
     assert!(error(&format!("{with_secret}instance_id = \"{}\"\n", "a".repeat(41))).contains("tier.instance_id"));

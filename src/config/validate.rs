@@ -250,6 +250,7 @@ fn tier_problems(tier: &super::TierConfig) -> Vec<String> {
         "give_back_unclaimed_ms",
         "must be in 1000..=3600000",
     );
+    check((1..=10_000).contains(&tier.max_ends_asked_at_once), "max_ends_asked_at_once", "must be in 1..=10000");
     out
 }
 

@@ -57,6 +57,8 @@ pub struct Tier {
     looked_up: tokio::sync::Mutex<Option<Instant>>,
     /// This instance's deliveries, to which what the peers ACKed without it is applied.
     dispatcher: Option<Arc<Dispatcher>>,
+    /// Transaction ends being asked of the peers now, at most `tier.max_ends_asked_at_once`.
+    ends_asked: tokio::sync::Semaphore,
 }
 
 impl Tier {
@@ -71,6 +73,7 @@ impl Tier {
             channels: Mutex::new(HashMap::new()),
             looked_up: tokio::sync::Mutex::new(None),
             dispatcher,
+            ends_asked: tokio::sync::Semaphore::new(config.max_ends_asked_at_once),
         })
     }
 
@@ -221,6 +224,17 @@ impl Tier {
     async fn end_at_peers(&self, caller: &Caller, request: EndRequest<'_>) -> Option<Result<EndOutcome, GatewayError>> {
         let peers: Vec<PeerClient<Channel>> = self.peers.lock().values().cloned().collect();
         let asked = wire::end_request(caller, request)?;
+        if peers.is_empty() {
+            return None;
+        }
+        // Each such end becomes a call to every peer: bounded, so ends of made-up ids cannot multiply into them.
+        let Ok(_asking) = self.ends_asked.try_acquire() else {
+            counter!(m::REQUESTS_REJECTED, "reason" => "too_many_tier_ends").increment(1);
+            return Some(Err(GatewayError::Unavailable(format!(
+                "{} transaction ends are being asked of the tier's peers already (tier.max_ends_asked_at_once); try again",
+                self.config.max_ends_asked_at_once
+            ))));
+        };
         let ends = peers.into_iter().map(|mut client| {
             let mut call = tonic::Request::new(asked.clone());
             call.set_timeout(self.timeout());

@@ -257,6 +257,10 @@ public final class Driver {
         boolean stopOnRejection = a.bool("stopOnRejection", true);
         // `expect` counts distinct bodies, not receipts (a consumer whose ACKs may be lost sees some twice).
         boolean distinct = a.bool("distinct", false);
+        // After an ACK failed (a connection cut under it), go on receiving this long for the message to come back
+        // and be ACKed again: the failed ACK may or may not have landed. Bodies that did not come back are listed
+        // in `ackUnconfirmed` (their ACK most likely landed; the caller checks where the messages are).
+        long ackFailedGraceMs = a.integer("ackFailedGraceSeconds", 0) * 1000L;
         ClientConfiguration config = clientConfiguration(a, endpoint);
         a.rejectUnknown();
 
@@ -284,7 +288,10 @@ public final class Driver {
         int receiveCalls = 0;
         boolean stoppedOnError = false;
         Set<String> bodies = new HashSet<>();
-        while (System.currentTimeMillis() < deadline && (expect <= 0 || (distinct ? bodies.size() : received.size()) < expect)) {
+        Map<String, Long> ackFailedAtMs = new LinkedHashMap<>(); // body -> when its last ACK failed, until one succeeds
+        while (System.currentTimeMillis() < deadline
+            && (expect <= 0 || (distinct ? bodies.size() : received.size()) < expect
+                || awaitingReturn(ackFailedAtMs, ackFailedGraceMs))) {
             int seen = distinct ? bodies.size() : received.size();
             int want = expect > 0 ? Math.max(1, Math.min(maxMessageNum, expect - seen)) : maxMessageNum;
             List<MessageView> views;
@@ -332,9 +339,11 @@ public final class Driver {
                         consumer.ack(view);
                         entry.put("acked", true);
                         entry.put("ackMs", System.currentTimeMillis() - a0);
+                        ackFailedAtMs.remove((String) entry.get("body"));
                     } catch (Throwable t) {
                         entry.put("acked", false);
                         ackErrors.add(messageError(view, entry, t));
+                        ackFailedAtMs.put((String) entry.get("body"), System.currentTimeMillis());
                     }
                 } else {
                     entry.put("acked", false);
@@ -344,6 +353,7 @@ public final class Driver {
         out.put("receiveCalls", receiveCalls);
         out.put("received", received);
         out.put("ackErrors", ackErrors);
+        out.put("ackUnconfirmed", new ArrayList<>(ackFailedAtMs.keySet()));
         out.put("changeInvisibleErrors", changeInvisibleErrors);
         out.put("receiveErrors", receiveErrors);
         out.put("receiveMs", receiveMs);
@@ -373,6 +383,10 @@ public final class Driver {
         Integer maxCache = a.has("maxCacheMessageCount") ? a.integer("maxCacheMessageCount", 1024) : null;
         // `expect`/`expectSuccess` count distinct bodies, not listener calls.
         boolean distinct = a.bool("distinct", false);
+        // After an ACK failed (a connection cut under it), go on receiving this long for the message to come back
+        // and be ACKed again: the failed ACK may or may not have landed. Bodies that did not come back are listed
+        // in `ackUnconfirmed` (their ACK most likely landed; the caller checks where the messages are).
+        long ackFailedGraceMs = a.integer("ackFailedGraceSeconds", 0) * 1000L;
         ClientConfiguration config = clientConfiguration(a, endpoint);
         a.rejectUnknown();
 
@@ -690,6 +704,12 @@ public final class Driver {
         e.put("body", body);
         e.put("sentAtMs", t0);
         return e;
+    }
+
+    /** Whether a message whose ACK failed may still come back: its last failed ACK is younger than `graceMs`. */
+    private static boolean awaitingReturn(Map<String, Long> ackFailedAtMs, long graceMs) {
+        long now = System.currentTimeMillis();
+        return ackFailedAtMs.values().stream().anyMatch(at -> now - at < graceMs);
     }
 
     private static Map<String, Object> messageError(MessageView view, Map<String, Object> entry, Throwable t) {
