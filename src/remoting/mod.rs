@@ -29,6 +29,7 @@ mod offset_turns;
 mod pop;
 mod ports;
 mod relay;
+mod reregistrations;
 mod route;
 mod send;
 mod service;

@@ -342,12 +342,18 @@ fn lost_its_registration(request: &RemotingCommand, answer: &Relayed) -> bool {
 /// Registers the consumer group of pull `request` again at broker `addr`, with the heartbeats its members last
 /// sent here; whether the broker took one. Straight at the broker the client's next heartbeat would, up to 30 s
 /// later, with its pulls refused until then; here the pull that found the group missing is relayed once more.
+/// Once for a burst of such pulls ([`super::reregistrations`]).
 async fn register_again(front: &Front, request: &RemotingCommand, addr: &str) -> bool {
     let Some(group) = field(request, "consumerGroup") else { return false };
-    let registrations = front.clients.registrations_of(group);
-    if registrations.is_empty() {
+    if !front.clients.has_registrations(group) {
         return false;
     }
+    front.reregistrations.once(group, addr, || pass_on_registrations(front, group, addr)).await
+}
+
+/// Passes the heartbeats consumer group `group`'s members last sent here on to broker `addr` again.
+async fn pass_on_registrations(front: &Front, group: &str, addr: &str) -> bool {
+    let registrations = front.clients.registrations_of(group);
     let timeout = front.config.broker.request_timeout();
     let mut taken = false;
     for registration in registrations {

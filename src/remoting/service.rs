@@ -16,6 +16,7 @@ use super::codes;
 use super::connection::Connection;
 use super::offset_turns::OffsetTurns;
 use super::ports::{self, BrokerPorts};
+use super::reregistrations::Reregistrations;
 use super::{auth, pop, relay, route, send, transaction, Parts};
 use crate::auth::{Caller, TokenTable};
 use crate::config::Config;
@@ -47,6 +48,8 @@ pub(super) struct Front {
     pub connection_slots: Arc<Semaphore>,
     /// A broker's offset commits and queries of a topic and group, relayed one at a time in the order they came.
     pub offset_turns: OffsetTurns,
+    /// The groups lately registered again at a broker that forgot them, so a burst of refused pulls does it once.
+    pub reregistrations: Reregistrations,
     /// The name server's recent route answers.
     pub routes: super::route::RouteCache,
     /// Turns true when popgate stops.
@@ -89,6 +92,7 @@ impl Front {
             tls: tokio_rustls::TlsAcceptor::from(parts.tls),
             connection_slots: Arc::new(Semaphore::new(config.remoting.max_connections)),
             offset_turns: OffsetTurns::default(),
+            reregistrations: Reregistrations::default(),
             routes: super::route::RouteCache::new(config.broker.route_ttl()),
             config,
             advertised,
