@@ -1,11 +1,15 @@
 //! A tier's cost (issue #35): an ACK settled on the instance that handed the delivery out against the same ACK
-//! sent to another instance, which asks the owner over the peer link. Two instances; `BENCH_TIER_ACKS`
-//! deliveries (200; 20 in the smoke run) polled on the first, half ACKed there and half on the second, one ACK
-//! at a time so each latency is the ACK's own. Printed: each path's ACK latency (p50, p99) and the ratio
-//! forwarded / local, and the CPU both instances spent per ACK on each path.
+//! sent to another instance, which asks the owner over the peer link. Two instances, in two rounds:
+//! - latency: `BENCH_TIER_ACKS` deliveries (200; 20 in the smoke run) polled on the first, half ACKed there and
+//!   half on the second, one ACK at a time so each latency is the ACK's own;
+//! - throughput: as many again, half ACKed on each path with `BENCH_TIER_CONCURRENCY` (16) ACKs in flight.
+//!
+//! Printed: each path's ACK latency (p50, p99), its ACKs/s, the CPU both instances spent per ACK, and the ratios
+//! forwarded / local.
 
 use std::time::{Duration, Instant};
 
+use futures::stream::{self, StreamExt};
 use serde_json::{json, Value};
 
 use crate::harness::popgate::Popgate;
@@ -49,18 +53,41 @@ async fn ack_each(
     (latencies, cpu_after.saturating_sub(cpu_before))
 }
 
+/// ACKs `ids` at `at` with `concurrency` ACKs in flight: ACKs per second.
+async fn ack_concurrently(client: &reqwest::Client, at: &Popgate, ids: &[String], concurrency: usize) -> f64 {
+    let started = Instant::now();
+    stream::iter(ids)
+        .for_each_concurrent(concurrency, |id| async move {
+            let answer = client
+                .post(format!("{}/events/ack", at.base))
+                .json(&json!({"deliveryId": id}))
+                .send()
+                .await
+                .expect("ACK");
+            assert_eq!(answer.status().as_u16(), 200, "ACK of {id} at {}", at.base);
+        })
+        .await;
+    ids.len() as f64 / started.elapsed().as_secs_f64().max(f64::EPSILON)
+}
+
+/// Publishes `count` events on `owner` and polls them there: their delivery ids.
+async fn held_on(owner: &Popgate, topic: &str, group: &str, round: &str, count: usize) -> Vec<String> {
+    let bodies: Vec<String> = (0..count).map(|n| format!("tier-{round}-{n}")).collect();
+    owner.publish_bodies(topic, &bodies).await;
+    let held = owner.poll_until(group, topic, count, Duration::from_secs(60)).await;
+    assert_eq!(held.len(), count, "every event of the {round} round handed out by the first instance");
+    held.iter().map(crate::harness::popgate::id).collect()
+}
+
 /// The tier's forwarded ACK against the local one.
 pub async fn tier(params: &Params, namesrv: &str, topic: &str) -> Value {
     let acks: usize = env_or("BENCH_TIER_ACKS", if params.full { 200 } else { 20 });
     let ports = [free_port(), free_port()];
     let configs = [instance_toml(0, &ports), instance_toml(1, &ports)];
     let (owner, other) = tokio::join!(Popgate::start(namesrv, &configs[0]), Popgate::start(namesrv, &configs[1]));
-    let bodies: Vec<String> = (0..acks).map(|n| format!("tier-{n}")).collect();
-    owner.publish_bodies(topic, &bodies).await;
+    let concurrency: usize = env_or("BENCH_TIER_CONCURRENCY", 16);
     let group = format!("{topic}_g");
-    let held = owner.poll_until(&group, topic, acks, Duration::from_secs(60)).await;
-    assert_eq!(held.len(), acks, "every event handed out by the first instance");
-    let ids: Vec<String> = held.iter().map(crate::harness::popgate::id).collect();
+    let ids = held_on(&owner, topic, &group, "latency", acks).await;
     let (local_ids, forwarded_ids) = ids.split_at(acks / 2);
     let client = reqwest::Client::new();
     let both = [&owner, &other];
@@ -69,17 +96,22 @@ pub async fn tier(params: &Params, namesrv: &str, topic: &str) -> Value {
     ack_each(&client, &other, warm, &both).await;
     let (local, local_cpu) = ack_each(&client, &owner, local_ids, &both).await;
     let (forwarded, forwarded_cpu) = ack_each(&client, &other, rest, &both).await;
-    let summary = |latencies: &[f64], cpu: Duration| {
+    let ids = held_on(&owner, topic, &group, "throughput", acks).await;
+    let (local_ids, forwarded_ids) = ids.split_at(acks / 2);
+    let local_rate = ack_concurrently(&client, &owner, local_ids, concurrency).await;
+    let forwarded_rate = ack_concurrently(&client, &other, forwarded_ids, concurrency).await;
+    let summary = |latencies: &[f64], cpu: Duration, acks_per_sec: f64| {
         let per_ack_us = cpu.as_micros() as f64 / latencies.len().max(1) as f64;
         json!({"acks": latencies.len(), "p50Ms": percentile(latencies, 50.0), "p99Ms": percentile(latencies, 99.0),
-               "cpuUsPerAck": per_ack_us.round()})
+               "cpuUsPerAck": per_ack_us.round(), "acksPerSec": acks_per_sec.round(), "concurrency": concurrency})
     };
     let ratio = |a: f64, b: f64| if b > 0.0 { ((a / b) * 100.0).round() / 100.0 } else { 0.0 };
     let forwarded_metric = other.metric(r#"popgate_tier_settlements_forwarded_total{action="ack",result="ok"}"#).await;
     json!({
-        "local": summary(&local, local_cpu),
-        "forwarded": summary(&forwarded, forwarded_cpu),
+        "local": summary(&local, local_cpu, local_rate),
+        "forwarded": summary(&forwarded, forwarded_cpu, forwarded_rate),
         "forwardedOverLocal": {
+            "acksPerSec": ratio(forwarded_rate, local_rate),
             "p50": ratio(percentile(&forwarded, 50.0), percentile(&local, 50.0)),
             "p99": ratio(percentile(&forwarded, 99.0), percentile(&local, 99.0)),
             "cpuPerAck": ratio(forwarded_cpu.as_secs_f64() / forwarded.len().max(1) as f64,
@@ -97,5 +129,12 @@ pub fn check_smoke(report: &Value) {
     let local = report["local"]["acks"].as_u64().unwrap_or(0);
     let forwarded = report["forwarded"]["acks"].as_u64().unwrap_or(0);
     assert!(local > 0 && forwarded > 0, "smoke: tier ACKs on both paths: {report}");
-    assert_eq!(report["forwardedCounted"].as_f64(), Some(forwarded as f64 + 1.0), "smoke: tier forwarded: {report}");
+    // Each round sends the second half of its deliveries to the other instance; the latency round leaves its
+    // first forwarded ACK out of the figures (it opens the link).
+    let forwarded_per_round = forwarded + 1;
+    let forwarded_in_all = 2 * forwarded_per_round;
+    assert_eq!(report["forwardedCounted"].as_f64(), Some(forwarded_in_all as f64), "smoke: tier forwarded: {report}");
+    for path in ["local", "forwarded"] {
+        assert!(report[path]["acksPerSec"].as_f64().unwrap_or(0.0) > 0.0, "smoke: tier {path} ACKs/s: {report}");
+    }
 }
