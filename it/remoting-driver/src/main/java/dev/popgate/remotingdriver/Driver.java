@@ -986,7 +986,8 @@ public final class Driver {
     /**
      * A TransactionMQProducer sends `count` half messages with sendMessageInTransaction; executeLocalTransaction
      * answers `resolution` (commit | rollback | unknown), checkLocalTransaction answers `checkResolution` (default
-     * commit) and records every check-back. The producer then stays up `lingerMs`, and, with `holdFile`, until that
+     * commit) and records every check-back. With `sendAfterMs`, the first send waits that long after the start.
+     * The producer then stays up `lingerMs`, and, with `holdFile`, until that
      * file exists (at most until `timeoutMs` from the start: "holdTimedOut"). With `endWhenFile`, each local
      * transaction waits until that file exists before it answers (so before the end is sent).
      */
@@ -1003,6 +1004,7 @@ public final class Driver {
         String holdFile = a.string("holdFile", null);
         String endWhenFile = a.string("endWhenFile", null);
         int sendTimeoutMs = a.integer("sendTimeoutMs", 3000);
+        long sendAfterMs = a.longValue("sendAfterMs", 0);
         a.rejectUnknown();
         long endWaitDeadline = startMs + c.timeoutMs;
 
@@ -1056,6 +1058,9 @@ public final class Driver {
         }
         out.put("clientId", producer.buildMQClientId());
         out.put("startedMs", System.currentTimeMillis());
+        // An app that starts its producer at boot and sends later: the client's first scheduled heartbeat (1 s
+        // after the start) goes out before the send has told it of any broker.
+        Thread.sleep(sendAfterMs);
 
         List<Map<String, Object>> sent = new ArrayList<>();
         List<Map<String, Object>> errors = new ArrayList<>();
