@@ -270,7 +270,8 @@ impl Popgate {
         let deadline = Instant::now() + timeout;
         let mut got = Vec::new();
         while got.len() < count && Instant::now() < deadline {
-            got.extend(self.poll(group, topic, count - got.len(), 1_000).await);
+            // A poll hands out at most 256 (`max` is 1..=256).
+            got.extend(self.poll(group, topic, (count - got.len()).min(256), 1_000).await);
         }
         got
     }
