@@ -357,7 +357,8 @@ async fn receive_raw(
 ) -> Vec<pb::Message> {
     let resource = |name: &str| Some(pb::Resource { resource_namespace: String::new(), name: name.to_owned() });
     let mut messages = Vec::new();
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let started = std::time::Instant::now();
+    let deadline = started + Duration::from_secs(60);
     while messages.len() < count && std::time::Instant::now() < deadline {
         let receive = pb::ReceiveMessageRequest {
             group: resource(group),
@@ -379,12 +380,25 @@ async fn receive_raw(
         let mut call = sdk_request(receive);
         call.set_timeout(Duration::from_secs(15));
         let mut stream = client.receive_message(call).await.expect("receive call").into_inner();
-        while let Ok(Some(item)) = stream.message().await {
-            if let Some(pb::receive_message_response::Content::Message(message)) = item.content {
-                messages.push(message);
+        // What each receive ended with, for a failure's output (a receive that hands out nothing says why here).
+        loop {
+            match stream.message().await {
+                Ok(Some(item)) => match item.content {
+                    Some(pb::receive_message_response::Content::Message(message)) => messages.push(message),
+                    Some(pb::receive_message_response::Content::Status(status)) if status.code != Code::Ok as i32 => {
+                        println!("receive of {group}: status {} {:?}", status.code, status.message);
+                    }
+                    _ => {}
+                },
+                Ok(None) => break,
+                Err(failed) => {
+                    println!("receive of {group}: {failed:?}");
+                    break;
+                }
             }
         }
     }
+    println!("receive of {group}: {} of {count} in {:?}", messages.len(), started.elapsed());
     messages
 }
 
