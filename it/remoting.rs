@@ -1074,6 +1074,32 @@ pub(crate) fn consumer_heartbeat(client_id: &str, group: &str, topic: &str) -> R
     RemotingCommand::create_remoting_command(34).set_body(body.to_string().into_bytes())
 }
 
+/// A `PULL_MESSAGE` of `group` from queue `queue_id` of `topic` at broker-a, from offset 0, for one message;
+/// with `suspend_ms`, held by the broker that long until a message comes (`FLAG_SUSPEND`).
+pub(crate) fn raw_pull(group: &str, topic: &str, queue_id: &str, suspend_ms: Option<&str>) -> RemotingCommand {
+    let (sys_flag, suspend_ms) = match suspend_ms {
+        Some(held_for) => ("2", held_for),
+        None => ("0", "0"),
+    };
+    raw_request(
+        11,
+        &[
+            ("consumerGroup", group),
+            ("topic", topic),
+            ("queueId", queue_id),
+            ("queueOffset", "0"),
+            ("maxMsgNums", "1"),
+            ("sysFlag", sys_flag),
+            ("commitOffset", "0"),
+            ("suspendTimeoutMillis", suspend_ms),
+            ("subscription", "*"),
+            ("subVersion", "0"),
+            ("expressionType", "TAG"),
+            ("bname", "broker-a"),
+        ],
+    )
+}
+
 /// A request with `fields` as its header, as a 5.4.0 client makes it.
 pub(crate) fn raw_request(code: i32, fields: &[(&str, &str)]) -> RemotingCommand {
     let mut request = RemotingCommand::create_remoting_command(code);
@@ -1334,26 +1360,7 @@ async fn a_burst_of_pulls_refused_after_the_broker_forgot_their_group_registers_
     let mut member = TcpStream::connect(&namesrv).await.expect("connect");
     let registered = ask(&mut member, consumer_heartbeat("burst@1", &group, &topic)).await.expect("answered");
     assert_eq!(registered.code(), 0, "{:?}", registered.remark());
-    let pull_request = |group: &str, queue_id: usize| {
-        let queue_id = queue_id.to_string();
-        raw_request(
-            11,
-            &[
-                ("consumerGroup", group),
-                ("topic", topic.as_str()),
-                ("queueId", queue_id.as_str()),
-                ("queueOffset", "0"),
-                ("maxMsgNums", "1"),
-                ("sysFlag", "0"),
-                ("commitOffset", "0"),
-                ("suspendTimeoutMillis", "0"),
-                ("subscription", "*"),
-                ("subVersion", "0"),
-                ("expressionType", "TAG"),
-                ("bname", "broker-a"),
-            ],
-        )
-    };
+    let pull_request = |group: &str, queue_id: usize| raw_pull(group, &topic, &queue_id.to_string(), None);
     let pull = |group: &str, queue_id: usize| {
         let request = pull_request(group, queue_id);
         let namesrv = namesrv.clone();
@@ -1412,25 +1419,8 @@ async fn a_relayed_pull_popgate_gives_up_on_does_not_fail_the_other_clients_pull
     let mut registering = TcpStream::connect(&namesrv).await.expect("connect");
     let registered = ask(&mut registering, consumer_heartbeat("held@1", &group, &topic)).await.expect("answered");
     assert_eq!(registered.code(), 0, "{:?}", registered.remark());
-    let held_pull = |queue_id: &'static str, suspend_ms: &'static str| {
-        raw_request(
-            11,
-            &[
-                ("consumerGroup", group.as_str()),
-                ("topic", topic.as_str()),
-                ("queueId", queue_id),
-                ("queueOffset", "0"),
-                ("maxMsgNums", "1"),
-                ("sysFlag", "2"), // FLAG_SUSPEND: the broker holds the pull until a message comes or it times out.
-                ("commitOffset", "0"),
-                ("suspendTimeoutMillis", suspend_ms),
-                ("subscription", "*"),
-                ("subVersion", "0"),
-                ("expressionType", "TAG"),
-                ("bname", "broker-a"),
-            ],
-        )
-    };
+    // The broker holds each pull until a message comes or it times out.
+    let held_pull = |queue_id: &str, suspend_ms: &str| raw_pull(&group, &topic, queue_id, Some(suspend_ms));
     let pull_on_own_connection = |request: RemotingCommand| {
         let namesrv = namesrv.clone();
         async move {

@@ -18,7 +18,7 @@ use crate::grpc_raw::{connect, receive_request, receive_signed_as, request, reso
 use crate::harness::popgate::{status_and_json, Popgate};
 use crate::harness::unique_topic;
 use crate::publish::shared_cluster;
-use crate::remoting::{ask, consumer_heartbeat, create_topic, popgate_with_remoting, raw_request};
+use crate::remoting::{ask, consumer_heartbeat, create_topic, popgate_with_remoting, raw_pull, raw_request};
 use crate::remoting_hostile::{raw_send, signed};
 
 const NO_PERMISSION: i32 = 16;
@@ -165,26 +165,7 @@ async fn reading_needs_sub_on_group_and_topic_and_publishing_pub_on_the_topic_on
         let heartbeat = signed(consumer_heartbeat(&format!("sc-{i}@1"), &group, topic), *token);
         let answer = ask(&mut remoting, heartbeat).await.expect("a heartbeat answer");
         seen.push(("remoting HEART_BEAT", remoting_outcome(answer.code(), SUCCESS)));
-        let pull = signed(
-            raw_request(
-                11,
-                &[
-                    ("consumerGroup", group.as_str()),
-                    ("topic", topic),
-                    ("queueId", "0"),
-                    ("queueOffset", "0"),
-                    ("maxMsgNums", "1"),
-                    ("sysFlag", "0"),
-                    ("commitOffset", "0"),
-                    ("suspendTimeoutMillis", "0"),
-                    ("subscription", "*"),
-                    ("subVersion", "0"),
-                    ("expressionType", "TAG"),
-                    ("bname", "broker-a"),
-                ],
-            ),
-            *token,
-        );
+        let pull = signed(raw_pull(&group, topic, "0", None), *token);
         let answer = ask(&mut remoting, pull).await.expect("a pull answer");
         seen.push(("remoting PULL_MESSAGE", remoting_outcome(answer.code(), -1)));
         let pop = signed(

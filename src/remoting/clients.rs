@@ -285,13 +285,6 @@ impl Clients {
         !fresh
     }
 
-    /// Whether a member of consumer group `group` has a registration passed on to the brokers.
-    pub fn has_registrations(&self, group: &str) -> bool {
-        let clients = self.clients.lock();
-        let registered = clients.iter().any(|(_, _, c)| c.consumer_groups.contains_key(group) && c.forwarded.is_some());
-        registered
-    }
-
     /// The registrations last passed on to the brokers of consumer group `group`'s members.
     pub fn registrations_of(&self, group: &str) -> Vec<Registration> {
         let clients = self.clients.lock();

@@ -345,15 +345,15 @@ fn lost_its_registration(request: &RemotingCommand, answer: &Relayed) -> bool {
 /// Once for a burst of such pulls ([`super::reregistrations`]).
 async fn register_again(front: &Front, request: &RemotingCommand, addr: &str) -> bool {
     let Some(group) = field(request, "consumerGroup") else { return false };
-    if !front.clients.has_registrations(group) {
+    let registrations = front.clients.registrations_of(group);
+    if registrations.is_empty() {
         return false;
     }
-    front.reregistrations.once(group, addr, || pass_on_registrations(front, group, addr)).await
+    front.reregistrations.once(group, addr, || pass_on(front, group, registrations, addr)).await
 }
 
-/// Passes the heartbeats consumer group `group`'s members last sent here on to broker `addr` again.
-async fn pass_on_registrations(front: &Front, group: &str, addr: &str) -> bool {
-    let registrations = front.clients.registrations_of(group);
+/// Passes `registrations` (consumer group `group`'s members' last heartbeats) on to broker `addr` again.
+async fn pass_on(front: &Front, group: &str, registrations: Vec<Registration>, addr: &str) -> bool {
     let timeout = front.config.broker.request_timeout();
     let mut taken = false;
     for registration in registrations {

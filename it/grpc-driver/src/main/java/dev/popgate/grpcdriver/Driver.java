@@ -383,10 +383,6 @@ public final class Driver {
         Integer maxCache = a.has("maxCacheMessageCount") ? a.integer("maxCacheMessageCount", 1024) : null;
         // `expect`/`expectSuccess` count distinct bodies, not listener calls.
         boolean distinct = a.bool("distinct", false);
-        // After an ACK failed (a connection cut under it), go on receiving this long for the message to come back
-        // and be ACKed again: the failed ACK may or may not have landed. Bodies that did not come back are listed
-        // in `ackUnconfirmed` (their ACK most likely landed; the caller checks where the messages are).
-        long ackFailedGraceMs = a.integer("ackFailedGraceSeconds", 0) * 1000L;
         ClientConfiguration config = clientConfiguration(a, endpoint);
         a.rejectUnknown();
 
