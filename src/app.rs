@@ -9,6 +9,7 @@ use tokio::net::TcpListener;
 
 use crate::api::checker::HttpCheckers;
 use crate::api::guard::ConnectionLimits;
+use crate::api::listener::PlainListener;
 use crate::api::tls::{self, TlsError, TlsListener};
 use crate::api::{self, AppState};
 use crate::auth::TokenTable;
@@ -223,7 +224,7 @@ pub async fn serve(
             Some(tls) => {
                 axum::serve(TlsListener::new(listener, tls)?, router).with_graceful_shutdown(stop_signal).await
             }
-            None => axum::serve(listener, router).with_graceful_shutdown(stop_signal).await,
+            None => axum::serve(PlainListener::new(listener), router).with_graceful_shutdown(stop_signal).await,
         }
     };
     // The grace period starts when shutdown is asked for; a request still running after it is dropped.

@@ -148,8 +148,8 @@ fn too_big(status: StatusCode, reason: &'static str, field: &str, limit: usize) 
 #[derive(Debug, Clone, Copy)]
 pub struct PeerAddr(pub SocketAddr);
 
-impl Connected<IncomingStream<'_, tokio::net::TcpListener>> for PeerAddr {
-    fn connect_info(stream: IncomingStream<'_, tokio::net::TcpListener>) -> PeerAddr {
+impl Connected<IncomingStream<'_, super::listener::PlainListener>> for PeerAddr {
+    fn connect_info(stream: IncomingStream<'_, super::listener::PlainListener>) -> PeerAddr {
         PeerAddr(*stream.remote_addr())
     }
 }

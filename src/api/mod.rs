@@ -24,6 +24,7 @@ mod error;
 pub mod events;
 pub mod guard;
 mod health;
+pub mod listener;
 mod openapi;
 mod publish;
 mod push;

@@ -77,6 +77,7 @@ async fn accept_loop(
                 continue;
             }
         };
+        super::listener::send_small_writes_at_once(&stream);
         let (acceptor, tx) = (acceptor.clone(), tx.clone());
         tokio::spawn(async move {
             match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
