@@ -219,8 +219,7 @@ async fn a_push_consumer_gets_every_message_and_one_it_asks_to_reconsume_later_c
     assert_eq!(sent["errors"], json!([]), "{sent}");
 
     // Every message once; "p-0" is asked to be reconsumed every time: after the group's limit of one
-    // reconsumption it is dead-lettered (RocketMQ's retry topic, then %DLQ%<group>). A 4.x client starts
-    // pulling its group's retry topic at its next rebalance (every 20 s), as straight at the cluster.
+    // reconsumption it is dead-lettered (RocketMQ's retry topic, then %DLQ%<group>).
     let consume = json!({"topic": topic, "group": group, "expect": 4, "failBodies": ["p-0"], "failTimes": 99,
         "maxReconsumeTimes": 1, "retryDelayLevel": 1, "settleMs": 25000});
     let result = client.run("push-consume", &args(&namesrv, consume), DRIVER_TIMEOUT).await;
@@ -1062,6 +1061,43 @@ async fn offset_commits_sent_back_to_back_all_hold_at_the_broker() {
         ));
     }
     assert!(lost.is_empty(), "every commit holds at the broker; lost:\n{}", lost.join("\n"));
+}
+
+/// The route of a consumer group's retry topic, asked for right after the group's first heartbeat, is the one the
+/// broker created as it took that heartbeat, not the "no such topic" the name server gave a moment before. A push
+/// consumer asks at its start, before its first heartbeat, and again in the rebalance the heartbeat triggers; given
+/// the old answer, it pulled its retries only after its next route poll and rebalance, and a message it asked to
+/// reconsume came back 40 s after its first delivery instead of at its delay level, 10 s (Apache's remoting e2e
+/// suite, `PushConsumerRetryTest`, client 4.9.3: straight at the cluster 10 s). Raw frames: a real client's
+/// timing depends on which of its rebalances a heartbeat's notification wakes, straight at the cluster too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_groups_retry_topic_has_its_route_right_after_the_heartbeat_that_created_it() {
+    const GET_ROUTEINFO_BY_TOPIC: i32 = 105;
+    const TOPIC_NOT_EXIST: i32 = 17;
+    let cluster = shared_cluster();
+    let (popgate, namesrv) = popgate_with_remoting(cluster, "").await;
+    let topic = unique_topic("rm_retry_route");
+    let group = unique_topic("rm_retry_route_g");
+    create_topic(cluster, &topic).await;
+    let retry_topic = format!("%RETRY%{group}");
+    let route_of = |topic: &str| raw_request(GET_ROUTEINFO_BY_TOPIC, &[("topic", topic)]);
+    let mut stream = TcpStream::connect(&namesrv).await.expect("connect");
+
+    let before = ask(&mut stream, route_of(&retry_topic)).await.expect("answered");
+    assert_eq!(before.code(), TOPIC_NOT_EXIST, "no retry topic before the group's first heartbeat");
+    let mut heartbeat = consumer_heartbeat("raw@retry_route", &group, &topic);
+    // A push consumer's: the broker creates the group's retry topic as it takes it.
+    let body = String::from_utf8(heartbeat.body().expect("a body").to_vec()).expect("utf-8");
+    heartbeat = heartbeat.set_body(body.replace("CONSUME_ACTIVELY", "CONSUME_PASSIVELY").into_bytes());
+    let registered = ask(&mut stream, heartbeat).await.expect("answered");
+    assert_eq!(registered.code(), 0, "{:?}", registered.remark());
+
+    let after = ask(&mut stream, route_of(&retry_topic)).await.expect("answered");
+    assert_eq!(after.code(), 0, "the retry topic's route at once: {:?}", after.remark());
+    let route: Value = serde_json::from_slice(after.body().expect("a route")).expect("JSON");
+    let brokers = route["brokerDatas"].as_array().map_or(0, Vec::len);
+    assert_eq!(brokers, cluster.brokers.len(), "every master took the heartbeat: {route}");
+    assert!(popgate.metric("popgate_remoting_route_answers_total{source=\"name_server\"}").await >= 2.0);
 }
 
 /// A 5.x pull consumer's `HEART_BEAT` for `group`, subscribed to all of `topic`.

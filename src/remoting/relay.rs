@@ -18,7 +18,7 @@ use super::clients::{Heartbeat, Registration};
 use super::codes;
 use super::connection::Connection;
 use super::service::{error, field, Front, Refusal, Reply};
-use crate::auth::Caller;
+use crate::auth::{Caller, RETRY_TOPIC_PREFIX};
 use crate::gateway;
 use crate::metrics as m;
 
@@ -74,6 +74,14 @@ pub(super) async fn heartbeat(
     let forward = front.clients.should_forward(&heartbeat.client_id, &registration, HEARTBEAT_FORWARD_INTERVAL);
     if !heartbeat.consumer_data_set.is_empty() && forward {
         forward_to_masters(front, request).await;
+        // A broker creates each group's retry topic as it takes the heartbeat, and tells the name server before
+        // it answers. A client asks for that topic's route at its start, before its first heartbeat, and again
+        // in the rebalance that heartbeat triggers: given the cached "no such topic" then, it would pull its
+        // group's retries only after its next route poll and rebalance, 30 to 40 s on (straight at the cluster,
+        // a message it asks to reconsume comes back at its delay level: 10 s).
+        for consumer in &heartbeat.consumer_data_set {
+            front.routes.forget_absence(&format!("{RETRY_TOPIC_PREFIX}{}", consumer.group_name));
+        }
     }
     Reply { command: RemotingCommand::create_success_response_command(), handed: Vec::new(), then_tell: changed }
 }

@@ -21,6 +21,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use metrics::counter;
+use moka::ops::compute::Op;
 use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
 use rocketmq_protocol::protocol::route::topic_route_data::TopicRouteData;
 
@@ -64,6 +65,15 @@ impl RouteCache {
         let (fetched, answer) = self.answers.get(topic)?;
         let fresh_for = if matches!(answer, NameServerAnswer::Route(_)) { self.fresh_for } else { ABSENCE_FRESH_FOR };
         (fetched.elapsed() < fresh_for).then_some(answer)
+    }
+
+    /// Forgets the name server's answer that `topic` does not exist, when that is what is cached: the topic was
+    /// created since (a broker creates a consumer group's retry topic as it takes the group's heartbeat).
+    pub(super) fn forget_absence(&self, topic: &str) {
+        let _ = self.answers.entry_by_ref(topic).and_compute_with(|cached| match cached {
+            Some(cached) if matches!(cached.value().1, NameServerAnswer::Other { .. }) => Op::Remove,
+            _ => Op::Nop,
+        });
     }
 
     fn stale_route(&self, topic: &str) -> Option<NameServerAnswer> {
