@@ -1085,10 +1085,8 @@ async fn a_groups_retry_topic_has_its_route_right_after_the_heartbeat_that_creat
 
     let before = ask(&mut stream, route_of(&retry_topic)).await.expect("answered");
     assert_eq!(before.code(), TOPIC_NOT_EXIST, "no retry topic before the group's first heartbeat");
-    let mut heartbeat = consumer_heartbeat("raw@retry_route", &group, &topic);
     // A push consumer's: the broker creates the group's retry topic as it takes it.
-    let body = String::from_utf8(heartbeat.body().expect("a body").to_vec()).expect("utf-8");
-    heartbeat = heartbeat.set_body(body.replace("CONSUME_ACTIVELY", "CONSUME_PASSIVELY").into_bytes());
+    let heartbeat = push_consumer_heartbeat("raw@retry_route", &group, &topic);
     let registered = ask(&mut stream, heartbeat).await.expect("answered");
     assert_eq!(registered.code(), 0, "{:?}", registered.remark());
 
@@ -1102,10 +1100,20 @@ async fn a_groups_retry_topic_has_its_route_right_after_the_heartbeat_that_creat
 
 /// A 5.x pull consumer's `HEART_BEAT` for `group`, subscribed to all of `topic`.
 pub(crate) fn consumer_heartbeat(client_id: &str, group: &str, topic: &str) -> RemotingCommand {
+    heartbeat_of(client_id, group, topic, "CONSUME_ACTIVELY")
+}
+
+/// A push consumer's `HEART_BEAT` for `group`, subscribed to all of `topic`.
+fn push_consumer_heartbeat(client_id: &str, group: &str, topic: &str) -> RemotingCommand {
+    heartbeat_of(client_id, group, topic, "CONSUME_PASSIVELY")
+}
+
+/// A `HEART_BEAT` of one consumer of `group` (`consume_type`: `CONSUME_ACTIVELY` or `CONSUME_PASSIVELY`).
+fn heartbeat_of(client_id: &str, group: &str, topic: &str, consume_type: &str) -> RemotingCommand {
     let subscription = json!({"topic": topic, "subString": "*", "tagsSet": [], "codeSet": [], "subVersion": 0,
         "expressionType": "TAG", "classFilterMode": false});
     let body = json!({"clientID": client_id, "producerDataSet": [], "consumerDataSet": [{"groupName": group,
-        "consumeType": "CONSUME_ACTIVELY", "messageModel": "CLUSTERING", "consumeFromWhere": "CONSUME_FROM_LAST_OFFSET",
+        "consumeType": consume_type, "messageModel": "CLUSTERING", "consumeFromWhere": "CONSUME_FROM_LAST_OFFSET",
         "subscriptionDataSet": [subscription], "unitMode": false}]});
     RemotingCommand::create_remoting_command(34).set_body(body.to_string().into_bytes())
 }
