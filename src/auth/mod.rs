@@ -78,6 +78,25 @@ impl Caller {
         TokenTable::new(&config).authenticate(&format!("{name}-secret-0123456789")).expect("the token")
     }
 
+    /// The caller of a configured token named `name` that may publish to `publish`, consume as `consume` and read
+    /// `subscribe` (patterns, as in `popgate.toml`), for unit tests.
+    #[cfg(test)]
+    pub fn of_scoped_test_token(name: &str, publish: &str, consume: &str, subscribe: &str) -> Caller {
+        let config = AuthConfig {
+            enabled: true,
+            tokens: vec![crate::config::TokenConfig {
+                name: name.into(),
+                token: Some(format!("{name}-secret-0123456789")),
+                publish: vec![publish.into()],
+                consume: vec![consume.into()],
+                subscribe: Some(vec![subscribe.into()]),
+                ..crate::config::TokenConfig::default()
+            }],
+            ..AuthConfig::default()
+        };
+        TokenTable::new(&config).authenticate(&format!("{name}-secret-0123456789")).expect("the token")
+    }
+
     /// The caller when authentication is switched off: allowed everything.
     pub fn unrestricted() -> Caller {
         Caller { name: "anonymous".to_owned(), grants: Arc::new([]), admin: true, unrestricted: true, source_ip: None }

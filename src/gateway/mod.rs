@@ -199,6 +199,24 @@ pub fn may_read(caller: &Caller, group: &str, topic: &str) -> Result<(), Gateway
     Err(GatewayError::MayNotRead(topic.to_owned()))
 }
 
+/// Whether `caller` may look `topic` up: its route, its queues' offsets and store times. RocketMQ's ACL 2.0 asks
+/// `Pub`, `Sub` or `Get` on the topic for a route and `Get` for the offsets; popgate's tokens grant no `Get` of
+/// its own, so `Pub` or `Sub` on the topic stands for it (whoever may write or read a topic may find it), and
+/// a group's `%RETRY%` topic needs `Sub` on the group, as in Apache's ACLs. A refusal is counted.
+///
+/// # Errors
+/// [`GatewayError::MayNotRead`], [`GatewayError::MayNotConsume`] for a retry topic.
+pub fn may_look_up(caller: &Caller, topic: &str) -> Result<(), GatewayError> {
+    if let Some(group) = topic.strip_prefix(RETRY_TOPIC_PREFIX) {
+        return may_consume(caller, group);
+    }
+    if caller.may(Action::Publish(topic)) || caller.may(Action::Subscribe(topic)) {
+        return Ok(());
+    }
+    counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
+    Err(GatewayError::MayNotRead(topic.to_owned()))
+}
+
 /// Client `client_id` of `caller` left consumer group `group`: what it holds of that group and did not settle
 /// is due again at once. Returns how many deliveries that was.
 ///
@@ -212,4 +230,22 @@ pub async fn leave_group(
 ) -> Result<usize, GatewayError> {
     may_consume(caller, group)?;
     Ok(dispatcher.release_client(client_id, group).await)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_topic_is_looked_up_by_who_may_publish_to_or_read_it_and_a_retry_topic_by_its_groups_consumers() {
+        let writer = Caller::of_scoped_test_token("writer", "orders", "none", "none");
+        let reader = Caller::of_scoped_test_token("reader", "none", "billing", "orders");
+        for caller in [&writer, &reader] {
+            assert!(may_look_up(caller, "orders").is_ok(), "{}", caller.name);
+            assert!(matches!(may_look_up(caller, "payroll"), Err(GatewayError::MayNotRead(t)) if t == "payroll"));
+        }
+        assert!(may_look_up(&reader, "%RETRY%billing").is_ok(), "a retry topic is its group's");
+        assert!(may_look_up(&reader, "%RETRY%payroll").is_err());
+        assert!(may_look_up(&writer, "%RETRY%orders").is_err(), "Pub on a topic named like a group is no Sub on it");
+    }
 }

@@ -72,8 +72,10 @@ fn review(buffer: &mut BytesMut, max_frame: usize) -> Review {
     };
     let (Some(total), Some(header_word)) = (word(0), word(4)) else { return Review::AsItIs };
     let Some(frame_len) = total.checked_add(4) else { return Review::AsItIs };
+    // A length word under 4 cannot hold the header-length word: the decoder refuses it.
+    let Some(room_for_header) = total.checked_sub(4) else { return Review::AsItIs };
     let (serialize_type, header_len) = (header_word >> 24, header_word & MAX_HEADER);
-    if frame_len > max_frame || buffer.len() < frame_len || serialize_type != 0 || header_len > total - 4 {
+    if frame_len > max_frame || buffer.len() < frame_len || serialize_type != 0 || header_len > room_for_header {
         return Review::AsItIs;
     }
     let Ok(mut fields) = serde_json::from_slice::<Map<String, Value>>(&buffer[PREFIX..PREFIX + header_len]) else {
@@ -308,5 +310,47 @@ mod tests {
         assert!(decode(&mut broken, 1 << 20).is_err(), "a header that is not JSON is still an error");
         let mut nameless = frame(r#"{"code":105,"opaque":"seven"}"#, b"");
         assert!(decode(&mut nameless, 1 << 20).is_err(), "a request that cannot be answered is an error");
+    }
+
+    #[test]
+    fn a_length_word_under_four_is_an_error_not_a_panic() {
+        for total in 0u32..4 {
+            let mut buffer = BytesMut::new();
+            buffer.put_u32(total);
+            buffer.put_u32(0);
+            buffer.extend_from_slice(b"{}");
+            assert!(decode(&mut buffer, 1 << 20).is_err(), "length word {total}");
+        }
+    }
+
+    proptest::proptest! {
+        /// Whatever bytes a client sends, a frame decodes, waits for more, is refused or is an error: never a
+        /// panic. Runs as many times as `PROPTEST_CASES` says (256 by default); a seed that fails is a bug.
+        #[test]
+        fn arbitrary_bytes_never_panic_the_decoder(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..512)) {
+            let mut buffer = BytesMut::from(&bytes[..]);
+            let _ = decode(&mut buffer, 1 << 20);
+        }
+
+        /// A frame whose length words are right and whose header is arbitrary (JSON-like text or not).
+        #[test]
+        fn a_well_framed_arbitrary_header_never_panics_the_decoder(
+            header in "[{}\\[\\]\":,a-zA-Z0-9 .-]{0,200}",
+            body in proptest::collection::vec(proptest::num::u8::ANY, 0..64),
+        ) {
+            let mut buffer = frame(&header, &body);
+            while let Ok(Some(_)) = decode(&mut buffer, 1 << 20) {}
+        }
+
+        /// A real header with arbitrary field values: decoded, refused by its opaque, or an error.
+        #[test]
+        fn arbitrary_field_values_never_panic_the_decoder(
+            code in "[0-9a-z\\-]{0,12}",
+            opaque in "[0-9a-z\\-]{0,12}",
+            topic in "\\PC{0,40}",
+        ) {
+            let header = serde_json::json!({"code": code, "opaque": opaque, "extFields": {"topic": topic}}).to_string();
+            let _ = decode(&mut frame(&header, b""), 1 << 20);
+        }
     }
 }
