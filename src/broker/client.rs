@@ -94,6 +94,10 @@ pub enum BrokerError {
 /// Response codes after which the Java producer retries on another broker (`retryResponseCodes`).
 const RETRIABLE_CODES: [i32; 7] = [17, 1, 2, 14, 16, 204, 205];
 
+/// Response codes in which a broker says it cannot serve now, whatever the message: `SYSTEM_BUSY` (2) and
+/// `SERVICE_NOT_AVAILABLE` (14: a slave, a full disk, shutting down).
+const BROKER_UNWELL_CODES: [i32; 2] = [2, 14];
+
 impl BrokerError {
     /// A low-cardinality label for metrics (`reason`).
     pub fn reason_label(&self) -> &'static str {
@@ -112,6 +116,19 @@ impl BrokerError {
         match self {
             BrokerError::Timeout(_) | BrokerError::Unreachable(_) => true,
             BrokerError::Response { code, .. } => RETRIABLE_CODES.contains(code),
+            BrokerError::TopicNotFound(_) | BrokerError::Client(_) => false,
+        }
+    }
+
+    /// Whether the failure is the broker's own: it could not be reached, did not answer in time, or answered that
+    /// it is too busy or not serving now. Fault avoidance isolates a broker for these only. A broker that
+    /// answered a refusal of the message is well: popgate's fault table is shared by every tenant, and one
+    /// tenant's bad message must not steer everybody's sends away from a broker (Apache's producer, too, isolates
+    /// a broker for a transport failure, not for a `MQBrokerException`).
+    pub fn is_brokers_own_failure(&self) -> bool {
+        match self {
+            BrokerError::Timeout(_) | BrokerError::Unreachable(_) => true,
+            BrokerError::Response { code, .. } => BROKER_UNWELL_CODES.contains(code),
             BrokerError::TopicNotFound(_) | BrokerError::Client(_) => false,
         }
     }
@@ -698,6 +715,20 @@ mod tests {
     use super::*;
     use crate::broker::consumer::PopRequest;
     use crate::broker::fake_peer::FakePeer;
+
+    #[test]
+    fn only_the_brokers_own_failures_isolate_it_and_a_refused_message_is_retried_without() {
+        let answered = |code| BrokerError::Response { code, detail: String::new() };
+        for own in [BrokerError::Timeout(Duration::from_secs(3)), BrokerError::Unreachable("reset".into()), answered(2)]
+        {
+            assert!(own.is_brokers_own_failure(), "{own}");
+        }
+        // SYSTEM_ERROR (an empty body's NullPointerException), TOPIC_NOT_EXIST, NO_PERMISSION: the message's.
+        for refusal in [answered(1), answered(17), answered(16), answered(13)] {
+            assert!(!refusal.is_brokers_own_failure(), "{refusal}");
+        }
+        assert!(answered(1).is_retriable(), "still retried on another broker, as Apache's producer retries it");
+    }
 
     async fn client(request_timeout_ms: u64) -> BrokerClient {
         let config = BrokerConfig { namesrv_addr: "127.0.0.1:1".into(), request_timeout_ms, ..BrokerConfig::default() };

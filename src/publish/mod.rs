@@ -553,9 +553,12 @@ impl Publisher {
                 if !error.is_retriable() {
                     return Err(AttemptError::Fatal(error.to_string(), error.response_code()));
                 }
-                let isolation = self.faults.lock().record_failure(broker, latency, &error.to_string(), Instant::now());
-                if isolation.is_some() {
-                    note_isolation(broker, IsolationCause::Unreachable);
+                if error.is_brokers_own_failure() {
+                    let isolation =
+                        self.faults.lock().record_failure(broker, latency, &error.to_string(), Instant::now());
+                    if isolation.is_some() {
+                        note_isolation(broker, IsolationCause::Unreachable);
+                    }
                 }
                 Err(AttemptError::Retriable(error.to_string(), error.response_code()))
             }
