@@ -149,6 +149,9 @@ pub const REMOTING_CONNECTIONS_CLOSED: &str = "popgate_remoting_connections_clos
 /// Counter: times popgate stopped reading a remoting connection because it had
 /// `remoting.max_requests_per_connection` requests in flight (back-pressure on a client that pipelines).
 pub const REMOTING_READS_PAUSED: &str = "popgate_remoting_reads_paused_total";
+/// Counter: times a remoting connection waited to read a large frame because the front's connections had
+/// `remoting.max_frame_bytes_in_flight` bytes of large frames in already.
+pub const REMOTING_FRAME_BUDGET_WAITS: &str = "popgate_remoting_frame_budget_waits_total";
 /// Gauge: remoting requests being served now, over every connection.
 pub const REMOTING_REQUESTS_IN_FLIGHT: &str = "popgate_remoting_requests_in_flight";
 /// Gauge (`kind`): gRPC clients seen in the last minute (producer, push_consumer, simple_consumer, other).
@@ -279,6 +282,7 @@ pub const STATS_REFRESH_OPS: &[&str] = &["backlog", "dlq_depth"];
 const ZERO_COUNTERS: &[&str] = &[
     REMOTING_CONNECTIONS_REFUSED,
     REMOTING_READS_PAUSED,
+    REMOTING_FRAME_BUDGET_WAITS,
     SEND_RETRIES,
     PUBLISH_DEDUPLICATED,
     PUBLISH_DEDUP_WRITE_FAILURES,
@@ -404,6 +408,11 @@ fn describe_all() {
         REMOTING_READS_PAUSED,
         Unit::Count,
         "Times a remoting connection was not read because it had its most requests in flight."
+    );
+    describe_counter!(
+        REMOTING_FRAME_BUDGET_WAITS,
+        Unit::Count,
+        "Times a remoting connection waited to read a large frame: the front had its most bytes of them in."
     );
     describe_gauge!(REMOTING_REQUESTS_IN_FLIGHT, "Remoting requests being served now.");
     describe_counter!(TRANSACTIONS_ENDED, Unit::Count, "Transaction ends, by resolution and result.");

@@ -300,6 +300,11 @@ pub struct RemotingConfig {
     pub advertised_addr: String,
     /// Largest frame popgate reads, its 4-byte length included; a longer one closes the connection.
     pub max_frame_bytes: usize,
+    /// Most bytes of large frames (over 64 KiB) the front's connections read in at once, whoever sent them and
+    /// before anything is signed: a connection whose next frame does not fit waits (its idle timeout still
+    /// runs) until others' frames are served. Without it, `max_connections` clients could each announce a
+    /// `max_frame_bytes` frame. At least `max_frame_bytes`.
+    pub max_frame_bytes_in_flight: usize,
     /// Most connections the front keeps open at once; one more is closed at once.
     pub max_connections: usize,
     /// A client that sent no heartbeat for this long is no longer a member of its consumer groups (the
@@ -332,6 +337,7 @@ impl Default for RemotingConfig {
             advertised_addr: String::new(),
             // The broker's own limit (`maxMessageSize` 4 MiB) is per message; a batch or a pull answer is more.
             max_frame_bytes: 16 * 1024 * 1024 + 4,
+            max_frame_bytes_in_flight: 256 * 1024 * 1024,
             max_connections: 10_000,
             client_expiry_secs: 120,
             idle_timeout_secs: 120,

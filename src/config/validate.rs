@@ -156,6 +156,12 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
         "remoting.max_frame_bytes",
         "must be in 65536..=1073741824",
     );
+    check(
+        remoting.max_frame_bytes_in_flight >= remoting.max_frame_bytes
+            && u32::try_from(remoting.max_frame_bytes_in_flight).is_ok(),
+        "remoting.max_frame_bytes_in_flight",
+        "must be at least remoting.max_frame_bytes, and under 4 GiB",
+    );
     check(remoting.max_connections > 0, "remoting.max_connections", "must be > 0");
     check(remoting.idle_timeout_secs > 0, "remoting.idle_timeout_secs", "must be > 0");
     check(remoting.max_requests_per_connection > 0, "remoting.max_requests_per_connection", "must be > 0");

@@ -202,16 +202,19 @@ async fn read_loop(mut reader: ReadHalf<MaybeTls>, connection: &Connection, fron
     let in_flight = Arc::new(Semaphore::new(front.config.remoting.max_requests_per_connection));
     let mut buffer = BytesMut::with_capacity(READ_CHUNK);
     let mut quiet_until = Instant::now() + idle;
+    // The bytes of the large frame being read, held in the front's budget until that frame is served.
+    let mut frame_bytes: Option<OwnedSemaphorePermit> = None;
     loop {
         let announced = announced_frame_len(&buffer);
         match super::frame::decode(&mut buffer, max_frame) {
             Ok(Some(Frame::Command(command))) => {
                 quiet_until = Instant::now() + idle;
                 let Some(place) = place_in_flight(&in_flight).await else { return };
-                dispatch(front, connection, command, place);
+                dispatch(front, connection, command, place, frame_bytes.take());
                 continue;
             }
             Ok(Some(Frame::Refused { opaque, why })) => {
+                frame_bytes = None;
                 quiet_until = Instant::now() + idle;
                 counter!(m::REMOTING_FRAME_ERRORS, "reason" => "bad_header").increment(1);
                 tracing::debug!(%peer, why, "Refused a remoting request whose header cannot be read.");
@@ -227,6 +230,16 @@ async fn read_loop(mut reader: ReadHalf<MaybeTls>, connection: &Connection, fron
                 counter!(m::REMOTING_FRAME_ERRORS, "reason" => reason).increment(1);
                 tracing::info!(%error, %peer, "Closing a remoting connection whose frame cannot be read.");
                 return;
+            }
+        }
+        let large = announced.filter(|len| *len > READ_CHUNK && *len <= max_frame);
+        if let (Some(len), None) = (large, &frame_bytes) {
+            match reserve_frame_bytes(front, len, quiet_until).await {
+                Some(reserved) => frame_bytes = Some(reserved),
+                None => {
+                    counter!(m::REMOTING_CONNECTIONS_CLOSED, "reason" => "idle").increment(1);
+                    return;
+                }
             }
         }
         buffer.reserve(READ_CHUNK);
@@ -259,6 +272,19 @@ async fn place_in_flight(in_flight: &Arc<Semaphore>) -> Option<OwnedSemaphorePer
     in_flight.clone().acquire_owned().await.ok()
 }
 
+/// A place for a large frame of `len` bytes in the front's budget (`remoting.max_frame_bytes_in_flight`), taken
+/// before the frame is read in: at once when it fits, else once other connections' large frames are served (the
+/// connection is not read meanwhile); `None` when none came before `quiet_until` (the connection is closed as
+/// idle, as one that completes no frame).
+async fn reserve_frame_bytes(front: &Front, len: usize, quiet_until: Instant) -> Option<OwnedSemaphorePermit> {
+    let len = u32::try_from(len).ok()?;
+    if let Ok(reserved) = front.frame_bytes.clone().try_acquire_many_owned(len) {
+        return Some(reserved);
+    }
+    counter!(m::REMOTING_FRAME_BUDGET_WAITS).increment(1);
+    tokio::time::timeout_at(quiet_until, front.frame_bytes.clone().acquire_many_owned(len)).await.ok()?.ok()
+}
+
 /// The length a frame at the start of `buffer` announces, its 4-byte length field included.
 fn announced_frame_len(buffer: &[u8]) -> Option<usize> {
     let prefix: [u8; 4] = buffer.get(..4)?.try_into().ok()?;
@@ -270,7 +296,13 @@ fn announced_frame_len(buffer: &[u8]) -> Option<usize> {
 /// offset commit or query takes its turn now and is served once the turns before it are over
 /// ([`super::offset_turns`]); a refused one takes none. `place`: its place among the connection's requests in
 /// flight, given back when it is answered.
-fn dispatch(front: &Arc<Front>, connection: &Connection, request: RemotingCommand, place: OwnedSemaphorePermit) {
+fn dispatch(
+    front: &Arc<Front>,
+    connection: &Connection,
+    request: RemotingCommand,
+    place: OwnedSemaphorePermit,
+    frame_bytes: Option<OwnedSemaphorePermit>,
+) {
     if request.is_response_type() {
         return;
     }
@@ -284,7 +316,7 @@ fn dispatch(front: &Arc<Front>, connection: &Connection, request: RemotingComman
     let (front, connection) = (front.clone(), connection.clone());
     gauge!(m::REMOTING_REQUESTS_IN_FLIGHT).increment(1.0);
     tokio::spawn(async move {
-        let _in_flight = InFlight { _place: place };
+        let _in_flight = InFlight { _place: place, _frame_bytes: frame_bytes };
         let oneway = request.is_oneway_rpc();
         let opaque = request.opaque();
         if let Some(turn) = &mut turn {
@@ -310,10 +342,11 @@ fn dispatch(front: &Arc<Front>, connection: &Connection, request: RemotingComman
     });
 }
 
-/// A request being served: its place among its connection's, and its count in the gauge, until it is dropped
-/// (answered, or dropped with its connection).
+/// A request being served: its place among its connection's, its frame's bytes in the front's budget (a large
+/// frame's), and its count in the gauge, until it is dropped (answered, or dropped with its connection).
 struct InFlight {
     _place: OwnedSemaphorePermit,
+    _frame_bytes: Option<OwnedSemaphorePermit>,
 }
 
 impl Drop for InFlight {

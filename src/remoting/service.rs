@@ -46,6 +46,8 @@ pub(super) struct Front {
     pub tls: tokio_rustls::TlsAcceptor,
     /// The connections all of the front's ports may keep open together.
     pub connection_slots: Arc<Semaphore>,
+    /// The bytes of large frames all of the front's connections may read in at once (one permit a byte).
+    pub frame_bytes: Arc<Semaphore>,
     /// A broker's offset commits and queries of a topic and group, relayed one at a time in the order they came.
     pub offset_turns: OffsetTurns,
     /// The groups lately registered again at a broker that forgot them, so a burst of refused pulls does it once.
@@ -91,6 +93,7 @@ impl Front {
             broker_ports: BrokerPorts::default(),
             tls: tokio_rustls::TlsAcceptor::from(parts.tls),
             connection_slots: Arc::new(Semaphore::new(config.remoting.max_connections)),
+            frame_bytes: Arc::new(Semaphore::new(config.remoting.max_frame_bytes_in_flight)),
             offset_turns: OffsetTurns::default(),
             reregistrations: Reregistrations::default(),
             routes: super::route::RouteCache::new(config.broker.route_ttl()),
@@ -263,7 +266,8 @@ impl From<GatewayError> for Refusal {
             | GatewayError::MayNotRead(_)
             | GatewayError::MayNotPublish(_)
             | GatewayError::MayNotAdminister
-            | GatewayError::ClientIdTaken(_) => Refusal::new(codes::NO_PERMISSION, refused.to_string()),
+            | GatewayError::ClientIdTaken(_)
+            | GatewayError::ProducerGroupTaken(_) => Refusal::new(codes::NO_PERMISSION, refused.to_string()),
             GatewayError::TooManyClients { .. } => Refusal::new(codes::SYSTEM_BUSY, refused.to_string()),
             GatewayError::TopicNotFound(topic) => {
                 Refusal::new(codes::TOPIC_NOT_EXIST, format!("topic[{topic}] not exist, apply first please!"))
