@@ -172,6 +172,9 @@ fn to_outgoing(
             Part::Property => Code::IllegalMessagePropertyKey,
             Part::PropertiesTooLarge => Code::MessagePropertiesTooLarge,
             Part::DeliveryTime => Code::IllegalDeliveryTime,
+            // The body is checked before (`max_body_bytes`); the SDK's limits do not read it.
+            Part::BodyEmpty => Code::MessageBodyEmpty,
+            Part::BodyTooLarge => Code::MessageBodyTooLarge,
         };
         status(code, broken.message)
     })?;

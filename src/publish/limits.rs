@@ -37,6 +37,10 @@ pub enum Part {
     PropertiesTooLarge,
     /// The delivery time.
     DeliveryTime,
+    /// The body: empty (a remoting client's; Apache's client refuses it before sending).
+    BodyEmpty,
+    /// The body: over `publish.max_message_bytes` (a remoting client's, a batch's as a whole).
+    BodyTooLarge,
 }
 
 /// A limit the message broke, with Apache's message for it.
@@ -130,14 +134,93 @@ impl MessageLimits {
         Ok(WithinLimits(message))
     }
 
-    /// `message`, as a RocketMQ remoting client made it, once [`MessageLimits::check_client_made`] passed it.
+    /// `message`, as a RocketMQ remoting client made it, once [`MessageLimits::check_client_made`] passed it,
+    /// and its body is neither empty nor over `max_body_bytes`, as Apache's client checks it before sending
+    /// (`Validators.checkMessage`). A batch (`batch`) is checked as a whole for its size, and each message
+    /// inside it as a message of its own, properties and body.
     ///
     /// # Errors
     /// The first [`LimitError`] found.
-    pub fn admit_client_made(&self, message: OutgoingMessage) -> Result<WithinLimits, LimitError> {
-        self.check_client_made(&message)?;
+    pub fn admit_client_made(
+        &self,
+        message: OutgoingMessage,
+        max_body_bytes: usize,
+        batch: bool,
+    ) -> Result<WithinLimits, LimitError> {
+        check_body(&message.body, max_body_bytes)?;
+        if batch {
+            self.check_batch(&message, max_body_bytes)?;
+        } else {
+            self.check_client_made(&message)?;
+        }
         Ok(WithinLimits(message))
     }
+
+    /// Each message inside batch `message`'s body, as [`MessageLimits::check_client_made`] checks one message;
+    /// a body that is not a batch's encoding is refused.
+    fn check_batch(&self, message: &OutgoingMessage, max_body_bytes: usize) -> Result<(), LimitError> {
+        let inner = decode_batch(&message.body)
+            .ok_or_else(|| LimitError { part: Part::BodyEmpty, message: "the batch body does not decode".into() })?;
+        if inner.is_empty() {
+            return refuse(Part::BodyEmpty, "the message body length is zero");
+        }
+        for (body, properties) in inner {
+            check_body(&body, max_body_bytes)?;
+            if let Some(name) = properties.keys().find(|name| name.starts_with(POPGATE_PROPERTY_PREFIX)) {
+                return refuse(Part::Property, format!("the message property {name} is reserved by popgate"));
+            }
+            let mut one = OutgoingMessage::new(message.topic.clone(), body);
+            one.properties = properties;
+            self.check_client_made(&one)?;
+        }
+        Ok(())
+    }
+}
+
+/// The start of the names of the properties popgate sets itself on a client's message (a half message's
+/// producer group): a client may not set them.
+pub const POPGATE_PROPERTY_PREFIX: &str = "__POPGATE";
+
+/// A remoting client's body as Apache's client checks it before sending, in its words.
+fn check_body(body: &[u8], max_body_bytes: usize) -> Result<(), LimitError> {
+    if body.is_empty() {
+        return refuse(Part::BodyEmpty, "the message body length is zero");
+    }
+    if body.len() > max_body_bytes {
+        return refuse(Part::BodyTooLarge, format!("the message body size over max value, MAX: {max_body_bytes}"));
+    }
+    Ok(())
+}
+
+/// The messages of a batch's body (`MessageDecoder.encodeMessages`: per message its total size, magic code,
+/// body CRC, flag, body length and body, properties length and properties), each as its body and properties;
+/// `None` when the body is not such an encoding (a size that overruns it, properties that are not text).
+fn decode_batch(mut body: &[u8]) -> Option<Vec<(bytes::Bytes, BTreeMap<String, String>)>> {
+    fn take<'a>(rest: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
+        let (taken, left) = (rest.get(..n)?, rest.get(n..)?);
+        *rest = left;
+        Some(taken)
+    }
+    fn int(rest: &mut &[u8]) -> Option<usize> {
+        usize::try_from(i32::from_be_bytes(take(rest, 4)?.try_into().ok()?)).ok()
+    }
+    let mut messages = Vec::new();
+    while !body.is_empty() {
+        let total = int(&mut body)?;
+        let mut message = take(&mut body, total.checked_sub(4)?)?;
+        let _magic_crc_flag = take(&mut message, 12)?;
+        let body_len = int(&mut message)?;
+        let inner_body = bytes::Bytes::copy_from_slice(take(&mut message, body_len)?);
+        let properties_len = usize::try_from(i16::from_be_bytes(take(&mut message, 2)?.try_into().ok()?)).ok()?;
+        let properties = std::str::from_utf8(take(&mut message, properties_len)?).ok()?;
+        let properties = properties
+            .split('\u{2}')
+            .filter_map(|pair| pair.split_once('\u{1}'))
+            .map(|(name, value)| (name.to_owned(), value.to_owned()))
+            .collect();
+        messages.push((inner_body, properties));
+    }
+    Some(messages)
 }
 
 impl MessageLimits {
@@ -219,7 +302,6 @@ impl MessageLimits {
     /// Checks a message a RocketMQ remoting client made (its `wire` is set), whose properties hold the system
     /// ones the client sets itself: the same rules as [`MessageLimits::check`], on its user properties (those
     /// RocketMQ does not reserve), its tag (`TAGS`), its keys (`KEYS`, space-separated) and its delivery time.
-    /// A batch's messages are inside its body and are not read.
     ///
     /// # Errors
     /// The first [`LimitError`] found.

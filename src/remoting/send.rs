@@ -35,10 +35,8 @@ use crate::gateway::below::{
     PROPERTY_TRANSACTION_PREPARED, PROPERTY_UNIQ_KEY,
 };
 use crate::gateway::{self, PublishRefused, PublishRequest};
+use crate::publish::limits::POPGATE_PROPERTY_PREFIX;
 use crate::publish::{OutgoingMessage, Placement, SendMode};
-
-/// The property popgate keeps for itself among the reserved ones: a client may not set it.
-const POPGATE_PROPERTY_PREFIX: &str = "__POPGATE";
 
 pub(super) async fn send_message(front: &Front, caller: &Caller, request: RemotingCommand) -> RemotingCommand {
     let received_at = Instant::now();
@@ -64,11 +62,11 @@ async fn decode(front: &Front, request: &RemotingCommand, received_at: Instant) 
         .map_err(|why| Refusal::new(codes::MESSAGE_ILLEGAL, format!("the send's header does not decode: {why}")))?;
     let message = to_outgoing(&header, request)?;
     let transactional = is_half(&header, &message);
-    let mut message = front
-        .config
-        .publish
+    let batch = message.wire.as_ref().is_some_and(|wire| wire.batch);
+    let publish = &front.config.publish;
+    let mut message = publish
         .limits
-        .admit_client_made(message)
+        .admit_client_made(message, publish.max_message_bytes, batch)
         .map_err(|broken| Refusal::new(codes::MESSAGE_ILLEGAL, broken.message))?;
     if transactional {
         message.amend(|message| as_popgates_half(message, front.transactions.producer_group()));
@@ -110,10 +108,12 @@ fn to_outgoing(header: &SendMessageRequestHeader, request: &RemotingCommand) -> 
     Ok(message)
 }
 
-/// Whether the client sent a transactional half message (`TransactionMQProducer`).
+/// Whether the client sent a transactional half message (`TransactionMQProducer`): as the broker tells, by the
+/// header's flag or by `TRAN_MSG` read as Java's `Boolean.parseBoolean` reads it (`TRUE` and `True` too), so
+/// popgate never sends as a plain message what the broker stores as a half one.
 fn is_half(header: &SendMessageRequestHeader, message: &OutgoingMessage) -> bool {
     header.sys_flag & MessageSysFlag::TRANSACTION_PREPARED_TYPE != 0
-        || message.properties.get(PROPERTY_TRANSACTION_PREPARED).is_some_and(|v| v == "true")
+        || message.properties.get(PROPERTY_TRANSACTION_PREPARED).is_some_and(|v| v.eq_ignore_ascii_case("true"))
 }
 
 /// A client's half message as popgate sends it: under popgate's transactional group (`PGROUP` and the

@@ -197,6 +197,7 @@ fn field_of(part: Part) -> &'static str {
         Part::MessageGroup => "messageGroup",
         Part::Property | Part::PropertiesTooLarge => "properties",
         Part::DeliveryTime => "delayMs",
+        Part::BodyEmpty | Part::BodyTooLarge => "data",
     }
 }
 

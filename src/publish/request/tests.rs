@@ -232,3 +232,36 @@ fn a_transactional_publish_that_cannot_be_one_names_the_field() {
         "messageGroup"
     );
 }
+
+use proptest::strategy::Strategy as _;
+
+proptest::proptest! {
+    /// Whatever bytes an HTTP client sends as a publish body, under each content type popgate reads, it is a
+    /// message or a 4xx naming a field: never a panic. A seed that fails is a bug.
+    #[test]
+    fn arbitrary_publish_bodies_are_a_message_or_a_clear_refusal(
+        body in proptest::collection::vec(proptest::num::u8::ANY, 0..256),
+        content_type in proptest::sample::select(vec!["application/json", "application/cloudevents+json", "text/plain", ""]),
+    ) {
+        let h = headers(&[("content-type", content_type)]);
+        if let Err(refused) = parse(&h, Some("t"), (None, None), &Bytes::from(body), MAX, &MessageLimits::default()) {
+            proptest::prop_assert!(refused.field().is_some() || !refused.to_string().is_empty());
+        }
+    }
+
+    /// A JSON object with arbitrary values in popgate's fields: the same.
+    #[test]
+    fn arbitrary_field_values_are_a_message_or_a_clear_refusal(
+        name in proptest::sample::select(vec!["topic", "data", "tags", "keys", "properties", "messageGroup", "delayMs", "deliverAt", "transaction", "producerGroup", "id"]),
+        value in proptest::prop_oneof![
+            proptest::prelude::any::<i64>().prop_map(|n| serde_json::json!(n)),
+            "\\PC{0,40}".prop_map(|s: String| serde_json::json!(s)),
+            proptest::prelude::Just(serde_json::json!({"a": [1, null, true]})),
+            proptest::prelude::Just(serde_json::json!(null)),
+            proptest::prelude::Just(serde_json::json!([1.5, "x"])),
+        ],
+    ) {
+        let body = serde_json::json!({"topic": "t", "data": "x", name: value}).to_string();
+        let _ = json_request(&body, (None, None));
+    }
+}
