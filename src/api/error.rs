@@ -177,6 +177,7 @@ impl From<GatewayError> for ApiError {
             GatewayError::MayNotRead(_) | GatewayError::MayNotPublish(_) => forbidden("topic"),
             GatewayError::MayNotAdminister => forbidden("token"),
             GatewayError::ClientIdTaken(_) => forbidden("clientId"),
+            GatewayError::ProducerGroupTaken(_) => forbidden("producerGroup"),
             GatewayError::TooManyClients { .. } => ApiError::too_many(said),
             GatewayError::MayNotSettle { refusal, .. } => {
                 ApiError::forbidden("deliveryId", format!("this token {refusal}"))

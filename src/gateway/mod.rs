@@ -48,6 +48,10 @@ pub enum GatewayError {
     /// The client id is used by another token (it is that token's until it expires).
     #[error("client id `{0}` is used by another token")]
     ClientIdTaken(String),
+    /// The producer group is another token's: a live client of that token registered it first. A producer
+    /// group is asked a transaction's check-backs, half message included.
+    #[error("producer group `{0}` is used by another token")]
+    ProducerGroupTaken(String),
     /// A new client id, when the front keeps as many as it may.
     #[error("popgate keeps at most {max} clients ({setting}); try again later")]
     TooManyClients {
@@ -113,6 +117,7 @@ impl GatewayError {
             | GatewayError::MayNotPublish(_)
             | GatewayError::MayNotAdminister
             | GatewayError::ClientIdTaken(_)
+            | GatewayError::ProducerGroupTaken(_)
             | GatewayError::MayNotSettle { .. } => "forbidden",
             GatewayError::HandleOfAnotherGroup { .. } => "bad_request",
             GatewayError::TooManyClients { .. } => "busy",
@@ -217,19 +222,29 @@ pub fn may_look_up(caller: &Caller, topic: &str) -> Result<(), GatewayError> {
     Err(GatewayError::MayNotRead(topic.to_owned()))
 }
 
-/// Client `client_id` of `caller` left consumer group `group`: what it holds of that group and did not settle
-/// is due again at once. Returns how many deliveries that was.
+/// Who holds a delivery handed out to client `client_id` of `front` (`grpc`, `remoting`), as the delivery core
+/// knows it. Clients choose their ids and each front keeps its own registry of them, while the delivery core
+/// has one namespace of holders: the front's name keeps them apart, so a remoting `UNREGISTER_CLIENT` naming a
+/// gRPC client's id gives back nothing of that client's.
+pub fn holder_id(front: &str, client_id: &str) -> String {
+    format!("{front}:{client_id}")
+}
+
+/// Client `client_id` of `front` and `caller` left consumer group `group`: what it holds of that group and did
+/// not settle is due again at once. Returns how many deliveries that was. The front has checked that the client
+/// id is the caller's.
 ///
 /// # Errors
 /// [`GatewayError::MayNotConsume`] when the caller may not consume as `group` (nothing is released).
 pub async fn leave_group(
     dispatcher: &Dispatcher,
     caller: &Caller,
+    front: &str,
     client_id: &str,
     group: &str,
 ) -> Result<usize, GatewayError> {
     may_consume(caller, group)?;
-    Ok(dispatcher.release_client(client_id, group).await)
+    Ok(dispatcher.release_client(&holder_id(front, client_id), group).await)
 }
 
 #[cfg(test)]

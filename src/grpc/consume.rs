@@ -184,7 +184,8 @@ pub(super) async fn prepare_receive(
         .ensure_filtered(&group, &topic, &filter, filter_type)
         .await
         .map_err(|e| delivery_status(&e))?;
-    let holder = Holder { client_id: call.client_id.clone(), auto_renew: request.auto_renew, written: false };
+    let client_id = gateway::holder_id("grpc", &call.client_id);
+    let holder = Holder { client_id, auto_renew: request.auto_renew, written: false };
     Ok(Receive {
         sub,
         batch,

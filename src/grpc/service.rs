@@ -270,7 +270,7 @@ impl Front {
             return super::status::refused(&taken);
         }
         if let Some(group) = group {
-            match gateway::leave_group(&self.dispatcher, caller, id, &group).await {
+            match gateway::leave_group(&self.dispatcher, caller, "grpc", id, &group).await {
                 Ok(0) => {}
                 Ok(released) => {
                     tracing::info!(client = %id, group, released, "gRPC client terminated; what it held is due again.")

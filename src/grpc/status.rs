@@ -20,7 +20,9 @@ pub fn refused(error: &GatewayError) -> Status {
         | GatewayError::MayNotRead(_)
         | GatewayError::MayNotPublish(_)
         | GatewayError::MayNotAdminister => status(Code::Unauthorized, error.to_string()),
-        GatewayError::ClientIdTaken(_) => status(Code::Forbidden, error.to_string()),
+        GatewayError::ClientIdTaken(_) | GatewayError::ProducerGroupTaken(_) => {
+            status(Code::Forbidden, error.to_string())
+        }
         GatewayError::TooManyClients { .. } => status(Code::TooManyRequests, error.to_string()),
         GatewayError::TopicNotFound(_) => status(Code::TopicNotFound, error.to_string()),
         GatewayError::TakesNoTransactions { topic_type, .. } => status(

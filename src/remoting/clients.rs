@@ -15,7 +15,7 @@ use std::sync::Weak;
 use std::time::Duration;
 
 use bytes::Bytes;
-use metrics::gauge;
+use metrics::{counter, gauge};
 use parking_lot::Mutex;
 use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
 use rocketmq_protocol::protocol::LanguageCode;
@@ -43,6 +43,16 @@ pub(super) struct Heartbeat {
     pub producer_data_set: Vec<ProducerData>,
     #[serde(default)]
     pub consumer_data_set: Vec<ConsumerData>,
+}
+
+impl Heartbeat {
+    /// The heartbeat `request` carries, or the answer refusing it.
+    pub fn of(request: &RemotingCommand) -> Result<Heartbeat, super::service::Refusal> {
+        let refuse = |why: String| super::service::Refusal::new(super::codes::SYSTEM_ERROR, why);
+        let body = request.body().ok_or_else(|| refuse("HEART_BEAT without a body (HeartbeatData)".to_owned()))?;
+        serde_json::from_slice(body)
+            .map_err(|why| refuse(format!("the HEART_BEAT body (HeartbeatData) does not decode: {why}")))
+    }
 }
 
 /// A producer group in a heartbeat.
@@ -90,11 +100,6 @@ impl Registration {
         let body = request.body()?.clone();
         let digest: [u8; 32] = sha2::Sha256::digest(&body).into();
         Some(Registration { digest, version: request.version(), language: request.language(), body })
-    }
-
-    /// The heartbeat's body (`HeartbeatData`).
-    pub fn body(&self) -> &[u8] {
-        &self.body
     }
 
     /// A `HEART_BEAT` carrying this registration, as the client sent it.
@@ -156,6 +161,36 @@ impl Client {
     }
 }
 
+/// Producer groups every client names, whatever its token: Apache's client puts its consumers' inner producer
+/// (`MixAll.CLIENT_INNER_PRODUCER_GROUP`) in every heartbeat, and a producer whose group is not set has
+/// `DEFAULT_PRODUCER`. Neither is bound to a token.
+const SHARED_PRODUCER_GROUPS: [&str; 2] = ["CLIENT_INNER_PRODUCER", "DEFAULT_PRODUCER"];
+
+/// A producer group of `groups` that a client of another token than `caller`'s holds now, of those client
+/// `client_id` does not hold already (a heartbeat that names no new group costs no look through the clients).
+/// A producer group is asked a transaction's check-backs, half message included: it is the token's whose
+/// client registered it first, as a client id is, while that token's clients hold it.
+fn producer_group_of_another(
+    clients: &ClientIds<Client>,
+    client_id: &str,
+    caller: &Caller,
+    groups: &BTreeSet<String>,
+) -> Option<String> {
+    let held = clients.get(client_id).map(|client| &client.producer_groups);
+    let mut new = groups
+        .iter()
+        .filter(|group| !SHARED_PRODUCER_GROUPS.contains(&group.as_str()))
+        .filter(|group| held.is_none_or(|held| !held.contains(*group)))
+        .peekable();
+    new.peek()?;
+    let new: Vec<&String> = new.collect();
+    clients
+        .iter()
+        .filter(|(_, owner, _)| owner.name != caller.name)
+        .find_map(|(_, _, client)| new.iter().find(|group| client.producer_groups.contains(**group)))
+        .map(|group| (*group).clone())
+}
+
 /// The clients, by client id.
 pub(super) struct Clients {
     clients: Mutex<ClientIds<Client>>,
@@ -182,14 +217,20 @@ impl Clients {
         caller: &Caller,
         heartbeat: &Heartbeat,
     ) -> Result<Vec<String>, GatewayError> {
+        let producer_groups: BTreeSet<String> =
+            heartbeat.producer_data_set.iter().map(|p| p.group_name.clone()).collect();
         let changed = {
             let mut clients = self.clients.lock();
+            if let Some(taken) = producer_group_of_another(&clients, &heartbeat.client_id, caller, &producer_groups) {
+                counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
+                return Err(GatewayError::ProducerGroupTaken(taken));
+            }
             let known = clients.len();
             let client = clients.claim(&heartbeat.client_id, caller, || Client::new(connection))?;
             let kinds_before = client.kinds();
             client.connection = connection.clone();
             client.last_heartbeat = Instant::now();
-            client.producer_groups = heartbeat.producer_data_set.iter().map(|p| p.group_name.clone()).collect();
+            client.producer_groups = producer_groups;
             let before: BTreeSet<String> = client.consumer_groups.keys().cloned().collect();
             client.consumer_groups = heartbeat
                 .consumer_data_set
@@ -213,7 +254,8 @@ impl Clients {
     }
 
     /// `client_id` of `caller` leaves `producer_group` and `consumer_group` (either may be absent); when it is
-    /// then in no group, it is forgotten.
+    /// then in no group, it is forgotten. Whether it left `consumer_group` (it was a member, registered here by
+    /// `caller`): only then does it give back what it holds there.
     ///
     /// # Errors
     /// [`GatewayError::ClientIdTaken`] when another token registered the id (counted; nothing changes).
@@ -223,10 +265,10 @@ impl Clients {
         caller: &Caller,
         producer_group: Option<&str>,
         consumer_group: Option<&str>,
-    ) -> Result<(), GatewayError> {
+    ) -> Result<bool, GatewayError> {
         let left: Vec<String> = {
             let mut clients = self.clients.lock();
-            let Some(client) = clients.of_caller(client_id, caller)? else { return Ok(()) };
+            let Some(client) = clients.of_caller(client_id, caller)? else { return Ok(false) };
             if let Some(group) = producer_group {
                 client.producer_groups.remove(group);
             }
@@ -239,7 +281,7 @@ impl Clients {
             left.into_iter().collect()
         };
         self.tell_members(&left);
-        Ok(())
+        Ok(!left.is_empty())
     }
 
     /// Every client of connection `id` leaves its groups.
@@ -490,10 +532,19 @@ mod tests {
                 .expect("HeartbeatData")
         };
         clients.heartbeat(&allowed, &token("app", "orders", "-"), &producer("app@1")).expect("registered");
-        // Anyone may name any producer group; the last heartbeat used to win.
-        clients.heartbeat(&claimant, &token("claimant", "mine", "-"), &producer("claimant@1")).expect("registered");
+        // Another token may not name that producer group while the app's client holds it (the last heartbeat
+        // used to win); the group's check-backs go to the app only.
+        let claimed = clients.heartbeat(&claimant, &token("claimant", "orders", "-"), &producer("claimant@1"));
+        assert!(matches!(claimed, Err(GatewayError::ProducerGroupTaken(group)) if group == "pg"));
         assert_eq!(clients.producer_connection("pg", "orders").map(|c| c.id), Some(1), "the producer of the topic");
         assert!(clients.producer_connection("pg", "elsewhere").is_none(), "no producer may see that topic");
+        // Another client of the same token may; the inner producer every consumer names is no token's.
+        clients.heartbeat(&claimant, &token("app", "orders", "-"), &producer("app@2")).expect("the same token");
+        clients.heartbeat(&claimant, &token("claimant", "orders", "-"), &heartbeat("claimant@2", &[])).expect("shared");
+        // Once the app's clients are gone, the group is free.
+        clients.connection_closed(1);
+        clients.connection_closed(2);
+        clients.heartbeat(&claimant, &token("claimant", "orders", "-"), &producer("claimant@1")).expect("free");
     }
 
     #[tokio::test]

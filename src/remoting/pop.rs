@@ -153,7 +153,11 @@ pub(super) async fn pop_message(
     let hand_out = HandOut {
         transport: "remoting",
         ack_timeout: (!invisible.is_zero()).then_some(invisible),
-        holder: Some(Holder { client_id, auto_renew: false, written: false }),
+        holder: Some(Holder {
+            client_id: gateway::holder_id("remoting", &client_id),
+            auto_renew: false,
+            written: false,
+        }),
         fifo_batch: false,
     };
     let wait = Duration::from_millis(pop.poll_time).min(MAX_POLL_WAIT);

@@ -10,7 +10,6 @@
 //! the client names, as a broker would take it.
 
 use metrics::counter;
-use rocketmq_protocol::common::message::message_decoder;
 use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
 
 use super::codes;
@@ -85,31 +84,15 @@ async fn half_message_topic(front: &Front, request: &RemotingCommand) -> Result<
     let Some(offset) = field(request, "commitLogOffset").and_then(|v| v.parse::<i64>().ok()) else {
         return Err(error(codes::SYSTEM_ERROR, "END_TRANSACTION without a commitLogOffset"));
     };
-    let broker = relay::broker_of(front, request).await.map_err(|why| error(codes::SYSTEM_ERROR, why))?;
-    let addr = relay::master_addr(front, &broker).await?;
-    let mut view = RemotingCommand::create_remoting_command(codes::VIEW_MESSAGE_BY_ID);
-    view.add_ext_field("topic", HALF_TOPIC);
-    view.add_ext_field("offset", offset.to_string());
-    let timeout = front.config.broker.request_timeout();
-    let mut answer = match front.broker.relay(&addr, &view, timeout).await {
-        Ok(answer) => answer,
-        Err(failed) => {
-            return Err(error(codes::SYSTEM_ERROR, format!("popgate could not ask broker `{broker}`: {failed}")))
-        }
-    };
-    let not_half = || {
+    let message = relay::stored_message(front, request, offset, HALF_TOPIC).await.map_err(Refusal::answer)?;
+    let half_topic = message.as_ref().and_then(|message| {
+        let is_half = message.message.property(PROPERTY_TRANSACTION_PREPARED) == Some("true");
+        message.message.property(PROPERTY_REAL_TOPIC).filter(|_| is_half).map(str::to_owned)
+    });
+    half_topic.ok_or_else(|| {
         counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
-        error(NOT_A_HALF_MESSAGE, format!("no half message at commitLogOffset {offset} of broker `{broker}`"))
-    };
-    let Some(mut body) = answer.take_body().filter(|_| answer.code() == codes::SUCCESS) else {
-        return Err(not_half());
-    };
-    let message = message_decoder::decode(&mut body, false, false, false, false, false).ok_or_else(not_half)?;
-    let is_half = message.message.property(PROPERTY_TRANSACTION_PREPARED) == Some("true");
-    match message.message.property(PROPERTY_REAL_TOPIC) {
-        Some(topic) if is_half => Ok(topic.to_owned()),
-        _ => Err(not_half()),
-    }
+        error(NOT_A_HALF_MESSAGE, format!("no half message at commitLogOffset {offset} of its broker"))
+    })
 }
 
 /// The transaction id popgate has a record under, of the ids the request names (`msgId`, the client's
