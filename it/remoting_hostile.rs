@@ -351,3 +351,193 @@ async fn quiet_slow_and_unread_connections_are_closed_and_pipelined_frames_wait_
     send(&mut after, raw_request(38, &[("consumerGroup", "rm_flood_g")])).await;
     assert!(read_answer(&mut after).await.is_some(), "served");
 }
+
+/// Two tokens whose topics are scoped (`subscribe`): each reads only its own topics, as its own groups.
+fn scoped_tokens_toml() -> String {
+    format!(
+        "[auth]\nenabled = true\n\n\
+         [[auth.tokens]]\nname = \"{}\"\ntoken = \"{}\"\npublish = [\"sv_*\"]\nconsume = [\"sv_*\"]\nsubscribe = [\"sv_*\"]\n\n\
+         [[auth.tokens]]\nname = \"{}\"\ntoken = \"{}\"\npublish = [\"ss_*\"]\nconsume = [\"ss_*\"]\nsubscribe = [\"ss_*\"]\n",
+        VICTIM.0, VICTIM.1, STRANGER.0, STRANGER.1
+    )
+}
+
+/// Issue #46: a send-back names its message only by its commit-log offset, and the broker copies whatever is stored
+/// there into the group's retry topic, which the group's consumers pull. popgate relays with the cluster's
+/// credentials, so without a look at that message any token could read any topic by walking offsets with a
+/// group of its own. A topic's queue offsets likewise need a grant on the topic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_reads_no_other_tokens_topic_through_a_send_back_or_an_offset_query() {
+    let cluster = shared_cluster();
+    let (popgate, namesrv) = popgate_with_remoting(cluster, &scoped_tokens_toml()).await;
+    let (victim_topic, own_topic) = (unique_topic("sv_t"), unique_topic("ss_t"));
+    let stranger_group = unique_topic("ss_g");
+    create_topic(cluster, &victim_topic).await;
+    create_topic(cluster, &own_topic).await;
+    let broker = cluster.brokers[0].name.clone();
+    let (victim_message, _) = raw_send(&victim_topic, &broker, "the victim's secret", 0, &[]);
+    let (_, victim_offset) = stored_straight_at(cluster, 0, victim_message).await;
+    let (own_message, _) = raw_send(&own_topic, &broker, "the stranger's own", 0, &[]);
+    let (_, own_offset) = stored_straight_at(cluster, 0, own_message).await;
+
+    let mut stranger = TcpStream::connect(&namesrv).await.expect("connect");
+    let joined = ask(&mut stranger, signed(consumer_heartbeat("s@1", &stranger_group, &own_topic), STRANGER)).await;
+    assert_eq!(joined.map(|a| a.code()), Some(SUCCESS));
+    let send_back = |offset: i64| {
+        let offset = offset.to_string();
+        let fields = [
+            ("offset", offset.as_str()),
+            ("group", stranger_group.as_str()),
+            ("delayLevel", "1"),
+            // What the client says the message's topic is: the broker does not read it, neither does popgate.
+            ("originTopic", own_topic.as_str()),
+            ("maxReconsumeTimes", "16"),
+            ("bname", broker.as_str()),
+        ];
+        signed(raw_request(36, &fields), STRANGER)
+    };
+    let walked = ask(&mut stranger, send_back(victim_offset)).await.expect("answered");
+    assert_eq!(walked.code(), NO_PERMISSION, "the victim's message: {:?}", walked.remark());
+    let remark = walked.remark().map(ToString::to_string).unwrap_or_default();
+    assert!(remark.contains(&victim_topic), "the refusal names the message's topic: {remark}");
+    let own = ask(&mut stranger, send_back(own_offset)).await.expect("answered");
+    assert_eq!(own.code(), SUCCESS, "its own message: {:?}", own.remark());
+    let nowhere = ask(&mut stranger, send_back(own_offset + 1_000_000_000)).await.expect("answered");
+    assert_ne!(nowhere.code(), SUCCESS, "an offset with no message: {:?}", nowhere.remark());
+
+    // The queue offsets of a topic: only with a grant on it (ACL 2.0's `Get`).
+    for (code, name) in [(30, "GET_MAX_OFFSET"), (31, "GET_MIN_OFFSET"), (32, "GET_EARLIEST_MSG_STORETIME")] {
+        let offsets_of = |topic: &str| {
+            signed(raw_request(code, &[("topic", topic), ("queueId", "0"), ("bname", &broker)]), STRANGER)
+        };
+        let refused = ask(&mut stranger, offsets_of(&victim_topic)).await.map(|a| a.code());
+        assert_eq!(refused, Some(NO_PERMISSION), "{name} of the victim's topic");
+        let answered = ask(&mut stranger, offsets_of(&own_topic)).await.map(|a| a.code());
+        assert_eq!(answered, Some(SUCCESS), "{name} of its own topic");
+    }
+
+    // A producer group is the token's whose client registered it first: the stranger cannot claim the victim's
+    // (its check-backs carry the victim's half messages).
+    let producer = |id: &str, group: &str| {
+        let body = json!({"clientID": id, "producerDataSet": [{"groupName": group}], "consumerDataSet": []});
+        RemotingCommand::create_remoting_command(34).set_body(body.to_string().into_bytes())
+    };
+    let mut victim = TcpStream::connect(&namesrv).await.expect("connect");
+    let registered = ask(&mut victim, signed(producer("v@1", "sv_pg"), VICTIM)).await.map(|a| a.code());
+    assert_eq!(registered, Some(SUCCESS));
+    let claimed = ask(&mut stranger, signed(producer("s@2", "sv_pg"), STRANGER)).await.expect("answered");
+    assert_eq!(claimed.code(), NO_PERMISSION, "another token's producer group: {:?}", claimed.remark());
+
+    // The stranger's retry topic gets its own message (delay level 1: 1 s), never the victim's.
+    let retry_topic = format!("%RETRY%{stranger_group}");
+    eventually(Duration::from_secs(60), "the stranger's own message is in its retry topic", || async {
+        !stored_bodies(cluster, &retry_topic).await.is_empty()
+    })
+    .await;
+    assert_eq!(stored_bodies(cluster, &retry_topic).await, ["the stranger's own"], "nothing of the victim's");
+    assert!(popgate.metric("popgate_requests_rejected_total{reason=\"forbidden\"}").await >= 4.0);
+}
+
+/// A batch body as Apache's client encodes one (`MessageDecoder.encodeMessages`), of `bodies`, no properties.
+fn batch_body(bodies: &[&[u8]]) -> Vec<u8> {
+    let mut encoded = Vec::new();
+    for body in bodies {
+        let total = i32::try_from(4 + 4 + 4 + 4 + 4 + body.len() + 2).expect("small");
+        for word in [total, 0, 0, 0, i32::try_from(body.len()).expect("small")] {
+            encoded.extend_from_slice(&word.to_be_bytes());
+        }
+        encoded.extend_from_slice(body);
+        encoded.extend_from_slice(&0i16.to_be_bytes());
+    }
+    encoded
+}
+
+/// Issue #46: what Apache's client refuses before sending (`Validators.checkMessage`: an empty body, one over the
+/// size limit; each message of a batch) popgate refuses too, with the client's words, before any broker sees it;
+/// a message the broker itself refuses is the message's fault, not the broker's: it isolates no broker, so the
+/// next sends of every other app go where they would have gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remoting_send_is_checked_as_apaches_client_checks_it_and_a_refused_one_isolates_no_broker() {
+    let cluster = shared_cluster();
+    let (popgate, namesrv) = popgate_with_remoting(cluster, "").await;
+    let topic = unique_topic("rm_checked");
+    create_topic(cluster, &topic).await;
+    let broker = cluster.brokers[0].name.clone();
+    let mut client = TcpStream::connect(&namesrv).await.expect("connect");
+
+    // The broker refuses a send to its schedule topic (NO_PERMISSION): the broker is well all the same, and
+    // the next send placed there is taken (it used to be refused SERVICE_NOT_AVAILABLE for 10 min).
+    let (forbidden, _) = raw_send("SCHEDULE_TOPIC_XXXX", &broker, "x", 0, &[]);
+    let refused = ask(&mut client, forbidden).await.expect("answered");
+    assert_eq!(refused.code(), NO_PERMISSION, "{:?}", refused.remark());
+    let isolations = format!("popgate_broker_isolations_total{{broker=\"{broker}\",cause=\"unreachable\"}}");
+    assert_eq!(popgate.metric(&isolations).await, 0.0, "a refused message isolates no broker");
+    let (next, _) = raw_send(&topic, &broker, "next", 0, &[]);
+    let next = ask(&mut client, next).await.expect("answered");
+    assert_eq!(next.code(), SUCCESS, "the next send to that broker: {:?}", next.remark());
+
+    let (empty, _) = raw_send(&topic, &broker, "", 0, &[]);
+    let (mut large, _) = raw_send(&topic, &broker, "", 0, &[]);
+    large = large.set_body(vec![b'x'; 4 * 1024 * 1024 + 1]);
+    let (single, _) = raw_send(&topic, &broker, "", 0, &[]);
+    let batch_of = |bodies: &[&[u8]]| {
+        let mut batch = RemotingCommand::create_remoting_command(320).set_body(batch_body(bodies));
+        for (name, value) in single.ext_fields().into_iter().flatten() {
+            batch.add_ext_field(name.as_str(), if name.as_str() == "m" { "true" } else { value.as_str() });
+        }
+        batch
+    };
+    // `TRAN_MSG` as Java's Boolean.parseBoolean reads it: a half message, which a topic without a type refuses.
+    let (shouting_half, _) = raw_send(&topic, &broker, "half", 0, &[("TRAN_MSG", "TRUE"), ("PGROUP", "rm_p")]);
+    let cases = [
+        ("an empty body", empty, "the message body length is zero"),
+        ("a body over 4 MiB", large, "the message body size over max value, MAX: 4194304"),
+        ("a batch with an empty message", batch_of(&[b"one", b""]), "the message body length is zero"),
+        ("a half message marked TRUE", shouting_half, "TopicMessageType validate failed"),
+    ];
+    for (case, request, words) in cases {
+        let answer = ask(&mut client, request).await.expect("answered, the connection kept");
+        let remark = answer.remark().map(ToString::to_string).unwrap_or_default();
+        assert_eq!(answer.code(), MESSAGE_ILLEGAL, "{case}: {remark}");
+        assert!(remark.contains(words), "{case}: {remark}");
+    }
+    let stored = ask(&mut client, batch_of(&[b"one", b"two"])).await.expect("answered");
+    assert_eq!(stored.code(), SUCCESS, "a batch of two: {:?}", stored.remark());
+
+    assert_eq!(stored_bodies(cluster, &topic).await, ["next", "one", "two"], "nothing refused was stored");
+}
+
+/// Issue #46: what clients can make popgate hold before they sign anything is bounded across connections, not
+/// only per connection. A connection that announces a large frame takes its bytes from the front's budget
+/// (`remoting.max_frame_bytes_in_flight`) before it is read in; one that stalls in the middle holds them only until
+/// its idle timeout closes it. Meanwhile another client's large frame waits and small requests are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_frames_wait_for_room_in_the_fronts_budget_and_a_stalled_one_holds_it_only_until_its_idle_timeout() {
+    let cluster = shared_cluster();
+    let limits = "idle_timeout_secs = 8\nmax_frame_bytes = 1048580\nmax_frame_bytes_in_flight = 1048580\n";
+    let (popgate, namesrv) = popgate_with_remoting(cluster, limits).await;
+    let topic = unique_topic("rm_budget");
+    create_topic(cluster, &topic).await;
+    let route = |body: Vec<u8>| raw_request(105, &[("topic", topic.as_str())]).set_body(body);
+
+    // The hog: a frame of 1 MiB announced (the whole budget), half of it sent, then nothing.
+    let mut hog = TcpStream::connect(&namesrv).await.expect("connect");
+    hog.write_all(&1_048_576u32.to_be_bytes()).await.expect("write");
+    hog.write_all(&2u32.to_be_bytes()).await.expect("write");
+    hog.write_all(&vec![b' '; 512 * 1024]).await.expect("write");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+
+    // A well-behaved client's large request (a 600 KiB route query) waits; a small one is served at once.
+    let mut big = TcpStream::connect(&namesrv).await.expect("connect");
+    send(&mut big, route(vec![b'x'; 600 * 1024])).await;
+    let mut small = TcpStream::connect(&namesrv).await.expect("connect");
+    assert_eq!(ask(&mut small, route(Vec::new())).await.map(|a| a.code()), Some(SUCCESS), "a small request is served");
+    let early = tokio::time::timeout(Duration::from_secs(2), read_answer(&mut big)).await;
+    assert!(early.is_err(), "the large frame waits while the stalled one holds the budget");
+    assert!(popgate.metric("popgate_remoting_frame_budget_waits_total").await >= 1.0);
+
+    // The hog is closed as idle; its bytes go back, and the waiting frame is read and served.
+    assert!(closed_within(&mut hog, Duration::from_secs(15)).await, "the stalled connection is closed");
+    let answered = tokio::time::timeout(Duration::from_secs(15), read_answer(&mut big)).await;
+    assert_eq!(answered.ok().flatten().map(|a| a.code()), Some(SUCCESS), "then the large frame is served");
+}
