@@ -1,7 +1,8 @@
 //! The peer link's server: another instance of the tier asks this one to settle a delivery this one handed
 //! out, or to end a transaction this one recorded. The request must be signed with the tier's secret; the caller it names is looked up here (a token or a
 //! cluster user of the same name) and settles as it would on any front of this instance, through the
-//! gateway, with its rights checked here.
+//! gateway, with its rights checked here, from the source address the request names (one that is not an
+//! address is refused).
 
 use std::future::Future;
 use std::net::IpAddr;
@@ -44,16 +45,26 @@ impl PeerService {
         let PeerParts { dispatcher, transactions, tokens } = parts;
         PeerService { instance, secret: secret.as_bytes().to_vec(), dispatcher, transactions, tokens }
     }
+}
 
-    /// The caller `name` another instance authenticated (its request came from `source_ip`), as this instance
-    /// knows it: its grants are this instance's.
-    fn caller_of(&self, name: &str, source_ip: &str) -> Option<Caller> {
-        let caller = self.tokens.caller_named(name)?;
-        Some(match source_ip.parse::<IpAddr>() {
-            Ok(ip) => caller.from_address(ip),
-            Err(_) => caller,
-        })
-    }
+/// The caller `name` another instance authenticated, its request from `source_ip` (empty: not known there), as
+/// this instance knows it: its grants are this instance's; `Ok(None)` when it knows no such caller.
+///
+/// # Errors
+/// `INVALID_ARGUMENT` when `source_ip` is not an address: taking the caller as one from nowhere would skip the
+/// ACL entries limited to networks, `Deny` ones included.
+fn caller_of(tokens: &TokenTable, name: &str, source_ip: &str) -> Result<Option<Caller>, Status> {
+    let source = match source_ip {
+        "" => None,
+        ip => Some(ip.parse::<IpAddr>().map_err(|_| {
+            Status::invalid_argument(format!("the caller's source address `{ip}` is not an IP address"))
+        })?),
+    };
+    let Some(caller) = tokens.caller_named(name) else { return Ok(None) };
+    Ok(Some(match source {
+        Some(ip) => caller.from_address(ip),
+        None => caller,
+    }))
 }
 
 #[tonic::async_trait]
@@ -85,7 +96,10 @@ impl Peer for PeerService {
             counter!(m::TIER_SERVED, "action" => label, "result" => "unauthenticated").increment(1);
             return Err(Status::unauthenticated("not signed with the tier's secret"));
         }
-        let outcome = match self.caller_of(&request.caller, &request.source_ip) {
+        let caller = caller_of(&self.tokens, &request.caller, &request.source_ip).inspect_err(|_| {
+            counter!(m::TIER_SERVED, "action" => label, "result" => "refused").increment(1);
+        })?;
+        let outcome = match caller {
             // Only what this instance handed out is settled here: no asking on (a loop between instances).
             Some(caller) => {
                 let settling = Settling { dispatcher: &self.dispatcher, owners: None };
@@ -106,7 +120,10 @@ impl Peer for PeerService {
             return Err(Status::unauthenticated("not signed with the tier's secret"));
         }
         let request = request.into_inner();
-        let outcome = match self.caller_of(&request.caller, &request.source_ip) {
+        let caller = caller_of(&self.tokens, &request.caller, &request.source_ip).inspect_err(|_| {
+            counter!(m::TIER_SERVED, "action" => "end", "result" => "refused").increment(1);
+        })?;
+        let outcome = match caller {
             // Only what this instance recorded is ended here: no asking on.
             Some(caller) => {
                 let ending = Ending { transactions: &self.transactions, front: "tier", owners: None };
@@ -139,4 +156,43 @@ pub async fn serve(
         .add_service(PeerServer::new(service))
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::auth::Action;
+    use crate::config::{AclEntryConfig, AuthConfig, TokenConfig};
+
+    /// A caller whose ACL denies it a topic from one network: what the request names as its source address
+    /// decides whether the deny applies, so a source address that is not one is refused, never dropped.
+    #[test]
+    fn a_source_address_that_is_not_an_address_is_refused() {
+        let deny = AclEntryConfig {
+            resource: "Topic:payroll".into(),
+            actions: vec!["Sub".into()],
+            decision: Some("Deny".into()),
+            source_ips: vec!["10.0.0.0/8".parse().expect("a network")],
+        };
+        let token = TokenConfig {
+            name: "app".into(),
+            token: Some("app-secret-0123456789".into()),
+            consume: vec!["g".into()],
+            acl: vec![deny],
+            ..TokenConfig::default()
+        };
+        let tokens = TokenTable::new(&AuthConfig { enabled: true, tokens: vec![token], ..AuthConfig::default() });
+
+        for unparseable in ["not-an-address", "10.1.2.3:80", "10.1.2", " 10.1.2.3", "10.0.0.0/8"] {
+            let refused = caller_of(&tokens, "app", unparseable).expect_err(unparseable);
+            assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{unparseable}");
+        }
+        let from_inside = caller_of(&tokens, "app", "10.1.2.3").expect("an address").expect("known");
+        assert_eq!(from_inside.source_ip(), Some("10.1.2.3".parse().expect("ip")));
+        assert!(!from_inside.may(Action::Subscribe("payroll")), "denied from 10.0.0.0/8");
+        let unknown = caller_of(&tokens, "app", "").expect("none given").expect("known");
+        assert_eq!(unknown.source_ip(), None, "not known where the request came in, as there");
+        assert!(unknown.may(Action::Subscribe("payroll")), "what an address that is not one would have become");
+        assert!(caller_of(&tokens, "nobody", "10.1.2.3").expect("an address").is_none());
+    }
 }
