@@ -16,7 +16,8 @@
 //! ([`Tier`], the gateway's [`Owners`]).
 
 mod identity;
-mod proto;
+/// The peer link's generated messages, server and client (public for it/, which speaks the link raw).
+pub mod proto;
 pub mod server;
 mod signing;
 mod wire;
