@@ -11,6 +11,7 @@ use reqwest::Client;
 use serde_json::{json, Value};
 
 use popgate::grpc::proto::{self as pb, Code};
+use popgate::tier::proto::{self as peer, peer_client::PeerClient};
 
 use crate::grpc_raw::{connect, handle_of, receive_published_signed, receive_request, request, resource};
 use crate::harness::balancer::Balancer;
@@ -501,6 +502,78 @@ async fn ends_of_unknown_transactions_are_asked_of_the_peers_a_bounded_number_at
     let (status, answer, _) = end(6).await;
     assert_eq!(status, 404, "asked of the running peer again, which does not know it either: {answer}");
     assert_eq!(asked.metric(r#"popgate_requests_rejected_total{reason="too_many_tier_ends"}"#).await, 4.0);
+}
+
+/// The peer link's signature of `message` for call `rpc` to instance `to`, made here as the README and
+/// `src/tier/signing.rs` describe it: `<unix ms>:<nonce>:<to>:<HMAC-SHA256>` over the call, the time, the nonce,
+/// the recipient and the message's protobuf encoding.
+fn peer_signature<M: prost::Message>(rpc: &str, to: &str, message: &M) -> String {
+    use hmac::{Hmac, Mac};
+    let at_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("after 1970").as_millis();
+    let nonce = format!("{:032x}", rand::random::<u128>());
+    let mut mac = Hmac::<sha2::Sha256>::new_from_slice(SECRET.as_bytes()).expect("any key length");
+    mac.update(format!("popgate-peer/2\n{rpc}\n{at_ms}\n{nonce}\n{to}\n").as_bytes());
+    mac.update(&message.encode_to_vec());
+    format!("{at_ms}:{nonce}:{to}:{}", hex::encode(mac.finalize().into_bytes()))
+}
+
+/// `message` carrying `signature` as the peer link's signature.
+fn with_signature<M>(message: M, signature: &str) -> tonic::Request<M> {
+    let mut request = tonic::Request::new(message);
+    request.metadata_mut().insert("x-popgate-peer-signature", signature.parse().expect("ascii"));
+    request
+}
+
+/// What a stranger who reads the peer link (it is plaintext) can do with what it captured: nothing. A raw
+/// client of the peer port sends a request signed with the tier's secret; the same request sent again (a
+/// replayed `Identify` would collect the untold-ACK notes for its asker) is refused, and so is a signed
+/// settlement whose caller was changed, or one signed for another instance. The instance's counter names the
+/// replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_request_is_taken_once_unchanged_and_only_by_the_instance_it_was_signed_for() {
+    let cluster = shared_cluster();
+    let port = free_port();
+    let instance = Popgate::start(&cluster.namesrv_addr, &peer_toml(0, port, &[], "", "")).await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))
+        .expect("an address")
+        .connect()
+        .await
+        .expect("the peer port");
+    let mut client = PeerClient::new(channel);
+
+    let identify = peer::IdentifyRequest { asker: "it-tier-9".into() };
+    let captured = peer_signature("identify", "it-tier-0", &identify);
+    let reply = client.identify(with_signature(identify.clone(), &captured)).await.expect("taken once");
+    assert_eq!(reply.into_inner().instance_id, "it-tier-0");
+    let replayed = client.identify(with_signature(identify, &captured)).await.expect_err("not twice");
+    assert_eq!(replayed.code(), tonic::Code::Unauthenticated, "{replayed:?}");
+    assert!(replayed.message().contains("replayed"), "{replayed:?}");
+
+    let settle = peer::SettleRequest {
+        caller: OTHER.0.into(),
+        source_ip: "127.0.0.1".into(),
+        delivery_id: "it-tier-0~00".into(),
+        hand_out: None,
+        group: None,
+        action: Some(peer::settle_request::Action::Ack(peer::Ack {})),
+    };
+    let signed = peer_signature("settle", "it-tier-0", &settle);
+    let changed = peer::SettleRequest { caller: APP.0.into(), ..settle.clone() };
+    let refused = client.settle(with_signature(changed, &signed)).await.expect_err("another caller");
+    assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
+    let for_another = peer_signature("settle", "it-tier-1", &settle);
+    let refused = client.settle(with_signature(settle.clone(), &for_another)).await.expect_err("another instance");
+    assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
+    // Unchanged, for this instance, once: taken (and answered by the gateway: no such delivery here).
+    let answered = client.settle(with_signature(settle, &signed)).await.expect("taken").into_inner();
+    assert!(matches!(answered.outcome, Some(peer::settle_reply::Outcome::Refused(_))), "{answered:?}");
+
+    let served = |action: &str, result: &str| {
+        format!("popgate_tier_settlements_served_total{{action=\"{action}\",result=\"{result}\"}}")
+    };
+    assert_eq!(instance.metric(&served("identify", "replayed")).await, 1.0);
+    assert_eq!(instance.metric(&served("ack", "unauthenticated")).await, 2.0);
+    assert_eq!(instance.metric(&served("ack", "refused")).await, 1.0);
 }
 
 /// How many messages the consumers behind the TCP balancer each consume, published one every

@@ -104,8 +104,9 @@ pub const TRANSACTION_CHECK_ANSWERS: &str = "popgate_transaction_check_answers_t
 /// Counter (`action`, `result`): settlements of deliveries another instance of the tier handed out, asked of
 /// that instance (`result`: ok, refused, unreachable).
 pub const TIER_FORWARDED: &str = "popgate_tier_settlements_forwarded_total";
-/// Counter (`action`, `result`): settlements another instance of the tier asked of this one (`result`: ok,
-/// refused, unauthenticated).
+/// Counter (`action`, `result`): settlements another instance of the tier asked of this one, transaction ends
+/// (`action` end) and peer look-ups refused (`action` identify) (`result`: ok, refused, not_here,
+/// unauthenticated, replayed, busy).
 pub const TIER_SERVED: &str = "popgate_tier_settlements_served_total";
 /// Counter (`action`, `result`): settlements of deliveries whose owner could not be reached, made at the
 /// broker with the lease the handle carries (`action`: ack, nack; `result`: ok, stale, busy).
@@ -343,7 +344,7 @@ fn register_zeroes() {
         for result in ["ok", "refused", "unreachable"] {
             metrics::counter!(TIER_FORWARDED, "action" => action, "result" => result).increment(0);
         }
-        for result in ["ok", "refused", "unauthenticated"] {
+        for result in ["ok", "refused", "unauthenticated", "replayed"] {
             metrics::counter!(TIER_SERVED, "action" => action, "result" => result).increment(0);
         }
     }

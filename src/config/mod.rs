@@ -114,8 +114,9 @@ pub struct TierConfig {
     pub peer_dns: String,
     /// How often the peers are looked up and asked who they are.
     pub refresh_secs: u64,
-    /// The tier's shared secret: every peer request is signed with it (HMAC-SHA256 over a timestamp and the
-    /// request). At least 16 characters; the same on every instance.
+    /// The tier's shared secret: every peer request is signed with it (HMAC-SHA256 over the call, a timestamp,
+    /// a nonce, the instance it is meant for and the whole request). At least 16 characters; the same on every
+    /// instance.
     pub secret: String,
     /// How long a settlement asked of another instance may take before it fails (the client may retry).
     pub forward_timeout_ms: u64,

@@ -4,8 +4,9 @@
 //! every front (`pg2:<delivery id>.<hand-out>`, `pgr:…`, an HTTP `deliveryId`). A settlement (ACK, NACK, TERM,
 //! a new deadline) that reaches an instance which did not hand the delivery out is asked of the one that did,
 //! over the peer link: popgate's own small gRPC service (`proto/popgate/peer/v1`), on its own port
-//! (`tier.listen`), each request signed with the tier's shared secret. The owner applies it as it would its own
-//! client's: the same caller's rights, stale holders fenced, the ACK intent stored before the broker ACK.
+//! (`tier.listen`), each request signed whole with the tier's shared secret, for one instance, and taken once
+//! (`signing.rs`). The owner applies it as it would its own client's: the same caller's rights, stale holders
+//! fenced, the ACK intent stored before the broker ACK.
 //!
 //! Peers are the addresses of `tier.peers` and of `tier.peer_dns` (a Kubernetes headless Service), looked up
 //! every `tier.refresh_secs` and asked who they are; a settlement for an instance not known yet looks again
@@ -15,8 +16,10 @@
 //! ([`Tier`], the gateway's [`Owners`]).
 
 mod identity;
-mod proto;
+/// The peer link's generated messages, server and client (public for it/, which speaks the link raw).
+pub mod proto;
 pub mod server;
+mod signing;
 mod wire;
 
 use std::collections::HashMap;
@@ -24,24 +27,20 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
-use hmac::{Hmac, Mac};
 use metrics::{counter, gauge};
 use parking_lot::Mutex;
 use tonic::transport::{Channel, Endpoint};
 
 pub use identity::{IdentityError, InstanceId};
 use proto::peer_client::PeerClient;
+use signing::sign_request;
 
 use crate::auth::Caller;
 use crate::config::TierConfig;
-use crate::gateway::below::{instance_of, now_millis, Dispatcher, Target};
+use crate::gateway::below::{instance_of, Dispatcher, Target};
 use crate::gateway::{EndOutcome, EndRequest, GatewayError, Owners, Settle, Settled, Settlement, Settling};
 use crate::metrics as m;
 
-/// The metadata entry that carries a peer request's signature: `<unix ms>:<hex HMAC-SHA256>`.
-const SIGNATURE_HEADER: &str = "x-popgate-peer-signature";
-/// How far a peer request's time may be from the answering instance's clock.
-const MAX_SKEW_MS: i64 = 30_000;
 /// The soonest the peers are looked up again for a settlement of an instance not known yet.
 const LOOKUP_AGAIN_AFTER: Duration = Duration::from_secs(1);
 /// This instance in its tier: its id, and the other instances' peer links.
@@ -150,18 +149,33 @@ impl Tier {
     }
 
     /// Who answers on `address`, a client of it, and what it ACKed at the broker for this instance meanwhile.
+    ///
+    /// Asked twice: who it is (signed for nobody: the answer is the id alone), then, signed for that id, what
+    /// it ACKed. A request signed for one instance is refused by any other, so a captured one taken to another
+    /// peer does not collect that peer's notes for this instance.
     async fn identify(
         &self,
         address: &str,
     ) -> Result<(String, PeerClient<Channel>, Vec<proto::AckedWithoutYou>), String> {
         let channel = self.channel(address)?;
         let mut client = PeerClient::new(channel);
-        let asker = self.instance.to_string();
-        let mut request = tonic::Request::new(proto::IdentifyRequest { asker: asker.clone() });
+        let id = self.identify_as(&mut client, "").await?.instance_id;
+        if id == self.instance.as_str() {
+            return Ok((id, client, Vec::new()));
+        }
+        let reply = self.identify_as(&mut client, &id).await?;
+        if reply.instance_id != id {
+            return Err(format!("it said it is `{id}`, then `{}`", reply.instance_id));
+        }
+        Ok((id, client, reply.acked_without_you))
+    }
+
+    /// Asks `client` who it is, signed for instance `to` (empty: nobody).
+    async fn identify_as(&self, client: &mut PeerClient<Channel>, to: &str) -> Result<proto::IdentifyReply, String> {
+        let mut request = tonic::Request::new(proto::IdentifyRequest { asker: self.instance.to_string() });
         request.set_timeout(self.timeout());
-        sign_request(&mut request, &self.secret, "identify", &asker);
-        let reply = client.identify(request).await.map_err(|status| status.message().to_owned())?.into_inner();
-        Ok((reply.instance_id, client, reply.acked_without_you))
+        sign_request(&mut request, &self.secret, "identify", to);
+        Ok(client.identify(request).await.map_err(|status| status.message().to_owned())?.into_inner())
     }
 
     fn channel(&self, address: &str) -> Result<Channel, String> {
@@ -210,7 +224,7 @@ impl Tier {
         };
         let mut request = tonic::Request::new(wire::settle_request(caller, settlement, action));
         request.set_timeout(self.timeout());
-        sign_request(&mut request, &self.secret, "settle", settlement.target.id);
+        sign_request(&mut request, &self.secret, "settle", owner);
         let reply = client.settle(request).await.map_err(|status| unreachable(status.message().to_owned()))?;
         let outcome = wire::outcome_of(reply.into_inner(), settlement.target.id);
         let result = if outcome.is_ok() { "ok" } else { "refused" };
@@ -222,7 +236,8 @@ impl Tier {
 impl Tier {
     /// Asks every known peer to end the transaction; the answer of the one that recorded it.
     async fn end_at_peers(&self, caller: &Caller, request: EndRequest<'_>) -> Option<Result<EndOutcome, GatewayError>> {
-        let peers: Vec<PeerClient<Channel>> = self.peers.lock().values().cloned().collect();
+        let peers: Vec<(String, PeerClient<Channel>)> =
+            self.peers.lock().iter().map(|(id, client)| (id.clone(), client.clone())).collect();
         let asked = wire::end_request(caller, request)?;
         if peers.is_empty() {
             return None;
@@ -235,10 +250,10 @@ impl Tier {
                 self.config.max_ends_asked_at_once
             ))));
         };
-        let ends = peers.into_iter().map(|mut client| {
+        let ends = peers.into_iter().map(|(peer, mut client)| {
             let mut call = tonic::Request::new(asked.clone());
             call.set_timeout(self.timeout());
-            sign_request(&mut call, &self.secret, "end", request.id);
+            sign_request(&mut call, &self.secret, "end", &peer);
             async move { client.end(call).await }
         });
         let mut unreachable = 0;
@@ -288,60 +303,9 @@ impl Owners for Tier {
     }
 }
 
-/// The MAC of a peer request `rpc` about `subject` (a delivery or transaction id) made at `at_ms`: HMAC-SHA256
-/// of the three, keyed by the tier's secret. Binding the id keeps a captured request from acting on another
-/// delivery; the time keeps it from being replayed later than [`MAX_SKEW_MS`].
-fn mac_of(secret: &[u8], at_ms: i64, rpc: &str, subject: &str) -> Option<Hmac<sha2::Sha256>> {
-    let mut mac = Hmac::<sha2::Sha256>::new_from_slice(secret).ok()?;
-    mac.update(format!("{at_ms}\n{rpc}\n{subject}").as_bytes());
-    Some(mac)
-}
-
-fn signature(secret: &[u8], at_ms: i64, rpc: &str, subject: &str) -> Option<Vec<u8>> {
-    Some(mac_of(secret, at_ms, rpc, subject)?.finalize().into_bytes().to_vec())
-}
-
-fn sign_request<T>(request: &mut tonic::Request<T>, secret: &[u8], rpc: &str, subject: &str) {
-    let at_ms = now_millis();
-    let Some(signature) = signature(secret, at_ms, rpc, subject) else { return };
-    if let Ok(value) = format!("{at_ms}:{}", hex::encode(signature)).parse() {
-        request.metadata_mut().insert(SIGNATURE_HEADER, value);
-    }
-}
-
-/// Whether `request` is signed with `secret` for `rpc` about `subject`, within [`MAX_SKEW_MS`] of now.
-fn signed_by_the_tier<T>(request: &tonic::Request<T>, secret: &[u8], rpc: &str, subject: &str) -> bool {
-    let Some(header) = request.metadata().get(SIGNATURE_HEADER).and_then(|v| v.to_str().ok()) else {
-        return false;
-    };
-    let Some((at, presented)) = header.split_once(':') else { return false };
-    let (Ok(at_ms), Ok(presented)) = (at.parse::<i64>(), hex::decode(presented)) else { return false };
-    if (now_millis() - at_ms).abs() > MAX_SKEW_MS {
-        return false;
-    }
-    mac_of(secret, at_ms, rpc, subject).is_some_and(|mac| mac.verify_slice(&presented).is_ok())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_signature_holds_for_its_secret_rpc_delivery_and_time_only() {
-        let secret = b"tier-secret-0123456789";
-        let mut request = tonic::Request::new(());
-        sign_request(&mut request, secret, "settle", "popgate-0~ab");
-        assert!(signed_by_the_tier(&request, secret, "settle", "popgate-0~ab"));
-        assert!(!signed_by_the_tier(&request, b"another-secret-0123456", "settle", "popgate-0~ab"));
-        assert!(!signed_by_the_tier(&request, secret, "settle", "popgate-0~cd"), "another delivery");
-        assert!(!signed_by_the_tier(&request, secret, "identify", "popgate-0~ab"), "another call");
-        let old = now_millis() - 2 * MAX_SKEW_MS;
-        let stale = format!("{old}:{}", hex::encode(signature(secret, old, "settle", "x").expect("mac")));
-        let mut replayed = tonic::Request::new(());
-        replayed.metadata_mut().insert(SIGNATURE_HEADER, stale.parse().expect("ascii"));
-        assert!(!signed_by_the_tier(&replayed, secret, "settle", "x"), "too old");
-        assert!(!signed_by_the_tier(&tonic::Request::new(()), secret, "settle", "x"), "unsigned");
-    }
 
     #[test]
     fn a_delivery_is_elsewhere_when_another_instance_minted_its_id() {

@@ -1,7 +1,8 @@
 //! The peer link's server: another instance of the tier asks this one to settle a delivery this one handed
-//! out, or to end a transaction this one recorded. The request must be signed with the tier's secret; the caller it names is looked up here (a token or a
-//! cluster user of the same name) and settles as it would on any front of this instance, through the
-//! gateway, with its rights checked here.
+//! out, or to end a transaction this one recorded. The request must be signed whole with the tier's secret, for
+//! this instance, and come once (`signing.rs`); the caller it names is looked up here (a token or a cluster user
+//! of the same name) and settles as it would on any front of this instance, through the gateway, with its
+//! rights checked here, from the source address the request names (one that is not an address is refused).
 
 use std::future::Future;
 use std::net::IpAddr;
@@ -13,7 +14,8 @@ use tonic::{Request, Response, Status};
 
 use super::proto::peer_server::{Peer, PeerServer};
 use super::proto::{self as pb};
-use super::{signed_by_the_tier, wire, InstanceId};
+use super::signing::{Recipient, Refused, Verifier};
+use super::{wire, InstanceId};
 use crate::auth::{Caller, TokenTable};
 use crate::gateway::below::{DeliveryError, Dispatcher, Transactions};
 use crate::gateway::{Ending, GatewayError, Settling};
@@ -22,7 +24,8 @@ use crate::metrics as m;
 /// What the peer link's server needs.
 pub struct PeerService {
     instance: InstanceId,
-    secret: Vec<u8>,
+    /// Checks each request's signature, and remembers the requests taken so none is taken twice.
+    verifier: Verifier,
     dispatcher: Arc<Dispatcher>,
     transactions: Arc<Transactions>,
     tokens: Arc<TokenTable>,
@@ -42,50 +45,83 @@ impl PeerService {
     /// The server of instance `instance`, which checks requests against `secret`.
     pub fn new(instance: InstanceId, secret: &str, parts: PeerParts) -> Self {
         let PeerParts { dispatcher, transactions, tokens } = parts;
-        PeerService { instance, secret: secret.as_bytes().to_vec(), dispatcher, transactions, tokens }
+        let verifier = Verifier::new(secret.as_bytes(), instance.clone());
+        PeerService { instance, verifier, dispatcher, transactions, tokens }
     }
+}
 
-    /// The caller `name` another instance authenticated (its request came from `source_ip`), as this instance
-    /// knows it: its grants are this instance's.
-    fn caller_of(&self, name: &str, source_ip: &str) -> Option<Caller> {
-        let caller = self.tokens.caller_named(name)?;
-        Some(match source_ip.parse::<IpAddr>() {
-            Ok(ip) => caller.from_address(ip),
-            Err(_) => caller,
-        })
+/// The request `checked` (call `rpc`, for `action`) only if signed for this instance by name; a refusal is
+/// counted and logged.
+fn for_this_instance(checked: Result<Recipient, Refused>, rpc: &str, action: &'static str) -> Result<(), Status> {
+    match checked {
+        Ok(Recipient::This) => Ok(()),
+        Ok(Recipient::Unnamed) => Err(refusal(Refused::NotForMe, rpc, action)),
+        Err(refused) => Err(refusal(refused, rpc, action)),
     }
+}
+
+fn refusal(refused: Refused, rpc: &str, action: &'static str) -> Status {
+    counter!(m::TIER_SERVED, "action" => action, "result" => refused.label()).increment(1);
+    tracing::warn!(rpc, error = %refused, "A peer request was refused.");
+    refused.status()
+}
+
+/// The caller `name` another instance authenticated, its request from `source_ip` (empty: not known there), as
+/// this instance knows it: its grants are this instance's; `Ok(None)` when it knows no such caller.
+///
+/// # Errors
+/// `INVALID_ARGUMENT` when `source_ip` is not an address: taking the caller as one from nowhere would skip the
+/// ACL entries limited to networks, `Deny` ones included.
+fn caller_of(tokens: &TokenTable, name: &str, source_ip: &str) -> Result<Option<Caller>, Status> {
+    let source = match source_ip {
+        "" => None,
+        ip => Some(ip.parse::<IpAddr>().map_err(|_| {
+            Status::invalid_argument(format!("the caller's source address `{ip}` is not an IP address"))
+        })?),
+    };
+    let Some(caller) = tokens.caller_named(name) else { return Ok(None) };
+    Ok(Some(match source {
+        Some(ip) => caller.from_address(ip),
+        None => caller,
+    }))
 }
 
 #[tonic::async_trait]
 impl Peer for PeerService {
     async fn identify(&self, request: Request<pb::IdentifyRequest>) -> Result<Response<pb::IdentifyReply>, Status> {
-        let asker = request.get_ref().asker.clone();
-        if !signed_by_the_tier(&request, &self.secret, "identify", &asker) {
-            return Err(Status::unauthenticated("not signed with the tier's secret"));
+        let instance_id = self.instance.to_string();
+        match self.verifier.check(&request, "identify") {
+            Ok(Recipient::This) => {}
+            // Asked who answers on this address: the id alone, what is noted for the asker only when asked of
+            // this instance by name (so a request captured on its way to another peer takes nothing here).
+            Ok(Recipient::Unnamed) => {
+                return Ok(Response::new(pb::IdentifyReply { instance_id, acked_without_you: Vec::new() }))
+            }
+            Err(refused) => return Err(refusal(refused, "identify", "identify")),
         }
+        let asker = &request.get_ref().asker;
         let acked_without_you = self
             .dispatcher
-            .take_untold(&asker)
+            .take_untold(asker)
             .await
             .into_iter()
             .map(|(delivery_id, hand_out)| pb::AckedWithoutYou { delivery_id, hand_out })
             .collect();
-        Ok(Response::new(pb::IdentifyReply { instance_id: self.instance.to_string(), acked_without_you }))
+        Ok(Response::new(pb::IdentifyReply { instance_id, acked_without_you }))
     }
 
     async fn settle(&self, request: Request<pb::SettleRequest>) -> Result<Response<pb::SettleReply>, Status> {
-        let subject = request.get_ref().delivery_id.clone();
-        let signed = signed_by_the_tier(&request, &self.secret, "settle", &subject);
+        let checked = self.verifier.check(&request, "settle");
         let request = request.into_inner();
         let Some((settlement, action)) = wire::asked(&request) else {
             return Err(Status::invalid_argument("a settlement names its action"));
         };
         let label = wire::action_label(&action);
-        if !signed {
-            counter!(m::TIER_SERVED, "action" => label, "result" => "unauthenticated").increment(1);
-            return Err(Status::unauthenticated("not signed with the tier's secret"));
-        }
-        let outcome = match self.caller_of(&request.caller, &request.source_ip) {
+        for_this_instance(checked, "settle", label)?;
+        let caller = caller_of(&self.tokens, &request.caller, &request.source_ip).inspect_err(|_| {
+            counter!(m::TIER_SERVED, "action" => label, "result" => "refused").increment(1);
+        })?;
+        let outcome = match caller {
             // Only what this instance handed out is settled here: no asking on (a loop between instances).
             Some(caller) => {
                 let settling = Settling { dispatcher: &self.dispatcher, owners: None };
@@ -100,13 +136,12 @@ impl Peer for PeerService {
     }
 
     async fn end(&self, request: Request<pb::EndRequest>) -> Result<Response<pb::EndReply>, Status> {
-        let subject = request.get_ref().transaction_id.clone();
-        if !signed_by_the_tier(&request, &self.secret, "end", &subject) {
-            counter!(m::TIER_SERVED, "action" => "end", "result" => "unauthenticated").increment(1);
-            return Err(Status::unauthenticated("not signed with the tier's secret"));
-        }
+        for_this_instance(self.verifier.check(&request, "end"), "end", "end")?;
         let request = request.into_inner();
-        let outcome = match self.caller_of(&request.caller, &request.source_ip) {
+        let caller = caller_of(&self.tokens, &request.caller, &request.source_ip).inspect_err(|_| {
+            counter!(m::TIER_SERVED, "action" => "end", "result" => "refused").increment(1);
+        })?;
+        let outcome = match caller {
             // Only what this instance recorded is ended here: no asking on.
             Some(caller) => {
                 let ending = Ending { transactions: &self.transactions, front: "tier", owners: None };
@@ -139,4 +174,43 @@ pub async fn serve(
         .add_service(PeerServer::new(service))
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::auth::Action;
+    use crate::config::{AclEntryConfig, AuthConfig, TokenConfig};
+
+    /// A caller whose ACL denies it a topic from one network: what the request names as its source address
+    /// decides whether the deny applies, so a source address that is not one is refused, never dropped.
+    #[test]
+    fn a_source_address_that_is_not_an_address_is_refused() {
+        let deny = AclEntryConfig {
+            resource: "Topic:payroll".into(),
+            actions: vec!["Sub".into()],
+            decision: Some("Deny".into()),
+            source_ips: vec!["10.0.0.0/8".parse().expect("a network")],
+        };
+        let token = TokenConfig {
+            name: "app".into(),
+            token: Some("app-secret-0123456789".into()),
+            consume: vec!["g".into()],
+            acl: vec![deny],
+            ..TokenConfig::default()
+        };
+        let tokens = TokenTable::new(&AuthConfig { enabled: true, tokens: vec![token], ..AuthConfig::default() });
+
+        for unparseable in ["not-an-address", "10.1.2.3:80", "10.1.2", " 10.1.2.3", "10.0.0.0/8"] {
+            let refused = caller_of(&tokens, "app", unparseable).expect_err(unparseable);
+            assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{unparseable}");
+        }
+        let from_inside = caller_of(&tokens, "app", "10.1.2.3").expect("an address").expect("known");
+        assert_eq!(from_inside.source_ip(), Some("10.1.2.3".parse().expect("ip")));
+        assert!(!from_inside.may(Action::Subscribe("payroll")), "denied from 10.0.0.0/8");
+        let unknown = caller_of(&tokens, "app", "").expect("none given").expect("known");
+        assert_eq!(unknown.source_ip(), None, "not known where the request came in, as there");
+        assert!(unknown.may(Action::Subscribe("payroll")), "what an address that is not one would have become");
+        assert!(caller_of(&tokens, "nobody", "10.1.2.3").expect("an address").is_none());
+    }
 }

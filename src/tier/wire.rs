@@ -148,14 +148,20 @@ pub(super) fn end_request(caller: &Caller, request: EndRequest<'_>) -> Option<pb
     })
 }
 
+/// The longest a peer's end request may ask the owner to wait for the broker (`answer_within_ms`): far past any
+/// producer's deadline and the asking instance's own `tier.forward_timeout_ms`, and far from where an `Instant`
+/// overflows (`u64::MAX` ms would panic).
+const MAX_ANSWER_WITHIN: Duration = Duration::from_secs(3600);
+
 /// What an end request asks, as the owner's gateway takes it.
 pub(super) fn asked_end(request: &pb::EndRequest) -> EndRequest<'_> {
+    let within = |ms: u64| Duration::from_millis(ms).min(MAX_ANSWER_WITHIN);
     EndRequest {
         id: &request.transaction_id,
         topic: request.topic.as_deref(),
         resolution: Some(if request.commit { Resolution::Commit } else { Resolution::Rollback }),
         from_check: request.from_check,
-        answer_by: request.answer_within_ms.map(|ms| std::time::Instant::now() + Duration::from_millis(ms)),
+        answer_by: request.answer_within_ms.map(|ms| std::time::Instant::now() + within(ms)),
     }
 }
 
@@ -295,6 +301,27 @@ mod tests {
         );
         let undecided = EndRequest { resolution: None, ..asked };
         assert!(end_request(&caller, undecided).is_none(), "nothing to ask");
+    }
+
+    #[test]
+    fn an_end_asked_to_answer_within_any_time_has_a_deadline_at_most_an_hour_away() {
+        let request = |within: Option<u64>| pb::EndRequest {
+            caller: "app".into(),
+            source_ip: String::new(),
+            transaction_id: "C0A8".into(),
+            topic: None,
+            commit: true,
+            from_check: false,
+            answer_within_ms: within,
+        };
+        let before = std::time::Instant::now();
+        for within in [u64::MAX, u64::MAX / 1000, 3_600_001] {
+            let answer_by = asked_end(&request(Some(within))).answer_by.expect("a deadline");
+            assert!(answer_by <= std::time::Instant::now() + MAX_ANSWER_WITHIN, "{within}");
+        }
+        let answer_by = asked_end(&request(Some(1_500))).answer_by.expect("a deadline");
+        assert!(answer_by >= before + Duration::from_millis(1_500) && answer_by <= before + Duration::from_secs(60));
+        assert_eq!(asked_end(&request(None)).answer_by, None);
     }
 
     #[test]
