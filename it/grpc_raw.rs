@@ -670,3 +670,61 @@ async fn a_client_id_belongs_to_the_token_that_first_used_it() {
     })
     .await;
 }
+
+/// Tokens for the ACL tests of routes: one that only publishes to the `grpc_acl_` topics, one that
+/// only reads them as the `g_acl_` groups, and one whose grants are all elsewhere.
+const WRITER: (&str, &str) = ("acl-writer", "acl-writer-secret-0123456789");
+const READER: (&str, &str) = ("acl-reader", "acl-reader-secret-0123456789");
+const STRANGER: (&str, &str) = ("acl-stranger", "acl-stranger-secret-0123456789");
+
+fn acl_tokens() -> String {
+    let token = |(name, secret): (&str, &str), grants: &str| {
+        format!("[[auth.tokens]]\nname = \"{name}\"\ntoken = \"{secret}\"\n{grants}\n")
+    };
+    [
+        "[auth]\nenabled = true\n".to_owned(),
+        token(WRITER, "publish = [\"grpc_acl_*\"]\nsubscribe = []"),
+        token(READER, "consume = [\"g_acl_*\"]\nsubscribe = [\"grpc_acl_*\"]"),
+        token(STRANGER, "publish = [\"other_*\"]\nconsume = [\"g_other_*\"]\nsubscribe = [\"other_*\"]"),
+    ]
+    .join("\n")
+}
+
+/// [`request`] signed by `token`, from a client of that token's own (a client id belongs to the token that first
+/// used it).
+fn signed_request<T>(message: T, token: (&str, &str)) -> tonic::Request<T> {
+    let mut call = request(message, Some(token));
+    call.metadata_mut().insert("x-mq-client-id", format!("it-acl@{}", token.0).parse().expect("ascii"));
+    call
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_is_given_only_to_a_token_that_may_publish_to_or_read_the_topic() {
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, &acl_tokens()).await;
+    let topic = unique_topic("grpc_acl_route");
+    create_topic(cluster, &topic).await;
+    let mut client = connect(&popgate).await;
+    let endpoints = Some(pb::Endpoints {
+        scheme: pb::AddressScheme::IPv4 as i32,
+        addresses: vec![pb::Address { host: "127.0.0.1".into(), port: 8081 }],
+    });
+    let route = |topic: &str| pb::QueryRouteRequest { topic: resource(topic), endpoints: endpoints.clone() };
+
+    for token in [WRITER, READER] {
+        let answer = client.query_route(signed_request(route(&topic), token)).await.expect("call").into_inner();
+        assert_eq!(code(answer.status.as_ref()), Code::Ok as i32, "{}: {answer:?}", token.0);
+        assert!(!answer.message_queues.is_empty(), "{}: {answer:?}", token.0);
+    }
+    let forbidden_before = popgate.metric(r#"popgate_requests_rejected_total{reason="forbidden"}"#).await;
+    // A token with no grant on the topic learns nothing of it: not its queues, nor whether it exists.
+    for unseen in [topic.clone(), unique_topic("grpc_acl_missing")] {
+        let answer = client.query_route(signed_request(route(&unseen), STRANGER)).await.expect("call").into_inner();
+        assert_eq!(code(answer.status.as_ref()), Code::Unauthorized as i32, "{unseen}: {answer:?}");
+        assert!(answer.message_queues.is_empty(), "{answer:?}");
+        let said = answer.status.map(|s| s.message).unwrap_or_default();
+        assert!(said.contains(&unseen), "the refusal names the topic: {said}");
+    }
+    let forbidden = popgate.metric(r#"popgate_requests_rejected_total{reason="forbidden"}"#).await - forbidden_before;
+    assert_eq!(forbidden, 2.0, "both refusals counted");
+}

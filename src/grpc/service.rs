@@ -407,7 +407,7 @@ impl MessagingService for Arc<Front> {
         let started = Instant::now();
         let answer = match self.authenticated(&request, None) {
             Err(refused) => pb::QueryRouteResponse { status: Some(refused), message_queues: Vec::new() },
-            Ok(_) => super::route::query_route(self, request.into_inner()).await,
+            Ok(caller) => super::route::query_route(self, &caller, request.into_inner()).await,
         };
         observe("QueryRoute", answer.status.as_ref().map_or(0, |s| s.code), started);
         Ok(Response::new(answer))

@@ -261,6 +261,7 @@ impl From<GatewayError> for Refusal {
         match refused {
             GatewayError::MayNotConsume(_)
             | GatewayError::MayNotRead(_)
+            | GatewayError::MayNotRoute(_)
             | GatewayError::MayNotPublish(_)
             | GatewayError::MayNotAdminister
             | GatewayError::ClientIdTaken(_) => Refusal::new(codes::NO_PERMISSION, refused.to_string()),
