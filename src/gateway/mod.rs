@@ -8,8 +8,10 @@
 //! ([`may_publish`]), and a publish goes through [`Publishing::publish`] whichever front it came in on;
 //! reading a topic needs `Sub` on the topic as well as on the group ([`may_read`]), and so does settling a
 //! delivery, whichever front it came in on ([`Settling`]); ending a recorded transaction needs `Pub` on its half
-//! message's topic ([`Ending`]); a topic's route needs `Pub` or `Sub` on it ([`may_route`]); a client id is the
-//! token's that first used it, and a front keeps a bounded number of them ([`ClientIds`]).
+//! message's topic ([`Ending`]); a topic's route needs `Pub` or `Sub` on it ([`may_route`]), and a client that
+//! announces itself as a consumer group's needs `Sub` on the group and on each of its topics
+//! ([`may_subscribe`]); a client id is the token's that first used it, and a front keeps a bounded number of them
+//! ([`ClientIds`]).
 
 pub(crate) mod below;
 mod clients;
@@ -195,12 +197,28 @@ pub fn may_publish(caller: &Caller, topic: &str) -> Result<(), GatewayError> {
 /// # Errors
 /// [`GatewayError::MayNotConsume`], [`GatewayError::MayNotRead`].
 pub fn may_read(caller: &Caller, group: &str, topic: &str) -> Result<(), GatewayError> {
+    may_subscribe(caller, group, [topic])
+}
+
+/// Whether `caller` may consume as `group` from each of `topics` (a consumer's subscriptions, as a gRPC client's
+/// Telemetry `Settings` announce them): `Sub` on the group and on every topic, as RocketMQ's ACL 2.0 asks of
+/// Telemetry. The first refusal is counted.
+///
+/// # Errors
+/// [`GatewayError::MayNotConsume`], [`GatewayError::MayNotRead`] naming the first topic refused.
+pub fn may_subscribe<'a>(
+    caller: &Caller,
+    group: &str,
+    topics: impl IntoIterator<Item = &'a str>,
+) -> Result<(), GatewayError> {
     may_consume(caller, group)?;
-    if caller.may(Action::Subscribe(topic)) {
-        return Ok(());
+    match topics.into_iter().find(|topic| !caller.may(Action::Subscribe(topic))) {
+        None => Ok(()),
+        Some(topic) => {
+            counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
+            Err(GatewayError::MayNotRead(topic.to_owned()))
+        }
     }
-    counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
-    Err(GatewayError::MayNotRead(topic.to_owned()))
 }
 
 /// Whether `caller` may learn `topic`'s route (its brokers and queues): `Pub` or `Sub` on the topic, either, as
