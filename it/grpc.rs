@@ -706,11 +706,12 @@ async fn sdk_credentials_map_onto_popgates_tokens_and_a_bad_secret_or_scope_is_r
     create_topic(cluster, &other).await;
     let mut out_of_scope = creds("app-secret-0123456789");
     out_of_scope["topic"] = json!(other);
-    let result = sdk.run("produce", &args(&popgate, out_of_scope), DRIVER_TIMEOUT).await;
-    assert!(
-        result["errors"].to_string().contains("Unauthorized"),
-        "out of scope is unauthorized, as Apache's proxy answers: {result}"
-    );
+    // The producer's Settings name a topic its token may not publish to: refused UNAUTHORIZED, as Apache's
+    // proxy (ACL 2.0) refuses them, so the SDK does not start and sends nothing.
+    let refused = sdk.start("produce", &args(&popgate, out_of_scope)).finish_allowing_error(DRIVER_TIMEOUT).await;
+    assert!(refused.get("cause").is_some(), "out of scope, the producer does not start: {refused}");
+    let telemetry = popgate.metric(r#"popgate_grpc_requests_total{rpc="Telemetry",code="UNAUTHORIZED"}"#).await;
+    assert!(telemetry >= 1.0, "its Settings were refused: {}", popgate.metrics_text().await);
 
     let stored = Direct::connect(&cluster.namesrv_addr).await.read_all(&topic).await;
     assert_eq!(stored.len(), 1, "only the signed message is stored");

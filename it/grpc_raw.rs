@@ -670,3 +670,171 @@ async fn a_client_id_belongs_to_the_token_that_first_used_it() {
     })
     .await;
 }
+
+/// Tokens for the ACL tests of routes and Settings: one that only publishes to the `grpc_acl_` topics, one that
+/// only reads them as the `g_acl_` groups, and one whose grants are all elsewhere.
+const WRITER: (&str, &str) = ("acl-writer", "acl-writer-secret-0123456789");
+const READER: (&str, &str) = ("acl-reader", "acl-reader-secret-0123456789");
+const STRANGER: (&str, &str) = ("acl-stranger", "acl-stranger-secret-0123456789");
+
+fn acl_tokens() -> String {
+    let token = |(name, secret): (&str, &str), grants: &str| {
+        format!("[[auth.tokens]]\nname = \"{name}\"\ntoken = \"{secret}\"\n{grants}\n")
+    };
+    [
+        "[auth]\nenabled = true\n".to_owned(),
+        token(WRITER, "publish = [\"grpc_acl_*\"]\nsubscribe = []"),
+        token(READER, "consume = [\"g_acl_*\"]\nsubscribe = [\"grpc_acl_*\"]"),
+        token(STRANGER, "publish = [\"other_*\"]\nconsume = [\"g_other_*\"]\nsubscribe = [\"other_*\"]"),
+    ]
+    .join("\n")
+}
+
+/// [`request`] signed by `token`, from a client of that token's own (a client id belongs to the token that first
+/// used it).
+fn signed_request<T>(message: T, token: (&str, &str)) -> tonic::Request<T> {
+    let mut call = request(message, Some(token));
+    call.metadata_mut().insert("x-mq-client-id", format!("it-acl@{}", token.0).parse().expect("ascii"));
+    call
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_is_given_only_to_a_token_that_may_publish_to_or_read_the_topic() {
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, &acl_tokens()).await;
+    let topic = unique_topic("grpc_acl_route");
+    create_topic(cluster, &topic).await;
+    let mut client = connect(&popgate).await;
+    let endpoints = Some(pb::Endpoints {
+        scheme: pb::AddressScheme::IPv4 as i32,
+        addresses: vec![pb::Address { host: "127.0.0.1".into(), port: 8081 }],
+    });
+    let route = |topic: &str| pb::QueryRouteRequest { topic: resource(topic), endpoints: endpoints.clone() };
+
+    for token in [WRITER, READER] {
+        let answer = client.query_route(signed_request(route(&topic), token)).await.expect("call").into_inner();
+        assert_eq!(code(answer.status.as_ref()), Code::Ok as i32, "{}: {answer:?}", token.0);
+        assert!(!answer.message_queues.is_empty(), "{}: {answer:?}", token.0);
+    }
+    let forbidden_before = popgate.metric(r#"popgate_requests_rejected_total{reason="forbidden"}"#).await;
+    // A token with no grant on the topic learns nothing of it: not its queues, nor whether it exists.
+    for unseen in [topic.clone(), unique_topic("grpc_acl_missing")] {
+        let answer = client.query_route(signed_request(route(&unseen), STRANGER)).await.expect("call").into_inner();
+        assert_eq!(code(answer.status.as_ref()), Code::Unauthorized as i32, "{unseen}: {answer:?}");
+        assert!(answer.message_queues.is_empty(), "{answer:?}");
+        let said = answer.status.map(|s| s.message).unwrap_or_default();
+        assert!(said.contains(&unseen), "the refusal names the topic: {said}");
+    }
+    let forbidden = popgate.metric(r#"popgate_requests_rejected_total{reason="forbidden"}"#).await - forbidden_before;
+    assert_eq!(forbidden, 2.0, "both refusals counted");
+}
+
+/// Settings naming `group` as a SimpleConsumer's, subscribed to `topics`.
+fn consumer_settings(group: &str, topics: &[&str]) -> pb::Settings {
+    let entry = |topic: &&str| pb::SubscriptionEntry {
+        topic: resource(topic),
+        expression: Some(pb::FilterExpression { r#type: pb::FilterType::Tag as i32, expression: "*".into() }),
+    };
+    pb::Settings {
+        client_type: Some(pb::ClientType::SimpleConsumer as i32),
+        pub_sub: Some(pb::settings::PubSub::Subscription(pb::Subscription {
+            group: resource(group),
+            subscriptions: topics.iter().map(entry).collect(),
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+/// Settings of a producer of `topics`.
+fn producer_settings(topics: &[&str]) -> pb::Settings {
+    pb::Settings {
+        client_type: Some(pb::ClientType::Producer as i32),
+        pub_sub: Some(pb::settings::PubSub::Publishing(pb::Publishing {
+            topics: topics
+                .iter()
+                .map(|topic| pb::Resource { name: (*topic).to_owned(), ..Default::default() })
+                .collect(),
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+/// Sends `settings` on a new Telemetry stream signed by `token`: popgate's first answer, and whether popgate
+/// ended the stream after it (the client's side stays open throughout).
+async fn telemetry_answer(
+    client: &mut MessagingServiceClient<Channel>,
+    settings: pb::Settings,
+    token: (&str, &str),
+) -> (pb::TelemetryCommand, bool) {
+    let (commands, outgoing) = tokio::sync::mpsc::channel(4);
+    let command =
+        pb::TelemetryCommand { status: None, command: Some(pb::telemetry_command::Command::Settings(settings)) };
+    commands.send(command).await.expect("queue the settings");
+    let stream = tokio_stream::wrappers::ReceiverStream::new(outgoing);
+    let mut answers = client.telemetry(signed_request(stream, token)).await.expect("telemetry call").into_inner();
+    let first = tokio::time::timeout(Duration::from_secs(30), answers.message())
+        .await
+        .expect("an answer within 30 s")
+        .expect("the stream")
+        .expect("an answer, not the stream's end");
+    let ended = matches!(tokio::time::timeout(Duration::from_secs(3), answers.message()).await, Ok(Ok(None) | Err(_)));
+    drop(commands);
+    (first, ended)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settings_naming_a_group_or_topic_outside_the_tokens_grants_are_refused_and_end_the_stream() {
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, &acl_tokens()).await;
+    let topic = unique_topic("grpc_acl_settings");
+    let group = format!("g_acl_{topic}");
+    let mut client = connect(&popgate).await;
+    let other_topic = unique_topic("other_settings");
+
+    // (case, token, settings, allowed): Sub on the group and on every topic subscribed; Pub on every topic published.
+    let cases = [
+        ("a reader announces its group on its topic", READER, consumer_settings(&group, &[&topic]), true),
+        ("a stranger may not announce the group", STRANGER, consumer_settings(&group, &[&topic]), false),
+        (
+            "a reader's group on a topic it may not read",
+            READER,
+            consumer_settings(&group, &[&topic, &other_topic]),
+            false,
+        ),
+        ("a reader as a group it may not consume as", READER, consumer_settings("g_other_x", &[&topic]), false),
+        ("a writer announces its topic", WRITER, producer_settings(&[&topic]), true),
+        (
+            "a writer may not announce a topic it may not publish to",
+            WRITER,
+            producer_settings(&[&topic, &other_topic]),
+            false,
+        ),
+        ("a stranger may not announce the topic", STRANGER, producer_settings(&[&topic]), false),
+    ];
+    let forbidden_before = popgate.metric(r#"popgate_requests_rejected_total{reason="forbidden"}"#).await;
+    let mut wrong = String::new();
+    for (case, token, settings, allowed) in cases {
+        let (answer, ended) = telemetry_answer(&mut client, settings, token).await;
+        let code = code(answer.status.as_ref());
+        let as_expected = if allowed {
+            code == Code::Ok as i32
+                && matches!(answer.command, Some(pb::telemetry_command::Command::Settings(_)))
+                && !ended
+        } else {
+            // As Apache's proxy answers: the status alone, then the stream's end.
+            code == Code::Unauthorized as i32 && answer.command.is_none() && ended
+        };
+        if !as_expected {
+            wrong.push_str(&format!("{case}: {answer:?}, stream ended: {ended}\n"));
+        }
+    }
+    assert!(wrong.is_empty(), "Settings not decided as expected:\n{wrong}");
+    let forbidden = popgate.metric(r#"popgate_requests_rejected_total{reason="forbidden"}"#).await - forbidden_before;
+    assert_eq!(forbidden, 5.0, "each refusal counted once");
+    // A refused client was never noted alive: only the two allowed ones are counted.
+    let clients = popgate.metric(r#"popgate_grpc_clients{kind="simple_consumer"}"#).await
+        + popgate.metric(r#"popgate_grpc_clients{kind="producer"}"#).await;
+    assert_eq!(clients, 2.0, "{}", popgate.metrics_text().await);
+}

@@ -174,7 +174,9 @@ impl From<GatewayError> for ApiError {
         let forbidden = |field: &str| ApiError::forbidden(field, format!("this token {said}"));
         match error {
             GatewayError::MayNotConsume(_) => forbidden("group"),
-            GatewayError::MayNotRead(_) | GatewayError::MayNotPublish(_) => forbidden("topic"),
+            GatewayError::MayNotRead(_) | GatewayError::MayNotRoute(_) | GatewayError::MayNotPublish(_) => {
+                forbidden("topic")
+            }
             GatewayError::MayNotAdminister => forbidden("token"),
             GatewayError::ClientIdTaken(_) => forbidden("clientId"),
             GatewayError::ProducerGroupTaken(_) => forbidden("producerGroup"),

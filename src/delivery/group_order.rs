@@ -3,12 +3,19 @@
 //! reads that to decide FIFO. popgate does the same: each group's config is read from the brokers when the
 //! group is first seen, kept, and read again in the background once it is 20 s old (Apache's proxy refreshes
 //! every 20 s too).
+//!
+//! The groups kept are bounded ([`MAX_GROUPS`], least recently used dropped, and any group unasked for
+//! [`FORGET_AFTER`]): a client naming made-up groups costs a broker request each, never an entry for ever.
+//! The fronts ask only about groups their caller may consume as.
 
-use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use parking_lot::Mutex;
+use moka::ops::compute::Op;
+use moka::sync::Cache;
+// tokio's clock: the same as std's, and the tests can move it.
 use tokio::time::Instant;
 
 use crate::broker::BrokerClient;
@@ -17,14 +24,22 @@ use crate::broker::BrokerClient;
 const FRESH_FOR: Duration = Duration::from_secs(20);
 /// How long the first receive of a group waits for its config (a Settings answer must come within seconds).
 const FIRST_READ_WAIT: Duration = Duration::from_secs(2);
+/// The most groups kept; past it, the least recently used is forgotten (and read again when next asked about).
+const MAX_GROUPS: u64 = 10_000;
+/// A group nobody asked about for this long is forgotten.
+const FORGET_AFTER: Duration = Duration::from_secs(600);
 
-/// The orderliness of the groups seen so far.
+/// Reads a group's orderliness from the brokers: `None` when none could be asked.
+type ReadConfig = Box<dyn Fn(String) -> Pin<Box<dyn Future<Output = Option<bool>> + Send>> + Send + Sync>;
+
+/// The orderliness of the groups seen lately.
 pub(super) struct GroupOrder {
-    broker: Arc<BrokerClient>,
+    read_config: ReadConfig,
     enabled: bool,
-    known: Mutex<HashMap<String, Known>>,
+    known: Cache<String, Known>,
 }
 
+#[derive(Clone, Copy)]
 struct Known {
     orderly: bool,
     read_at: Instant,
@@ -33,7 +48,25 @@ struct Known {
 
 impl GroupOrder {
     pub(super) fn new(broker: Arc<BrokerClient>, enabled: bool) -> Arc<GroupOrder> {
-        Arc::new(GroupOrder { broker, enabled, known: Mutex::new(HashMap::new()) })
+        let read_config: ReadConfig = Box::new(move |group| {
+            let broker = Arc::clone(&broker);
+            Box::pin(async move {
+                match broker.group_consumes_orderly(&group).await {
+                    Ok(orderly) => Some(orderly.unwrap_or(false)),
+                    Err(error) => {
+                        tracing::debug!(%error, group, "Could not read the group's config; keeping what is known.");
+                        None
+                    }
+                }
+            })
+        });
+        GroupOrder::reading_with(read_config, enabled, MAX_GROUPS)
+    }
+
+    /// A `GroupOrder` that reads with `read_config` and keeps at most `max_groups` groups.
+    fn reading_with(read_config: ReadConfig, enabled: bool, max_groups: u64) -> Arc<GroupOrder> {
+        let known = Cache::builder().max_capacity(max_groups).time_to_idle(FORGET_AFTER).build();
+        Arc::new(GroupOrder { read_config, enabled, known })
     }
 
     /// Whether the cluster makes `group` orderly. A group seen before answers at once (its config is read
@@ -43,46 +76,80 @@ impl GroupOrder {
         if !self.enabled {
             return false;
         }
-        let first_read = {
-            let mut known = self.known.lock();
-            match known.get_mut(group) {
-                Some(entry) => {
-                    if entry.read_at.elapsed() >= FRESH_FOR && !entry.reading {
-                        entry.reading = true;
-                        let (me, group) = (Arc::clone(self), group.to_owned());
-                        tokio::spawn(async move { me.read(&group).await });
-                    }
-                    return entry.orderly;
-                }
-                None => {
-                    known.insert(group.to_owned(), Known { orderly: false, read_at: Instant::now(), reading: true });
-                    let (me, group) = (Arc::clone(self), group.to_owned());
-                    tokio::spawn(async move { me.read(&group).await })
-                }
+        // One caller starts a read (the group's first, or a stale one's), whoever else asks at the same time.
+        let (mut read, mut first) = (false, false);
+        let entry = self.known.entry_by_ref(group).and_compute_with(|entry| match entry.map(|e| e.into_value()) {
+            Some(known) if known.read_at.elapsed() >= FRESH_FOR && !known.reading => {
+                read = true;
+                Op::Put(Known { reading: true, ..known })
             }
-        };
+            Some(_) => Op::Nop,
+            None => {
+                (read, first) = (true, true);
+                Op::Put(Known { orderly: false, read_at: Instant::now(), reading: true })
+            }
+        });
+        let orderly = entry.into_entry().is_some_and(|entry| entry.into_value().orderly);
+        if !read {
+            return orderly;
+        }
+        let (me, group) = (Arc::clone(self), group.to_owned());
+        let reading = tokio::spawn(async move { me.read(&group).await });
+        if !first {
+            return orderly;
+        }
         // The read goes on if this wait ends first; it lands for the next call.
-        matches!(tokio::time::timeout(FIRST_READ_WAIT, first_read).await, Ok(Ok(true)))
+        matches!(tokio::time::timeout(FIRST_READ_WAIT, reading).await, Ok(Ok(true)))
     }
 
     async fn read(&self, group: &str) -> bool {
-        let orderly = match self.broker.group_consumes_orderly(group).await {
-            Ok(orderly) => orderly.unwrap_or(false),
-            Err(error) => {
-                tracing::debug!(%error, group, "Could not read the group's config; keeping what is known.");
-                self.known.lock().get(group).is_some_and(|k| k.orderly)
-            }
+        let orderly = match (self.read_config)(group.to_owned()).await {
+            Some(orderly) => orderly,
+            None => self.known.get(group).is_some_and(|k| k.orderly),
         };
         self.remember(group, orderly);
         orderly
     }
 
     fn remember(&self, group: &str, orderly: bool) {
-        let mut known = self.known.lock();
-        let entry = known.entry(group.to_owned()).or_insert(Known { orderly, read_at: Instant::now(), reading: false });
-        if entry.orderly != orderly {
+        if self.known.get(group).is_some_and(|known| known.orderly != orderly) {
             tracing::info!(group, orderly, "The cluster's config of the group changed its ordering.");
         }
-        *entry = Known { orderly, read_at: Instant::now(), reading: false };
+        self.known.insert(group.to_owned(), Known { orderly, read_at: Instant::now(), reading: false });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+
+    /// A `GroupOrder` keeping at most `max_groups`, whose reads say "orderly" for groups named `fifo…` and count
+    /// themselves in `reads`.
+    fn counting(max_groups: u64, reads: &Arc<AtomicUsize>) -> Arc<GroupOrder> {
+        let reads = Arc::clone(reads);
+        let read_config: ReadConfig = Box::new(move |group| {
+            reads.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async move { Some(group.starts_with("fifo")) })
+        });
+        GroupOrder::reading_with(read_config, true, max_groups)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn made_up_groups_keep_a_bounded_number_of_entries_and_a_known_group_costs_one_read() {
+        let reads = Arc::new(AtomicUsize::new(0));
+        let order = counting(16, &reads);
+        assert!(order.orderly("fifo-orders").await, "read from the brokers on first sight");
+        assert!(order.orderly("fifo-orders").await);
+        assert_eq!(reads.load(Ordering::SeqCst), 1, "a group seen is answered from memory while fresh");
+
+        for i in 0..2_000 {
+            assert!(!order.orderly(&format!("made-up-{i}")).await);
+        }
+        order.known.run_pending_tasks();
+        let kept = order.known.entry_count();
+        assert!(kept <= 16, "at most 16 groups kept, {kept} are");
+        assert_eq!(reads.load(Ordering::SeqCst), 2_001, "one read per group, never more");
     }
 }

@@ -8,8 +8,10 @@
 //! ([`may_publish`]), and a publish goes through [`Publishing::publish`] whichever front it came in on;
 //! reading a topic needs `Sub` on the topic as well as on the group ([`may_read`]), and so does settling a
 //! delivery, whichever front it came in on ([`Settling`]); ending a recorded transaction needs `Pub` on its half
-//! message's topic ([`Ending`]); a client id is the token's that first used it, and a front keeps a bounded
-//! number of them ([`ClientIds`]).
+//! message's topic ([`Ending`]); a topic's route needs `Pub` or `Sub` on it ([`may_route`]), and a client that
+//! announces itself as a consumer group's needs `Sub` on the group and on each of its topics
+//! ([`may_subscribe`]); a client id is the token's that first used it, and a front keeps a bounded number of them
+//! ([`ClientIds`]).
 
 pub(crate) mod below;
 mod clients;
@@ -45,6 +47,9 @@ pub enum GatewayError {
     /// The caller may not read this topic (whatever group it reads it as).
     #[error("may not read topic `{0}`")]
     MayNotRead(String),
+    /// The caller may neither publish to nor read this topic, so it may not learn its route either.
+    #[error("may neither publish to nor read topic `{0}`")]
+    MayNotRoute(String),
     /// The client id is used by another token (it is that token's until it expires).
     #[error("client id `{0}` is used by another token")]
     ClientIdTaken(String),
@@ -114,6 +119,7 @@ impl GatewayError {
         match self {
             GatewayError::MayNotConsume(_)
             | GatewayError::MayNotRead(_)
+            | GatewayError::MayNotRoute(_)
             | GatewayError::MayNotPublish(_)
             | GatewayError::MayNotAdminister
             | GatewayError::ClientIdTaken(_)
@@ -196,12 +202,42 @@ pub fn may_publish(caller: &Caller, topic: &str) -> Result<(), GatewayError> {
 /// # Errors
 /// [`GatewayError::MayNotConsume`], [`GatewayError::MayNotRead`].
 pub fn may_read(caller: &Caller, group: &str, topic: &str) -> Result<(), GatewayError> {
+    may_subscribe(caller, group, [topic])
+}
+
+/// Whether `caller` may consume as `group` from each of `topics` (a consumer's subscriptions, as a gRPC client's
+/// Telemetry `Settings` announce them): `Sub` on the group and on every topic, as RocketMQ's ACL 2.0 asks of
+/// Telemetry. The first refusal is counted.
+///
+/// # Errors
+/// [`GatewayError::MayNotConsume`], [`GatewayError::MayNotRead`] naming the first topic refused.
+pub fn may_subscribe<'a>(
+    caller: &Caller,
+    group: &str,
+    topics: impl IntoIterator<Item = &'a str>,
+) -> Result<(), GatewayError> {
     may_consume(caller, group)?;
-    if caller.may(Action::Subscribe(topic)) {
+    match topics.into_iter().find(|topic| !caller.may(Action::Subscribe(topic))) {
+        None => Ok(()),
+        Some(topic) => {
+            counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
+            Err(GatewayError::MayNotRead(topic.to_owned()))
+        }
+    }
+}
+
+/// Whether `caller` may learn `topic`'s route (its brokers and queues): `Pub` or `Sub` on the topic, either, as
+/// RocketMQ's ACL 2.0 asks of a gRPC `QueryRoute`. popgate signs what it relays with its own credentials, so the
+/// cluster would answer anyone who got this far. A refusal is counted.
+///
+/// # Errors
+/// [`GatewayError::MayNotRoute`].
+pub fn may_route(caller: &Caller, topic: &str) -> Result<(), GatewayError> {
+    if caller.may(Action::Publish(topic)) || caller.may(Action::Subscribe(topic)) {
         return Ok(());
     }
     counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
-    Err(GatewayError::MayNotRead(topic.to_owned()))
+    Err(GatewayError::MayNotRoute(topic.to_owned()))
 }
 
 /// Whether `caller` may look `topic` up: its route, its queues' offsets and store times. RocketMQ's ACL 2.0 asks

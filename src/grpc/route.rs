@@ -1,11 +1,14 @@
 //! `QueryRoute`: the topic's queues as the cluster has them, each served by popgate itself. The broker
 //! entries carry the endpoints the client dialled, so the SDK sends everything back to popgate (it would dial
-//! the brokers' remoting ports otherwise, which speak no gRPC).
+//! the brokers' remoting ports otherwise, which speak no gRPC). Only a caller that may publish to or read the
+//! topic learns its route ([`gateway::may_route`]).
 
 use super::names;
 use super::proto::{self as pb, Code, MessageType, Permission};
 use super::service::Front;
-use super::status::{ok, status};
+use super::status::{ok, refused, status};
+use crate::auth::Caller;
+use crate::gateway;
 
 /// The message types popgate's queues accept on every topic. Transactional messages too on a topic typed
 /// TRANSACTION or MIXED (`message.type`), as Apache's proxy: the SDK refuses them itself elsewhere. (Apache's
@@ -24,20 +27,30 @@ pub(super) async fn accepted_types(front: &Front, topic: &str, route: &crate::pu
     types
 }
 
-pub(super) async fn query_route(front: &Front, request: pb::QueryRouteRequest) -> pb::QueryRouteResponse {
-    let refused =
-        |code, message: String| pb::QueryRouteResponse { status: Some(status(code, message)), message_queues: vec![] };
+/// `caller`'s route of the topic `request` names. The caller's grants are checked before the name server is
+/// asked, as Apache's proxy checks them first: a topic the caller may not use is refused whether it exists or not.
+pub(super) async fn query_route(
+    front: &Front,
+    caller: &Caller,
+    request: pb::QueryRouteRequest,
+) -> pb::QueryRouteResponse {
+    let answer = |status| pb::QueryRouteResponse { status: Some(status), message_queues: vec![] };
     if let Err(refusal) = names::topic(request.topic.as_ref()) {
-        return pb::QueryRouteResponse { status: Some(refusal), message_queues: vec![] };
+        return answer(refusal);
     }
     let topic = request.topic.unwrap_or_default();
+    if let Err(refusal) = gateway::may_route(caller, &topic.name) {
+        return answer(refused(&refusal));
+    }
     let Some(endpoints) = request.endpoints else {
-        return refused(Code::IllegalAccessPoint, "the request names no endpoints".to_owned());
+        return answer(status(Code::IllegalAccessPoint, "the request names no endpoints"));
     };
     let route = match front.publisher.existing_topic(&topic.name).await {
         Ok(Some(route)) => route,
-        Ok(None) => return refused(Code::TopicNotFound, format!("topic `{}` does not exist", topic.name)),
-        Err(error) => return refused(Code::InternalServerError, format!("the name server did not answer: {error}")),
+        Ok(None) => return answer(status(Code::TopicNotFound, format!("topic `{}` does not exist", topic.name))),
+        Err(error) => {
+            return answer(status(Code::InternalServerError, format!("the name server did not answer: {error}")))
+        }
     };
     let accept_message_types = accepted_types(front, &topic.name, &route).await;
     let mut message_queues = Vec::new();

@@ -338,6 +338,24 @@ impl Front {
     }
 }
 
+/// Whether `caller` may announce the client a Telemetry `Settings` describes, as RocketMQ's ACL 2.0 checks one:
+/// `Pub` on each topic a producer names; `Sub` on a consumer's group and on each topic it subscribes to.
+/// Apache's proxy answers a refusal with the status alone and ends the stream; so does popgate.
+fn may_announce(caller: &Caller, client: &pb::Settings) -> Result<(), GatewayError> {
+    match &client.pub_sub {
+        Some(settings_pub_sub::Publishing(publishing)) => {
+            publishing.topics.iter().try_for_each(|topic| gateway::may_publish(caller, &topic.name))
+        }
+        Some(settings_pub_sub::Subscription(subscription)) => {
+            let group = subscription.group.as_ref().map_or("", |group| group.name.as_str());
+            let topics =
+                subscription.subscriptions.iter().map(|entry| entry.topic.as_ref().map_or("", |t| t.name.as_str()));
+            gateway::may_subscribe(caller, group, topics)
+        }
+        None => Ok(()),
+    }
+}
+
 /// The SDK's version (`x-mq-client-version`), when it sent one.
 fn client_version(metadata: &MetadataMap) -> Option<&str> {
     metadata.get("x-mq-client-version").and_then(|v| v.to_str().ok())
@@ -407,7 +425,7 @@ impl MessagingService for Arc<Front> {
         let started = Instant::now();
         let answer = match self.authenticated(&request, None) {
             Err(refused) => pb::QueryRouteResponse { status: Some(refused), message_queues: Vec::new() },
-            Ok(_) => super::route::query_route(self, request.into_inner()).await,
+            Ok(caller) => super::route::query_route(self, &caller, request.into_inner()).await,
         };
         observe("QueryRoute", answer.status.as_ref().map_or(0, |s| s.code), started);
         Ok(Response::new(answer))
@@ -602,9 +620,12 @@ impl MessagingService for Arc<Front> {
             while let Some(Ok(command)) = inbound.next().await {
                 let Some(telemetry_command::Command::Settings(client)) = command.command else { continue };
                 let started = Instant::now();
-                if let Err(refused) =
-                    front.saw_client(&caller, &metadata, Some(settings::kind_label(client.client_type)))
-                {
+                // The caller's grants first: a client it may not announce is neither noted alive nor asked about.
+                let admitted =
+                    may_announce(&caller, &client).map_err(|refusal| super::status::refused(&refusal)).and_then(|()| {
+                        front.saw_client(&caller, &metadata, Some(settings::kind_label(client.client_type)))
+                    });
+                if let Err(refused) = admitted {
                     observe("Telemetry", refused.code, started);
                     let _ = replies.send(Ok(pb::TelemetryCommand { status: Some(refused), command: None })).await;
                     break;
@@ -612,7 +633,7 @@ impl MessagingService for Arc<Front> {
                 front.note_request_timeout(&metadata, &client);
                 if let Some(settings_pub_sub::Publishing(publishing)) = &client.pub_sub {
                     // Check-backs carry the half message: a stream is asked only for topics its token may
-                    // publish to, whatever its Settings name.
+                    // publish to (each topic its Settings name passed `may_announce` above).
                     let topics = publishing
                         .topics
                         .iter()
@@ -622,11 +643,14 @@ impl MessagingService for Arc<Front> {
                     front.producers.publishes(stream_no, topics, &replies);
                 }
                 let group_sub = front.subscription_of(&client);
+                // A broker request for a group the caller may consume as (checked above), and a named one.
                 let group_orderly = match &client.pub_sub {
-                    Some(settings_pub_sub::Subscription(s)) => match s.group.as_ref() {
-                        Some(group) => front.dispatcher.group_orderly(&group.name).await,
-                        None => false,
-                    },
+                    Some(settings_pub_sub::Subscription(s)) => {
+                        match s.group.as_ref().filter(|g| !g.name.trim().is_empty()) {
+                            Some(group) => front.dispatcher.group_orderly(&group.name).await,
+                            None => false,
+                        }
+                    }
                     _ => false,
                 };
                 let reply = settings::reply(client, &front.config, group_sub.as_ref(), group_orderly);

@@ -18,6 +18,7 @@ pub fn refused(error: &GatewayError) -> Status {
     match error {
         GatewayError::MayNotConsume(_)
         | GatewayError::MayNotRead(_)
+        | GatewayError::MayNotRoute(_)
         | GatewayError::MayNotPublish(_)
         | GatewayError::MayNotAdminister => status(Code::Unauthorized, error.to_string()),
         GatewayError::ClientIdTaken(_) | GatewayError::ProducerGroupTaken(_) => {

@@ -264,6 +264,7 @@ impl From<GatewayError> for Refusal {
         match refused {
             GatewayError::MayNotConsume(_)
             | GatewayError::MayNotRead(_)
+            | GatewayError::MayNotRoute(_)
             | GatewayError::MayNotPublish(_)
             | GatewayError::MayNotAdminister
             | GatewayError::ClientIdTaken(_)
