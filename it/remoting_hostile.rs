@@ -541,3 +541,55 @@ async fn large_frames_wait_for_room_in_the_fronts_budget_and_a_stalled_one_holds
     let answered = tokio::time::timeout(Duration::from_secs(15), read_answer(&mut big)).await;
     assert_eq!(answered.ok().flatten().map(|a| a.code()), Some(SUCCESS), "then the large frame is served");
 }
+
+/// The commit-log offset a send's answer names (the last 16 hex digits of its offset message id).
+fn commit_log_offset(answer: &RemotingCommand) -> i64 {
+    let offset_id = field(answer, "msgId");
+    i64::from_str_radix(&offset_id[offset_id.len().saturating_sub(16)..], 16).expect("hex offset")
+}
+
+/// Issue #46: transaction records are keyed by the client's message id, which a producer keeps when it sends the
+/// same `Message` again (and another token could use first). An end names its own half message by its
+/// commit-log offset: it ends that one, never the half message of the record under the same id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_end_ends_the_half_message_it_names_even_when_a_record_holds_its_id_for_another() {
+    let cluster = shared_cluster();
+    let (_popgate, namesrv) = popgate_with_remoting(cluster, "").await;
+    let topic = unique_topic("rm_tx_again");
+    crate::transaction::create_transaction_topic(cluster, &topic).await;
+    let broker = cluster.brokers[0].name.clone();
+    let mut producer = TcpStream::connect(&namesrv).await.expect("connect");
+    let uniq_key = format!("7F0000010000{:020X}", rand::random::<u64>());
+    let half = |body: &str| {
+        raw_send_keyed(&topic, &broker, body, 4, &[("TRAN_MSG", "true"), ("PGROUP", "rm_tx_p")], &uniq_key)
+    };
+    // The same message sent twice while its first transaction is open: two half messages, one id.
+    let first = ask(&mut producer, half("first")).await.expect("answered");
+    let second = ask(&mut producer, half("second")).await.expect("answered");
+    assert_eq!((first.code(), second.code()), (SUCCESS, SUCCESS));
+    let end = |answer: &RemotingCommand, commit_or_rollback: &str| {
+        let offset = commit_log_offset(answer).to_string();
+        raw_request(
+            37,
+            &[
+                ("producerGroup", "rm_tx_p"),
+                ("tranStateTableOffset", &field(answer, "queueOffset")),
+                ("commitLogOffset", &offset),
+                ("commitOrRollback", commit_or_rollback),
+                ("fromTransactionCheck", "false"),
+                ("msgId", &uniq_key),
+                ("topic", &topic),
+                ("bname", &broker),
+            ],
+        )
+    };
+    // The second transaction commits, the first rolls back: each end lands on its own half message.
+    assert_eq!(ask(&mut producer, end(&second, "8")).await.map(|a| a.code()), Some(SUCCESS));
+    assert_eq!(ask(&mut producer, end(&first, "12")).await.map(|a| a.code()), Some(SUCCESS));
+    eventually(Duration::from_secs(20), "the second half message is committed", || async {
+        !stored_bodies(cluster, &topic).await.is_empty()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(stored_bodies(cluster, &topic).await, ["second"], "the committed one only");
+}

@@ -8,7 +8,7 @@
 //! ([`may_publish`]), and a publish goes through [`Publishing::publish`] whichever front it came in on;
 //! reading a topic needs `Sub` on the topic as well as on the group ([`may_read`]), and so does settling a
 //! delivery, whichever front it came in on ([`Settling`]); ending a recorded transaction needs `Pub` on its half
-//! message's topic ([`Ending`]); a topic's route needs `Pub` or `Sub` on it ([`may_route`]), and a client that
+//! message's topic ([`Ending`]); a topic's route needs `Pub` or `Sub` on it ([`may_look_up`]), and a client that
 //! announces itself as a consumer group's needs `Sub` on the group and on each of its topics
 //! ([`may_subscribe`]); a client id is the token's that first used it, and a front keeps a bounded number of them
 //! ([`ClientIds`]).
@@ -47,7 +47,8 @@ pub enum GatewayError {
     /// The caller may not read this topic (whatever group it reads it as).
     #[error("may not read topic `{0}`")]
     MayNotRead(String),
-    /// The caller may neither publish to nor read this topic, so it may not learn its route either.
+    /// The caller may neither publish to nor read this topic, so it may not look it up either (its route, its
+    /// queues' offsets).
     #[error("may neither publish to nor read topic `{0}`")]
     MayNotRoute(String),
     /// The client id is used by another token (it is that token's until it expires).
@@ -226,27 +227,15 @@ pub fn may_subscribe<'a>(
     }
 }
 
-/// Whether `caller` may learn `topic`'s route (its brokers and queues): `Pub` or `Sub` on the topic, either, as
-/// RocketMQ's ACL 2.0 asks of a gRPC `QueryRoute`. popgate signs what it relays with its own credentials, so the
-/// cluster would answer anyone who got this far. A refusal is counted.
+/// Whether `caller` may look `topic` up: its route (its brokers and queues: a gRPC `QueryRoute`), its queues'
+/// offsets and store times (remoting). RocketMQ's ACL 2.0 asks `Pub` or `Sub` on the topic for a gRPC route, and
+/// `Get` for the offsets; popgate's tokens grant no `Get` of its own, so `Pub` or `Sub` on the topic stands for
+/// it (whoever may write or read a topic may find it), and a group's `%RETRY%` topic needs `Sub` on the group, as
+/// in Apache's ACLs. popgate signs what it relays with its own credentials, so the cluster would answer anyone
+/// who got this far. A refusal is counted.
 ///
 /// # Errors
-/// [`GatewayError::MayNotRoute`].
-pub fn may_route(caller: &Caller, topic: &str) -> Result<(), GatewayError> {
-    if caller.may(Action::Publish(topic)) || caller.may(Action::Subscribe(topic)) {
-        return Ok(());
-    }
-    counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
-    Err(GatewayError::MayNotRoute(topic.to_owned()))
-}
-
-/// Whether `caller` may look `topic` up: its route, its queues' offsets and store times. RocketMQ's ACL 2.0 asks
-/// `Pub`, `Sub` or `Get` on the topic for a route and `Get` for the offsets; popgate's tokens grant no `Get` of
-/// its own, so `Pub` or `Sub` on the topic stands for it (whoever may write or read a topic may find it), and
-/// a group's `%RETRY%` topic needs `Sub` on the group, as in Apache's ACLs. A refusal is counted.
-///
-/// # Errors
-/// [`GatewayError::MayNotRead`], [`GatewayError::MayNotConsume`] for a retry topic.
+/// [`GatewayError::MayNotRoute`], [`GatewayError::MayNotConsume`] for a retry topic.
 pub fn may_look_up(caller: &Caller, topic: &str) -> Result<(), GatewayError> {
     if let Some(group) = topic.strip_prefix(RETRY_TOPIC_PREFIX) {
         return may_consume(caller, group);
@@ -255,7 +244,7 @@ pub fn may_look_up(caller: &Caller, topic: &str) -> Result<(), GatewayError> {
         return Ok(());
     }
     counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
-    Err(GatewayError::MayNotRead(topic.to_owned()))
+    Err(GatewayError::MayNotRoute(topic.to_owned()))
 }
 
 /// Who holds a delivery handed out to client `client_id` of `front` (`grpc`, `remoting`), as the delivery core
@@ -293,7 +282,7 @@ mod tests {
         let reader = Caller::of_scoped_test_token("reader", "none", "billing", "orders");
         for caller in [&writer, &reader] {
             assert!(may_look_up(caller, "orders").is_ok(), "{}", caller.name);
-            assert!(matches!(may_look_up(caller, "payroll"), Err(GatewayError::MayNotRead(t)) if t == "payroll"));
+            assert!(matches!(may_look_up(caller, "payroll"), Err(GatewayError::MayNotRoute(t)) if t == "payroll"));
         }
         assert!(may_look_up(&reader, "%RETRY%billing").is_ok(), "a retry topic is its group's");
         assert!(may_look_up(&reader, "%RETRY%payroll").is_err());

@@ -1,7 +1,7 @@
 //! `QueryRoute`: the topic's queues as the cluster has them, each served by popgate itself. The broker
 //! entries carry the endpoints the client dialled, so the SDK sends everything back to popgate (it would dial
 //! the brokers' remoting ports otherwise, which speak no gRPC). Only a caller that may publish to or read the
-//! topic learns its route ([`gateway::may_route`]).
+//! topic learns its route ([`gateway::may_look_up`]).
 
 use super::names;
 use super::proto::{self as pb, Code, MessageType, Permission};
@@ -39,7 +39,7 @@ pub(super) async fn query_route(
         return answer(refusal);
     }
     let topic = request.topic.unwrap_or_default();
-    if let Err(refusal) = gateway::may_route(caller, &topic.name) {
+    if let Err(refusal) = gateway::may_look_up(caller, &topic.name) {
         return answer(refused(&refusal));
     }
     let Some(endpoints) = request.endpoints else {

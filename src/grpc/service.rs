@@ -375,10 +375,15 @@ pub(super) async fn keep_alive_loop(front: std::sync::Weak<Front>) {
         tick.tick().await;
         let Some(front) = front.upgrade() else { return };
         front.prune_clients();
-        let live = front.live_clients();
-        if live.is_empty() {
+        // Holders are named by front (`gateway::holder_id`); records written before that by the bare client id,
+        // so both are kept (a bare id names no other front's holder).
+        let bare = front.live_clients();
+        if bare.is_empty() {
             continue;
         }
+        let mut live: std::collections::HashSet<String> =
+            bare.iter().map(|id| gateway::holder_id("grpc", id)).collect();
+        live.extend(bare);
         if let Err(error) = front.dispatcher.keep_held(&live, AUTO_RENEW_HOLD, AUTO_RENEW_MAX).await {
             tracing::warn!(%error, "Could not extend the deliveries live gRPC clients hold; will retry.");
         }

@@ -11,6 +11,7 @@
 //! can take over another app's client entry (and with it the check-backs of its producer groups).
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Weak;
 use std::time::Duration;
 
@@ -50,6 +51,9 @@ impl Heartbeat {
     pub fn of(request: &RemotingCommand) -> Result<Heartbeat, super::service::Refusal> {
         let refuse = |why: String| super::service::Refusal::new(super::codes::SYSTEM_ERROR, why);
         let body = request.body().ok_or_else(|| refuse("HEART_BEAT without a body (HeartbeatData)".to_owned()))?;
+        if body.len() > MAX_HEARTBEAT_BYTES {
+            return Err(refuse(format!("the HEART_BEAT body is over {MAX_HEARTBEAT_BYTES} bytes")));
+        }
         serde_json::from_slice(body)
             .map_err(|why| refuse(format!("the HEART_BEAT body (HeartbeatData) does not decode: {why}")))
     }
@@ -195,14 +199,31 @@ fn producer_group_of_another(
 pub(super) struct Clients {
     clients: Mutex<ClientIds<Client>>,
     expiry: Duration,
+    /// The bytes of the heartbeats kept to register groups again ([`Client::forwarded`]), all clients together;
+    /// changed under the `clients` lock.
+    kept_bytes: AtomicUsize,
+    /// The most of them ([`MAX_KEPT_HEARTBEAT_BYTES`]).
+    max_kept_bytes: usize,
 }
+
+/// The largest heartbeat body taken: a client's groups and subscriptions, a few hundred bytes each (a client
+/// subscribing to thousands of topics stays under it). A larger one is refused.
+pub(super) const MAX_HEARTBEAT_BYTES: usize = 1024 * 1024;
+/// The most bytes of heartbeats kept to register groups again, all clients together: past it a client's
+/// heartbeat is still passed on to the brokers, but not kept (its group is registered again from its next one).
+const MAX_KEPT_HEARTBEAT_BYTES: usize = 256 * 1024 * 1024;
 
 impl Clients {
     pub fn new(expiry: Duration, max: usize) -> Clients {
         for kind in Kind::ALL {
             gauge!(m::REMOTING_CLIENTS, "kind" => kind.label()).set(0.0);
         }
-        Clients { clients: Mutex::new(ClientIds::new(max, "remoting.max_clients")), expiry }
+        Clients {
+            clients: Mutex::new(ClientIds::new(max, "remoting.max_clients")),
+            expiry,
+            kept_bytes: AtomicUsize::new(0),
+            max_kept_bytes: MAX_KEPT_HEARTBEAT_BYTES,
+        }
     }
 
     /// Takes a heartbeat of `caller` from `connection`; the consumer groups it joined or left, whose members are
@@ -275,6 +296,9 @@ impl Clients {
             let left = consumer_group.filter(|g| client.consumer_groups.remove(*g).is_some()).map(str::to_owned);
             let in_no_group = client.producer_groups.is_empty() && client.consumer_groups.is_empty();
             if in_no_group {
+                if let Some((kept, _)) = clients.get(client_id).and_then(|client| client.forwarded.as_ref()) {
+                    self.kept_bytes.fetch_sub(kept.body.len(), Ordering::Relaxed);
+                }
                 clients.remove(client_id);
             }
             Self::count(&clients);
@@ -322,7 +346,14 @@ impl Clients {
             .as_ref()
             .is_some_and(|(seen, at)| seen.digest == registration.digest && at.elapsed() < interval);
         if !fresh {
-            client.forwarded = Some((registration.clone(), Instant::now()));
+            let dropped = client.forwarded.take().map_or(0, |(kept, _)| kept.body.len());
+            let kept = self.kept_bytes.load(Ordering::Relaxed).saturating_sub(dropped);
+            let room = kept + registration.body.len() <= self.max_kept_bytes;
+            if room {
+                client.forwarded = Some((registration.clone(), Instant::now()));
+            }
+            let kept = if room { kept + registration.body.len() } else { kept };
+            self.kept_bytes.store(kept, Ordering::Relaxed);
         }
         !fresh
     }
@@ -361,6 +392,9 @@ impl Clients {
             clients.retain(|_, client| {
                 if gone(client) {
                     left.extend(client.consumer_groups.keys().cloned());
+                    if let Some((kept, _)) = &client.forwarded {
+                        self.kept_bytes.fetch_sub(kept.body.len(), Ordering::Relaxed);
+                    }
                     return false;
                 }
                 true
@@ -545,6 +579,30 @@ mod tests {
         clients.connection_closed(1);
         clients.connection_closed(2);
         clients.heartbeat(&claimant, &token("claimant", "orders", "-"), &producer("claimant@1")).expect("free");
+    }
+
+    #[tokio::test]
+    async fn the_heartbeats_kept_to_register_groups_again_stay_within_their_bytes() {
+        let mut clients = Clients::new(Duration::from_secs(120), 1_000);
+        clients.max_kept_bytes = 10 * 1024;
+        let (connection, _queue) = Connection::for_test(1);
+        let interval = Duration::from_secs(20);
+        for n in 0..100 {
+            let id = format!("c@{n}");
+            clients.heartbeat(&connection, &anyone(), &heartbeat(&id, &["orders"])).expect("taken");
+            let body = vec![b' '; 1024 + n];
+            let request = RemotingCommand::create_remoting_command(codes::HEART_BEAT).set_body(body);
+            let registration = Registration::of(&request).expect("a body");
+            assert!(clients.should_forward(&id, &registration, interval), "still passed on to the brokers");
+        }
+        let kept: usize = clients.registrations_of("orders").iter().map(|r| r.body.len()).sum();
+        assert!(kept <= 10 * 1024, "{kept} bytes kept");
+        assert_eq!(clients.kept_bytes.load(Ordering::Relaxed), kept, "the count matches what is kept");
+        clients.connection_closed(1);
+        assert_eq!(clients.kept_bytes.load(Ordering::Relaxed), 0, "given back with the clients");
+        let huge =
+            RemotingCommand::create_remoting_command(codes::HEART_BEAT).set_body(vec![b' '; MAX_HEARTBEAT_BYTES + 1]);
+        assert!(Heartbeat::of(&huge).is_err(), "a heartbeat over 1 MiB is refused");
     }
 
     #[tokio::test]

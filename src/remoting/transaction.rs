@@ -16,8 +16,8 @@ use super::codes;
 use super::relay;
 use super::service::{error, field, Front, Refusal};
 use crate::auth::Caller;
-use crate::gateway::below::PROPERTY_TRANSACTION_PREPARED;
 use crate::gateway::below::{CheckForwarder, Orphan, Resolution};
+use crate::gateway::below::{PROPERTY_PRODUCER_GROUP, PROPERTY_TRANSACTION_PREPARED};
 use crate::gateway::{self, EndRequest, GatewayError};
 use crate::metrics as m;
 
@@ -63,43 +63,71 @@ pub(super) async fn end_transaction(front: &Front, caller: &Caller, request: &Re
 /// An end popgate has no record of: relayed to the broker the client names, once that broker says the half
 /// message at the end's `commitLogOffset` is one whose topic the caller may publish to. The broker itself acts on
 /// the offsets and the producer group alone, so without this look-up anyone who learnt another producer's offsets
-/// could end its transaction. With authentication off every caller may publish anywhere: nothing is looked up.
+/// could end its transaction. A half message popgate sent (under its own producer group: a second one under an id
+/// popgate has a record of, say) is ended under that group, which the broker checks.
 async fn end_unrecorded(front: &Front, caller: &Caller, request: &RemotingCommand) -> RemotingCommand {
-    if !caller.is_unrestricted() {
-        let topic = match half_message_topic(front, request).await {
-            Ok(topic) => topic,
-            Err(refusal) => return refusal,
-        };
-        if let Err(refused) = gateway::may_publish(caller, &topic) {
-            return Refusal::from(refused).answer();
-        }
+    let half = match half_message(front, request).await {
+        Ok(half) => half,
+        Err(refusal) => return refusal,
+    };
+    if let Err(refused) = gateway::may_publish(caller, &half.topic) {
+        return Refusal::from(refused).answer();
+    }
+    let popgates_group = front.transactions.producer_group();
+    if half.producer_group == popgates_group && field(request, "producerGroup") != Some(popgates_group) {
+        let mut as_popgate = request.clone();
+        as_popgate.add_ext_field("producerGroup", popgates_group);
+        return relay::ended_elsewhere(front, &as_popgate).await;
     }
     relay::ended_elsewhere(front, request).await
 }
 
-/// The topic of the half message an end names, read from its broker (`VIEW_MESSAGE_BY_ID` at the end's
-/// `commitLogOffset`: the half message keeps its topic in `REAL_TOPIC`); the answer refusing the end when there
-/// is no half message there.
-async fn half_message_topic(front: &Front, request: &RemotingCommand) -> Result<String, RemotingCommand> {
+/// What an end popgate has no record of needs to know of its half message.
+struct StoredHalf {
+    /// Its own topic.
+    topic: String,
+    /// The producer group it was sent under.
+    producer_group: String,
+}
+
+/// The half message an end names, read from its broker (`VIEW_MESSAGE_BY_ID` at the end's `commitLogOffset`: the
+/// half message keeps its topic in `REAL_TOPIC`); the answer refusing the end when there is no half message there.
+async fn half_message(front: &Front, request: &RemotingCommand) -> Result<StoredHalf, RemotingCommand> {
     let Some(offset) = field(request, "commitLogOffset").and_then(|v| v.parse::<i64>().ok()) else {
         return Err(error(codes::SYSTEM_ERROR, "END_TRANSACTION without a commitLogOffset"));
     };
     let message = relay::stored_message(front, request, offset, HALF_TOPIC).await.map_err(Refusal::answer)?;
-    let half_topic = message.as_ref().and_then(|message| {
-        let is_half = message.message.property(PROPERTY_TRANSACTION_PREPARED) == Some("true");
-        message.message.property(PROPERTY_REAL_TOPIC).filter(|_| is_half).map(str::to_owned)
+    let half = message.as_ref().and_then(|message| {
+        // Read as the broker reads it (`Boolean.parseBoolean`).
+        let is_half = message
+            .message
+            .property(PROPERTY_TRANSACTION_PREPARED)
+            .is_some_and(|flag| flag.eq_ignore_ascii_case("true"));
+        let topic = message.message.property(PROPERTY_REAL_TOPIC).filter(|_| is_half)?;
+        let producer_group = message.message.property(PROPERTY_PRODUCER_GROUP).unwrap_or_default();
+        Some(StoredHalf { topic: topic.to_owned(), producer_group: producer_group.to_owned() })
     });
-    half_topic.ok_or_else(|| {
+    half.ok_or_else(|| {
         counter!(m::REQUESTS_REJECTED, "reason" => "forbidden").increment(1);
         error(NOT_A_HALF_MESSAGE, format!("no half message at commitLogOffset {offset} of its broker"))
     })
 }
 
 /// The transaction id popgate has a record under, of the ids the request names (`msgId`, the client's
-/// message id; `transactionId`).
+/// message id; `transactionId`), when the record is of the half message the end names by its `commitLogOffset`.
+/// A client chooses its message ids: a producer that sends the same `Message` again while its first transaction
+/// is open keeps the id (popgate keeps the first record), and another token may have recorded an id first. Such
+/// an end names another half message than the record's, and is made as one popgate has no record of (relayed
+/// once the half message's topic, read from its broker, is one the caller may publish to): it ends its own half
+/// message, never the record's.
 fn recorded(front: &Front, request: &RemotingCommand) -> Option<String> {
+    let named_offset = field(request, "commitLogOffset").and_then(|v| v.parse::<i64>().ok());
     ["msgId", "transactionId"].iter().filter_map(|name| field(request, name)).find_map(|id| {
         match front.transactions.lookup(id) {
+            Ok(Some(record)) if named_offset.is_some_and(|offset| offset != record.half.commit_log_offset) => {
+                tracing::info!(transaction = id, "An end names another half message than popgate's record of its id.");
+                None
+            }
             Ok(Some(_)) => Some(id.to_owned()),
             Ok(None) => None,
             Err(error) => {
