@@ -189,3 +189,44 @@ fn to_outgoing(
     }
     Ok(outgoing)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prost::Message as _;
+
+    proptest::proptest! {
+        /// Whatever bytes an SDK sends as a message, what decodes is a message to send or a status naming what is
+        /// wrong with it, never a panic; and arbitrary field values in a message that decodes, the same.
+        #[test]
+        fn arbitrary_sdk_messages_are_sent_or_refused_with_a_status(
+            bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..512),
+            topic in "\\PC{0,140}",
+            tag in "\\PC{0,20}",
+            keys in proptest::collection::vec("\\PC{0,20}", 0..4),
+            group in "\\PC{0,80}",
+            property in ("\\PC{0,20}", "\\PC{0,20}"),
+            body in proptest::collection::vec(proptest::num::u8::ANY, 0..64),
+            delay_secs in proptest::prelude::any::<i64>(),
+        ) {
+            let config = PublishConfig::default();
+            if let Ok(decoded) = pb::Message::decode(&bytes[..]) {
+                let _ = to_outgoing(decoded, &config, None);
+            }
+            let message = pb::Message {
+                topic: Some(pb::Resource { resource_namespace: String::new(), name: topic }),
+                user_properties: [property].into_iter().collect(),
+                system_properties: Some(pb::SystemProperties {
+                    tag: Some(tag),
+                    keys,
+                    message_id: "0123456789ABCDEF".to_owned(),
+                    message_group: Some(group),
+                    delivery_timestamp: Some(prost_types::Timestamp { seconds: delay_secs, nanos: 0 }),
+                    ..pb::SystemProperties::default()
+                }),
+                body: body.into(),
+            };
+            let _ = to_outgoing(message, &config, Some("a_group"));
+        }
+    }
+}

@@ -345,3 +345,32 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+mod decoding {
+    use prost::Message as _;
+
+    use super::*;
+
+    proptest::proptest! {
+        /// Whatever bytes reach the peer link as a settlement or an end, what decodes is read as a request or
+        /// refused, never a panic (the signature is checked first; this is what a peer with the secret could send).
+        #[test]
+        fn arbitrary_peer_requests_are_read_or_refused_never_a_panic(
+            bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..256),
+        ) {
+            if let Ok(request) = pb::SettleRequest::decode(&bytes[..]) {
+                let _ = asked(&request);
+            }
+            if let Ok(request) = pb::EndRequest::decode(&bytes[..]) {
+                let _ = asked_end(&request);
+            }
+            if let Ok(reply) = pb::SettleReply::decode(&bytes[..]) {
+                let _ = outcome_of(reply, "popgate-1~ab");
+            }
+            if let Ok(reply) = pb::EndReply::decode(&bytes[..]) {
+                let _ = end_outcome_of(reply, "popgate-1~ab");
+            }
+        }
+    }
+}
