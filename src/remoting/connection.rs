@@ -34,6 +34,7 @@ use tokio::time::{Duration, Instant};
 
 use super::codes;
 use super::frame::Frame;
+use super::offset_turns::OffsetTurns;
 use super::service::{error, Admitted, Front};
 use crate::metrics as m;
 use crate::tls::MaybeTls;
@@ -308,7 +309,8 @@ fn dispatch(
     }
     let admitted = front.admit(&request, connection.peer.ip());
     let mut turn = match &admitted {
-        Ok(Admitted::Caller(caller)) if front.may_relay(caller, &request) => {
+        // Only an offset request takes a turn; its grant is checked first (the rest are checked as served).
+        Ok(Admitted::Caller(caller)) if OffsetTurns::takes_turns(&request) && front.may_relay(caller, &request) => {
             front.offset_turns.take(&request, connection.broker.as_deref())
         }
         _ => None,

@@ -52,10 +52,15 @@ pub(super) struct OffsetTurns {
 }
 
 impl OffsetTurns {
+    /// Whether `request` takes a turn in a lane: an offset commit or query.
+    pub fn takes_turns(request: &RemotingCommand) -> bool {
+        matches!(request.code(), codes::UPDATE_CONSUMER_OFFSET | codes::QUERY_CONSUMER_OFFSET)
+    }
+
     /// A turn for `request` when it is an offset commit or query (`None` for anything else): taken now, behind
     /// every turn of its lane taken before. `port_broker`: the broker whose port the request came in on, if any.
     pub fn take(&self, request: &RemotingCommand, port_broker: Option<&str>) -> Option<Turn> {
-        if request.code() != codes::UPDATE_CONSUMER_OFFSET && request.code() != codes::QUERY_CONSUMER_OFFSET {
+        if !Self::takes_turns(request) {
             return None;
         }
         let lane = Lane {
