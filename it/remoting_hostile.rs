@@ -116,8 +116,7 @@ async fn stored_straight_at(cluster: &Cluster, broker: usize, request: RemotingC
     let mut stream = TcpStream::connect(("127.0.0.1", cluster.brokers[broker].port)).await.expect("connect");
     let answer = ask(&mut stream, request).await.expect("the broker answers");
     assert_eq!(answer.code(), SUCCESS, "stored straight at the broker: {:?}", answer.remark());
-    let offset_id = field(&answer, "msgId");
-    let offset = i64::from_str_radix(&offset_id[offset_id.len().saturating_sub(16)..], 16).expect("hex offset");
+    let offset = commit_log_offset(&answer);
     (answer, offset)
 }
 

@@ -64,24 +64,18 @@ impl Caller {
     /// (patterns, as in `popgate.toml`), for unit tests.
     #[cfg(test)]
     pub fn of_test_token(name: &str, publish: &str, consume: &str) -> Caller {
-        let config = AuthConfig {
-            enabled: true,
-            tokens: vec![crate::config::TokenConfig {
-                name: name.into(),
-                token: Some(format!("{name}-secret-0123456789")),
-                publish: vec![publish.into()],
-                consume: vec![consume.into()],
-                ..crate::config::TokenConfig::default()
-            }],
-            ..AuthConfig::default()
-        };
-        TokenTable::new(&config).authenticate(&format!("{name}-secret-0123456789")).expect("the token")
+        Caller::of_test_config(name, publish, consume, None)
     }
 
     /// The caller of a configured token named `name` that may publish to `publish`, consume as `consume` and read
     /// `subscribe` (patterns, as in `popgate.toml`), for unit tests.
     #[cfg(test)]
     pub fn of_scoped_test_token(name: &str, publish: &str, consume: &str, subscribe: &str) -> Caller {
+        Caller::of_test_config(name, publish, consume, Some(vec![subscribe.into()]))
+    }
+
+    #[cfg(test)]
+    fn of_test_config(name: &str, publish: &str, consume: &str, subscribe: Option<Vec<String>>) -> Caller {
         let config = AuthConfig {
             enabled: true,
             tokens: vec![crate::config::TokenConfig {
@@ -89,7 +83,7 @@ impl Caller {
                 token: Some(format!("{name}-secret-0123456789")),
                 publish: vec![publish.into()],
                 consume: vec![consume.into()],
-                subscribe: Some(vec![subscribe.into()]),
+                subscribe,
                 ..crate::config::TokenConfig::default()
             }],
             ..AuthConfig::default()

@@ -136,8 +136,8 @@ impl MessageLimits {
 
     /// `message`, as a RocketMQ remoting client made it, once [`MessageLimits::check_client_made`] passed it,
     /// and its body is neither empty nor over `max_body_bytes`, as Apache's client checks it before sending
-    /// (`Validators.checkMessage`). A batch (`batch`) is checked as a whole for its size, and each message
-    /// inside it as a message of its own, properties and body.
+    /// (`Validators.checkMessage`). A batch (its `wire` says) is checked as a whole for its size, and each
+    /// message inside it as a message of its own, properties and body.
     ///
     /// # Errors
     /// The first [`LimitError`] found.
@@ -145,10 +145,9 @@ impl MessageLimits {
         &self,
         message: OutgoingMessage,
         max_body_bytes: usize,
-        batch: bool,
     ) -> Result<WithinLimits, LimitError> {
         check_body(&message.body, max_body_bytes)?;
-        if batch {
+        if message.wire.as_ref().is_some_and(|wire| wire.batch) {
             self.check_batch(&message, max_body_bytes)?;
         } else {
             self.check_client_made(&message)?;

@@ -156,6 +156,11 @@ impl Client {
         }
     }
 
+    /// The bytes of the heartbeat kept for it ([`Clients::kept_bytes`]).
+    fn kept_len(&self) -> usize {
+        self.forwarded.as_ref().map_or(0, |(kept, _)| kept.body.len())
+    }
+
     fn kinds(&self) -> BTreeSet<Kind> {
         let mut kinds: BTreeSet<Kind> = self.consumer_groups.values().copied().collect();
         if !self.producer_groups.is_empty() {
@@ -296,9 +301,7 @@ impl Clients {
             let left = consumer_group.filter(|g| client.consumer_groups.remove(*g).is_some()).map(str::to_owned);
             let in_no_group = client.producer_groups.is_empty() && client.consumer_groups.is_empty();
             if in_no_group {
-                if let Some((kept, _)) = clients.get(client_id).and_then(|client| client.forwarded.as_ref()) {
-                    self.kept_bytes.fetch_sub(kept.body.len(), Ordering::Relaxed);
-                }
+                self.kept_bytes.fetch_sub(client.kept_len(), Ordering::Relaxed);
                 clients.remove(client_id);
             }
             Self::count(&clients);
@@ -346,8 +349,8 @@ impl Clients {
             .as_ref()
             .is_some_and(|(seen, at)| seen.digest == registration.digest && at.elapsed() < interval);
         if !fresh {
-            let dropped = client.forwarded.take().map_or(0, |(kept, _)| kept.body.len());
-            let kept = self.kept_bytes.load(Ordering::Relaxed).saturating_sub(dropped);
+            let kept = self.kept_bytes.load(Ordering::Relaxed).saturating_sub(client.kept_len());
+            client.forwarded = None;
             let room = kept + registration.body.len() <= self.max_kept_bytes;
             if room {
                 client.forwarded = Some((registration.clone(), Instant::now()));
@@ -392,9 +395,7 @@ impl Clients {
             clients.retain(|_, client| {
                 if gone(client) {
                     left.extend(client.consumer_groups.keys().cloned());
-                    if let Some((kept, _)) = &client.forwarded {
-                        self.kept_bytes.fetch_sub(kept.body.len(), Ordering::Relaxed);
-                    }
+                    self.kept_bytes.fetch_sub(client.kept_len(), Ordering::Relaxed);
                     return false;
                 }
                 true

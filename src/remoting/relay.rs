@@ -48,13 +48,14 @@ pub(super) async fn heartbeat(
     caller: &Caller,
     request: &RemotingCommand,
 ) -> Reply {
-    if let Err(refusal) = permission(caller, request) {
-        return refusal.answer().into();
-    }
     let Some(registration) = Registration::of(request) else {
         return error(codes::SYSTEM_ERROR, "HEART_BEAT without a body (HeartbeatData)").into();
     };
-    let heartbeat = match Heartbeat::of(request) {
+    // Decoded once, and checked as `RELAYED` says of a heartbeat.
+    let heartbeat = match Heartbeat::of(request).and_then(|heartbeat| {
+        heartbeat_permission(caller, &heartbeat)?;
+        Ok(heartbeat)
+    }) {
         Ok(heartbeat) => heartbeat,
         Err(refusal) => return refusal.answer().into(),
     };
@@ -326,7 +327,7 @@ pub(super) fn permission(caller: &Caller, request: &RemotingCommand) -> Result<(
             let topics = topics_named(request, topic_in).ok_or_else(|| names_none("topic"))?;
             return topics.iter().try_for_each(|topic| gateway::may_look_up(caller, topic)).map_err(Refusal::from);
         }
-        Needs::HeartbeatBody => return heartbeat_permission(caller, request),
+        Needs::HeartbeatBody => return heartbeat_permission(caller, &Heartbeat::of(request)?),
         Needs::ConsumeAs(group_in) | Needs::SendBack(group_in) => (group_in, None),
         Needs::Read(group_in, topic_in) => (group_in, Some(topic_in)),
     };
@@ -339,19 +340,15 @@ pub(super) fn permission(caller: &Caller, request: &RemotingCommand) -> Result<(
     topics.iter().try_for_each(|topic| gateway::may_read(caller, &group, topic)).map_err(Refusal::from)
 }
 
-/// Whether `caller` may send heartbeat `request`: `Sub` on each of its consumer groups and on each topic the
-/// group subscribes to (its `%RETRY%` topic is the group's).
-fn heartbeat_permission(caller: &Caller, request: &RemotingCommand) -> Result<(), Refusal> {
-    let heartbeat = Heartbeat::of(request)?;
+/// Whether `caller` may send `heartbeat`: `Sub` on each of its consumer groups and on each topic the group
+/// subscribes to (its `%RETRY%` topic is the group's), as a gRPC client's Settings.
+fn heartbeat_permission(caller: &Caller, heartbeat: &Heartbeat) -> Result<(), Refusal> {
     heartbeat
         .consumer_data_set
         .iter()
         .try_for_each(|consumer| {
-            gateway::may_consume(caller, &consumer.group_name)?;
-            consumer
-                .subscription_data_set
-                .iter()
-                .try_for_each(|s| gateway::may_read(caller, &consumer.group_name, &s.topic))
+            let topics = consumer.subscription_data_set.iter().map(|s| s.topic.as_str());
+            gateway::may_subscribe(caller, &consumer.group_name, topics)
         })
         .map_err(Refusal::from)
 }

@@ -62,11 +62,10 @@ async fn decode(front: &Front, request: &RemotingCommand, received_at: Instant) 
         .map_err(|why| Refusal::new(codes::MESSAGE_ILLEGAL, format!("the send's header does not decode: {why}")))?;
     let message = to_outgoing(&header, request)?;
     let transactional = is_half(&header, &message);
-    let batch = message.wire.as_ref().is_some_and(|wire| wire.batch);
     let publish = &front.config.publish;
     let mut message = publish
         .limits
-        .admit_client_made(message, publish.max_message_bytes, batch)
+        .admit_client_made(message, publish.max_message_bytes)
         .map_err(|broken| Refusal::new(codes::MESSAGE_ILLEGAL, broken.message))?;
     if transactional {
         message.amend(|message| as_popgates_half(message, front.transactions.producer_group()));
