@@ -132,6 +132,8 @@ pub async fn serve(
         },
     )
     .await?;
+    // The fronts' one handle of the delivery core: reads checked, settlements through the gateway.
+    let deliveries = crate::gateway::Deliveries::new(dispatcher.clone());
     tracing::info!(?recovered, state_dir = %config.delivery.state_dir.display(), "Delivery state recovered.");
     let transactions = Transactions::start(store.clone(), broker.clone(), config.transactions.clone()).await?;
     // Registered before the gRPC front's producers: a check-back whose HTTP producer named a checker goes there.
@@ -156,11 +158,11 @@ pub async fn serve(
     // for the others.
     let (owners, peer_server) = match peer_link {
         Some(listener) => {
-            let tier = Tier::new(&config.tier, instance.clone(), Some(dispatcher.clone()));
+            let tier = Tier::new(&config.tier, instance.clone(), Some(deliveries.clone()));
             tier.look_up().await;
             tokio::spawn(Tier::keep_looking_up(Arc::downgrade(&tier)));
             let parts = PeerParts {
-                dispatcher: dispatcher.clone(),
+                deliveries: deliveries.clone(),
                 transactions: transactions.clone(),
                 tokens: tokens.clone(),
             };
@@ -173,7 +175,7 @@ pub async fn serve(
     let grpc_server = grpc.map(|(listener, tls)| {
         let parts = crate::grpc::Parts {
             publisher: publisher.clone(),
-            dispatcher: dispatcher.clone(),
+            deliveries: deliveries.clone(),
             transactions: transactions.clone(),
             tokens: tokens.clone(),
             owners: owners.clone(),
@@ -186,7 +188,7 @@ pub async fn serve(
             let parts = crate::remoting::Parts {
                 publisher: publisher.clone(),
                 broker: broker.clone(),
-                dispatcher: dispatcher.clone(),
+                deliveries: deliveries.clone(),
                 tokens: tokens.clone(),
                 transactions: transactions.clone(),
                 tls,
@@ -205,7 +207,7 @@ pub async fn serve(
         profile: monitor.clone(),
         config,
         publisher: publisher.clone(),
-        dispatcher: dispatcher.clone(),
+        deliveries: deliveries.clone(),
         transactions: transactions.clone(),
         metrics,
         owners,

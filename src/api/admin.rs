@@ -97,12 +97,12 @@ pub async fn deliveries(
         return Err(ApiError::invalid_field("max", format!("must be in 1..={MAX_DELIVERIES}")));
     }
     let group = query.get("group").map(String::as_str).filter(|g| !g.is_empty());
-    Ok(Json(json!({"deliveries": state.dispatcher.in_flight(group, max)})))
+    Ok(Json(json!({"deliveries": state.deliveries.in_flight(group, max)})))
 }
 
 /// `GET /admin/subscriptions`.
 pub async fn subscriptions(State(state): State<AppState>) -> Json<Value> {
-    let mut subs = state.dispatcher.subscriptions();
+    let mut subs = state.deliveries.subscriptions();
     subs.sort_by(|a, b| (&a.group, &a.topic).cmp(&(&b.group, &b.topic)));
     let subs: Vec<Value> = subs.iter().map(subscription_json).collect();
     Json(json!({ "subscriptions": subs }))
@@ -115,7 +115,7 @@ pub async fn delete_subscription(
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     let (group, topic) =
         id.split_once(':').ok_or_else(|| ApiError::invalid_field("id", "a subscription id is <group>:<topic>"))?;
-    state.dispatcher.unsubscribe(group, topic).await.map_err(ApiError::from)?;
+    state.deliveries.remove_subscription(group, topic).await?;
     Ok((StatusCode::OK, Json(json!({"status": "unsubscribed", "id": id}))))
 }
 

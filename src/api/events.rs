@@ -34,7 +34,7 @@ use super::guard::{read_body, rejected, Budget};
 use super::{ApiError, AppState};
 use crate::auth::Caller;
 use crate::gateway::below::{content, Dispatched, Event, FilterType, NackOutcome, Subscription, SubscriptionRequest};
-use crate::gateway::{self, Settlement};
+use crate::gateway::{Reader, Settlement};
 
 /// Default long-poll wait when `waitMs` is absent.
 const DEFAULT_WAIT_MS: u64 = 1_000;
@@ -151,28 +151,29 @@ pub async fn subscribe(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let body: SubscribeBody = parse_body(&read_body(body)?)?;
-    gateway::may_read(&caller, &body.group, &body.topic)?;
+    let reader = Reader::check(&caller, &body.group, &body.topic)?;
     let filter_type = body
         .filter_type
         .map(|t| FilterType::parse(&t).ok_or_else(|| ApiError::invalid_field("filterType", "must be TAG or SQL92")))
         .transpose()?;
     let sub = state
-        .dispatcher
-        .subscribe(SubscriptionRequest {
-            group: body.group,
-            topic: body.topic,
-            filter: body.filter,
-            filter_type,
-            ack_timeout_ms: body.ack_timeout_ms,
-            max_attempts: body.max_attempts,
-            initial_backoff_ms: body.initial_backoff_ms,
-            max_backoff_ms: body.max_backoff_ms,
-            ordered: body.ordered,
-            push: body.push,
-            implicit: false,
-        })
-        .await
-        .map_err(ApiError::from)?;
+        .deliveries
+        .subscribe(
+            &reader,
+            SubscriptionRequest {
+                filter: body.filter,
+                filter_type,
+                ack_timeout_ms: body.ack_timeout_ms,
+                max_attempts: body.max_attempts,
+                initial_backoff_ms: body.initial_backoff_ms,
+                max_backoff_ms: body.max_backoff_ms,
+                ordered: body.ordered,
+                push: body.push,
+                implicit: false,
+                ..SubscriptionRequest::default()
+            },
+        )
+        .await?;
     Ok(Json(json!({ "subscription": subscription_json(&sub) })).into_response())
 }
 
@@ -183,8 +184,7 @@ pub async fn unsubscribe(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let body: GroupTopic = parse_body(&read_body(body)?)?;
-    gateway::may_consume(&caller, &body.group)?;
-    state.dispatcher.unsubscribe(&body.group, &body.topic).await.map_err(ApiError::from)?;
+    state.deliveries.unsubscribe(&caller, &body.group, &body.topic).await?;
     Ok(Json(json!({"status": "unsubscribed"})).into_response())
 }
 
@@ -196,7 +196,7 @@ pub async fn poll(
 ) -> Result<Response, ApiError> {
     let group = required_param(&query, "group")?;
     let topic = required_param(&query, "topic")?;
-    gateway::may_read(&caller, &group, &topic)?;
+    let reader = Reader::check(&caller, &group, &topic)?;
     let max = number_param(&query, "max", DEFAULT_MAX)?;
     if max == 0 || max > crate::gateway::below::MAX_POLL_BATCH {
         return Err(ApiError::invalid_field(
@@ -206,7 +206,7 @@ pub async fn poll(
     }
     let wait = Duration::from_millis(number_param(&query, "waitMs", DEFAULT_WAIT_MS)?);
     let _waiting = state.limits.acquire(&caller, Budget::Waiters)?;
-    let deliveries = state.dispatcher.poll(&group, &topic, max, wait).await.map_err(ApiError::from)?;
+    let deliveries = state.deliveries.poll(&reader, max, wait).await?;
     let deliveries: Vec<Value> = deliveries.iter().map(delivery_json).collect();
     Ok(Json(json!({ "deliveries": deliveries })).into_response())
 }

@@ -19,7 +19,7 @@ pub async fn healthz() -> impl IntoResponse {
 /// profile check is always reported.
 pub async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
     let broker = state.publisher.readiness().await;
-    let store_ok = state.dispatcher.store_healthy();
+    let store_ok = state.deliveries.store_healthy();
     let mismatch = state.profile.any_mismatch();
     let mismatch_blocks = mismatch && state.config.reliability.fail_on_mismatch;
     let ready = broker.is_ok() && store_ok && !mismatch_blocks;

@@ -43,8 +43,8 @@ pub use error::ApiError;
 use crate::auth::TokenTable;
 use crate::config::Config;
 use crate::dlq::DlqAdmin;
-use crate::gateway::below::Dispatcher;
 use crate::gateway::below::Transactions;
+use crate::gateway::Deliveries;
 use crate::publish::Publisher;
 use crate::reliability::ProfileMonitor;
 use guard::{ConnectionLimits, SizeLimits};
@@ -57,7 +57,7 @@ pub struct AppState {
     /// The publish path.
     pub publisher: Arc<Publisher>,
     /// The consume path.
-    pub dispatcher: Arc<Dispatcher>,
+    pub deliveries: Deliveries,
     /// The reliability profile's broker checks.
     pub profile: Arc<ProfileMonitor>,
     /// Transactional publishes' records and ends.
@@ -87,7 +87,7 @@ impl AppState {
 
     /// Settling deliveries, through the gateway.
     pub fn settling(&self) -> crate::gateway::Settling<'_> {
-        crate::gateway::Settling { dispatcher: &self.dispatcher, owners: self.owners.as_ref() }
+        self.deliveries.settling(self.owners.as_ref())
     }
 }
 

@@ -35,7 +35,7 @@ use super::guard::{Budget, Slot};
 use super::{ApiError, AppState};
 use crate::auth::Caller;
 use crate::gateway::below::{DeliveryError, Dispatched, NackOutcome, Subscriber};
-use crate::gateway::{self, GatewayError};
+use crate::gateway::{GatewayError, Reader};
 
 /// How long one wait for deliveries lasts before a transport looks at its connection again.
 const WAIT_SLICE: Duration = Duration::from_secs(5);
@@ -67,9 +67,9 @@ pub async fn stream(
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     let (group, topic, prefetch) = push_params(&query)?;
-    gateway::may_read(&caller, &group, &topic)?;
+    let reader = Reader::check(&caller, &group, &topic)?;
     let slot = state.limits.acquire(&caller, Budget::Streams)?;
-    let subscriber = state.dispatcher.attach(&group, &topic, prefetch, "sse").await.map_err(ApiError::from)?;
+    let subscriber = state.deliveries.attach(&reader, prefetch, "sse").await?;
     // A reconnecting client names the last delivery it saw. What it still holds unACKed stays in flight to it
     // (it is not sent again on this stream): it ACKs those by POST, or they come back after their ACK timeout.
     if let Some(last) = headers.get("last-event-id").and_then(|v| v.to_str().ok()) {
@@ -126,9 +126,9 @@ pub async fn websocket(
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Response, ApiError> {
     let (group, topic, prefetch) = push_params(&query)?;
-    gateway::may_read(&caller, &group, &topic)?;
+    let reader = Reader::check(&caller, &group, &topic)?;
     let slot = state.limits.acquire(&caller, Budget::Streams)?;
-    let subscriber = state.dispatcher.attach(&group, &topic, prefetch, "websocket").await.map_err(ApiError::from)?;
+    let subscriber = state.deliveries.attach(&reader, prefetch, "websocket").await?;
     Ok(upgrade.on_upgrade(move |socket| ws_session(socket, subscriber, state, caller, slot)))
 }
 

@@ -5,8 +5,8 @@
 //!
 //! Most of it is what requests and answers are made of (a delivery's event, a resolution, a send receipt).
 //! The services a front holds are here too, with what each front does with them itself, and why:
-//! - [`Dispatcher`]: subscribing and polling, after [`super::may_read`]; settling goes through
-//!   [`super::Settling`].
+//! - The delivery core is not among them: a front holds [`super::Deliveries`], whose reads start from a
+//!   checked [`super::Reader`] and whose settlements go through [`super::Settling`].
 //! - [`Transactions`]: answering check-backs the broker sends a front's producers; ending goes through
 //!   [`super::Ending`].
 //! - [`BrokerClient`]: the remoting front relays a pull consumer's queue requests to their broker as they are,
@@ -20,8 +20,8 @@ pub(crate) use crate::broker::{BrokerClient, SendReceipt};
 pub(crate) use crate::delivery::retry::RetryPolicy;
 pub(crate) use crate::delivery::webhook::{signature, WebhookPush};
 pub(crate) use crate::delivery::{
-    content, instance_of, DeliveryError, Dispatched, Dispatcher, Event, FilterType, HandOut, Holder, NackOutcome,
-    Subscriber, Subscription, SubscriptionRequest, Target, MAX_POLL_BATCH, MAX_POLL_WAIT,
+    content, instance_of, DeliveryError, Dispatched, Event, FilterType, NackOutcome, Subscriber, Subscription,
+    SubscriptionRequest, Target, MAX_POLL_BATCH, MAX_POLL_WAIT,
 };
 pub(crate) use crate::transaction::{
     mark_half, CheckForwarder, Ended, Orphan, Resolution, State as RecordState, TransactionError, TransactionRecord,

@@ -2,33 +2,36 @@
 //! (HTTP, gRPC, remoting). A front decodes its protocol, calls the gateway with the authenticated [`Caller`],
 //! and maps a [`GatewayError`] to its own codes in one place.
 //!
-//! The fronts' shared rules move here one by one (issue #33). Here so far: a client leaving a consumer group
-//! (a remoting `UNREGISTER_CLIENT`, a gRPC `NotifyClientTermination`) gives back only what it holds in that
-//! group, and only when its caller may consume as that group; publishing needs `Pub` on the topic
-//! ([`may_publish`]), and a publish goes through [`Publishing::publish`] whichever front it came in on;
-//! reading a topic needs `Sub` on the topic as well as on the group ([`may_read`]), and so does settling a
-//! delivery, whichever front it came in on ([`Settling`]); ending a recorded transaction needs `Pub` on its half
-//! message's topic ([`Ending`]); a topic's route needs `Pub` or `Sub` on it ([`may_look_up`]), and a client that
-//! announces itself as a consumer group's needs `Sub` on the group and on each of its topics
-//! ([`may_subscribe`]); a client id is the token's that first used it, and a front keeps a bounded number of them
-//! ([`ClientIds`]).
+//! Here: publishing needs `Pub` on the topic ([`may_publish`]), and a publish goes through
+//! [`Publishing::publish`] whichever front it came in on; reading a topic needs `Sub` on the topic as well as on
+//! the group, and every read (an HTTP poll or stream, a gRPC receive, a remoting POP) starts from a [`Reader`]
+//! that only that check makes and goes through [`Deliveries`], the only handle of the delivery core a front
+//! holds; settling a delivery needs the same rights, whichever front or peer it came in on ([`Settling`]);
+//! a client leaving a consumer group (a remoting `UNREGISTER_CLIENT`, a gRPC `NotifyClientTermination`) gives
+//! back only what it holds in that group, and only when its caller may consume as that group
+//! ([`Deliveries::leave_group`]); ending a recorded transaction needs `Pub` on its half message's topic
+//! ([`Ending`]); a topic's route needs `Pub` or `Sub` on it ([`may_look_up`]), and a client that announces
+//! itself as a consumer group's needs `Sub` on the group and on each of its topics ([`may_subscribe`]); a client
+//! id is the token's that first used it, and a front keeps a bounded number of them ([`ClientIds`]).
 
 pub(crate) mod below;
 mod clients;
 mod publish;
+mod receive;
 mod settle;
 mod transaction;
 
 use metrics::counter;
 
 use crate::auth::{Action, Caller, RETRY_TOPIC_PREFIX};
-use crate::delivery::{DeliveryError, Dispatcher};
+use crate::delivery::DeliveryError;
 use crate::metrics as m;
 use crate::publish::Attempt;
 use crate::transaction::TransactionError;
 
 pub use clients::ClientIds;
 pub use publish::{count_refused_publish, PublishRefused, PublishRequest, Publishing};
+pub use receive::{Deliveries, Reader, Receive, ReceiveRequest, ReceivingClient};
 pub use settle::{Owners, Settle, Settled, Settlement, Settling};
 pub use transaction::{EndOutcome, EndRequest, Ending};
 
@@ -253,23 +256,6 @@ pub fn may_look_up(caller: &Caller, topic: &str) -> Result<(), GatewayError> {
 /// gRPC client's id gives back nothing of that client's.
 pub fn holder_id(front: &str, client_id: &str) -> String {
     format!("{front}:{client_id}")
-}
-
-/// Client `client_id` of `front` and `caller` left consumer group `group`: what it holds of that group and did
-/// not settle is due again at once. Returns how many deliveries that was. The front has checked that the client
-/// id is the caller's.
-///
-/// # Errors
-/// [`GatewayError::MayNotConsume`] when the caller may not consume as `group` (nothing is released).
-pub async fn leave_group(
-    dispatcher: &Dispatcher,
-    caller: &Caller,
-    front: &str,
-    client_id: &str,
-    group: &str,
-) -> Result<usize, GatewayError> {
-    may_consume(caller, group)?;
-    Ok(dispatcher.release_client(&holder_id(front, client_id), group).await)
 }
 
 #[cfg(test)]

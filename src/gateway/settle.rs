@@ -104,12 +104,12 @@ impl<'a> Settlement<'a> {
     }
 }
 
-/// What settling needs from the rest of popgate.
+/// Settling deliveries, whichever front or peer asked: made by [`super::Deliveries::settling`].
 pub struct Settling<'a> {
     /// The delivery core.
-    pub dispatcher: &'a Dispatcher,
+    pub(super) dispatcher: &'a Dispatcher,
     /// The tier's other instances, when this one is in a tier: deliveries they handed out are settled there.
-    pub owners: Option<&'a Arc<dyn Owners>>,
+    pub(super) owners: Option<&'a Arc<dyn Owners>>,
 }
 
 impl Settling<'_> {

@@ -4,13 +4,13 @@
 //! and its own for every hand-out, so a consumer whose invisible time ran out cannot settle the message
 //! another consumer holds now. (`pg1:<delivery id>`, from before hand-outs were counted, is still accepted.)
 //!
-//! | RPC | delivery core |
+//! | RPC | gateway |
 //! |---|---|
 //! | `QueryAssignment` | one queue per broker of the topic, all served by popgate |
-//! | `ReceiveMessage` | `Dispatcher::poll_as`, the subscription's filter set from the request; `Dispatcher::written` once the client took the response in ([`super::written`]) |
-//! | `AckMessage` | `Dispatcher::ack` per entry (then the broker ACK) |
-//! | `ChangeInvisibleDuration` | auto-renewed (PushConsumer): a NACK on popgate's backoff; else a new deadline |
-//! | `ForwardMessageToDeadLetterQueue` | `Dispatcher::term` (the DLQ write, then the broker ACK) |
+//! | `ReceiveMessage` | `Deliveries::open_receive` (the group's filter set from the request), `Deliveries::receive`; `Deliveries::written` once the client took the response in ([`super::written`]) |
+//! | `AckMessage` | `Settling::ack_all` (then the broker ACK) |
+//! | `ChangeInvisibleDuration` | auto-renewed (PushConsumer): `Settling::nack` on popgate's backoff; else `Settling::extend` |
+//! | `ForwardMessageToDeadLetterQueue` | `Settling::term` (the DLQ write, then the broker ACK) |
 
 use std::time::Duration;
 
@@ -21,11 +21,11 @@ use tokio::sync::{mpsc, oneshot};
 use super::proto::{self as pb, receive_message_response::Content, Code, DigestType, Encoding, MessageType};
 use super::service::Front;
 use super::settings::duration;
-use super::status::{delivery_status, ok, overall, refused, status};
+use super::status::{ok, overall, refused, status};
 use super::{deadline, names};
 use crate::auth::Caller;
-use crate::gateway::below::{Dispatched, FilterType, HandOut, Holder, Subscription, MAX_POLL_BATCH, MAX_POLL_WAIT};
-use crate::gateway::{self, Settlement};
+use crate::gateway::below::{Dispatched, FilterType, MAX_POLL_BATCH, MAX_POLL_WAIT};
+use crate::gateway::{self, Reader, Receive as Opened, ReceiveRequest, ReceivingClient, Settlement};
 use crate::metrics as m;
 
 /// The prefix of popgate's receipt handles (their version).
@@ -65,15 +65,10 @@ fn consumer_group(caller: &Caller, group: Option<&pb::Resource>) -> Result<Strin
 }
 
 /// The group and topic of a request that reads the topic as the group, checked: `Sub` on both.
-fn reader(
-    caller: &Caller,
-    group: Option<&pb::Resource>,
-    topic: Option<&pb::Resource>,
-) -> Result<(String, String), pb::Status> {
+fn reader(caller: &Caller, group: Option<&pb::Resource>, topic: Option<&pb::Resource>) -> Result<Reader, pb::Status> {
     let group = names::group(group)?;
     let topic = names::topic(topic)?;
-    gateway::may_read(caller, &group, &topic).map_err(|refusal| refused(&refusal))?;
-    Ok((group, topic))
+    Reader::check(caller, &group, &topic).map_err(|refusal| refused(&refusal))
 }
 
 pub(super) async fn query_assignment(
@@ -83,7 +78,7 @@ pub(super) async fn query_assignment(
 ) -> pb::QueryAssignmentResponse {
     let unanswered = |status| pb::QueryAssignmentResponse { status: Some(status), assignments: vec![] };
     let topic = match reader(caller, request.group.as_ref(), request.topic.as_ref()) {
-        Ok((_, topic)) => topic,
+        Ok(reader) => reader.topic().to_owned(),
         Err(refusal) => return unanswered(refusal),
     };
     let Some(endpoints) = request.endpoints else {
@@ -130,10 +125,9 @@ pub(super) struct Call {
 
 /// What a receive asks for, checked.
 pub(super) struct Receive {
-    sub: Subscription,
+    opened: Opened,
     batch: usize,
     wait: Duration,
-    hand_out: HandOut,
     namespace: String,
 }
 
@@ -145,7 +139,7 @@ pub(super) async fn prepare_receive(
     request: pb::ReceiveMessageRequest,
 ) -> Result<Receive, pb::Status> {
     let queue_topic = request.message_queue.as_ref().and_then(|q| q.topic.as_ref());
-    let (group, topic) = reader(caller, request.group.as_ref(), queue_topic)?;
+    let reader = reader(caller, request.group.as_ref(), queue_topic)?;
     let namespace = queue_topic.map(|t| t.resource_namespace.clone()).unwrap_or_default();
     let (filter, filter_type) = filter_of(request.filter_expression)?;
     let batch = usize::try_from(request.batch_size)
@@ -170,29 +164,17 @@ pub(super) async fn prepare_receive(
             .map(|d| checked_invisible(d, grpc.min_invisible_ms, grpc.max_invisible_ms))
             .transpose()?
     };
-    if front.dispatcher.subscription(&group, &topic).is_none() {
-        match front.publisher.existing_topic(&topic).await {
-            Ok(Some(_)) => {}
-            Ok(None) => return Err(status(Code::TopicNotFound, format!("topic `{topic}` does not exist"))),
-            Err(error) => {
-                return Err(status(Code::InternalServerError, format!("the name server did not answer: {error}")))
-            }
-        }
-    }
-    let sub = front
-        .dispatcher
-        .ensure_filtered(&group, &topic, &filter, filter_type)
-        .await
-        .map_err(|e| delivery_status(&e))?;
-    let client_id = gateway::holder_id("grpc", &call.client_id);
-    let holder = Holder { client_id, auto_renew: request.auto_renew, written: false };
-    Ok(Receive {
-        sub,
-        batch,
-        wait: wait.min(MAX_POLL_WAIT),
-        hand_out: HandOut { transport: "grpc", ack_timeout, holder: Some(holder), fifo_batch: true },
-        namespace,
-    })
+    let asked = ReceiveRequest {
+        filter,
+        filter_type,
+        front: "grpc",
+        client: ReceivingClient::Named(&call.client_id),
+        auto_renew: request.auto_renew,
+        ack_timeout,
+        fifo_batch: true,
+    };
+    let opened = front.deliveries.open_receive(&reader, &front.publisher, asked).await.map_err(|e| refused(&e))?;
+    Ok(Receive { opened, batch, wait: wait.min(MAX_POLL_WAIT), namespace })
 }
 
 /// A receive's filter as Apache's proxy reads it (`FilterAPI.build`): a tag expression (empty or `*`: every
@@ -234,7 +216,7 @@ pub(super) async fn run_receive(
     out: mpsc::Sender<Result<pb::ReceiveMessageResponse, tonic::Status>>,
 ) -> Option<Answered> {
     let polled = tokio::select! {
-        polled = front.dispatcher.poll_as(&receive.sub, receive.batch, receive.wait, &receive.hand_out) => polled,
+        polled = front.deliveries.receive(&receive.opened, receive.batch, receive.wait) => polled,
         () = out.closed() => return None,
         // Shutting down: the wait ends now, with nothing (`MESSAGE_NOT_FOUND`), so the call finishes in time.
         () = front.stopping() => Ok(Vec::new()),
@@ -242,7 +224,7 @@ pub(super) async fn run_receive(
     let deliveries = match polled {
         Ok(deliveries) => deliveries,
         Err(error) => {
-            let refusal = delivery_status(&error);
+            let refusal = refused(&error);
             let code = refusal.code;
             let _ = out.send(Ok(content(Content::Status(refusal)))).await;
             return Some(Answered { code, handed: Vec::new(), first_deadline_ms: 0 });
@@ -263,7 +245,7 @@ pub(super) async fn run_receive(
         }
     }
     if !unsent.is_empty() {
-        front.dispatcher.unsent(&unsent, "grpc").await;
+        front.deliveries.unsent(&unsent, "grpc").await;
         // The ones queued before the stream went away may or may not have left: they stay unwritten.
         let queued = deliveries.len() - unsent.len();
         counter!(m::GRPC_UNWRITTEN_DELIVERIES).increment(queued as u64);
@@ -296,7 +278,7 @@ pub(super) async fn when_taken_in(front: &Front, answered: Answered, taken_in: O
         tracing::debug!(deliveries = answered.handed.len(), "A gRPC client did not take in its receive's response.");
         return;
     }
-    if let Err(error) = front.dispatcher.written(&answered.handed).await {
+    if let Err(error) = front.deliveries.written(&answered.handed).await {
         tracing::warn!(%error, "Could not store that a gRPC client took in its messages; they come back at their deadline.");
     }
 }
@@ -458,9 +440,7 @@ pub(super) async fn change_invisible_duration(
         Ok(settlement) => settlement,
         Err(refusal) => return answer(refusal),
     };
-    let held = front.dispatcher.hold_of(settlement.target.id);
-    let auto_renewed = held.and_then(|(_, _, holder)| holder).is_some_and(|h| h.auto_renew);
-    if auto_renewed {
+    if front.deliveries.is_auto_renewed(settlement.target.id) {
         return answer(settled(front.settling().nack(caller, settlement, None).await));
     }
     let by = match checked_invisible(

@@ -1,13 +1,15 @@
 //! The RocketMQ 5 gRPC front: `apache.rocketmq.v2.MessagingService`, the protocol of the official 5.x SDKs,
 //! so an app built on them points at popgate by changing only its endpoint.
 //!
-//! Like the HTTP front it holds no message or delivery state: each RPC calls the publish layer or the
-//! delivery layer. TLS and plaintext share one port (see [`listener`]).
+//! Like the HTTP front it holds no message or delivery state and decides nothing an application may do: each
+//! RPC is decoded, handed to the gateway, and its refusal mapped in one place ([`status::refused`]). TLS and
+//! plaintext share one port (see [`listener`]).
 //!
 //! ```text
-//! listener (TLS sniffing) ──▶ service::Front ──▶ route / send / settings ──▶ publish::Publisher
-//!                                            ├─▶ consume ──────────────────▶ delivery::Dispatcher
-//!                                            └─▶ transaction ──────────────▶ transaction::Transactions
+//! listener (TLS sniffing) ──▶ service::Front ──▶ route / settings ──▶ gateway::may_look_up, may_subscribe
+//!                                            ├─▶ send ────────────▶ gateway::Publishing
+//!                                            ├─▶ consume ─────────▶ gateway::Deliveries (Reader), Settling
+//!                                            └─▶ transaction ─────▶ gateway::Ending (check-backs: Transactions)
 //! ```
 
 mod consume;
@@ -34,7 +36,6 @@ pub use listener::{tls_config, GrpcTlsError};
 
 use crate::auth::TokenTable;
 use crate::config::Config;
-use crate::gateway::below::Dispatcher;
 use crate::gateway::below::Transactions;
 use crate::publish::Publisher;
 
@@ -45,8 +46,8 @@ const MAX_DECODING_BYTES: usize = 16 * 1024 * 1024;
 pub struct Parts {
     /// The publish path.
     pub publisher: Arc<Publisher>,
-    /// The delivery core.
-    pub dispatcher: Arc<Dispatcher>,
+    /// The delivery core, through the gateway.
+    pub deliveries: crate::gateway::Deliveries,
     /// Transactional messages' records.
     pub transactions: Arc<Transactions>,
     /// The tokens.

@@ -28,7 +28,6 @@ use super::transaction;
 use super::written;
 use crate::auth::{Caller, TokenTable};
 use crate::config::Config;
-use crate::gateway::below::Dispatcher;
 use crate::gateway::below::Transactions;
 use crate::gateway::{self, ClientIds, GatewayError};
 use crate::metrics as m;
@@ -45,7 +44,7 @@ const KEEP_ALIVE_EVERY: Duration = Duration::from_secs(5);
 /// What the front needs from the rest of popgate.
 pub struct Front {
     pub(super) publisher: Arc<Publisher>,
-    pub(super) dispatcher: Arc<Dispatcher>,
+    pub(super) deliveries: crate::gateway::Deliveries,
     /// The tier's other instances, when this one is in a tier: deliveries they handed out are settled there.
     owners: Option<Arc<dyn crate::gateway::Owners>>,
     pub(super) transactions: Arc<Transactions>,
@@ -152,7 +151,7 @@ impl Front {
     }
 
     pub(super) fn settling(&self) -> crate::gateway::Settling<'_> {
-        crate::gateway::Settling { dispatcher: &self.dispatcher, owners: self.owners.as_ref() }
+        self.deliveries.settling(self.owners.as_ref())
     }
 
     pub(super) fn new(
@@ -163,11 +162,11 @@ impl Front {
         let receives = OpenCalls::new("receives", config.grpc.max_receives_per_token);
         let streams = OpenCalls::new("Telemetry streams", config.grpc.max_streams_per_token);
         let clients = Mutex::new(Liveness::new(config.grpc.max_clients));
-        let super::Parts { publisher, dispatcher, transactions, tokens, owners } = parts;
+        let super::Parts { publisher, deliveries, transactions, tokens, owners } = parts;
         let producers = Producers::default();
         Front {
             publisher,
-            dispatcher,
+            deliveries,
             owners,
             transactions,
             tokens,
@@ -270,7 +269,7 @@ impl Front {
             return super::status::refused(&taken);
         }
         if let Some(group) = group {
-            match gateway::leave_group(&self.dispatcher, caller, "grpc", id, &group).await {
+            match self.deliveries.leave_group(caller, "grpc", id, &group).await {
                 Ok(0) => {}
                 Ok(released) => {
                     tracing::info!(client = %id, group, released, "gRPC client terminated; what it held is due again.")
@@ -333,7 +332,7 @@ impl Front {
         let group = subscription.group.as_ref()?;
         subscription.subscriptions.iter().find_map(|entry| {
             let topic = entry.topic.as_ref()?;
-            self.dispatcher.subscription(&group.name, &topic.name)
+            self.deliveries.subscription(&group.name, &topic.name)
         })
     }
 }
@@ -384,7 +383,7 @@ pub(super) async fn keep_alive_loop(front: std::sync::Weak<Front>) {
         let mut live: std::collections::HashSet<String> =
             bare.iter().map(|id| gateway::holder_id("grpc", id)).collect();
         live.extend(bare);
-        if let Err(error) = front.dispatcher.keep_held(&live, AUTO_RENEW_HOLD, AUTO_RENEW_MAX).await {
+        if let Err(error) = front.deliveries.keep_held(&live, AUTO_RENEW_HOLD, AUTO_RENEW_MAX).await {
             tracing::warn!(%error, "Could not extend the deliveries live gRPC clients hold; will retry.");
         }
     }
@@ -652,7 +651,7 @@ impl MessagingService for Arc<Front> {
                 let group_orderly = match &client.pub_sub {
                     Some(settings_pub_sub::Subscription(s)) => {
                         match s.group.as_ref().filter(|g| !g.name.trim().is_empty()) {
-                            Some(group) => front.dispatcher.group_orderly(&group.name).await,
+                            Some(group) => front.deliveries.group_orderly(&group.name).await,
                             None => false,
                         }
                     }

@@ -12,10 +12,10 @@
 //! ```text
 //! connection (frames) ──▶ service::Front ──▶ route ────▶ the name server (routes rewritten)
 //!                                        ├─▶ clients ──▶ heartbeats, group membership, pushes to clients
-//!                                        ├─▶ send ─────▶ publish::Publisher
-//!                                        ├─▶ transaction ▶ transaction::Transactions (ends, check-backs)
-//!                                        ├─▶ pop ──────▶ delivery::Dispatcher (POP, ACK, retry)
-//!                                        └─▶ relay ────▶ the broker of the queue
+//!                                        ├─▶ send ─────▶ gateway::Publishing
+//!                                        ├─▶ transaction ▶ gateway::Ending (check-backs: Transactions)
+//!                                        ├─▶ pop ──────▶ gateway::Deliveries (Reader), Settling
+//!                                        └─▶ relay ────▶ the broker of the queue, after the relay table's check
 //! ```
 //!
 //! Like the other fronts it holds no message or delivery state.
@@ -43,7 +43,6 @@ use tokio::net::TcpListener;
 use crate::auth::TokenTable;
 use crate::config::Config;
 use crate::gateway::below::BrokerClient;
-use crate::gateway::below::Dispatcher;
 use crate::gateway::below::Transactions;
 use crate::publish::Publisher;
 
@@ -54,7 +53,7 @@ pub struct Parts {
     /// The cluster connection, for the requests relayed to a broker or the name server as they are.
     pub broker: Arc<BrokerClient>,
     /// The delivery core, for consumers that consume by POP.
-    pub dispatcher: Arc<Dispatcher>,
+    pub deliveries: crate::gateway::Deliveries,
     /// The tokens.
     pub tokens: Arc<TokenTable>,
     /// Transactional messages' records.

@@ -7,8 +7,8 @@
 //! | request | delivery core |
 //! |---|---|
 //! | `QUERY_ASSIGNMENT` | POP mode, one queue (id -1) per broker of the topic, all served by popgate; nothing for the group's `%RETRY%` topic (popgate retries itself); a client before 5.1.0: relayed to a broker (see [`POP_CK_KEPT_SINCE`]) |
-//! | `POP_MESSAGE` | `Dispatcher::poll_as` with the request's filter and invisible time; `Dispatcher::written` once the answer left |
-//! | `ACK_MESSAGE` | `Dispatcher::ack` of the hand-out the handle names (then the broker ACK) |
+//! | `POP_MESSAGE` | `Deliveries::open_receive` with the request's filter and invisible time, `Deliveries::receive`; `Deliveries::written` once the answer left |
+//! | `ACK_MESSAGE` | `Settling::ack` of the hand-out the handle names (then the broker ACK) |
 //! | `CHANGE_MESSAGE_INVISIBLETIME` | a NACK on popgate's backoff (the client sends it only for `RECONSUME_LATER`) |
 //!
 //! The handle: the client quotes a message's `POP_CK` property (its "extra info") in ACK and ChangeInvisibleTime.
@@ -36,8 +36,8 @@ use super::connection::Connection;
 use super::service::{error, field, Front, Refusal, Reply};
 use crate::auth::Caller;
 use crate::gateway::below::now_millis as now_ms;
-use crate::gateway::below::{Dispatched, FilterType, HandOut, Holder, NackOutcome, Target, MAX_POLL_WAIT};
-use crate::gateway::{self, GatewayError, Settlement};
+use crate::gateway::below::{Dispatched, FilterType, NackOutcome, MAX_POLL_WAIT};
+use crate::gateway::{self, Reader, ReceiveRequest, ReceivingClient, Settlement};
 
 /// The prefix of popgate's handles in a `POP_CK`.
 const HANDLE_PREFIX: &str = "pgr:";
@@ -128,63 +128,50 @@ pub(super) async fn pop_message(
         Ok(pop) => pop,
         Err(why) => return error(codes::SYSTEM_ERROR, format!("the POP_MESSAGE header does not decode: {why}")).into(),
     };
-    let (group, topic) = (pop.consumer_group.to_string(), pop.topic.to_string());
-    if let Err(refused) = gateway::may_read(caller, &group, &topic) {
-        return Refusal::from(refused).answer().into();
-    }
+    let reader = match Reader::check(caller, pop.consumer_group.as_str(), pop.topic.as_str()) {
+        Ok(reader) => reader,
+        Err(refused) => return Refusal::from(refused).answer().into(),
+    };
     if pop.max_msg_nums > MAX_POP_BATCH {
         return error(codes::INVALID_PARAMETER, "the broker[popgate] pop message's num is greater than 32").into();
     }
-    if front.dispatcher.subscription(&group, &topic).is_none() {
-        match front.publisher.existing_topic(&topic).await {
-            Ok(Some(_)) => {}
-            Ok(None) => return topic_not_exist(&topic).into(),
-            Err(why) => return error(codes::SYSTEM_ERROR, format!("the name server did not answer: {why}")).into(),
-        }
-    }
     let (filter, filter_type) = filter_of(pop.exp_type.as_deref(), pop.exp.as_deref());
-    let sub = match front.dispatcher.ensure_filtered(&group, &topic, &filter, filter_type).await {
-        Ok(sub) => sub,
-        Err(refusal) => return Refusal::from(GatewayError::from(refusal)).answer().into(),
-    };
     let invisible = Duration::from_millis(pop.invisible_time).min(MAX_INVISIBLE);
-    let client_id =
-        front.clients.consumer_on(connection.id, &group).unwrap_or_else(|| format!("remoting@{}", connection.peer));
-    let hand_out = HandOut {
-        transport: "remoting",
+    let client_id = front.clients.consumer_on(connection.id, reader.group());
+    let peer = connection.peer.to_string();
+    let client = match &client_id {
+        Some(id) => ReceivingClient::Named(id),
+        None => ReceivingClient::Unnamed { connection: &peer },
+    };
+    let asked = ReceiveRequest {
+        filter,
+        filter_type,
+        front: "remoting",
+        client,
+        auto_renew: false,
         ack_timeout: (!invisible.is_zero()).then_some(invisible),
-        holder: Some(Holder {
-            client_id: gateway::holder_id("remoting", &client_id),
-            auto_renew: false,
-            written: false,
-        }),
         fifo_batch: false,
+    };
+    let opened = match front.deliveries.open_receive(&reader, &front.publisher, asked).await {
+        Ok(opened) => opened,
+        Err(refusal) => return Refusal::from(refusal).answer().into(),
     };
     let wait = Duration::from_millis(pop.poll_time).min(MAX_POLL_WAIT);
     let batch = usize::try_from(pop.max_msg_nums.max(1)).unwrap_or(1);
     let polled = tokio::select! {
-        polled = front.dispatcher.poll_as(&sub, batch, wait, &hand_out) => polled,
+        polled = front.deliveries.receive(&opened, batch, wait) => polled,
         // The client went away: nothing is handed out to it.
         () = connection.closed() => Ok(Vec::new()),
     };
     let deliveries = match polled {
         Ok(deliveries) => deliveries,
-        Err(refusal) => return Refusal::from(GatewayError::from(refusal)).answer().into(),
+        Err(refusal) => return Refusal::from(refusal).answer().into(),
     };
     let (reply, unencodable) =
         popped_answer(&deliveries, field(request, "bname").unwrap_or_default(), pop.invisible_time);
-    spend_unencodable(front, &unencodable).await;
+    // What the answer could not carry: its attempt is spent.
+    front.deliveries.undeliverable(&unencodable).await;
     reply
-}
-
-/// Deliveries handed out for a POP that its answer could not carry: their attempt is spent (a NACK, so a
-/// message no remoting client can be sent ends in the DLQ after its last attempt instead of coming back forever).
-async fn spend_unencodable(front: &Front, unencodable: &[(String, u32)]) {
-    for (id, handout) in unencodable {
-        if let Err(why) = front.dispatcher.nack(Target { id, handout: Some(*handout) }, None).await {
-            tracing::warn!(delivery = %id, %why, "An unencodable delivery could not be NACKed; it comes back at its deadline.");
-        }
-    }
 }
 
 /// A POP's filter as the broker reads `expType` and `exp`: SQL92, else tags (none or `*`: every message).
@@ -312,12 +299,12 @@ pub(super) async fn after_answer(front: &Front, handed: Vec<(String, u32)>, writ
         return;
     }
     if written {
-        if let Err(why) = front.dispatcher.written(&handed).await {
+        if let Err(why) = front.deliveries.written(&handed).await {
             tracing::warn!(%why, "Could not store that a remoting client took its messages; they come back at their deadline.");
         }
     } else {
         let ids: Vec<String> = handed.into_iter().map(|(id, _)| id).collect();
-        front.dispatcher.unsent(&ids, "remoting").await;
+        front.deliveries.unsent(&ids, "remoting").await;
     }
 }
 

@@ -122,7 +122,7 @@ pub(super) async fn unregister(front: &Front, caller: &Caller, request: &Remotin
     };
     // Only a member registered here by this token gives back what it holds: a client id is anyone's to name.
     if let Some(group) = consumer_group.filter(|_| left) {
-        match gateway::leave_group(&front.dispatcher, caller, "remoting", client_id, group).await {
+        match front.deliveries.leave_group(caller, "remoting", client_id, group).await {
             Ok(0) => {}
             Ok(released) => tracing::info!(
                 client_id,

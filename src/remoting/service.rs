@@ -21,7 +21,7 @@ use super::{auth, pop, relay, route, send, transaction, Parts};
 use crate::auth::{Caller, TokenTable};
 use crate::config::Config;
 use crate::gateway::below::BrokerClient;
-use crate::gateway::below::{DeliveryError, Dispatcher};
+use crate::gateway::below::DeliveryError;
 use crate::gateway::below::{TransactionError, Transactions};
 use crate::gateway::GatewayError;
 use crate::metrics as m;
@@ -31,7 +31,7 @@ use crate::publish::Publisher;
 pub(super) struct Front {
     pub publisher: Arc<Publisher>,
     pub broker: Arc<BrokerClient>,
-    pub dispatcher: Arc<Dispatcher>,
+    pub deliveries: crate::gateway::Deliveries,
     /// The tier's other instances, when this one is in a tier: deliveries they handed out are settled there.
     pub owners: Option<Arc<dyn crate::gateway::Owners>>,
     pub tokens: Arc<TokenTable>,
@@ -71,7 +71,7 @@ impl Front {
     }
 
     pub(super) fn settling(&self) -> crate::gateway::Settling<'_> {
-        crate::gateway::Settling { dispatcher: &self.dispatcher, owners: self.owners.as_ref() }
+        self.deliveries.settling(self.owners.as_ref())
     }
 
     pub fn new(parts: Parts, config: Arc<Config>, advertised: String, stopping: watch::Receiver<bool>) -> Front {
@@ -85,7 +85,7 @@ impl Front {
         Front {
             publisher: parts.publisher,
             broker: parts.broker,
-            dispatcher: parts.dispatcher,
+            deliveries: parts.deliveries,
             owners: parts.owners,
             tokens: parts.tokens,
             transactions: parts.transactions,

@@ -37,8 +37,8 @@ use signing::sign_request;
 
 use crate::auth::Caller;
 use crate::config::TierConfig;
-use crate::gateway::below::{instance_of, Dispatcher, Target};
-use crate::gateway::{EndOutcome, EndRequest, GatewayError, Owners, Settle, Settled, Settlement, Settling};
+use crate::gateway::below::{instance_of, Target};
+use crate::gateway::{Deliveries, EndOutcome, EndRequest, GatewayError, Owners, Settle, Settled, Settlement};
 use crate::metrics as m;
 
 /// The soonest the peers are looked up again for a settlement of an instance not known yet.
@@ -55,15 +55,15 @@ pub struct Tier {
     /// When the peers were last looked up.
     looked_up: tokio::sync::Mutex<Option<Instant>>,
     /// This instance's deliveries, to which what the peers ACKed without it is applied.
-    dispatcher: Option<Arc<Dispatcher>>,
+    deliveries: Option<Deliveries>,
     /// Transaction ends being asked of the peers now, at most `tier.max_ends_asked_at_once`.
     ends_asked: tokio::sync::Semaphore,
 }
 
 impl Tier {
-    /// This instance (`instance`) in the tier `config` describes, its deliveries those of `dispatcher`; nobody
+    /// This instance (`instance`) in the tier `config` describes, its deliveries those of `deliveries`; nobody
     /// known yet ([`Tier::look_up`]).
-    pub fn new(config: &TierConfig, instance: InstanceId, dispatcher: Option<Arc<Dispatcher>>) -> Arc<Tier> {
+    pub fn new(config: &TierConfig, instance: InstanceId, deliveries: Option<Deliveries>) -> Arc<Tier> {
         Arc::new(Tier {
             instance,
             secret: config.secret.as_bytes().to_vec(),
@@ -71,7 +71,7 @@ impl Tier {
             peers: Mutex::new(HashMap::new()),
             channels: Mutex::new(HashMap::new()),
             looked_up: tokio::sync::Mutex::new(None),
-            dispatcher,
+            deliveries,
             ends_asked: tokio::sync::Semaphore::new(config.max_ends_asked_at_once),
         })
     }
@@ -112,8 +112,8 @@ impl Tier {
         self.channels.lock().retain(|address, _| addresses.binary_search(address).is_ok());
         *looked_up = Some(Instant::now());
         drop(looked_up);
-        if let Some(dispatcher) = &self.dispatcher {
-            let settling = Settling { dispatcher, owners: None };
+        if let Some(deliveries) = &self.deliveries {
+            let settling = deliveries.settling(None);
             for acked in acked_without_me {
                 settling.acked_by_a_peer(Target { id: &acked.delivery_id, handout: acked.hand_out }).await;
             }

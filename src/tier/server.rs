@@ -17,8 +17,8 @@ use super::proto::{self as pb};
 use super::signing::{Recipient, Refused, Verifier};
 use super::{wire, InstanceId};
 use crate::auth::{Caller, TokenTable};
-use crate::gateway::below::{DeliveryError, Dispatcher, Transactions};
-use crate::gateway::{Ending, GatewayError, Settling};
+use crate::gateway::below::{DeliveryError, Transactions};
+use crate::gateway::{Deliveries, Ending, GatewayError};
 use crate::metrics as m;
 
 /// What the peer link's server needs.
@@ -26,7 +26,7 @@ pub struct PeerService {
     instance: InstanceId,
     /// Checks each request's signature, and remembers the requests taken so none is taken twice.
     verifier: Verifier,
-    dispatcher: Arc<Dispatcher>,
+    deliveries: Deliveries,
     transactions: Arc<Transactions>,
     tokens: Arc<TokenTable>,
 }
@@ -34,7 +34,7 @@ pub struct PeerService {
 /// The parts of popgate the peer link's server settles and ends with.
 pub struct PeerParts {
     /// The delivery core.
-    pub dispatcher: Arc<Dispatcher>,
+    pub deliveries: Deliveries,
     /// Transactional messages' records.
     pub transactions: Arc<Transactions>,
     /// The tokens (and cluster users) callers are looked up in by name.
@@ -44,9 +44,9 @@ pub struct PeerParts {
 impl PeerService {
     /// The server of instance `instance`, which checks requests against `secret`.
     pub fn new(instance: InstanceId, secret: &str, parts: PeerParts) -> Self {
-        let PeerParts { dispatcher, transactions, tokens } = parts;
+        let PeerParts { deliveries, transactions, tokens } = parts;
         let verifier = Verifier::new(secret.as_bytes(), instance.clone());
-        PeerService { instance, verifier, dispatcher, transactions, tokens }
+        PeerService { instance, verifier, deliveries, transactions, tokens }
     }
 }
 
@@ -101,7 +101,7 @@ impl Peer for PeerService {
         }
         let asker = &request.get_ref().asker;
         let acked_without_you = self
-            .dispatcher
+            .deliveries
             .take_untold(asker)
             .await
             .into_iter()
@@ -124,7 +124,7 @@ impl Peer for PeerService {
         let outcome = match caller {
             // Only what this instance handed out is settled here: no asking on (a loop between instances).
             Some(caller) => {
-                let settling = Settling { dispatcher: &self.dispatcher, owners: None };
+                let settling = self.deliveries.settling(None);
                 settling.settle(&caller, settlement, &action).await
             }
             // A caller this instance does not know (its config differs): nothing it may do here.
