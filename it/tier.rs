@@ -797,3 +797,136 @@ fn twice(result: &Value) -> usize {
     }
     seen.values().filter(|n| **n > 1).count()
 }
+
+/// PEM files of a CA made for a test, and of the certificates it signs.
+struct TestCa {
+    issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
+    /// The CA's certificate.
+    pem: std::path::PathBuf,
+    dir: std::path::PathBuf,
+}
+
+impl TestCa {
+    fn new(dir: &std::path::Path, name: &str) -> TestCa {
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params.distinguished_name.push(rcgen::DnType::CommonName, name);
+        let key = rcgen::KeyPair::generate().expect("a key");
+        let pem = dir.join(format!("{name}-ca.pem"));
+        std::fs::write(&pem, params.self_signed(&key).expect("a CA certificate").pem()).expect("write");
+        TestCa { issuer: rcgen::Issuer::new(params, key), pem, dir: dir.to_owned() }
+    }
+
+    /// A certificate for server and client use naming only `name` (not the address peers dial), and its key.
+    fn sign(&self, name: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+        let mut params = rcgen::CertificateParams::new(vec![name.to_owned()]).expect("params");
+        params.extended_key_usages =
+            vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth, rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+        let key = rcgen::KeyPair::generate().expect("a key");
+        let cert = params.signed_by(&key, &self.issuer).expect("signed");
+        let (cert_path, key_path) = (self.dir.join(format!("{name}.pem")), self.dir.join(format!("{name}.key")));
+        std::fs::write(&cert_path, cert.pem()).expect("write");
+        std::fs::write(&key_path, key.serialize_pem()).expect("write");
+        (cert_path, key_path)
+    }
+
+    /// The `[tier]` lines of an instance with the certificate `sign(name)` makes.
+    fn tier_lines(&self, name: &str) -> String {
+        let (cert, key) = self.sign(name);
+        format!(
+            "tls_cert_path = \"{}\"\ntls_key_path = \"{}\"\ntls_ca_path = \"{}\"\n",
+            cert.display(),
+            key.display(),
+            self.pem.display()
+        )
+    }
+}
+
+/// `Identify` asked of instance `it-tier-0` on `port` through `connector` (`None`: plaintext), signed with the
+/// tier's secret: the id that answers, or why nothing did.
+async fn identify_over(port: u16, connector: Option<popgate::tier::tls::PeerConnector>) -> Result<String, String> {
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))
+        .expect("an address")
+        .connect_timeout(Duration::from_secs(5))
+        .timeout(Duration::from_secs(5));
+    let channel = match connector {
+        Some(connector) => endpoint.connect_with_connector(connector).await,
+        None => endpoint.connect().await,
+    };
+    let mut client = PeerClient::new(channel.map_err(|e| format!("connect: {e:?}"))?);
+    let identify = peer::IdentifyRequest { asker: "it-tier-9".into() };
+    let signature = peer_signature("identify", "", &identify);
+    let reply = client.identify(with_signature(identify, &signature)).await.map_err(|status| format!("{status:?}"))?;
+    Ok(reply.into_inner().instance_id)
+}
+
+/// Mutual TLS on the peer link (issue #46). Two instances each with a certificate of the tier's CA that names
+/// neither the address the other dials nor anything it checks (the chain to the CA is what is checked): an ACK
+/// of one's delivery made on the other is asked of it over the link, and lands. The peer port speaks nothing
+/// else: a request signed with the tier's secret is refused over plaintext (a plaintext link takes it) and over
+/// TLS with a certificate of another CA, and taken over TLS with one of the tier's CA; an instance without TLS
+/// (which warns that its link is plaintext) cannot join. The refusals are counted by reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_mutual_tls_peers_settle_and_the_peer_port_refuses_plaintext_and_other_cas_certificates() {
+    let cluster = shared_cluster();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (tier, stranger) = (TestCa::new(dir.path(), "tier"), TestCa::new(dir.path(), "stranger"));
+    let (port_0, port_1) = (free_port(), free_port());
+    let (first_toml, second_toml) = (
+        peer_toml(0, port_0, &[port_1], "", &tier.tier_lines("popgate-0.peers.invalid")),
+        peer_toml(1, port_1, &[port_0], "", &tier.tier_lines("popgate-1.peers.invalid")),
+    );
+    let (first, second) = tokio::join!(
+        Popgate::start(&cluster.namesrv_addr, &first_toml),
+        Popgate::start(&cluster.namesrv_addr, &second_toml),
+    );
+    for instance in [&first, &second] {
+        assert!(instance.output().contains("(mutual TLS)"), "{}", instance.output());
+        assert!(!instance.output().contains("The peer link is plaintext"), "{}", instance.output());
+        crate::harness::eventually(Duration::from_secs(20), "each instance knows the other", || async {
+            instance.metric("popgate_tier_peers").await == 1.0
+        })
+        .await;
+    }
+
+    // Handed out by the first, ACKed on the second: asked of the first over TLS, and landed there.
+    let (topic, group) = (unique_topic("tier_tls"), unique_topic("tier_gtls"));
+    let event = json!({"topic": topic, "data": "over tls"});
+    let (status, answer) =
+        call(&Client::new(), &first.base, reqwest::Method::POST, "/events/publish", APP.1, Some(event)).await;
+    assert_eq!(status, 200, "{answer}");
+    let held = hand_out(&first, &group, &topic, 1).await;
+    assert!(id_of(&held[0]).starts_with("it-tier-0~"), "{held:?}");
+    assert_acked_at(&second, &id_of(&held[0])).await;
+    assert_eq!(forwarded(std::slice::from_ref(&second), "ack", "ok").await, 1.0, "asked of the owner");
+    assert_eq!(second.metric(SETTLED_AT_BROKER).await, 0.0, "not made at the broker: the owner was reached");
+    let served = r#"popgate_tier_settlements_served_total{action="ack",result="ok"}"#;
+    assert_eq!(first.metric(served).await, 1.0, "settled by the owner");
+    let again = handed_out_within(&first, &group, &topic, Duration::from_secs(2)).await;
+    assert_eq!(again, Vec::<Value>::new(), "ACKed");
+
+    // A signed request: refused over plaintext, and over TLS with another CA's certificate; taken over TLS
+    // with a certificate of the tier's CA (so what refused the others is the transport, not the request).
+    let refused = |reason: &str| format!("popgate_tier_connections_refused_total{{reason=\"{reason}\"}}");
+    let plaintext = identify_over(port_0, None).await;
+    assert!(plaintext.is_err(), "a plaintext client is not served: {plaintext:?}");
+    let (cert, key) = stranger.sign("it-stranger");
+    let other_ca = popgate::tier::tls::PeerTls::from_files(&cert, &key, &tier.pem, None).expect("files");
+    let stranger_answer = identify_over(port_0, Some(other_ca.connector())).await;
+    assert!(stranger_answer.is_err(), "another CA's client certificate is refused: {stranger_answer:?}");
+    let (cert, key) = tier.sign("it-raw-client");
+    let of_the_tier = popgate::tier::tls::PeerTls::from_files(&cert, &key, &tier.pem, None).expect("files");
+    assert_eq!(identify_over(port_0, Some(of_the_tier.connector())).await, Ok("it-tier-0".to_owned()));
+    crate::harness::eventually(Duration::from_secs(5), "the refusals are counted", || async {
+        first.metric(&refused("plaintext")).await >= 1.0 && first.metric(&refused("bad_certificate")).await >= 1.0
+    })
+    .await;
+    assert_eq!(first.metric(&refused("no_certificate")).await, 0.0);
+
+    // An instance without TLS warns that its link is plaintext, and cannot reach the TLS peers.
+    let plain_before = first.metric(&refused("plaintext")).await;
+    let plain = Popgate::start(&cluster.namesrv_addr, &peer_toml(2, free_port(), &[port_0], "", "")).await;
+    assert!(plain.output().contains("The peer link is plaintext"), "{}", plain.output());
+    assert_eq!(plain.metric("popgate_tier_peers").await, 0.0, "it does not get in");
+    assert!(first.metric(&refused("plaintext")).await > plain_before, "its attempt was refused and counted");
+}

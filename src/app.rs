@@ -23,6 +23,7 @@ use crate::publish::Publisher;
 use crate::reliability::ProfileMonitor;
 use crate::store::{StateStore, StoreError};
 use crate::tier::server::{serve as serve_peer_link, PeerParts, PeerService};
+use crate::tier::tls::{PeerTls, PeerTlsError};
 use crate::tier::{InstanceId, Tier};
 use crate::transaction::Transactions;
 
@@ -62,6 +63,9 @@ pub enum AppError {
     /// The remoting front's certificate cannot be used.
     #[error("remoting TLS: {0}")]
     RemotingTls(#[from] crate::tls::TlsError),
+    /// The peer link's certificate, key or CA cannot be used (`tier.tls_*`).
+    #[error("{0}")]
+    PeerTls(#[from] PeerTlsError),
     /// This instance's id cannot be settled (see `tier.instance_id`).
     #[error("instance id: {0}")]
     Identity(#[from] crate::tier::IdentityError),
@@ -157,8 +161,8 @@ pub async fn serve(
     // The peer link: deliveries another instance handed out are settled there, and this one settles its own
     // for the others.
     let (owners, peer_server) = match peer_link {
-        Some(listener) => {
-            let tier = Tier::new(&config.tier, instance.clone(), Some(deliveries.clone()));
+        Some((listener, tls)) => {
+            let tier = Tier::new(&config.tier, instance.clone(), Some(deliveries.clone()), tls.clone());
             tier.look_up().await;
             tokio::spawn(Tier::keep_looking_up(Arc::downgrade(&tier)));
             let parts = PeerParts {
@@ -167,7 +171,7 @@ pub async fn serve(
                 tokens: tokens.clone(),
             };
             let service = PeerService::new(instance, &config.tier.secret, parts);
-            let server = spawn_front("peer link", serve_peer_link(listener, service, stop_asked(&stop_rx)));
+            let server = spawn_front("peer link", serve_peer_link(listener, service, tls, stop_asked(&stop_rx)));
             (Some(tier as Arc<dyn crate::gateway::Owners>), Some(server))
         }
         None => (None, None),
@@ -305,15 +309,26 @@ async fn bind_grpc(config: &Config) -> Result<Option<(TcpListener, Arc<rustls::S
     Ok(Some((listener, tls)))
 }
 
-/// Binds the peer link's port, when this instance is in a tier (`tier.listen`).
-async fn bind_peer_link(config: &Config) -> Result<Option<TcpListener>, AppError> {
-    if config.tier.listen.is_empty() {
+/// Binds the peer link's port, when this instance is in a tier (`tier.listen`), and loads its TLS files
+/// (`tier.tls_*`; none: plaintext, with a warning when the tier has peers).
+async fn bind_peer_link(config: &Config) -> Result<Option<(TcpListener, Option<Arc<PeerTls>>)>, AppError> {
+    let tier = &config.tier;
+    if tier.listen.is_empty() {
         return Ok(None);
     }
-    let listener = TcpListener::bind(config.tier.listen.as_str()).await?;
+    let tls = PeerTls::load(tier)?;
+    let listener = TcpListener::bind(tier.listen.as_str()).await?;
     let bound = listener.local_addr()?;
-    tracing::info!(addr = %bound, "popgate peer link listening on {bound}");
-    Ok(Some(listener))
+    let security = if tls.is_some() { "mutual TLS" } else { "plaintext" };
+    tracing::info!(addr = %bound, "popgate peer link listening on {bound} ({security})");
+    if tls.is_none() && (!tier.peers.is_empty() || !tier.peer_dns.is_empty()) {
+        tracing::warn!(
+            "The peer link is plaintext: its requests are signed, but what they carry (delivery ids, callers, \
+             transaction ends) can be read on the network. Set tier.tls_cert_path, tier.tls_key_path and \
+             tier.tls_ca_path for mutual TLS, or keep the peer port on a network only the tier reaches."
+        );
+    }
+    Ok(Some((listener, tls)))
 }
 
 /// Binds the remoting front's port, when the front is on; with the address clients are given for it and its

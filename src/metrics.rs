@@ -118,6 +118,10 @@ pub const TIER_ACKS_LEARNED: &str = "popgate_tier_acks_learned_total";
 pub const TIER_ACKS_UNTOLD: &str = "popgate_tier_acks_untold_total";
 /// Gauge: the other instances of the tier this one knows an address of.
 pub const TIER_PEERS: &str = "popgate_tier_peers";
+/// Counter (`reason`): connections to a TLS peer link closed before they were served: `plaintext` (no TLS
+/// handshake), `no_certificate`, `bad_certificate` (not of the tier's CA, expired, not for a client), `timeout`,
+/// `handshake` (any other failed handshake). The client fronts' failed handshakes are [`TLS_HANDSHAKE_FAILURES`].
+pub const TIER_CONNECTIONS_REFUSED: &str = "popgate_tier_connections_refused_total";
 /// Gauge: transaction resolutions the broker could not be given yet (retried until it has them).
 pub const TRANSACTIONS_OWED: &str = "popgate_transactions_owed";
 /// Counter (`code`, `result`): remoting requests answered, by request code (RocketMQ's name in lower case, or
@@ -164,7 +168,8 @@ pub const PROFILE_MISMATCH: &str = "popgate_profile_mismatch";
 /// too_many_waiters, too_many_streams, too_many_open_calls, too_many_clients, stale_signature,
 /// too_many_tier_ends).
 pub const REQUESTS_REJECTED: &str = "popgate_requests_rejected_total";
-/// TLS handshakes that failed or timed out.
+/// TLS handshakes that failed or timed out on the client fronts (HTTP, gRPC, remoting); the peer link's are
+/// [`TIER_CONNECTIONS_REFUSED`].
 pub const TLS_HANDSHAKE_FAILURES: &str = "popgate_tls_handshake_failures_total";
 /// DLQ events replayed by the admin plane, by `result` (replayed, failed).
 pub const DLQ_REPLAYS: &str = "popgate_dlq_replays_total";
@@ -270,6 +275,7 @@ const ZERO_SERIES: &[(&str, &str, &[&str])] = &[
     (BROKER_ACK_REQUESTS, "kind", &["single", "batch"]),
     (STATS_REFRESH_FAILURES, "op", STATS_REFRESH_OPS),
     (TRANSACTION_CHECKS, "outcome", &["forwarded", "answered_from_record", "no_producer"]),
+    (TIER_CONNECTIONS_REFUSED, "reason", &crate::tier::tls::Refusal::LABELS),
 ];
 
 /// Label pairs of [`TRANSACTIONS_ENDED`], registered at 0 at start.
@@ -450,6 +456,12 @@ fn describe_all() {
         "ACKs made at the broker for an unreachable owner, dropped before it learned of them (bound reached)."
     );
     describe_gauge!(TIER_PEERS, "Other instances of the tier this one knows an address of.");
+    describe_counter!(
+        TIER_CONNECTIONS_REFUSED,
+        Unit::Count,
+        "Connections to the TLS peer link refused before they were served (no TLS, no or a bad client certificate, \
+         a failed or slow handshake), by reason."
+    );
     describe_gauge!(TRANSACTIONS_OWED, "Transaction resolutions owed to an unreachable broker (retried).");
     describe_counter!(
         GRPC_UNWRITTEN_DELIVERIES,
@@ -527,7 +539,11 @@ fn describe_all() {
     );
     describe_counter!(SUBSCRIPTIONS_EXPIRED, Unit::Count, "Idle implicit subscriptions removed.");
     describe_counter!(REQUESTS_REJECTED, Unit::Count, "Requests refused for a limit or authentication, by reason.");
-    describe_counter!(TLS_HANDSHAKE_FAILURES, Unit::Count, "TLS handshakes that failed or timed out.");
+    describe_counter!(
+        TLS_HANDSHAKE_FAILURES,
+        Unit::Count,
+        "TLS handshakes that failed or timed out on the HTTP, gRPC and remoting fronts."
+    );
     describe_counter!(DLQ_REPLAYS, Unit::Count, "DLQ events replayed to their origin topic, by result.");
     describe_histogram!(ACK_LATENCY, Unit::Seconds, "Time from dispatch to the subscriber's ACK.");
     describe_gauge!(PROFILE_MISMATCH, "1 while the broker is weaker than the reliability profile, else 0.");

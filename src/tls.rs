@@ -16,6 +16,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
+use tonic::transport::server::{Connected, TcpConnectInfo};
 
 /// The first byte of a TLS record carrying a handshake.
 const TLS_HANDSHAKE: u8 = 0x16;
@@ -51,17 +52,38 @@ pub fn server_config(
     Ok(Arc::new(config))
 }
 
+/// A certificate chain (the end entity's first) and its private key.
 type CertAndKey = (Vec<CertificateDer<'static>>, PrivateKeyDer<'static>);
 
+/// The certificate chain of PEM file `cert_path` and the private key of PEM file `key_path`.
+///
+/// # Errors
+/// [`TlsError`] naming the file that cannot be read, or holds no certificate or key.
 fn read_pem(cert_path: &Path, key_path: &Path) -> Result<CertAndKey, TlsError> {
-    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert_path)
+    let certs = read_certificates(cert_path)?;
+    Ok((certs, read_key(key_path)?))
+}
+
+/// The private key of PEM file `path`.
+///
+/// # Errors
+/// [`TlsError`] naming the file when it cannot be read or holds no key.
+pub(crate) fn read_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+    PrivateKeyDer::from_pem_file(path).map_err(|e| TlsError(format!("{}: {e}", path.display())))
+}
+
+/// Every certificate of PEM file `path`, in order; at least one.
+///
+/// # Errors
+/// [`TlsError`] naming the file when it cannot be read or holds no certificate.
+pub(crate) fn read_certificates(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(path)
         .and_then(Iterator::collect)
-        .map_err(|e| TlsError(format!("{}: {e}", cert_path.display())))?;
+        .map_err(|e| TlsError(format!("{}: {e}", path.display())))?;
     if certs.is_empty() {
-        return Err(TlsError(format!("{}: no certificate found", cert_path.display())));
+        return Err(TlsError(format!("{}: no certificate found", path.display())));
     }
-    let key = PrivateKeyDer::from_pem_file(key_path).map_err(|e| TlsError(format!("{}: {e}", key_path.display())))?;
-    Ok((certs, key))
+    Ok(certs)
 }
 
 fn self_signed() -> Result<CertAndKey, TlsError> {
@@ -83,6 +105,18 @@ impl MaybeTls {
     /// Whether the connection is TLS.
     pub fn is_tls(&self) -> bool {
         matches!(self, MaybeTls::Tls(_))
+    }
+}
+
+/// What a gRPC server (the gRPC front, the peer link) knows of the connection: its addresses.
+impl Connected for MaybeTls {
+    type ConnectInfo = TcpConnectInfo;
+
+    fn connect_info(&self) -> TcpConnectInfo {
+        match self {
+            MaybeTls::Plain(tcp) => tcp.connect_info(),
+            MaybeTls::Tls(tls) => tls.get_ref().0.connect_info(),
+        }
     }
 }
 

@@ -128,6 +128,29 @@ pub struct TierConfig {
     /// of asks every peer; past this many, such an end is answered "try again" instead of asking (a flood of
     /// ends of made-up ids would otherwise multiply into the peers' calls).
     pub max_ends_asked_at_once: usize,
+    /// PEM certificate chain this instance presents on the peer link, as a server and as a client. With
+    /// `tls_key_path` and `tls_ca_path` (all three or none), the peer port speaks TLS only, mutual: each side's
+    /// certificate must chain to `tls_ca_path`. Unset: the link is plaintext (signed, not private).
+    pub tls_cert_path: Option<PathBuf>,
+    /// PEM private key of `tls_cert_path`.
+    pub tls_key_path: Option<PathBuf>,
+    /// PEM certificate(s) of the tier's CA: a peer's certificate, client's or server's, is taken only when it
+    /// chains to one of them. Keep this CA for the tier alone: whoever holds a certificate it signed is a peer.
+    pub tls_ca_path: Option<PathBuf>,
+    /// A DNS name every instance's certificate carries: a peer's server certificate must name it, whatever
+    /// address it was dialled at (and it is the name sent in SNI). Unset: the chain to `tls_ca_path` is checked,
+    /// not the name (peers are dialled by pod address, which certificates rarely name).
+    pub tls_server_name: Option<String>,
+}
+
+impl TierConfig {
+    /// The peer link's certificate, key and CA files, when TLS is configured (all three set).
+    pub fn tls_files(&self) -> Option<(&Path, &Path, &Path)> {
+        match (&self.tls_cert_path, &self.tls_key_path, &self.tls_ca_path) {
+            (Some(cert), Some(key), Some(ca)) => Some((cert.as_path(), key.as_path(), ca.as_path())),
+            _ => None,
+        }
+    }
 }
 
 impl Default for TierConfig {
@@ -142,6 +165,10 @@ impl Default for TierConfig {
             forward_timeout_ms: 3_000,
             give_back_unclaimed_ms: 20_000,
             max_ends_asked_at_once: 64,
+            tls_cert_path: None,
+            tls_key_path: None,
+            tls_ca_path: None,
+            tls_server_name: None,
         }
     }
 }

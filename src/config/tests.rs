@@ -329,3 +329,52 @@ fn a_tier_needs_a_peer_link_with_a_secret_and_a_valid_instance_id() {
         error(&format!("{tier}secret = \"tier-secret-0123456789\"\npeer_dns = \"no-port\"\n")).contains("tier.peers")
     );
 }
+
+#[test]
+fn the_peer_links_tls_needs_its_three_files_together_and_readable() {
+    let error = |text: &str| parse(text).expect_err("refused").to_string();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let [cert, key, ca] = ["cert.pem", "key.pem", "ca.pem"].map(|name| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, "read at start, not here").expect("write");
+        path.display().to_string()
+    });
+    let tier =
+        "[tier]\nlisten = \"127.0.0.1:8090\"\npeers = [\"127.0.0.1:8091\"]\nsecret = \"tier-secret-0123456789\"\n";
+    let config = parse(tier).expect("plaintext by default");
+    assert_eq!(config.tier.tls_files(), None);
+    assert_eq!(config.tier.tls_server_name, None);
+
+    let all = format!("{tier}tls_cert_path = \"{cert}\"\ntls_key_path = \"{key}\"\ntls_ca_path = \"{ca}\"\n");
+    let config = parse(&all).expect("mutual TLS");
+    assert_eq!(
+        config.tier.tls_files(),
+        Some((Path::new(&cert), Path::new(&key), Path::new(&ca))),
+        "all three are kept"
+    );
+    let named = parse(&format!("{all}tls_server_name = \"popgate-peer.tier.internal\"\n")).expect("a name");
+    assert_eq!(named.tier.tls_server_name.as_deref(), Some("popgate-peer.tier.internal"));
+
+    // Two of three: the missing one is named.
+    let without_ca = format!("{tier}tls_cert_path = \"{cert}\"\ntls_key_path = \"{key}\"\n");
+    let text = error(&without_ca);
+    assert!(text.contains("`tier.tls_ca_path`: missing"), "{text}");
+    assert!(!text.contains("`tier.tls_cert_path`") && !text.contains("`tier.tls_key_path`"), "{text}");
+    let text = error(&format!("{tier}tls_ca_path = \"{ca}\"\n"));
+    assert!(text.contains("`tier.tls_cert_path`: missing") && text.contains("`tier.tls_key_path`: missing"), "{text}");
+
+    // A file that is not there is named with its key.
+    let gone = dir.path().join("gone.pem").display().to_string();
+    let text = error(&all.replace(&key, &gone));
+    assert!(text.contains("tier.tls_key_path") && text.contains(&gone), "{text}");
+
+    // A server name only with TLS, and only a name.
+    let text = error(&format!("{tier}tls_server_name = \"peer.internal\"\n"));
+    assert!(text.contains("tier.tls_server_name"), "{text}");
+    let text = error(&format!("{all}tls_server_name = \"not a name\"\n"));
+    assert!(text.contains("tier.tls_server_name") && text.contains("not a name"), "{text}");
+    // TLS files with no peer link to use them.
+    let text =
+        error(&format!("[tier]\ntls_cert_path = \"{cert}\"\ntls_key_path = \"{key}\"\ntls_ca_path = \"{ca}\"\n"));
+    assert!(text.contains("tier.listen"), "{text}");
+}

@@ -243,8 +243,38 @@ fn tier_problems(tier: &super::TierConfig) -> Vec<String> {
     for addr in tier.peers.iter().chain([&tier.peer_dns].into_iter().filter(|d| !d.is_empty())) {
         check(is_host_port(addr), "peers", &format!("`{addr}` is not host:port"));
     }
+    let tls_files = [
+        ("tls_cert_path", &tier.tls_cert_path),
+        ("tls_key_path", &tier.tls_key_path),
+        ("tls_ca_path", &tier.tls_ca_path),
+    ];
+    let tls = tls_files.iter().any(|(_, path)| path.is_some());
+    for (key, path) in tls_files {
+        match path {
+            Some(path) => check(path.is_file(), key, &format!("{} is not a readable file", path.display())),
+            None => check(
+                !tls,
+                key,
+                "missing: the peer link's TLS needs tier.tls_cert_path, tier.tls_key_path and tier.tls_ca_path \
+                 together (or none of them, for a plaintext link)",
+            ),
+        }
+    }
+    if let Some(name) = &tier.tls_server_name {
+        check(
+            tls,
+            "tls_server_name",
+            "is checked only on a TLS peer link: set tier.tls_cert_path, tls_key_path and tls_ca_path",
+        );
+        check(
+            rustls::pki_types::ServerName::try_from(name.as_str()).is_ok(),
+            "tls_server_name",
+            &format!("`{name}` is not a DNS name or an IP address"),
+        );
+    }
     if tier.listen.is_empty() {
         check(tier.peers.is_empty() && tier.peer_dns.is_empty(), "listen", "peers need a peer link to answer on");
+        check(!tls, "listen", "the peer link's TLS files are set, but there is no peer link (tier.listen is empty)");
         return out;
     }
     check(is_host_port(&tier.listen), "listen", "must be host:port");

@@ -15,7 +15,6 @@ use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio_rustls::TlsAcceptor;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::server::{Connected, TcpConnectInfo};
 
 use crate::metrics as m;
 /// One accepted connection, plaintext or TLS.
@@ -82,15 +81,4 @@ pub fn incoming(
 fn handshake_failed(peer: &str, error: &str) {
     counter!(m::TLS_HANDSHAKE_FAILURES).increment(1);
     tracing::debug!(peer, error, "gRPC connection dropped before it was served.");
-}
-
-impl Connected for Connection {
-    type ConnectInfo = TcpConnectInfo;
-
-    fn connect_info(&self) -> TcpConnectInfo {
-        match self {
-            Connection::Plain(tcp) => tcp.connect_info(),
-            Connection::Tls(tls) => tls.get_ref().0.connect_info(),
-        }
-    }
 }

@@ -5,8 +5,9 @@
 //! a new deadline) that reaches an instance which did not hand the delivery out is asked of the one that did,
 //! over the peer link: popgate's own small gRPC service (`proto/popgate/peer/v1`), on its own port
 //! (`tier.listen`), each request signed whole with the tier's shared secret, for one instance, and taken once
-//! (`signing.rs`). The owner applies it as it would its own client's: the same caller's rights, stale holders
-//! fenced, the ACK intent stored before the broker ACK.
+//! (`signing.rs`); with `tier.tls_*` set, over mutual TLS with the tier's own CA ([`tls`]). The owner applies
+//! it as it would its own client's: the same caller's rights, stale holders fenced, the ACK intent stored
+//! before the broker ACK.
 //!
 //! Peers are the addresses of `tier.peers` and of `tier.peer_dns` (a Kubernetes headless Service), looked up
 //! every `tier.refresh_secs` and asked who they are; a settlement for an instance not known yet looks again
@@ -20,6 +21,7 @@ mod identity;
 pub mod proto;
 pub mod server;
 mod signing;
+pub mod tls;
 mod wire;
 
 use std::collections::HashMap;
@@ -34,6 +36,7 @@ use tonic::transport::{Channel, Endpoint};
 pub use identity::{IdentityError, InstanceId};
 use proto::peer_client::PeerClient;
 use signing::sign_request;
+use tls::PeerTls;
 
 use crate::auth::Caller;
 use crate::config::TierConfig;
@@ -58,12 +61,19 @@ pub struct Tier {
     deliveries: Option<Deliveries>,
     /// Transaction ends being asked of the peers now, at most `tier.max_ends_asked_at_once`.
     ends_asked: tokio::sync::Semaphore,
+    /// The link's TLS (`tier.tls_*`); `None`: plaintext.
+    tls: Option<Arc<PeerTls>>,
 }
 
 impl Tier {
-    /// This instance (`instance`) in the tier `config` describes, its deliveries those of `deliveries`; nobody
-    /// known yet ([`Tier::look_up`]).
-    pub fn new(config: &TierConfig, instance: InstanceId, deliveries: Option<Deliveries>) -> Arc<Tier> {
+    /// This instance (`instance`) in the tier `config` describes, its deliveries those of `deliveries`, its
+    /// peers reached over `tls` (`None`: plaintext); nobody known yet ([`Tier::look_up`]).
+    pub fn new(
+        config: &TierConfig,
+        instance: InstanceId,
+        deliveries: Option<Deliveries>,
+        tls: Option<Arc<PeerTls>>,
+    ) -> Arc<Tier> {
         Arc::new(Tier {
             instance,
             secret: config.secret.as_bytes().to_vec(),
@@ -73,6 +83,7 @@ impl Tier {
             looked_up: tokio::sync::Mutex::new(None),
             deliveries,
             ends_asked: tokio::sync::Semaphore::new(config.max_ends_asked_at_once),
+            tls,
         })
     }
 
@@ -187,7 +198,11 @@ impl Tier {
             .map_err(|e| format!("`{address}` is not an address: {e}"))?
             .connect_timeout(self.timeout())
             .tcp_nodelay(true);
-        let channel = endpoint.connect_lazy();
+        // The connect timeout covers the TLS handshake too.
+        let channel = match &self.tls {
+            Some(tls) => endpoint.connect_with_connector_lazy(tls.connector()),
+            None => endpoint.connect_lazy(),
+        };
         channels.insert(address.to_owned(), channel.clone());
         Ok(channel)
     }
@@ -310,7 +325,7 @@ mod tests {
     #[test]
     fn a_delivery_is_elsewhere_when_another_instance_minted_its_id() {
         let config = TierConfig { secret: "tier-secret-0123456789".into(), ..TierConfig::default() };
-        let tier = Tier::new(&config, InstanceId::parse("popgate-0").expect("id"), None);
+        let tier = Tier::new(&config, InstanceId::parse("popgate-0").expect("id"), None, None);
         assert_eq!(tier.elsewhere("popgate-1~0a1b"), Some("popgate-1".to_owned()));
         assert_eq!(tier.elsewhere("popgate-0~0a1b"), None, "its own");
         assert_eq!(tier.elsewhere("0a1b2c"), None, "an id of a popgate before tiers");

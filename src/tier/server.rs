@@ -15,6 +15,7 @@ use tonic::{Request, Response, Status};
 use super::proto::peer_server::{Peer, PeerServer};
 use super::proto::{self as pb};
 use super::signing::{Recipient, Refused, Verifier};
+use super::tls::PeerTls;
 use super::{wire, InstanceId};
 use crate::auth::{Caller, TokenTable};
 use crate::gateway::below::{DeliveryError, Transactions};
@@ -160,20 +161,25 @@ impl Peer for PeerService {
     }
 }
 
-/// Serves the peer link on `listener` until `shutdown` resolves.
+/// Serves the peer link on `listener` until `shutdown` resolves: over mutual TLS when `tls` is given (a
+/// connection without it, or without a certificate of the tier's CA, is refused), else plaintext.
 ///
 /// # Errors
 /// When the server fails.
 pub async fn serve(
     listener: TcpListener,
     service: PeerService,
+    tls: Option<Arc<PeerTls>>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-    tonic::transport::Server::builder()
-        .add_service(PeerServer::new(service))
-        .serve_with_incoming_shutdown(incoming, shutdown)
-        .await
+    let server = tonic::transport::Server::builder().add_service(PeerServer::new(service));
+    match tls {
+        Some(tls) => server.serve_with_incoming_shutdown(super::tls::incoming(listener, &tls), shutdown).await,
+        None => {
+            let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+            server.serve_with_incoming_shutdown(incoming, shutdown).await
+        }
+    }
 }
 
 #[cfg(test)]
