@@ -592,3 +592,60 @@ async fn an_end_ends_the_half_message_it_names_even_when_a_record_holds_its_id_f
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(stored_bodies(cluster, &topic).await, ["second"], "the committed one only");
 }
+
+/// A `POP_MESSAGE` of `group` from `topic` on `broker`, waiting up to `poll_ms`, invisible for a minute.
+fn pop_request(group: &str, topic: &str, broker: &str, poll_ms: u64) -> RemotingCommand {
+    let poll = poll_ms.to_string();
+    raw_request(
+        200050,
+        &[
+            ("consumerGroup", group),
+            ("topic", topic),
+            ("queueId", "-1"),
+            ("maxMsgNums", "32"),
+            ("invisibleTime", "60000"),
+            ("pollTime", poll.as_str()),
+            ("bornTime", "0"),
+            ("initMode", "0"),
+            ("bname", broker),
+        ],
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_a_pop_without_a_heartbeat_holds_no_client_id_can_give_back() {
+    let cluster = shared_cluster();
+    let (_popgate, namesrv) = popgate_with_remoting(cluster, "").await;
+    let topic = unique_topic("rm_unnamed");
+    let group = unique_topic("rm_unnamed_g");
+    create_topic(cluster, &topic).await;
+    let broker = cluster.brokers[0].name.clone();
+    let (message, _) = raw_send(&topic, &broker, "held", 0, &[]);
+    stored_straight_at(cluster, 0, message).await;
+
+    // A consumer that POPs without ever sending a heartbeat: popgate knows it only by its connection.
+    let mut holder = TcpStream::connect(&namesrv).await.expect("connect");
+    let mut popped = None;
+    for _ in 0..10 {
+        let answer = ask(&mut holder, pop_request(&group, &topic, &broker, 5_000)).await.expect("answered");
+        if answer.code() == SUCCESS {
+            popped = Some(answer);
+            break;
+        }
+    }
+    assert!(popped.is_some(), "the message is popped within 50 s");
+
+    // Another client names itself after that connection (popgate once held such deliveries under
+    // `remoting@<peer>`), joins the group, and leaves it again.
+    let named_like_it = format!("remoting@{}", holder.local_addr().expect("local address"));
+    let mut other = TcpStream::connect(&namesrv).await.expect("connect");
+    let joined = ask(&mut other, consumer_heartbeat(&named_like_it, &group, &topic)).await.expect("answered");
+    assert_eq!(joined.code(), SUCCESS, "{:?}", joined.remark());
+    let left = raw_request(35, &[("clientID", named_like_it.as_str()), ("consumerGroup", group.as_str())]);
+    let left = ask(&mut other, left).await.expect("answered");
+    assert_eq!(left.code(), SUCCESS, "{:?}", left.remark());
+
+    // What the first consumer holds stays its own until its invisible time is over: nothing to pop meanwhile.
+    let answer = ask(&mut other, pop_request(&group, &topic, &broker, 3_000)).await.expect("answered");
+    assert_eq!(answer.code(), 210, "POLLING_TIMEOUT, not the held message given back: {:?}", answer.remark());
+}
