@@ -649,3 +649,48 @@ async fn what_a_pop_without_a_heartbeat_holds_no_client_id_can_give_back() {
     let answer = ask(&mut other, pop_request(&group, &topic, &broker, 3_000)).await.expect("answered");
     assert_eq!(answer.code(), 210, "POLLING_TIMEOUT, not the held message given back: {:?}", answer.remark());
 }
+
+/// A gRPC `Heartbeat` of a push consumer of `group`, signed by `token`, under client id `client_id`: its
+/// status code.
+async fn grpc_heartbeat(
+    popgate: &crate::harness::popgate::Popgate,
+    client_id: &str,
+    group: &str,
+    token: (&str, &str),
+) -> i32 {
+    use popgate::grpc::proto as pb;
+    let mut client = crate::grpc_raw::connect(popgate).await;
+    let heartbeat = pb::HeartbeatRequest {
+        group: crate::grpc_raw::resource(group),
+        client_type: pb::ClientType::PushConsumer as i32,
+    };
+    let mut call = crate::grpc_raw::request(heartbeat, Some(token));
+    call.metadata_mut().insert("x-mq-client-id", client_id.parse().expect("ascii"));
+    let answer = client.heartbeat(call).await.expect("answered").into_inner();
+    answer.status.map_or(-1, |status| status.code)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_id_is_the_first_tokens_on_every_front() {
+    use popgate::grpc::proto::Code;
+    let cluster = shared_cluster();
+    let (popgate, namesrv) = popgate_with_remoting(cluster, &tokens_toml()).await;
+    let topic = unique_topic("hs_ids");
+    create_topic(cluster, &topic).await;
+    let mut stranger = TcpStream::connect(&namesrv).await.expect("connect");
+
+    // The victim's gRPC client uses an id; the stranger's remoting client may not use it.
+    assert_eq!(grpc_heartbeat(&popgate, "shared@1", "hv_ids_g", VICTIM).await, Code::Ok as i32);
+    let answer = ask(&mut stranger, signed(consumer_heartbeat("shared@1", "hs_ids_g", &topic), STRANGER)).await;
+    assert_eq!(answer.map(|a| a.code()), Some(NO_PERMISSION), "the gRPC client's id, on the remoting front");
+
+    // The other way round: a remoting client's id is refused to another token's gRPC client.
+    let answer = ask(&mut stranger, signed(consumer_heartbeat("remoting@7", "hs_ids_g", &topic), STRANGER)).await;
+    assert_eq!(answer.map(|a| a.code()), Some(SUCCESS));
+    assert_eq!(grpc_heartbeat(&popgate, "remoting@7", "hv_ids_g", VICTIM).await, Code::Forbidden as i32);
+
+    // The owner uses its id on both fronts.
+    let answer = ask(&mut stranger, signed(consumer_heartbeat("shared@2", "hs_ids_g", &topic), STRANGER)).await;
+    assert_eq!(answer.map(|a| a.code()), Some(SUCCESS));
+    assert_eq!(grpc_heartbeat(&popgate, "shared@2", "hs_ids_g", STRANGER).await, Code::Ok as i32);
+}

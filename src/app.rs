@@ -176,6 +176,8 @@ pub async fn serve(
         }
         None => (None, None),
     };
+    // Whose each client id is, one registry for the gRPC and the remoting front.
+    let client_owners = crate::gateway::ClientOwners::default();
     let grpc_server = grpc.map(|(listener, tls)| {
         let parts = crate::grpc::Parts {
             publisher: publisher.clone(),
@@ -183,6 +185,7 @@ pub async fn serve(
             transactions: transactions.clone(),
             tokens: tokens.clone(),
             owners: owners.clone(),
+            client_owners: client_owners.clone(),
         };
         let front = crate::grpc::serve(listener, tls, parts, config.clone(), stop_asked(&stop_rx));
         spawn_front("gRPC", front)
@@ -197,6 +200,7 @@ pub async fn serve(
                 transactions: transactions.clone(),
                 tls,
                 owners: owners.clone(),
+                client_owners: client_owners.clone(),
             };
             // Its brokers' ports are open again before the HTTP server answers /healthz.
             let front = crate::remoting::start(listener, advertised, parts, config.clone(), stop_asked(&stop_rx)).await;

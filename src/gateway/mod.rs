@@ -12,7 +12,8 @@
 //! ([`Deliveries::leave_group`]); ending a recorded transaction needs `Pub` on its half message's topic
 //! ([`Ending`]); a topic's route needs `Pub` or `Sub` on it ([`may_look_up`]), and a client that announces
 //! itself as a consumer group's needs `Sub` on the group and on each of its topics ([`may_subscribe`]); a client
-//! id is the token's that first used it, and a front keeps a bounded number of them ([`ClientIds`]).
+//! id is the token's that first used it on any front ([`ClientOwners`], one registry for every front), and a
+//! front keeps a bounded number of them ([`ClientIds`]).
 
 pub(crate) mod below;
 mod clients;
@@ -29,7 +30,7 @@ use crate::metrics as m;
 use crate::publish::Attempt;
 use crate::transaction::TransactionError;
 
-pub use clients::ClientIds;
+pub use clients::{ClientIds, ClientOwners};
 pub use publish::{count_refused_publish, PublishRefused, PublishRequest, Publishing};
 pub use receive::{Deliveries, Reader, Receive, ReceiveRequest, ReceivingClient};
 pub use settle::{Owners, Settle, Settled, Settlement, Settling};
@@ -251,9 +252,9 @@ pub fn may_look_up(caller: &Caller, topic: &str) -> Result<(), GatewayError> {
 }
 
 /// Who holds a delivery handed out to client `client_id` of `front` (`grpc`, `remoting`), as the delivery core
-/// knows it. Clients choose their ids and each front keeps its own registry of them, while the delivery core
-/// has one namespace of holders: the front's name keeps them apart, so a remoting `UNREGISTER_CLIENT` naming a
-/// gRPC client's id gives back nothing of that client's.
+/// knows it. A client id is one token's on every front ([`ClientOwners`]), but one app may run a gRPC and a
+/// remoting client under one id: the front's name keeps their holdings apart, so a remoting `UNREGISTER_CLIENT`
+/// gives back nothing a gRPC client holds.
 pub fn holder_id(front: &str, client_id: &str) -> String {
     format!("{front}:{client_id}")
 }

@@ -54,6 +54,8 @@ pub struct Parts {
     pub tokens: Arc<TokenTable>,
     /// The tier's other instances, when this one is in a tier.
     pub owners: Option<Arc<dyn crate::gateway::Owners>>,
+    /// Whose each client id is, shared with the other fronts.
+    pub client_owners: crate::gateway::ClientOwners,
 }
 
 /// Serves the gRPC front on `listener` until `shutdown` resolves.

@@ -83,8 +83,8 @@ struct Seen {
 }
 
 impl Liveness {
-    fn new(max_clients: usize) -> Liveness {
-        Liveness { seen: ClientIds::new(max_clients, "grpc.max_clients"), per_kind: [0; CLIENT_KINDS.len()] }
+    fn new(max_clients: usize, owners: crate::gateway::ClientOwners) -> Liveness {
+        Liveness { seen: ClientIds::new(max_clients, "grpc.max_clients", owners), per_kind: [0; CLIENT_KINDS.len()] }
     }
 
     fn kind_index(kind: &str) -> usize {
@@ -161,8 +161,8 @@ impl Front {
     ) -> Front {
         let receives = OpenCalls::new("receives", config.grpc.max_receives_per_token);
         let streams = OpenCalls::new("Telemetry streams", config.grpc.max_streams_per_token);
-        let clients = Mutex::new(Liveness::new(config.grpc.max_clients));
-        let super::Parts { publisher, deliveries, transactions, tokens, owners } = parts;
+        let super::Parts { publisher, deliveries, transactions, tokens, owners, client_owners } = parts;
+        let clients = Mutex::new(Liveness::new(config.grpc.max_clients, client_owners));
         let producers = Producers::default();
         Front {
             publisher,

@@ -28,7 +28,7 @@ use tokio::time::Instant;
 use super::codes;
 use super::connection::Connection;
 use crate::auth::Caller;
-use crate::gateway::{self, ClientIds, GatewayError};
+use crate::gateway::{self, ClientIds, ClientOwners, GatewayError};
 use crate::metrics as m;
 
 /// How often clients are checked for a missed heartbeat.
@@ -219,12 +219,14 @@ pub(super) const MAX_HEARTBEAT_BYTES: usize = 1024 * 1024;
 const MAX_KEPT_HEARTBEAT_BYTES: usize = 256 * 1024 * 1024;
 
 impl Clients {
-    pub fn new(expiry: Duration, max: usize) -> Clients {
+    /// No clients yet; at most `max` of them, each forgotten `expiry` after its last heartbeat; whose each id
+    /// is, `owners` says for every front.
+    pub fn new(expiry: Duration, max: usize, owners: ClientOwners) -> Clients {
         for kind in Kind::ALL {
             gauge!(m::REMOTING_CLIENTS, "kind" => kind.label()).set(0.0);
         }
         Clients {
-            clients: Mutex::new(ClientIds::new(max, "remoting.max_clients")),
+            clients: Mutex::new(ClientIds::new(max, "remoting.max_clients", owners)),
             expiry,
             kept_bytes: AtomicUsize::new(0),
             max_kept_bytes: MAX_KEPT_HEARTBEAT_BYTES,
@@ -488,7 +490,7 @@ mod tests {
 
     #[tokio::test]
     async fn every_member_is_told_when_a_group_gains_or_loses_one() {
-        let clients = Clients::new(Duration::from_secs(120), 100);
+        let clients = Clients::new(Duration::from_secs(120), 100, ClientOwners::default());
         let (first, mut first_queue) = Connection::for_test(1);
         let (second, mut second_queue) = Connection::for_test(2);
         let joined = clients.heartbeat(&first, &anyone(), &heartbeat("a@1", &["orders"])).expect("taken");
@@ -512,7 +514,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn the_same_heartbeat_is_passed_on_once_per_interval_and_a_changed_one_at_once() {
-        let clients = Clients::new(Duration::from_secs(120), 100);
+        let clients = Clients::new(Duration::from_secs(120), 100, ClientOwners::default());
         let (connection, _queue) = Connection::for_test(1);
         clients.heartbeat(&connection, &anyone(), &heartbeat("a@1", &["orders"])).expect("taken");
         let interval = Duration::from_secs(20);
@@ -539,7 +541,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_client_id_stays_with_the_token_that_registered_it_and_the_number_of_ids_is_bounded() {
-        let clients = Clients::new(Duration::from_secs(120), 2);
+        let clients = Clients::new(Duration::from_secs(120), 2, ClientOwners::default());
         let (connection, _queue) = Connection::for_test(1);
         let (owner, other) = (token("owner", "t", "orders"), token("other", "u", "*"));
         clients.heartbeat(&connection, &owner, &heartbeat("a@1", &["orders"])).expect("registered");
@@ -559,7 +561,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_check_back_goes_only_to_a_producer_whose_token_may_publish_to_the_topic() {
-        let clients = Clients::new(Duration::from_secs(120), 10);
+        let clients = Clients::new(Duration::from_secs(120), 10, ClientOwners::default());
         let (allowed, _allowed_queue) = Connection::for_test(1);
         let (claimant, _claimant_queue) = Connection::for_test(2);
         let producer = |id: &str| -> Heartbeat {
@@ -584,7 +586,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_heartbeats_kept_to_register_groups_again_stay_within_their_bytes() {
-        let mut clients = Clients::new(Duration::from_secs(120), 1_000);
+        let mut clients = Clients::new(Duration::from_secs(120), 1_000, ClientOwners::default());
         clients.max_kept_bytes = 10 * 1024;
         let (connection, _queue) = Connection::for_test(1);
         let interval = Duration::from_secs(20);
@@ -609,7 +611,7 @@ mod tests {
     #[tokio::test]
     async fn a_million_client_ids_keep_the_clients_under_max_clients() {
         let max = 1_000;
-        let clients = Clients::new(Duration::from_secs(120), max);
+        let clients = Clients::new(Duration::from_secs(120), max, ClientOwners::default());
         let (connection, _queue) = Connection::for_test(1);
         let mut heartbeat = heartbeat("template", &["orders"]);
         let mut full = 0;
@@ -627,7 +629,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_client_whose_heartbeats_stopped_leaves_its_groups() {
-        let clients = Clients::new(Duration::from_secs(120), 100);
+        let clients = Clients::new(Duration::from_secs(120), 100, ClientOwners::default());
         let (connection, _queue) = Connection::for_test(1);
         clients.heartbeat(&connection, &anyone(), &heartbeat("a@1", &["orders"])).expect("taken");
         tokio::time::advance(Duration::from_secs(121)).await;

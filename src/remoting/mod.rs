@@ -62,6 +62,8 @@ pub struct Parts {
     pub tls: Arc<rustls::ServerConfig>,
     /// The tier's other instances, when this one is in a tier.
     pub owners: Option<Arc<dyn crate::gateway::Owners>>,
+    /// Whose each client id is, shared with the other fronts.
+    pub client_owners: crate::gateway::ClientOwners,
 }
 
 /// Starts the remoting front: its brokers' own ports (for clients before 4.9.5) are bound again before this

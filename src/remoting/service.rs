@@ -89,7 +89,7 @@ impl Front {
             owners: parts.owners,
             tokens: parts.tokens,
             transactions: parts.transactions,
-            clients: Arc::new(Clients::new(expiry, config.remoting.max_clients)),
+            clients: Arc::new(Clients::new(expiry, config.remoting.max_clients, parts.client_owners)),
             broker_ports: BrokerPorts::default(),
             tls: tokio_rustls::TlsAcceptor::from(parts.tls),
             connection_slots: Arc::new(Semaphore::new(config.remoting.max_connections)),
