@@ -740,7 +740,8 @@ async fn a_committed_transaction_is_stored_once_and_a_rolled_back_one_never(clie
     let cluster = shared_cluster();
     let (popgate, namesrv) = popgate_with_remoting(cluster, "").await;
     let topic = unique_topic("rm_tx");
-    crate::transaction::create_transaction_topic(cluster, &topic).await;
+    // A topic without a type, as 4.x tools make them: the broker takes transactions on it, and so does popgate.
+    create_topic(cluster, &topic).await;
     for (resolution, prefix) in [("commit", "kept"), ("rollback", "dropped")] {
         let transact = json!({"topic": topic, "group": "rm_tx_p", "resolution": resolution, "bodyPrefix": prefix,
             "checkResolution": "unknown"});
@@ -775,7 +776,8 @@ async fn an_undecided_transaction_is_checked_back_through_its_producer_and_commi
     let cluster = Cluster::start(&spec);
     let (popgate, namesrv) = popgate_with_remoting(&cluster, "").await;
     let topic = unique_topic("rm_tx_check");
-    crate::transaction::create_transaction_topic(&cluster, &topic).await;
+    // A topic without a type, as 4.x tools make them (Apache's remoting e2e suite sends its transactions so).
+    create_topic(&cluster, &topic).await;
     let transact = json!({"topic": topic, "group": "rm_tx_check_p", "resolution": "unknown",
         "checkResolution": "commit", "bodyPrefix": "checked", "lingerMs": 20000, "sendAfterMs": 2000});
     let producer = client.start("transact", &send_args(&namesrv, transact));
@@ -1502,10 +1504,10 @@ async fn a_relayed_pull_popgate_gives_up_on_does_not_fail_the_other_clients_pull
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_half_message_to_a_topic_not_typed_for_transactions_is_refused_as_apaches_proxy_refuses_it() {
-    // One rule for every front, in the gateway: a transaction's message goes only to a topic typed TRANSACTION
-    // (or MIXED). Apache's proxy checks it on its remoting front too (`SendMessageActivity`, answered
-    // MESSAGE_ILLEGAL with the validator's words); popgate's remoting front used to send it on.
+async fn a_half_message_to_a_topic_without_a_transaction_type_is_taken_as_the_broker_takes_it() {
+    // The remoting front's yardstick is the cluster: a broker stores a half message on any topic (a 4.x app's
+    // topics have no type), so popgate takes it there and records it, and its end lands. (Apache's proxy refuses
+    // it, as popgate's gRPC front does: `grpc::a_transaction_to_a_topic_not_typed_for_it…`.)
     let cluster = shared_cluster();
     let (_popgate, namesrv) = popgate_with_remoting(cluster, "").await;
     let normal = unique_topic("rm_half_normal");
@@ -1516,25 +1518,34 @@ async fn a_half_message_to_a_topic_not_typed_for_transactions_is_refused_as_apac
     let half = |topic: &str| {
         // sysFlag 4: TRANSACTION_PREPARED_TYPE.
         crate::remoting_hostile::raw_send(topic, &broker, "half", 4, &[("TRAN_MSG", "true"), ("PGROUP", "rm_half_pg")])
-            .0
     };
     let mut stream = TcpStream::connect(&namesrv).await.expect("connect");
-    let refused = ask(&mut stream, half(&normal)).await.expect("answered");
-    assert_eq!(refused.code(), 13, "MESSAGE_ILLEGAL: {:?}", refused.remark());
-    assert_eq!(
-        refused.remark().map(|r| r.as_str()),
-        Some("TopicMessageType validate failed, the expected type is NORMAL, but actual type is TRANSACTION")
-    );
-    let taken = ask(&mut stream, half(&transactional)).await.expect("answered");
-    assert_eq!(taken.code(), 0, "the same half message to a TRANSACTION topic is stored: {:?}", taken.remark());
-
-    // With the check switched off (Apache's proxy's `enableTopicMessageTypeCheck = false`), the half message goes
-    // to the NORMAL topic, as a broker alone takes it (Apache's remoting e2e suite sends its transactions so).
-    let unchecked = "[publish]\ncheck_topic_message_type = false\n";
-    let (_unchecked_popgate, unchecked_namesrv) = popgate_with_remoting(cluster, unchecked).await;
-    let mut stream = TcpStream::connect(&unchecked_namesrv).await.expect("connect");
-    let taken = ask(&mut stream, half(&normal)).await.expect("answered");
-    assert_eq!(taken.code(), 0, "unchecked, a half message to a NORMAL topic is stored: {:?}", taken.remark());
+    for topic in [&normal, &transactional] {
+        let (half, id) = half(topic);
+        let taken = ask(&mut stream, half).await.expect("answered");
+        assert_eq!(taken.code(), 0, "a half message to {topic} is stored: {:?}", taken.remark());
+        let commit = raw_request(
+            37,
+            &[
+                ("producerGroup", "rm_half_pg"),
+                ("tranStateTableOffset", &crate::remoting_hostile::field(&taken, "queueOffset")),
+                ("commitLogOffset", &crate::remoting_hostile::commit_log_offset(&taken).to_string()),
+                ("commitOrRollback", "8"),
+                ("fromTransactionCheck", "false"),
+                ("msgId", &id),
+                ("topic", topic.as_str()),
+                ("bname", &broker),
+            ],
+        );
+        let ended = ask(&mut stream, commit).await.expect("answered");
+        assert_eq!(ended.code(), 0, "its commit is taken: {:?}", ended.remark());
+    }
+    for topic in [&normal, &transactional] {
+        eventually(Duration::from_secs(20), "the committed message is stored", || async {
+            stored_bodies(cluster, topic).await == ["half"]
+        })
+        .await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -58,7 +58,7 @@ pub(crate) fn signed(mut request: RemotingCommand, (access_key, secret): (&str, 
     request
 }
 
-fn field(answer: &RemotingCommand, name: &str) -> String {
+pub(crate) fn field(answer: &RemotingCommand, name: &str) -> String {
     answer.ext_fields().and_then(|f| f.get(name)).map(|v| v.to_string()).unwrap_or_default()
 }
 
@@ -486,13 +486,10 @@ async fn a_remoting_send_is_checked_as_apaches_client_checks_it_and_a_refused_on
         }
         batch
     };
-    // `TRAN_MSG` as Java's Boolean.parseBoolean reads it: a half message, which a topic without a type refuses.
-    let (shouting_half, _) = raw_send(&topic, &broker, "half", 0, &[("TRAN_MSG", "TRUE"), ("PGROUP", "rm_p")]);
     let cases = [
         ("an empty body", empty, "the message body length is zero"),
         ("a body over 4 MiB", large, "the message body size over max value, MAX: 4194304"),
         ("a batch with an empty message", batch_of(&[b"one", b""]), "the message body length is zero"),
-        ("a half message marked TRUE", shouting_half, "TopicMessageType validate failed"),
     ];
     for (case, request, words) in cases {
         let answer = ask(&mut client, request).await.expect("answered, the connection kept");
@@ -504,6 +501,28 @@ async fn a_remoting_send_is_checked_as_apaches_client_checks_it_and_a_refused_on
     assert_eq!(stored.code(), SUCCESS, "a batch of two: {:?}", stored.remark());
 
     assert_eq!(stored_bodies(cluster, &topic).await, ["next", "one", "two"], "nothing refused was stored");
+
+    // `TRAN_MSG` as Java's Boolean.parseBoolean reads it: a half message at the broker, so a half message
+    // popgate records (its end is made from the record, and counted as such).
+    let (shouting_half, id) = raw_send(&topic, &broker, "half", 0, &[("TRAN_MSG", "TRUE"), ("PGROUP", "rm_p")]);
+    let half = ask(&mut client, shouting_half).await.expect("answered");
+    assert_eq!(half.code(), SUCCESS, "{:?}", half.remark());
+    let commit = raw_request(
+        37,
+        &[
+            ("producerGroup", "rm_p"),
+            ("tranStateTableOffset", &field(&half, "queueOffset")),
+            ("commitLogOffset", &commit_log_offset(&half).to_string()),
+            ("commitOrRollback", "8"),
+            ("fromTransactionCheck", "false"),
+            ("msgId", &id),
+            ("topic", &topic),
+            ("bname", &broker),
+        ],
+    );
+    assert_eq!(ask(&mut client, commit).await.map(|a| a.code()), Some(SUCCESS));
+    let landed = popgate.metric("popgate_transactions_ended_total{resolution=\"commit\",result=\"landed\"}").await;
+    assert_eq!(landed, 1.0, "ended from popgate's record of the half message");
 }
 
 /// Issue #46: what clients can make popgate hold before they sign anything is bounded across connections, not
@@ -542,7 +561,7 @@ async fn large_frames_wait_for_room_in_the_fronts_budget_and_a_stalled_one_holds
 }
 
 /// The commit-log offset a send's answer names (the last 16 hex digits of its offset message id).
-fn commit_log_offset(answer: &RemotingCommand) -> i64 {
+pub(crate) fn commit_log_offset(answer: &RemotingCommand) -> i64 {
     let offset_id = field(answer, "msgId");
     i64::from_str_radix(&offset_id[offset_id.len().saturating_sub(16)..], 16).expect("hex offset")
 }

@@ -655,9 +655,10 @@ pub struct PublishConfig {
     /// How long a keyed send is remembered, so its repeat is answered with the first receipt (0 switches the
     /// de-duplication window off).
     pub dedup_window_secs: u64,
-    /// A transactional message only to a topic typed TRANSACTION (or MIXED), and the gRPC SDK told to check a
-    /// message's type against its topic's: Apache's proxy's `enableTopicMessageTypeCheck` (on by default there
-    /// too). Off, a half message goes to any topic, as a broker alone takes it.
+    /// A transactional message only to a topic typed TRANSACTION (or MIXED) on the gRPC and HTTP fronts, and the
+    /// gRPC SDK told to check a message's type against its topic's: Apache's proxy's
+    /// `enableTopicMessageTypeCheck` (on by default there too). Off, a half message goes to any topic, as a broker
+    /// alone takes it (and as the remoting front, whose yardstick is the broker, always takes it).
     pub check_topic_message_type: bool,
 }
 

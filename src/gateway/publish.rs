@@ -1,5 +1,6 @@
 //! Publishing, the same for every front: the caller's `Pub` on the topic, a transactional message only to a
-//! topic typed for transactions, the send under the front's placement and retry key, a half message's
+//! topic typed for transactions (on the fronts whose yardstick is Apache's proxy; a broker takes it on any
+//! topic, and so does the remoting front), the send under the front's placement and retry key, a half message's
 //! record stored before the publish is answered (a commit must find it, after a restart too), and the count of
 //! every publish request by its outcome (`popgate_publish_requests_total`), a front's own refusals of what did
 //! not decode included ([`count_refused_publish`]).
@@ -107,7 +108,7 @@ impl Publishing<'_> {
         let PublishRequest { message, placement, mode, deadline, retry_key, half, received_at: _ } = request;
         let message = message.message();
         may_publish(caller, &message.topic)?;
-        if half && self.publisher.checks_topic_message_type() {
+        if half && self.checks_topic_types() {
             self.check_takes_transactions(&message.topic).await?;
         }
         let published = self
@@ -121,8 +122,17 @@ impl Publishing<'_> {
         Ok(published)
     }
 
-    /// A transactional message may only go to a topic typed TRANSACTION (or MIXED), as Apache's proxy checks
-    /// it on every front (unless its `enableTopicMessageTypeCheck` is off: `publish.check_topic_message_type`).
+    /// Whether a half message sent through this front must go to a topic typed for transactions. On the gRPC
+    /// and HTTP fronts, yes, as Apache's proxy checks it (unless its `enableTopicMessageTypeCheck` is off:
+    /// `publish.check_topic_message_type`). On the remoting front, no: its yardstick is the cluster itself, and
+    /// a broker stores a half message on any topic (it reads a topic's type only for its metrics); a 4.x app's
+    /// topics were made by 4.x tools and have no type, and its transactions must work through popgate as they
+    /// do straight at the cluster.
+    fn checks_topic_types(&self) -> bool {
+        self.front != "remoting" && self.publisher.checks_topic_message_type()
+    }
+
+    /// A transactional message may only go to a topic typed TRANSACTION (or MIXED).
     async fn check_takes_transactions(&self, topic: &str) -> Result<(), GatewayError> {
         match self.publisher.message_type_of(topic).await {
             Ok(Some(kind)) if kind.takes_transactions() => Ok(()),
