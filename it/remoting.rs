@@ -409,7 +409,7 @@ async fn read_answer_within(stream: &mut TcpStream, quiet: Duration) -> Option<R
 }
 
 /// The next whole frame on a raw connection; `None` when the connection closed.
-async fn read_frame(stream: &mut TcpStream) -> Option<RemotingCommand> {
+pub(crate) async fn read_frame(stream: &mut TcpStream) -> Option<RemotingCommand> {
     let mut length = [0u8; 4];
     if let Err(closed) = stream.read_exact(&mut length).await {
         assert_eq!(closed.kind(), std::io::ErrorKind::UnexpectedEof, "read");
@@ -1599,4 +1599,71 @@ async fn the_same_message_sent_again_in_a_new_transaction_is_a_new_transaction_a
         bodies = stored_bodies(cluster, &topic).await;
     }
     assert_eq!(bodies, ["again", "first"], "both transactions were committed");
+}
+
+/// Issue #48: the broker's first check-back of a transaction whose app had not yet registered its producer group
+/// by a heartbeat found nobody at popgate (`no_producer`), and the app's checker was asked only at a later one.
+/// popgate asks the connection the half message came on, as the broker asks the channel it knows: here a raw
+/// client that never heartbeats is asked on its own connection, and its answer commits the message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_check_back_of_a_producer_that_never_heartbeat_is_asked_on_the_half_messages_connection() {
+    let mut spec = crate::harness::rocketmq::ClusterSpec::brokers(&["broker-a"]);
+    spec.broker_conf = vec!["transactionTimeOut=3000".into(), "transactionCheckInterval=3000".into()];
+    let cluster = Cluster::start(&spec);
+    let (popgate, namesrv) = popgate_with_remoting(&cluster, "").await;
+    let topic = unique_topic("rm_tx_nohb");
+    create_topic(&cluster, &topic).await;
+    let broker = cluster.brokers[0].name.clone();
+    let (half, id) = crate::remoting_hostile::raw_send(
+        &topic,
+        &broker,
+        "asked",
+        4, // TRANSACTION_PREPARED_TYPE
+        &[("TRAN_MSG", "true"), ("PGROUP", "rm_tx_nohb_pg")],
+    );
+    // Born now: the broker skips checking a half message born longer ago than it keeps its files (72 h).
+    let mut half = half;
+    half.add_ext_field("g", chrono::Utc::now().timestamp_millis().to_string());
+    let mut stream = TcpStream::connect(&namesrv).await.expect("connect");
+    let sent = ask(&mut stream, half).await.expect("answered");
+    assert_eq!(sent.code(), 0, "{:?}", sent.remark());
+
+    // No heartbeat, no end: the broker checks the transaction back (after 3 s, every 3 s), and popgate asks here.
+    let check = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            let frame = read_frame(&mut stream).await.expect("the connection stays open");
+            if frame.code() == 39 {
+                return frame;
+            }
+        }
+    })
+    .await;
+    let Ok(check) = check else {
+        let asked = popgate.metric("popgate_transaction_checks_total{outcome=\"forwarded\"}").await;
+        let nobody = popgate.metric("popgate_transaction_checks_total{outcome=\"no_producer\"}").await;
+        panic!("no CHECK_TRANSACTION_STATE on the half message's connection within 60 s: {asked} check-backs forwarded, {nobody} to nobody");
+    };
+    let header = |name: &str| crate::remoting_hostile::field(&check, name);
+    assert_eq!(header("msgId"), id, "about its own half message");
+    let commit = raw_request(
+        37,
+        &[
+            ("producerGroup", "rm_tx_nohb_pg"),
+            ("tranStateTableOffset", &header("tranStateTableOffset")),
+            ("commitLogOffset", &header("commitLogOffset")),
+            ("commitOrRollback", "8"),
+            ("fromTransactionCheck", "true"),
+            ("msgId", &id),
+            ("transactionId", &id),
+            ("topic", &topic),
+            ("bname", &broker),
+        ],
+    )
+    .mark_oneway_rpc();
+    send(&mut stream, commit).await;
+    eventually(Duration::from_secs(30), "the checked-back message is committed", || async {
+        stored_bodies(&cluster, &topic).await == ["asked"]
+    })
+    .await;
+    assert!(popgate.metric("popgate_transaction_checks_total{outcome=\"forwarded\"}").await >= 1.0);
 }

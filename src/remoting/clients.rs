@@ -209,7 +209,16 @@ pub(super) struct Clients {
     kept_bytes: AtomicUsize,
     /// The most of them ([`MAX_KEPT_HEARTBEAT_BYTES`]).
     max_kept_bytes: usize,
+    /// The connection each recent half message came on, by transaction id, and its caller: asked at a
+    /// check-back when no producer of the group has registered (yet) by a heartbeat.
+    half_senders: moka::sync::Cache<String, (Connection, Caller)>,
 }
+
+/// The most half messages whose connection is remembered for their check-back, and for how long: a broker
+/// checks a transaction back from `transactionTimeOut` (6 s) on, every `transactionCheckInterval` (30 s), and a
+/// producer that keeps its connection heartbeats within 30 s, after which its registration answers instead.
+const MAX_HALF_SENDERS: u64 = 100_000;
+const HALF_SENDER_KEPT: Duration = Duration::from_secs(600);
 
 /// The largest heartbeat body taken: a client's groups and subscriptions, a few hundred bytes each (a client
 /// subscribing to thousands of topics stays under it). A larger one is refused.
@@ -230,7 +239,27 @@ impl Clients {
             expiry,
             kept_bytes: AtomicUsize::new(0),
             max_kept_bytes: MAX_KEPT_HEARTBEAT_BYTES,
+            half_senders: moka::sync::Cache::builder()
+                .max_capacity(MAX_HALF_SENDERS)
+                .time_to_live(HALF_SENDER_KEPT)
+                .build(),
         }
+    }
+
+    /// `caller` sent the half message of transaction `transaction_id` on `connection`.
+    pub fn sent_half(&self, transaction_id: &str, connection: &Connection, caller: &Caller) {
+        self.half_senders.insert(transaction_id.to_owned(), (connection.clone(), caller.clone()));
+    }
+
+    /// Who to ask about transaction `transaction_id` of `topic` and producer `group`: the producer of the group
+    /// that heartbeat last (of those whose token may publish to the topic), or else the connection its half
+    /// message came on, as a broker asks the channel of a producer it knows (an app checked back before its
+    /// first heartbeat reached popgate).
+    pub fn check_back_connection(&self, transaction_id: &str, group: &str, topic: &str) -> Option<Connection> {
+        self.producer_connection(group, topic).or_else(|| {
+            let (connection, caller) = self.half_senders.get(transaction_id)?;
+            gateway::may_be_checked_back(&caller, topic).then_some(connection)
+        })
     }
 
     /// Takes a heartbeat of `caller` from `connection`; the consumer groups it joined or left, whose members are

@@ -28,6 +28,7 @@ use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
 use sha2::Digest;
 
 use super::codes;
+use super::connection::Connection;
 use super::service::{Front, Refusal};
 use crate::auth::Caller;
 use crate::gateway::below::{
@@ -38,7 +39,12 @@ use crate::gateway::{self, PublishRefused, PublishRequest};
 use crate::publish::limits::POPGATE_PROPERTY_PREFIX;
 use crate::publish::{OutgoingMessage, Placement, SendMode};
 
-pub(super) async fn send_message(front: &Front, caller: &Caller, request: RemotingCommand) -> RemotingCommand {
+pub(super) async fn send_message(
+    front: &Front,
+    connection: &Connection,
+    caller: &Caller,
+    request: RemotingCommand,
+) -> RemotingCommand {
     let received_at = Instant::now();
     let publish = match decode(front, &request, received_at).await {
         Ok(publish) => publish,
@@ -47,9 +53,15 @@ pub(super) async fn send_message(front: &Front, caller: &Caller, request: Remoti
             return refused.answer();
         }
     };
+    let transactional = publish.half;
     match front.publishing().publish(caller, publish).await {
         Ok(published) => match published.receipt {
-            Some(receipt) => stored(&receipt),
+            Some(receipt) => {
+                if transactional {
+                    front.clients.sent_half(&receipt.message_id, connection, caller);
+                }
+                stored(&receipt)
+            }
             None => RemotingCommand::create_success_response_command(),
         },
         Err(failed) => Refusal::from(failed).answer(),

@@ -172,7 +172,7 @@ impl Front {
     async fn serve_as(&self, connection: &Connection, caller: &Caller, request: RemotingCommand) -> Option<Reply> {
         let answer = match request.code() {
             codes::SEND_MESSAGE | codes::SEND_MESSAGE_V2 | codes::SEND_BATCH_MESSAGE => {
-                send::send_message(self, caller, request).await
+                send::send_message(self, connection, caller, request).await
             }
             codes::END_TRANSACTION => transaction::end_transaction(self, caller, &request).await,
             codes::HEART_BEAT => return Some(relay::heartbeat(self, connection, caller, &request).await),

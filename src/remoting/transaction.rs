@@ -140,12 +140,13 @@ fn recorded(front: &Front, request: &RemotingCommand) -> Option<String> {
 
 impl CheckForwarder for Front {
     /// Asks the producer of the half message's group that heartbeat last (of those whose token may publish to
-    /// the half message's topic), one-way as a broker asks; its answer comes back as an `END_TRANSACTION` with
-    /// `fromTransactionCheck`.
+    /// the half message's topic), or else the connection the half message came on, one-way as a broker asks;
+    /// its answer comes back as an `END_TRANSACTION` with `fromTransactionCheck`.
     fn forward(&self, orphan: &Orphan) -> bool {
         let Some(check) = &orphan.remoting else { return false };
         let topic = orphan.event.topic.as_ref();
-        let Some(connection) = self.clients.producer_connection(&check.producer_group, topic) else { return false };
+        let connection = self.clients.check_back_connection(&orphan.transaction_id, &check.producer_group, topic);
+        let Some(connection) = connection else { return false };
         let mut push = RemotingCommand::create_remoting_command(codes::CHECK_TRANSACTION_STATE)
             .mark_oneway_rpc()
             .set_body(check.encoded.clone());
