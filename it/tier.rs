@@ -14,14 +14,14 @@ use popgate::grpc::proto::{self as pb, Code};
 use popgate::tier::proto::{self as peer, peer_client::PeerClient};
 
 use crate::grpc_raw::{connect, handle_of, receive_published_signed, receive_request, request, resource};
-use crate::harness::balancer::Balancer;
+use crate::harness::balancer::{Backend, Balancer};
 use crate::harness::direct::Direct;
 use crate::harness::popgate::{status_and_json, Popgate};
 use crate::harness::push::SseClient;
 use crate::harness::remoting::RemotingClient;
 use crate::harness::rocketmq::Cluster;
 use crate::harness::sdk::Sdk;
-use crate::harness::{free_port, unique_topic};
+use crate::harness::{eventually, free_port, unique_topic};
 use crate::publish::shared_cluster;
 use crate::transaction::{create_transaction_topic, stored_bodies};
 
@@ -98,8 +98,9 @@ async fn forwarded(instances: &[Popgate], action: &str, result: &str) -> f64 {
 async fn a_subscriber_settles_through_a_round_robin_balancer_whatever_instance_each_request_reaches() {
     let cluster = shared_cluster();
     let (topic, group) = (unique_topic("tier"), unique_topic("tier_g"));
-    let instances = start_tier(&cluster.namesrv_addr, "ack_timeout_ms = 5000").await;
-    let backends: Vec<String> = instances.iter().map(|p| p.base.trim_start_matches("http://").to_owned()).collect();
+    let mut instances = start_tier(&cluster.namesrv_addr, "ack_timeout_ms = 5000").await;
+    let backends: Vec<Backend> =
+        instances.iter().map(|p| Backend::of(p, p.base.trim_start_matches("http://"))).collect();
     let balancer = Balancer::http(&backends).await;
     let (base, client) = (balancer.base(), Client::new());
 
@@ -160,6 +161,30 @@ async fn a_subscriber_settles_through_a_round_robin_balancer_whatever_instance_e
     an_sse_subscribers_acks_land_whatever_instance_they_reach(&base, &topic).await;
     a_grpc_handle_is_settled_on_another_instance_than_the_one_that_issued_it(&instances, &base).await;
     a_transaction_ends_on_another_instance_than_the_one_that_recorded_it(cluster, &instances).await;
+    a_killed_instance_is_taken_out_by_the_balancers_readyz_check(&mut instances[2], &balancer, &topic).await;
+}
+
+/// The balancer checks `/readyz` (the README's HAProxy configuration): an instance `kill -9`ed is taken out
+/// within a few checks, and every request after that is served by the others.
+async fn a_killed_instance_is_taken_out_by_the_balancers_readyz_check(
+    instance: &mut Popgate,
+    balancer: &Balancer,
+    topic: &str,
+) {
+    instance.kill9();
+    let taken_out = Instant::now();
+    eventually(Duration::from_secs(20), "HAProxy's /readyz checks take the killed instance out", || async {
+        balancer.is_down(2).await
+    })
+    .await;
+    println!("tier: a killed instance was taken out by the balancer in {:?}", taken_out.elapsed());
+    let client = Client::new();
+    for n in 0..12 {
+        let event = json!({"topic": topic, "data": format!("after-{n}")});
+        let (status, answer) =
+            call(&client, &balancer.base(), reqwest::Method::POST, "/events/publish", APP.1, Some(event)).await;
+        assert_eq!(status, 200, "every request served by the instances left: {answer}");
+    }
 }
 
 /// An SSE stream opened through the balancer stays on one instance; its subscriber's ACKs, each a request of
@@ -608,8 +633,9 @@ async fn rocketmq_clients_settle_through_a_tcp_balancer_that_moves_their_connect
         )
     })
     .await;
-    let grpc_backends: Vec<String> = instances.iter().map(|p| p.grpc.clone()).collect();
-    let remoting_backends: Vec<String> = remoting_ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+    let grpc_backends: Vec<Backend> = instances.iter().map(|p| Backend::of(p, &p.grpc)).collect();
+    let remoting_backends: Vec<Backend> =
+        instances.iter().zip(&remoting_ports).map(|(p, port)| Backend::of(p, &format!("127.0.0.1:{port}"))).collect();
     let grpc = Balancer::tcp_on(free_port(), &grpc_backends).await;
     let remoting = Balancer::tcp_on(remoting_balancer_port, &remoting_backends).await;
 
