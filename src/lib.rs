@@ -1,4 +1,22 @@
-//! popgate: at-least-once HTTP delivery in front of an Apache RocketMQ 5.x cluster.
+//! popgate: a proxy in front of an Apache RocketMQ 5.x cluster that gives applications at-least-once delivery
+//! over HTTP, RocketMQ's 5.x gRPC protocol and its remoting protocol, several instances acting as one.
+//!
+//! # Architecture
+//!
+//! Fronts decode a protocol and map one error type to their codes; the gateway decides what each request may do
+//! and does it, the same for every front; below it, the delivery core (POP, deferred broker ACK, redelivery, the
+//! DLQ), transaction records and the publish path keep their state in the store and talk to the brokers.
+//!
+//! ```text
+//!   api (HTTP)   grpc (MessagingService)   remoting (4.x clients)   tier::server (peer link)
+//!        \                |                        |                        /
+//!         └───────────────┴──────── gateway ───────┴───────────────────────┘
+//!                  (authorization, publishing, reading, settling, ending, client ids)
+//!                 /               |                    \                    \
+//!            delivery        transaction             publish              tier (other instances)
+//!                 \               |                    /
+//!                  └──── store (RocksDB) ─── broker (the cluster) ───┘
+//! ```
 //!
 //! # Layout
 //!
