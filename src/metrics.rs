@@ -155,13 +155,18 @@ pub const REMOTING_READS_PAUSED: &str = "popgate_remoting_reads_paused_total";
 pub const REMOTING_FRAME_BUDGET_WAITS: &str = "popgate_remoting_frame_budget_waits_total";
 /// Gauge: remoting requests being served now, over every connection.
 pub const REMOTING_REQUESTS_IN_FLIGHT: &str = "popgate_remoting_requests_in_flight";
+/// Counter: HTTP connections closed at once because `server.max_connections` were open.
+pub const HTTP_CONNECTIONS_REFUSED: &str = "popgate_http_connections_refused_total";
+/// Counter (`reason`): HTTP connections popgate closed on a client that went quiet (`idle`: no request head
+/// completed for `server.idle_timeout_secs`).
+pub const HTTP_CONNECTIONS_CLOSED: &str = "popgate_http_connections_closed_total";
 /// Gauge (`kind`): gRPC clients seen in the last minute (producer, push_consumer, simple_consumer, other).
 pub const GRPC_CLIENTS: &str = "popgate_grpc_clients";
 /// 1 while the broker is weaker than the reliability profile (flush or replication), else 0.
 pub const PROFILE_MISMATCH: &str = "popgate_profile_mismatch";
 /// Requests refused before or by their handler for a limit or for authentication, by `reason`
 /// (unauthenticated, forbidden, uri_too_long, headers_too_large, body_too_large, batch_too_large,
-/// too_many_waiters, too_many_streams, too_many_open_calls, too_many_clients, stale_signature,
+/// body_timeout, too_many_waiters, too_many_streams, too_many_open_calls, too_many_clients, stale_signature,
 /// too_many_tier_ends).
 pub const REQUESTS_REJECTED: &str = "popgate_requests_rejected_total";
 /// TLS handshakes that failed or timed out.
@@ -237,6 +242,7 @@ const ZERO_SERIES: &[(&str, &str, &[&str])] = &[
     (PUSH_WRITE_FAILURES, "transport", &["sse", "websocket", "webhook"]),
     (REMOTING_FRAME_ERRORS, "reason", &["oversize", "undecodable", "truncated", "bad_header"]),
     (REMOTING_CONNECTIONS_CLOSED, "reason", &["idle", "not_reading"]),
+    (HTTP_CONNECTIONS_CLOSED, "reason", &["idle"]),
     (REMOTING_REREGISTRATIONS, "result", &["ok", "failed", "coalesced"]),
     (REMOTING_ROUTE_ANSWERS, "source", &["cache", "name_server", "stale"]),
     (CLUSTER_ACL_READS, "result", &["ok", "failed"]),
@@ -257,6 +263,7 @@ const ZERO_SERIES: &[(&str, &str, &[&str])] = &[
             "uri_too_long",
             "headers_too_large",
             "body_too_large",
+            "body_timeout",
             "batch_too_large",
             "too_many_waiters",
             "too_many_streams",
@@ -281,6 +288,7 @@ pub const STATS_REFRESH_OPS: &[&str] = &["backlog", "dlq_depth"];
 
 /// Counters without labels, registered at 0 at start for the same reason.
 const ZERO_COUNTERS: &[&str] = &[
+    HTTP_CONNECTIONS_REFUSED,
     REMOTING_CONNECTIONS_REFUSED,
     REMOTING_READS_PAUSED,
     REMOTING_FRAME_BUDGET_WAITS,
@@ -416,6 +424,16 @@ fn describe_all() {
         "Times a remoting connection waited to read a large frame: the front had its most bytes of them in."
     );
     describe_gauge!(REMOTING_REQUESTS_IN_FLIGHT, "Remoting requests being served now.");
+    describe_counter!(
+        HTTP_CONNECTIONS_REFUSED,
+        Unit::Count,
+        "HTTP connections closed at once because server.max_connections were open."
+    );
+    describe_counter!(
+        HTTP_CONNECTIONS_CLOSED,
+        Unit::Count,
+        "HTTP connections closed on a client that completed no request head in time, by reason."
+    );
     describe_counter!(TRANSACTIONS_ENDED, Unit::Count, "Transaction ends, by resolution and result.");
     describe_counter!(TRANSACTION_CHECKS, Unit::Count, "Brokers' transaction check-backs, by outcome.");
     describe_counter!(CLUSTER_ACL_READS, Unit::Count, "Reads of the cluster's ACL 2.0 users and ACLs, by result.");

@@ -546,6 +546,16 @@ pub struct ServerConfig {
     pub max_streams_per_token: usize,
     /// Most delivery ids in one batch ACK.
     pub max_ack_batch: usize,
+    /// Most HTTP connections open at once; one more is closed at once. Without it, clients that open
+    /// connections and hold them take every file descriptor, the brokers' and the state store's included.
+    pub max_connections: usize,
+    /// A connection that completes no request head for this long is closed: one that sends nothing, waits
+    /// between requests (keep-alive) or sends its headers a byte at a time. A long poll or a stream in progress is
+    /// not idle.
+    pub idle_timeout_secs: u64,
+    /// A request's body must have arrived this long after its head, or it is answered 408 (a client sending it
+    /// a byte at a time would otherwise hold its connection and the body read so far for ever).
+    pub body_timeout_secs: u64,
 }
 
 impl Default for ServerConfig {
@@ -560,6 +570,9 @@ impl Default for ServerConfig {
             max_waiters_per_token: 256,
             max_streams_per_token: 64,
             max_ack_batch: 1_000,
+            max_connections: 10_000,
+            idle_timeout_secs: 60,
+            body_timeout_secs: 60,
         }
     }
 }
