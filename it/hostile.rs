@@ -12,6 +12,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
+use popgate::grpc::proto::{self as pb, messaging_service_client::MessagingServiceClient, Code};
+
+use crate::grpc_raw::{request, resource};
 use crate::harness::popgate::Popgate;
 use crate::harness::unique_topic;
 use crate::publish::shared_cluster;
@@ -151,6 +154,7 @@ async fn http_port_closes_idle_and_slow_clients_refuses_bad_bodies_and_serves_a_
     let limits = "[server]\nidle_timeout_secs = 3\nbody_timeout_secs = 3\nmax_connections = 600\n\
                   [publish]\nmax_message_bytes = 1048576\n";
     let popgate = Popgate::start(&cluster.namesrv_addr, limits).await;
+    let began = Instant::now();
     let (topic, group) = (unique_topic("hostile_http"), unique_topic("g_hostile_http"));
     crate::grpc::create_topic(cluster, &topic).await;
     let addr = host_port(&popgate.base);
@@ -309,4 +313,292 @@ async fn http_port_closes_idle_and_slow_clients_refuses_bad_bodies_and_serves_a_
         let counted = popgate.metric(series).await;
         assert!(counted >= at_least, "{series}: {counted}, at least {at_least}");
     }
+    println!("the test took {:?} after popgate started", began.elapsed());
+}
+
+/// The HTTP/2 connection preface a client sends first.
+const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+/// HTTP/2 frame types and the error code the tests look for.
+const DATA: u8 = 0x0;
+const HEADERS: u8 = 0x1;
+const RST_STREAM: u8 = 0x3;
+const SETTINGS: u8 = 0x4;
+const REFUSED_STREAM: u32 = 0x7;
+/// `SETTINGS_MAX_CONCURRENT_STREAMS`.
+const MAX_CONCURRENT_STREAMS: u16 = 0x3;
+
+/// One HTTP/2 frame.
+fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let length = u32::try_from(payload.len()).expect("a small frame").to_be_bytes();
+    let mut frame = length[1..].to_vec();
+    frame.extend_from_slice(&[kind, flags]);
+    frame.extend_from_slice(&stream.to_be_bytes());
+    frame.extend_from_slice(payload);
+    frame
+}
+
+/// The HEADERS frame (END_HEADERS, the stream left open) of a gRPC call of `method` on stream `stream`, its
+/// header block in HPACK without indexing or Huffman coding.
+fn grpc_call_headers(stream: u32, method: &str) -> Vec<u8> {
+    let path = format!("/apache.rocketmq.v2.MessagingService/{method}");
+    let literal = |out: &mut Vec<u8>, text: &str| {
+        out.push(u8::try_from(text.len()).expect("under 127 bytes"));
+        out.extend_from_slice(text.as_bytes());
+    };
+    // :method POST and :scheme http from the static table; :path (4), :authority (1) and content-type (31)
+    // with their names from it; te as a new name.
+    let mut block = vec![0x83, 0x86, 0x04];
+    literal(&mut block, &path);
+    block.push(0x01);
+    literal(&mut block, "popgate");
+    block.extend_from_slice(&[0x0f, 0x10]);
+    literal(&mut block, "application/grpc");
+    block.push(0x00);
+    literal(&mut block, "te");
+    literal(&mut block, "trailers");
+    frame(HEADERS, 0x4, stream, &block)
+}
+
+/// One HTTP/2 frame received: type, flags, stream, payload.
+type Frame = (u8, u8, u32, Vec<u8>);
+
+/// The frames `stream` receives until `done` holds for them, it is closed, or `within` passes.
+async fn frames_until(stream: &mut TcpStream, within: Duration, done: impl Fn(&[Frame]) -> bool) -> Vec<Frame> {
+    let deadline = Instant::now() + within;
+    let mut read = Vec::new();
+    let mut buffer = vec![0u8; 64 * 1024];
+    loop {
+        let frames = parse_frames(&read);
+        let left = deadline.saturating_duration_since(Instant::now());
+        if done(&frames) || left.is_zero() {
+            return frames;
+        }
+        match tokio::time::timeout(left, stream.read(&mut buffer)).await {
+            Ok(Ok(n)) if n > 0 => read.extend_from_slice(&buffer[..n]),
+            _ => return parse_frames(&read),
+        }
+    }
+}
+
+/// The whole frames in `read`.
+fn parse_frames(read: &[u8]) -> Vec<Frame> {
+    let mut frames = Vec::new();
+    let mut at = 0;
+    while read.len() >= at + 9 {
+        let length = usize::from(read[at]) << 16 | usize::from(read[at + 1]) << 8 | usize::from(read[at + 2]);
+        if read.len() < at + 9 + length {
+            break;
+        }
+        let stream_id = u32::from_be_bytes([read[at + 5], read[at + 6], read[at + 7], read[at + 8]]) & 0x7fff_ffff;
+        frames.push((read[at + 3], read[at + 4], stream_id, read[at + 9..at + 9 + length].to_vec()));
+        at += 9 + length;
+    }
+    frames
+}
+
+/// How many streams `frames` refuse (`RST_STREAM` with `REFUSED_STREAM`).
+fn refused_streams(frames: &[Frame]) -> usize {
+    frames
+        .iter()
+        .filter(|(kind, _, _, payload)| {
+            *kind == RST_STREAM && payload.get(..4) == Some(&REFUSED_STREAM.to_be_bytes()[..])
+        })
+        .count()
+}
+
+/// A well-behaved gRPC client: sends `good-<n>` to `topic` every 200 ms until `stop`, each answered OK.
+fn good_grpc_sender(
+    popgate: &Popgate,
+    topic: String,
+    mut stop: watch::Receiver<bool>,
+) -> tokio::task::JoinHandle<Served> {
+    let endpoint = format!("http://{}", popgate.grpc);
+    tokio::spawn(async move {
+        let mut client = MessagingServiceClient::connect(endpoint).await.expect("a gRPC connection");
+        let mut served = Served::default();
+        while !*stop.borrow() {
+            let started = Instant::now();
+            let message = pb::Message {
+                topic: resource(&topic),
+                user_properties: Default::default(),
+                system_properties: Some(pb::SystemProperties {
+                    message_id: format!("01{:030X}", rand::random::<u64>()),
+                    ..Default::default()
+                }),
+                body: format!("good-{}", served.count).into_bytes().into(),
+            };
+            let send = tokio::time::timeout(
+                Duration::from_secs(30),
+                client.send_message(request(pb::SendMessageRequest { messages: vec![message] }, None)),
+            )
+            .await;
+            let wrong = match send {
+                Ok(Ok(answer)) => {
+                    let code = answer.get_ref().status.as_ref().map_or(0, |s| s.code);
+                    (code != Code::Ok as i32).then(|| format!("{:?}", answer.get_ref()))
+                }
+                Ok(Err(status)) => Some(format!("{status:?}")),
+                Err(_) => Some("no answer in 30 s".to_owned()),
+            };
+            served.note(started.elapsed(), wrong);
+            let _ = tokio::time::timeout(Duration::from_millis(200), stop.changed()).await;
+        }
+        served
+    })
+}
+
+/// The gRPC port. Meanwhile a well-behaved gRPC client sends a message every 200 ms, each answered OK:
+/// - 300 TCP connections that send nothing, and 50 that send part of the HTTP/2 preface: closed within the 10 s
+///   a client has to open its connection;
+/// - the preface, then garbage: closed;
+/// - 300 streams opened at once on one connection: at most `grpc.max_concurrent_streams` (100 here, advertised
+///   in the server's SETTINGS) taken, the others refused (`REFUSED_STREAM`);
+/// - a call whose request message never finishes: ended after `grpc.call_timeout_secs`;
+/// - a message over the 16 MiB gRPC limit: `RESOURCE_EXHAUSTED`, as Apache's proxy answers it, without reading
+///   it in; one within it but over the broker's body limit: `MESSAGE_BODY_TOO_LARGE` in the answer's status;
+/// - 1 000 made-up client ids: `grpc.max_clients` (300) tracked, the others refused `TOO_MANY_REQUESTS`.
+///
+/// popgate's RSS grows by less than 64 MiB.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_port_closes_half_open_connections_bounds_streams_messages_and_clients_and_serves_a_good_client() {
+    let cluster = shared_cluster();
+    let config =
+        "[grpc]\nlisten = \"127.0.0.1:0\"\nmax_clients = 300\nmax_concurrent_streams = 100\ncall_timeout_secs = 3\n";
+    let popgate = Popgate::start(&cluster.namesrv_addr, config).await;
+    let began = Instant::now();
+    let (topic, group) = (unique_topic("hostile_grpc"), unique_topic("g_hostile_grpc"));
+    crate::grpc::create_topic(cluster, &topic).await;
+    let rss_before = popgate.rss_kib();
+    let (stop, stopped) = watch::channel(false);
+    let good = good_grpc_sender(&popgate, topic.clone(), stopped);
+
+    // Connections that send nothing, or a part of the preface: closed, all of them.
+    let mut half_open = Vec::new();
+    for n in 0..350 {
+        let mut stream = TcpStream::connect(&popgate.grpc).await.expect("connect");
+        if n >= 300 {
+            stream.write_all(&PREFACE[..16]).await.expect("write");
+        }
+        half_open.push(stream);
+    }
+    // The preface, then garbage: a protocol error, the connection closed.
+    let mut garbage = TcpStream::connect(&popgate.grpc).await.expect("connect");
+    garbage.write_all(PREFACE).await.expect("write");
+    garbage.write_all(&[0xff; 64]).await.expect("write");
+    assert!(
+        closed_within(&mut garbage, Duration::from_secs(10)).await,
+        "garbage after the preface closes the connection"
+    );
+    let started = Instant::now();
+    let closed = closed_count(&mut half_open[..300], Duration::from_secs(25)).await;
+    let half_closed = closed_count(&mut half_open[300..], Duration::from_secs(25)).await;
+    println!(
+        "connections that sent nothing: {closed} of 300 closed; part of the preface: {half_closed} of 50, in {:?}",
+        started.elapsed()
+    );
+    assert_eq!((closed, half_closed), (300, 50), "every half-open connection is closed");
+
+    // A flood of streams on one connection: the server's bound is advertised, and past it streams are refused.
+    let mut flood = TcpStream::connect(&popgate.grpc).await.expect("connect");
+    flood.write_all(PREFACE).await.expect("write");
+    flood.write_all(&frame(SETTINGS, 0, 0, &[])).await.expect("write");
+    let server_settings =
+        |frames: &[Frame]| frames.iter().any(|(kind, flags, _, _)| *kind == SETTINGS && flags & 1 == 0);
+    let settings = frames_until(&mut flood, Duration::from_secs(10), server_settings).await;
+    let advertised = settings
+        .iter()
+        .filter(|(kind, flags, _, _)| *kind == SETTINGS && flags & 1 == 0)
+        .flat_map(|(_, _, _, payload)| {
+            payload
+                .chunks(6)
+                .map(|s| (u16::from_be_bytes([s[0], s[1]]), u32::from_be_bytes([s[2], s[3], s[4], s[5]])))
+                .collect::<Vec<_>>()
+        })
+        .find_map(|(id, value)| (id == MAX_CONCURRENT_STREAMS).then_some(value));
+    assert_eq!(advertised, Some(100), "the server's SETTINGS bound the streams: {settings:?}");
+    let mut streams = frame(SETTINGS, 1, 0, &[]);
+    for n in 0..300u32 {
+        streams.extend(grpc_call_headers(2 * n + 1, "Telemetry"));
+    }
+    flood.write_all(&streams).await.expect("write");
+    let answered = frames_until(&mut flood, Duration::from_secs(10), |f| refused_streams(f) >= 200).await;
+    let refused = refused_streams(&answered);
+    println!("300 streams opened at once on one connection: {refused} refused");
+    assert!(refused >= 200, "the streams past the bound are refused: {refused}");
+    drop(flood);
+
+    // A call whose message is announced (1 MiB) and never finished: ended after grpc.call_timeout_secs (3 s).
+    let mut stalled = TcpStream::connect(&popgate.grpc).await.expect("connect");
+    let mut opening = PREFACE.to_vec();
+    opening.extend(frame(SETTINGS, 0, 0, &[]));
+    opening.extend(grpc_call_headers(1, "SendMessage"));
+    let mut part = vec![0u8, 0x00, 0x10, 0x00, 0x00];
+    part.extend_from_slice(&[b'x'; 1000]);
+    opening.extend(frame(DATA, 0, 1, &part));
+    stalled.write_all(&opening).await.expect("write");
+    let started = Instant::now();
+    let call_ended = |frames: &[Frame]| {
+        frames.iter().any(|(kind, _, stream, _)| *stream == 1 && [HEADERS, RST_STREAM].contains(kind))
+    };
+    let answered = frames_until(&mut stalled, Duration::from_secs(20), call_ended).await;
+    let ended = call_ended(&answered);
+    println!("a message announced and never finished: call ended {ended}, after {:?}", started.elapsed());
+    assert!(ended, "the stalled call is ended: {answered:?}");
+
+    // A message over gRPC's limit: refused from its length prefix, as Apache's proxy refuses it.
+    let mut client = MessagingServiceClient::connect(format!("http://{}", popgate.grpc)).await.expect("connect");
+    let message = |body: Vec<u8>| pb::Message {
+        topic: resource(&topic),
+        user_properties: Default::default(),
+        system_properties: Some(pb::SystemProperties { message_id: "01AB".into(), ..Default::default() }),
+        body: body.into(),
+    };
+    let huge = pb::SendMessageRequest { messages: vec![message(vec![b'x'; 17 * 1024 * 1024])] };
+    let refused = client.send_message(request(huge, None)).await.expect_err("over the limit");
+    println!("a 17 MiB message: {:?} {}", refused.code(), refused.message());
+    assert_eq!(refused.code(), tonic::Code::ResourceExhausted, "{refused:?}");
+    let large = pb::SendMessageRequest { messages: vec![message(vec![b'x'; 5 * 1024 * 1024])] };
+    let answer = client.send_message(request(large, None)).await.expect("answered").into_inner();
+    assert_eq!(answer.status.as_ref().map(|s| s.code), Some(Code::MessageBodyTooLarge as i32), "{answer:?}");
+
+    // Made-up client ids: tracked up to grpc.max_clients, the rest refused.
+    let mut taken = 0;
+    let mut too_many = 0;
+    for n in 0..1000 {
+        let mut heartbeat =
+            request(pb::HeartbeatRequest { group: None, client_type: pb::ClientType::Producer as i32 }, None);
+        heartbeat.metadata_mut().insert("x-mq-client-id", format!("made-up@{n}").parse().expect("ascii"));
+        let code = client.heartbeat(heartbeat).await.expect("answered").into_inner().status.map_or(0, |s| s.code);
+        match code {
+            c if c == Code::Ok as i32 => taken += 1,
+            c if c == Code::TooManyRequests as i32 => too_many += 1,
+            other => panic!("a heartbeat answered {other}"),
+        }
+    }
+    let mut tracked = 0.0;
+    for kind in ["producer", "push_consumer", "simple_consumer", "other"] {
+        tracked += popgate.metric(&format!("popgate_grpc_clients{{kind=\"{kind}\"}}")).await;
+    }
+    println!("1000 made-up client ids: {taken} taken, {too_many} refused; {tracked} clients tracked");
+    assert!(taken <= 299 && too_many >= 701, "{taken} taken, {too_many} refused");
+    assert!(tracked <= 300.0, "{tracked} tracked");
+
+    let _ = stop.send(true);
+    let served = good.await.expect("the good client");
+    served.assert_served("the well-behaved gRPC client", 20, Duration::from_secs(10));
+    let rss_after = popgate.rss_kib();
+    println!("popgate RSS {rss_before} KiB before the hostile clients, {rss_after} KiB after");
+    assert!(rss_after < rss_before + RSS_BOUND_KIB, "RSS grew by less than 64 MiB: {rss_before} -> {rss_after} KiB");
+    let received = popgate.poll_until(&group, &topic, served.count, Duration::from_secs(60)).await;
+    assert_eq!(received.len(), served.count, "every message sent is stored once");
+
+    for (series, at_least) in [
+        ("popgate_tls_handshake_failures_total", 350.0),
+        ("popgate_requests_rejected_total{reason=\"too_many_clients\"}", 701.0),
+        ("popgate_requests_rejected_total{reason=\"body_too_large\"}", 1.0),
+    ] {
+        let counted = popgate.metric(series).await;
+        assert!(counted >= at_least, "{series}: {counted}, at least {at_least}");
+    }
+    println!("the test took {:?} after popgate started", began.elapsed());
 }

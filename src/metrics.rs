@@ -164,7 +164,8 @@ pub const HTTP_CONNECTIONS_CLOSED: &str = "popgate_http_connections_closed_total
 pub const GRPC_CLIENTS: &str = "popgate_grpc_clients";
 /// 1 while the broker is weaker than the reliability profile (flush or replication), else 0.
 pub const PROFILE_MISMATCH: &str = "popgate_profile_mismatch";
-/// Requests refused before or by their handler for a limit or for authentication, by `reason`
+/// Requests refused before or by their handler for a limit or for authentication (`body_too_large`: an HTTP
+/// body, or a gRPC message over the front's decoding limit), by `reason`
 /// (unauthenticated, forbidden, uri_too_long, headers_too_large, body_too_large, batch_too_large,
 /// body_timeout, too_many_waiters, too_many_streams, too_many_open_calls, too_many_clients, stale_signature,
 /// too_many_tier_ends).

@@ -262,6 +262,15 @@ pub struct GrpcConfig {
     /// HTTP/2 keep-alive: a PING after this long without frames; a connection that does not answer within
     /// as long again is closed (0 switches it off).
     pub keepalive_secs: u64,
+    /// Most calls (HTTP/2 streams) one connection may have open at once, advertised to the client; a client
+    /// that opens more has them refused (`REFUSED_STREAM`). An SDK client keeps one per long poll, one
+    /// Telemetry stream, and its calls in flight.
+    pub max_concurrent_streams: u32,
+    /// A call's request must have been read and its answer begun within this long, or the call is ended
+    /// (gRPC `CANCELLED`): a client sending its request message a byte at a time would otherwise hold the call,
+    /// and what it sent of the message, for as long as it likes. A long poll's answer begins at once (its
+    /// messages follow), so it is not cut; a client's own deadline (`grpc-timeout`) applies when shorter.
+    pub call_timeout_secs: u64,
 }
 
 impl Default for GrpcConfig {
@@ -276,6 +285,8 @@ impl Default for GrpcConfig {
             max_streams_per_token: 10_000,
             max_clients: 100_000,
             keepalive_secs: 30,
+            max_concurrent_streams: 1_000,
+            call_timeout_secs: 60,
         }
     }
 }
