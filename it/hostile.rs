@@ -4,19 +4,23 @@
 //! connection is closed or answered with a clear refusal (counted), and that popgate's memory stays bounded
 //! (its RSS printed before and after).
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use futures::future::join_all;
+use futures::StreamExt;
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
 use popgate::grpc::proto::{self as pb, messaging_service_client::MessagingServiceClient, Code};
+use popgate::tier::proto::{self as peer, peer_client::PeerClient};
+use tonic::transport::Channel;
 
 use crate::grpc_raw::{request, resource};
 use crate::harness::popgate::Popgate;
-use crate::harness::unique_topic;
+use crate::harness::{free_port, unique_topic};
 use crate::publish::shared_cluster;
 
 /// How much popgate's RSS may grow over a test's floods (the remoting test's bound).
@@ -600,5 +604,174 @@ async fn grpc_port_closes_half_open_connections_bounds_streams_messages_and_clie
         let counted = popgate.metric(series).await;
         assert!(counted >= at_least, "{series}: {counted}, at least {at_least}");
     }
+    println!("the test took {:?} after popgate started", began.elapsed());
+}
+
+/// A signed peer request as the tier signs one, carrying `signature` (see `tier::peer_signature`).
+fn signed_settle(delivery_id: &str) -> peer::SettleRequest {
+    peer::SettleRequest {
+        caller: crate::tier::APP.0.into(),
+        source_ip: "127.0.0.1".into(),
+        delivery_id: delivery_id.into(),
+        hand_out: None,
+        group: None,
+        action: Some(peer::settle_request::Action::Ack(peer::Ack {})),
+    }
+}
+
+/// What the peer link answered a flood of requests: how many with each gRPC code.
+async fn flood_peer(
+    client: &PeerClient<Channel>,
+    requests: Vec<tonic::Request<peer::SettleRequest>>,
+) -> BTreeMap<String, usize> {
+    let answers = futures::stream::iter(requests)
+        .map(|request| {
+            let mut client = client.clone();
+            async move {
+                match client.settle(request).await {
+                    Ok(_) => "OK".to_owned(),
+                    Err(status) => format!("{:?}", status.code()),
+                }
+            }
+        })
+        .buffer_unordered(32)
+        .collect::<Vec<String>>()
+        .await;
+    let mut counted = BTreeMap::new();
+    for code in answers {
+        *counted.entry(code).or_insert(0) += 1;
+    }
+    counted
+}
+
+/// The peer link (`tier.listen`) of one instance of a two-instance tier. Meanwhile the other instance settles
+/// 20 of this one's deliveries over it (an app's ACKs that reached the wrong instance), each in time:
+/// - 100 connections that send nothing and 20 that send part of the HTTP/2 preface: closed within 10 s;
+///   garbage instead of the preface, or after it: closed;
+/// - unsigned requests (one naming no action either), requests signed with another secret, and 10 000 signed
+///   for made-up instances with made-up nonces: each `UNAUTHENTICATED` and counted, none remembered (nonces
+///   are taken only from requests the tier's secret signed for this instance);
+/// - a signed request sent again: taken once, refused as a replay the second time;
+/// - 2 000 signed requests with fresh nonces: each taken (the nonce cache holds them, bounded at 500 000).
+///
+/// The instance's RSS grows by less than 64 MiB.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peer_link_refuses_garbage_unsigned_forged_and_replayed_requests_while_a_peer_settles_in_time() {
+    use crate::tier::{assert_acked_at, hand_out, id_of, peer_signature, peer_toml, with_signature, APP};
+    let cluster = shared_cluster();
+    let (port_a, port_b) = (free_port(), free_port());
+    let (toml_a, toml_b) = (peer_toml(0, port_a, &[port_b], "", ""), peer_toml(1, port_b, &[port_a], "", ""));
+    let (a, b) =
+        tokio::join!(Popgate::start(&cluster.namesrv_addr, &toml_a), Popgate::start(&cluster.namesrv_addr, &toml_b));
+    let began = Instant::now();
+    let (topic, group) = (unique_topic("tier_hostile"), unique_topic("tier_g_hostile"));
+    crate::grpc::create_topic(cluster, &topic).await;
+    let http = reqwest::Client::new();
+    for n in 0..20 {
+        let event = json!({"topic": topic, "data": format!("settled-{n}")});
+        let sent = http.post(format!("{}/events/publish", a.base)).bearer_auth(APP.1).json(&event).send().await;
+        assert_eq!(sent.expect("publish").status(), 200);
+    }
+    let held = hand_out(&a, &group, &topic, 20).await;
+    let peer_addr = format!("127.0.0.1:{port_a}");
+    let rss_before = a.rss_kib();
+
+    // Connections that never open as HTTP/2, or open with garbage: closed.
+    let mut half_open = Vec::new();
+    for n in 0..120 {
+        let mut stream = TcpStream::connect(&peer_addr).await.expect("connect");
+        if n >= 100 {
+            stream.write_all(&PREFACE[..16]).await.expect("write");
+        }
+        half_open.push(stream);
+    }
+    for garbage in [vec![0x16, 0x03, 0x01, 0x00, 0xff, 0xff], [PREFACE, &[0xff; 64]].concat()] {
+        let mut stream = TcpStream::connect(&peer_addr).await.expect("connect");
+        stream.write_all(&garbage).await.expect("write");
+        assert!(closed_within(&mut stream, Duration::from_secs(10)).await, "garbage closes the connection");
+    }
+
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{peer_addr}"))
+        .expect("an address")
+        .connect()
+        .await
+        .expect("the peer port");
+    let client = PeerClient::new(channel);
+
+    // The hostile requests run while the other instance settles this one's deliveries over the same port.
+    let hostile = {
+        let client = client.clone();
+        tokio::spawn(async move {
+            let mut requests = Vec::new();
+            // Unsigned, one naming no action at all.
+            requests.push(tonic::Request::new(peer::SettleRequest { action: None, ..signed_settle("it-tier-0~00") }));
+            requests.push(tonic::Request::new(signed_settle("it-tier-0~00")));
+            // Signed with another secret: the tier's signature of another request.
+            let forged = peer_signature("settle", "it-tier-0", &signed_settle("it-tier-0~01"));
+            requests.push(with_signature(signed_settle("it-tier-0~02"), &forged));
+            // Signed for made-up instances, each with a nonce of its own.
+            for n in 0..10_000 {
+                let request = signed_settle(&format!("it-tier-0~{n:04x}"));
+                let signature = peer_signature("settle", &format!("made-up-{n}"), &request);
+                requests.push(with_signature(request, &signature));
+            }
+            let refused = flood_peer(&client, requests).await;
+            // Signed for this instance with fresh nonces: each taken (none is this instance's delivery).
+            let taken = (0..2_000)
+                .map(|n| {
+                    let request = signed_settle(&format!("it-tier-0~f{n:04x}"));
+                    let signature = peer_signature("settle", "it-tier-0", &request);
+                    with_signature(request, &signature)
+                })
+                .collect();
+            let taken = flood_peer(&client, taken).await;
+            (refused, taken)
+        })
+    };
+    let mut slowest = Duration::ZERO;
+    for delivery in &held {
+        let started = Instant::now();
+        assert_acked_at(&b, &id_of(delivery)).await;
+        slowest = slowest.max(started.elapsed());
+    }
+    let (refused, taken) = hostile.await.expect("the hostile client");
+    println!("the other instance's 20 ACKs over the peer link: slowest {slowest:?}");
+    println!("unsigned, forged and made-up requests: {refused:?}; signed with fresh nonces: {taken:?}");
+    assert_eq!(refused.get("Unauthenticated"), Some(&10_003), "every one refused as unauthenticated: {refused:?}");
+    assert_eq!(taken.get("OK"), Some(&2_000), "{taken:?}");
+    assert!(slowest < Duration::from_secs(10), "each settled in time: {slowest:?}");
+
+    // A signed request sent twice: taken once.
+    let request = signed_settle("it-tier-0~ff");
+    let signature = peer_signature("settle", "it-tier-0", &request);
+    let mut again = client.clone();
+    again.settle(with_signature(request.clone(), &signature)).await.expect("taken once");
+    let replayed = again.settle(with_signature(request, &signature)).await.expect_err("not twice");
+    assert_eq!(replayed.code(), tonic::Code::Unauthenticated, "{replayed:?}");
+    assert!(replayed.message().contains("replayed"), "{replayed:?}");
+
+    let closed = closed_count(&mut half_open, Duration::from_secs(25)).await;
+    println!("peer-link connections that never sent the HTTP/2 preface: {closed} of 120 closed");
+    assert_eq!(closed, 120, "every half-open connection is closed");
+    let rss_after = a.rss_kib();
+    println!("popgate RSS {rss_before} KiB before the hostile peer clients, {rss_after} KiB after");
+    assert!(rss_after < rss_before + RSS_BOUND_KIB, "RSS grew by less than 64 MiB: {rss_before} -> {rss_after} KiB");
+
+    let served = |action: &str, result: &str| {
+        format!("popgate_tier_settlements_served_total{{action=\"{action}\",result=\"{result}\"}}")
+    };
+    for (series, at_least) in [
+        (served("ack", "unauthenticated"), 10_002.0),
+        (served("unknown", "unauthenticated"), 1.0),
+        (served("ack", "replayed"), 1.0),
+        (served("ack", "ok"), 20.0),
+        ("popgate_tier_settlements_forwarded_total{action=\"ack\",result=\"ok\"}".to_owned(), 20.0),
+    ] {
+        let instance = if series.contains("forwarded") { &b } else { &a };
+        let counted = instance.metric(&series).await;
+        assert!(counted >= at_least, "{series}: {counted}, at least {at_least}");
+    }
+    let logged = a.output().matches("A peer request was refused").count();
+    assert!(logged < 100, "the refusals are counted, not each logged at warn: {logged} lines");
     println!("the test took {:?} after popgate started", began.elapsed());
 }

@@ -105,8 +105,8 @@ pub const TRANSACTION_CHECK_ANSWERS: &str = "popgate_transaction_check_answers_t
 /// that instance (`result`: ok, refused, unreachable).
 pub const TIER_FORWARDED: &str = "popgate_tier_settlements_forwarded_total";
 /// Counter (`action`, `result`): settlements another instance of the tier asked of this one, transaction ends
-/// (`action` end) and peer look-ups refused (`action` identify) (`result`: ok, refused, not_here,
-/// unauthenticated, replayed, busy).
+/// (`action` end) and peer look-ups refused (`action` identify; `unknown`: a settlement naming no action)
+/// (`result`: ok, refused, not_here, unauthenticated, replayed, busy).
 pub const TIER_SERVED: &str = "popgate_tier_settlements_served_total";
 /// Counter (`action`, `result`): settlements of deliveries whose owner could not be reached, made at the
 /// broker with the lease the handle carries (`action`: ack, nack; `result`: ok, stale, busy).
@@ -170,7 +170,8 @@ pub const PROFILE_MISMATCH: &str = "popgate_profile_mismatch";
 /// body_timeout, too_many_waiters, too_many_streams, too_many_open_calls, too_many_clients, stale_signature,
 /// too_many_tier_ends).
 pub const REQUESTS_REJECTED: &str = "popgate_requests_rejected_total";
-/// TLS handshakes that failed or timed out.
+/// Connections dropped before they were served: a TLS handshake that failed, or no first byte, handshake or
+/// HTTP/2 preface in time.
 pub const TLS_HANDSHAKE_FAILURES: &str = "popgate_tls_handshake_failures_total";
 /// DLQ events replayed by the admin plane, by `result` (replayed, failed).
 pub const DLQ_REPLAYS: &str = "popgate_dlq_replays_total";
@@ -546,7 +547,12 @@ fn describe_all() {
     );
     describe_counter!(SUBSCRIPTIONS_EXPIRED, Unit::Count, "Idle implicit subscriptions removed.");
     describe_counter!(REQUESTS_REJECTED, Unit::Count, "Requests refused for a limit or authentication, by reason.");
-    describe_counter!(TLS_HANDSHAKE_FAILURES, Unit::Count, "TLS handshakes that failed or timed out.");
+    describe_counter!(
+        TLS_HANDSHAKE_FAILURES,
+        Unit::Count,
+        "Connections dropped before they were served: a TLS handshake that failed, or no first byte, handshake or \
+         HTTP/2 preface in time."
+    );
     describe_counter!(DLQ_REPLAYS, Unit::Count, "DLQ events replayed to their origin topic, by result.");
     describe_histogram!(ACK_LATENCY, Unit::Seconds, "Time from dispatch to the subscriber's ACK.");
     describe_gauge!(PROFILE_MISMATCH, "1 while the broker is weaker than the reliability profile, else 0.");

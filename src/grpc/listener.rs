@@ -4,34 +4,28 @@
 //!
 //! Handshakes run in their own tasks, bounded by [`HANDSHAKE_TIMEOUT`], so one slow client never holds up
 //! the accept loop; a failed one is counted (`popgate_tls_handshake_failures_total`) and dropped. The same
-//! time bounds the HTTP/2 preface that follows ([`Connection`]): HTTP/2 waits for it without a timeout of its
-//! own, so a client that sent only part of it held its connection for ever.
+//! time bounds the HTTP/2 preface that follows ([`crate::opening`]).
 
-use std::future::Future;
 use std::io;
 use std::path::Path;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use metrics::counter;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
-use tokio::time::{Instant, Sleep};
+use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::{Connected, TcpConnectInfo};
 
 use crate::metrics as m;
+use crate::opening::Opening;
 use crate::tls::MaybeTls;
 
 /// Longest time a client may take to send its first byte, finish its TLS handshake and send the HTTP/2
 /// connection preface.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// The HTTP/2 connection preface's length (`PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n`).
-const PREFACE_BYTES: usize = 24;
 /// Accepted connections waiting for the server to take them.
 const ACCEPTED_BACKLOG: usize = 128;
 
@@ -78,7 +72,7 @@ pub fn incoming(
             tokio::spawn(async move {
                 match tokio::time::timeout_at(opened_by, crate::tls::sniff(tcp, &acceptor)).await {
                     Ok(Ok(io)) => {
-                        let connection = Connection { io, peer, preface: Some(Preface::due(opened_by)) };
+                        let connection = Opening::new(io, peer, opened_by);
                         let _ = tx.send(Ok(connection)).await;
                     }
                     Ok(Err(error)) => handshake_failed(&peer.to_string(), &error.to_string()),
@@ -96,83 +90,14 @@ fn handshake_failed(peer: &str, error: &str) {
 }
 
 /// One accepted connection, plaintext or TLS, whose HTTP/2 preface must be in by the end of
-/// [`HANDSHAKE_TIMEOUT`]: a read past that, before the preface's bytes came, fails (hyper then closes the
-/// connection), counted in `popgate_tls_handshake_failures_total`.
-pub struct Connection {
-    io: MaybeTls,
-    peer: std::net::SocketAddr,
-    /// Until the preface's bytes are read: how many are left, and by when.
-    preface: Option<Preface>,
-}
+/// [`HANDSHAKE_TIMEOUT`].
+pub type Connection = Opening<MaybeTls>;
 
-struct Preface {
-    left: usize,
-    due: Pin<Box<Sleep>>,
-}
-
-impl Preface {
-    fn due(at: Instant) -> Preface {
-        Preface { left: PREFACE_BYTES, due: Box::pin(tokio::time::sleep_until(at)) }
-    }
-}
-
-impl AsyncRead for Connection {
-    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-        let this = self.get_mut();
-        let before = buf.filled().len();
-        let polled = Pin::new(&mut this.io).poll_read(cx, buf);
-        let Some(preface) = &mut this.preface else { return polled };
-        match &polled {
-            Poll::Ready(Ok(())) => {
-                let read = buf.filled().len() - before;
-                preface.left = preface.left.saturating_sub(read);
-                // All of it came, or the client closed: nothing left to wait for.
-                if preface.left == 0 || read == 0 {
-                    this.preface = None;
-                }
-            }
-            Poll::Pending if preface.due.as_mut().poll(cx).is_ready() => {
-                this.preface = None;
-                handshake_failed(&this.peer.to_string(), "no HTTP/2 preface in time");
-                return Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, "no HTTP/2 preface in time")));
-            }
-            _ => {}
-        }
-        polled
-    }
-}
-
-impl AsyncWrite for Connection {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.io.is_write_vectored()
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_flush(cx)
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
-    }
-}
-
-impl Connected for Connection {
+impl Connected for MaybeTls {
     type ConnectInfo = TcpConnectInfo;
 
     fn connect_info(&self) -> TcpConnectInfo {
-        match &self.io {
+        match self {
             MaybeTls::Plain(tcp) => tcp.connect_info(),
             MaybeTls::Tls(tls) => tls.get_ref().0.connect_info(),
         }

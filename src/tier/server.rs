@@ -8,8 +8,11 @@ use std::future::Future;
 use std::net::IpAddr;
 use std::sync::Arc;
 
+use std::time::Duration;
+
 use metrics::counter;
 use tokio::net::TcpListener;
+use tokio_stream::StreamExt;
 use tonic::{Request, Response, Status};
 
 use super::proto::peer_server::{Peer, PeerServer};
@@ -20,6 +23,10 @@ use crate::auth::{Caller, TokenTable};
 use crate::gateway::below::{DeliveryError, Dispatcher, Transactions};
 use crate::gateway::{Ending, GatewayError, Settling};
 use crate::metrics as m;
+use crate::opening::Opening;
+
+/// Longest time a connection may take to send its HTTP/2 preface.
+const OPENING_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What the peer link's server needs.
 pub struct PeerService {
@@ -51,7 +58,8 @@ impl PeerService {
 }
 
 /// The request `checked` (call `rpc`, for `action`) only if signed for this instance by name; a refusal is
-/// counted and logged.
+/// counted, and logged at debug only: anyone who reaches the port can send refusals without end, and the
+/// instance whose requests are refused logs that it could not ask.
 fn for_this_instance(checked: Result<Recipient, Refused>, rpc: &str, action: &'static str) -> Result<(), Status> {
     match checked {
         Ok(Recipient::This) => Ok(()),
@@ -62,7 +70,7 @@ fn for_this_instance(checked: Result<Recipient, Refused>, rpc: &str, action: &'s
 
 fn refusal(refused: Refused, rpc: &str, action: &'static str) -> Status {
     counter!(m::TIER_SERVED, "action" => action, "result" => refused.label()).increment(1);
-    tracing::warn!(rpc, error = %refused, "A peer request was refused.");
+    tracing::debug!(rpc, error = %refused, "A peer request was refused.");
     refused.status()
 }
 
@@ -113,11 +121,14 @@ impl Peer for PeerService {
     async fn settle(&self, request: Request<pb::SettleRequest>) -> Result<Response<pb::SettleReply>, Status> {
         let checked = self.verifier.check(&request, "settle");
         let request = request.into_inner();
-        let Some((settlement, action)) = wire::asked(&request) else {
+        let asked = wire::asked(&request);
+        // The signature first: a request nobody signed is told nothing about what it carries.
+        let label = asked.as_ref().map_or("unknown", |(_, action)| wire::action_label(action));
+        for_this_instance(checked, "settle", label)?;
+        let Some((settlement, action)) = asked else {
+            counter!(m::TIER_SERVED, "action" => label, "result" => "refused").increment(1);
             return Err(Status::invalid_argument("a settlement names its action"));
         };
-        let label = wire::action_label(&action);
-        for_this_instance(checked, "settle", label)?;
         let caller = caller_of(&self.tokens, &request.caller, &request.source_ip).inspect_err(|_| {
             counter!(m::TIER_SERVED, "action" => label, "result" => "refused").increment(1);
         })?;
@@ -169,7 +180,13 @@ pub async fn serve(
     service: PeerService,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    // A connection has OPENING_TIMEOUT to send its HTTP/2 preface (see `crate::opening`).
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)).map(|accepted| {
+        accepted.and_then(|tcp| {
+            let peer = tcp.peer_addr()?;
+            Ok(Opening::new(tcp, peer, tokio::time::Instant::now() + OPENING_TIMEOUT))
+        })
+    });
     tonic::transport::Server::builder()
         .add_service(PeerServer::new(service))
         .serve_with_incoming_shutdown(incoming, shutdown)
