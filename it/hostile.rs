@@ -458,8 +458,9 @@ fn good_grpc_sender(
 /// - 300 streams opened at once on one connection: at most `grpc.max_concurrent_streams` (100 here, advertised
 ///   in the server's SETTINGS) taken, the others refused (`REFUSED_STREAM`);
 /// - a call whose request message never finishes: ended after `grpc.call_timeout_secs`;
-/// - a message over the 16 MiB gRPC limit: `RESOURCE_EXHAUSTED`, as Apache's proxy answers it, without reading
-///   it in; one within it but over the broker's body limit: `MESSAGE_BODY_TOO_LARGE` in the answer's status;
+/// - a message over the 16 MiB gRPC limit: `RESOURCE_EXHAUSTED` (grpc-go's and gRPC C core's code; Apache's
+///   proxy resets such a stream without a status), without reading it in; one within it but over the broker's
+///   body limit: `MESSAGE_BODY_TOO_LARGE` in the answer's status;
 /// - 1 000 made-up client ids: `grpc.max_clients` (300) tracked, the others refused `TOO_MANY_REQUESTS`.
 ///
 /// popgate's RSS grows by less than 64 MiB.
@@ -549,7 +550,7 @@ async fn grpc_port_closes_half_open_connections_bounds_streams_messages_and_clie
     println!("a message announced and never finished: call ended {ended}, after {:?}", started.elapsed());
     assert!(ended, "the stalled call is ended: {answered:?}");
 
-    // A message over gRPC's limit: refused from its length prefix, as Apache's proxy refuses it.
+    // A message over gRPC's limit: refused from its length prefix, with gRPC's usual code.
     let mut client = MessagingServiceClient::connect(format!("http://{}", popgate.grpc)).await.expect("connect");
     let message = |body: Vec<u8>| pb::Message {
         topic: resource(&topic),

@@ -32,7 +32,8 @@ impl TakenIn {
 }
 
 /// Wraps the gRPC service: every `ReceiveMessage` call gets a [`TakenIn`] watch on its response body (and every
-/// answer to a message over the decoding limit Apache's code, see [`super::status::oversize_as_apache`]).
+/// answer to a message over the decoding limit gRPC's usual code, see
+/// [`super::status::oversize_as_resource_exhausted`]).
 #[derive(Clone)]
 pub(super) struct WatchReceives<S> {
     inner: S,
@@ -70,7 +71,7 @@ where
         let response = self.inner.call(request);
         Box::pin(async move {
             let mut response = response.await?;
-            super::status::oversize_as_apache(response.headers_mut());
+            super::status::oversize_as_resource_exhausted(response.headers_mut());
             Ok(response.map(|body| Watched { body, on_trailers }))
         })
     }
