@@ -341,10 +341,9 @@ fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
     frame
 }
 
-/// The HEADERS frame (END_HEADERS, the stream left open) of a gRPC call of `method` on stream `stream`, its
+/// The HEADERS frame (END_HEADERS, the stream left open) of a gRPC call of `path` on stream `stream`, its
 /// header block in HPACK without indexing or Huffman coding.
-fn grpc_call_headers(stream: u32, method: &str) -> Vec<u8> {
-    let path = format!("/apache.rocketmq.v2.MessagingService/{method}");
+fn call_headers(stream: u32, path: &str) -> Vec<u8> {
     let literal = |out: &mut Vec<u8>, text: &str| {
         out.push(u8::try_from(text.len()).expect("under 127 bytes"));
         out.extend_from_slice(text.as_bytes());
@@ -352,7 +351,7 @@ fn grpc_call_headers(stream: u32, method: &str) -> Vec<u8> {
     // :method POST and :scheme http from the static table; :path (4), :authority (1) and content-type (31)
     // with their names from it; te as a new name.
     let mut block = vec![0x83, 0x86, 0x04];
-    literal(&mut block, &path);
+    literal(&mut block, path);
     block.push(0x01);
     literal(&mut block, "popgate");
     block.extend_from_slice(&[0x0f, 0x10]);
@@ -408,6 +407,45 @@ fn refused_streams(frames: &[Frame]) -> usize {
             *kind == RST_STREAM && payload.get(..4) == Some(&REFUSED_STREAM.to_be_bytes()[..])
         })
         .count()
+}
+
+/// The `SETTINGS_MAX_CONCURRENT_STREAMS` the server of `stream` (a new connection) advertises in its SETTINGS,
+/// once the client's preface and an empty SETTINGS are sent.
+async fn advertised_max_streams(stream: &mut TcpStream) -> Option<u32> {
+    stream.write_all(PREFACE).await.expect("write");
+    stream.write_all(&frame(SETTINGS, 0, 0, &[])).await.expect("write");
+    let server_settings =
+        |frames: &[Frame]| frames.iter().any(|(kind, flags, _, _)| *kind == SETTINGS && flags & 1 == 0);
+    let settings = frames_until(stream, Duration::from_secs(10), server_settings).await;
+    settings
+        .iter()
+        .filter(|(kind, flags, _, _)| *kind == SETTINGS && flags & 1 == 0)
+        .flat_map(|(_, _, _, payload)| {
+            payload
+                .chunks(6)
+                .map(|s| (u16::from_be_bytes([s[0], s[1]]), u32::from_be_bytes([s[2], s[3], s[4], s[5]])))
+                .collect::<Vec<_>>()
+        })
+        .find_map(|(id, value)| (id == MAX_CONCURRENT_STREAMS).then_some(value))
+}
+
+/// How long after a call of `path` to `addr` announced a 1 MiB message and sent 1 000 bytes of it the server
+/// ended the call (answered or reset it); `None` when it did not within 20 s.
+async fn stalled_call_ended_after(addr: &str, path: &str) -> Option<Duration> {
+    let mut stalled = TcpStream::connect(addr).await.expect("connect");
+    let mut opening = PREFACE.to_vec();
+    opening.extend(frame(SETTINGS, 0, 0, &[]));
+    opening.extend(call_headers(1, path));
+    let mut part = vec![0u8, 0x00, 0x10, 0x00, 0x00];
+    part.extend_from_slice(&[b'x'; 1000]);
+    opening.extend(frame(DATA, 0, 1, &part));
+    stalled.write_all(&opening).await.expect("write");
+    let started = Instant::now();
+    let call_ended = |frames: &[Frame]| {
+        frames.iter().any(|(kind, _, stream, _)| *stream == 1 && [HEADERS, RST_STREAM].contains(kind))
+    };
+    let answered = frames_until(&mut stalled, Duration::from_secs(20), call_ended).await;
+    call_ended(&answered).then(|| started.elapsed())
 }
 
 /// A well-behaved gRPC client: sends `good-<n>` to `topic` every 200 ms until `stop`, each answered OK.
@@ -505,25 +543,11 @@ async fn grpc_port_closes_half_open_connections_bounds_streams_messages_and_clie
 
     // A flood of streams on one connection: the server's bound is advertised, and past it streams are refused.
     let mut flood = TcpStream::connect(&popgate.grpc).await.expect("connect");
-    flood.write_all(PREFACE).await.expect("write");
-    flood.write_all(&frame(SETTINGS, 0, 0, &[])).await.expect("write");
-    let server_settings =
-        |frames: &[Frame]| frames.iter().any(|(kind, flags, _, _)| *kind == SETTINGS && flags & 1 == 0);
-    let settings = frames_until(&mut flood, Duration::from_secs(10), server_settings).await;
-    let advertised = settings
-        .iter()
-        .filter(|(kind, flags, _, _)| *kind == SETTINGS && flags & 1 == 0)
-        .flat_map(|(_, _, _, payload)| {
-            payload
-                .chunks(6)
-                .map(|s| (u16::from_be_bytes([s[0], s[1]]), u32::from_be_bytes([s[2], s[3], s[4], s[5]])))
-                .collect::<Vec<_>>()
-        })
-        .find_map(|(id, value)| (id == MAX_CONCURRENT_STREAMS).then_some(value));
-    assert_eq!(advertised, Some(100), "the server's SETTINGS bound the streams: {settings:?}");
+    let advertised = advertised_max_streams(&mut flood).await;
+    assert_eq!(advertised, Some(100), "the server's SETTINGS bound the streams");
     let mut streams = frame(SETTINGS, 1, 0, &[]);
     for n in 0..300u32 {
-        streams.extend(grpc_call_headers(2 * n + 1, "Telemetry"));
+        streams.extend(call_headers(2 * n + 1, "/apache.rocketmq.v2.MessagingService/Telemetry"));
     }
     flood.write_all(&streams).await.expect("write");
     let answered = frames_until(&mut flood, Duration::from_secs(10), |f| refused_streams(f) >= 200).await;
@@ -533,22 +557,9 @@ async fn grpc_port_closes_half_open_connections_bounds_streams_messages_and_clie
     drop(flood);
 
     // A call whose message is announced (1 MiB) and never finished: ended after grpc.call_timeout_secs (3 s).
-    let mut stalled = TcpStream::connect(&popgate.grpc).await.expect("connect");
-    let mut opening = PREFACE.to_vec();
-    opening.extend(frame(SETTINGS, 0, 0, &[]));
-    opening.extend(grpc_call_headers(1, "SendMessage"));
-    let mut part = vec![0u8, 0x00, 0x10, 0x00, 0x00];
-    part.extend_from_slice(&[b'x'; 1000]);
-    opening.extend(frame(DATA, 0, 1, &part));
-    stalled.write_all(&opening).await.expect("write");
-    let started = Instant::now();
-    let call_ended = |frames: &[Frame]| {
-        frames.iter().any(|(kind, _, stream, _)| *stream == 1 && [HEADERS, RST_STREAM].contains(kind))
-    };
-    let answered = frames_until(&mut stalled, Duration::from_secs(20), call_ended).await;
-    let ended = call_ended(&answered);
-    println!("a message announced and never finished: call ended {ended}, after {:?}", started.elapsed());
-    assert!(ended, "the stalled call is ended: {answered:?}");
+    let ended = stalled_call_ended_after(&popgate.grpc, "/apache.rocketmq.v2.MessagingService/SendMessage").await;
+    println!("a message announced and never finished: call ended after {ended:?}");
+    assert!(ended.is_some_and(|after| after < Duration::from_secs(10)), "the stalled call is ended: {ended:?}");
 
     // A message over gRPC's limit: refused from its length prefix, with gRPC's usual code.
     let mut client = MessagingServiceClient::connect(format!("http://{}", popgate.grpc)).await.expect("connect");
@@ -653,7 +664,9 @@ async fn flood_peer(
 ///   for made-up instances with made-up nonces: each `UNAUTHENTICATED` and counted, none remembered (nonces
 ///   are taken only from requests the tier's secret signed for this instance);
 /// - a signed request sent again: taken once, refused as a replay the second time;
-/// - 2 000 signed requests with fresh nonces: each taken (the nonce cache holds them, bounded at 500 000).
+/// - 2 000 signed requests with fresh nonces: each taken (the nonce cache holds them, bounded at 500 000);
+/// - at most 1 000 calls open on a connection (advertised), and a call whose request never finishes ended after
+///   `tier.forward_timeout_ms`.
 ///
 /// The instance's RSS grows by less than 64 MiB.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -741,6 +754,14 @@ async fn peer_link_refuses_garbage_unsigned_forged_and_replayed_requests_while_a
     assert_eq!(refused.get("Unauthenticated"), Some(&10_003), "every one refused as unauthenticated: {refused:?}");
     assert_eq!(taken.get("OK"), Some(&2_000), "{taken:?}");
     assert!(slowest < Duration::from_secs(10), "each settled in time: {slowest:?}");
+
+    // A connection's calls are bounded, and a call whose request never finishes is ended after the deadline the
+    // instances give their calls (tier.forward_timeout_ms, 3 s).
+    let mut streams = TcpStream::connect(&peer_addr).await.expect("connect");
+    assert_eq!(advertised_max_streams(&mut streams).await, Some(1000), "the peer link's SETTINGS bound the streams");
+    let ended = stalled_call_ended_after(&peer_addr, "/popgate.peer.v1.Peer/Settle").await;
+    println!("a peer request announced and never finished: call ended after {ended:?}");
+    assert!(ended.is_some_and(|after| after < Duration::from_secs(10)), "the stalled call is ended: {ended:?}");
 
     // A signed request sent twice: taken once.
     let request = signed_settle("it-tier-0~ff");

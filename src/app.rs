@@ -166,7 +166,9 @@ pub async fn serve(
                 tokens: tokens.clone(),
             };
             let service = PeerService::new(instance, &config.tier.secret, parts);
-            let server = spawn_front("peer link", serve_peer_link(listener, service, stop_asked(&stop_rx)));
+            let call_timeout = Duration::from_millis(config.tier.forward_timeout_ms);
+            let server =
+                spawn_front("peer link", serve_peer_link(listener, service, call_timeout, stop_asked(&stop_rx)));
             (Some(tier as Arc<dyn crate::gateway::Owners>), Some(server))
         }
         None => (None, None),

@@ -27,6 +27,9 @@ use crate::opening::Opening;
 
 /// Longest time a connection may take to send its HTTP/2 preface.
 const OPENING_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most calls one connection may have open at once (tonic sets no bound); an instance's settlements past it
+/// wait in its client for a place.
+const MAX_STREAMS: u32 = 1_000;
 
 /// What the peer link's server needs.
 pub struct PeerService {
@@ -171,13 +174,15 @@ impl Peer for PeerService {
     }
 }
 
-/// Serves the peer link on `listener` until `shutdown` resolves.
+/// Serves the peer link on `listener` until `shutdown` resolves; a call must be read in and answered within
+/// `call_timeout` (`tier.forward_timeout_ms`, the deadline the instances give their own calls).
 ///
 /// # Errors
 /// When the server fails.
 pub async fn serve(
     listener: TcpListener,
     service: PeerService,
+    call_timeout: Duration,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
     // A connection has OPENING_TIMEOUT to send its HTTP/2 preface (see `crate::opening`).
@@ -188,6 +193,10 @@ pub async fn serve(
         })
     });
     tonic::transport::Server::builder()
+        .max_concurrent_streams(MAX_STREAMS)
+        // A call that names no deadline (the instances name theirs) gets theirs: a request sent a byte at a time
+        // is not waited for for ever.
+        .timeout(call_timeout)
         .add_service(PeerServer::new(service))
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await
