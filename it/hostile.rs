@@ -142,7 +142,7 @@ fn good_http_publisher(
 }
 
 /// The HTTP port. Meanwhile a well-behaved client publishes every 200 ms and receives what it published:
-/// - 20 connections that send a request's headers a byte a second (slowloris), and 600 that never send a byte:
+/// - 20 connections that send a request's headers a byte a second (slowloris), and 700 that never send a byte:
 ///   each closed once it has not completed a request head for `server.idle_timeout_secs`, those past
 ///   `server.max_connections` at once;
 /// - a publish declaring a 1 GiB body: 413 naming the body and its limit at once, from its headers, without
@@ -176,9 +176,9 @@ async fn http_port_closes_idle_and_slow_clients_refuses_bad_bodies_and_serves_a_
         slow.push(stream);
     }
     // Connections that never send: past `server.max_connections` (600; the good client's and the slowloris'
-    // are open) closed at once, the others after the idle timeout (3 s), all of them.
+    // are open: about 120 of them) closed at once, the others after the idle timeout (3 s), all of them.
     let mut idle = Vec::new();
-    for _ in 0..600 {
+    for _ in 0..700 {
         idle.push(TcpStream::connect(&addr).await.expect("connect"));
     }
     let trickle = async {
@@ -198,11 +198,11 @@ async fn http_port_closes_idle_and_slow_clients_refuses_bad_bodies_and_serves_a_
     let (idle_closed, (slow_open, slow_took)) = tokio::join!(closed_count(&mut idle, Duration::from_secs(20)), trickle);
     let refused = popgate.metric("popgate_http_connections_refused_total").await;
     println!(
-        "idle connections closed: {idle_closed} of 600 ({refused} at once, past max_connections); slowloris: \
+        "idle connections closed: {idle_closed} of 700 ({refused} at once, past max_connections); slowloris: \
          {slow_open} of 20 still open after {slow_took:?}"
     );
-    assert_eq!(idle_closed, 600, "every connection that never sent a byte is closed");
-    assert!(refused >= 10.0, "the connections past the bound are refused: {refused}");
+    assert_eq!(idle_closed, 700, "every connection that never sent a byte is closed");
+    assert!(refused >= 50.0, "the connections past the bound are refused: {refused}");
     assert_eq!(slow_open, 0, "every connection trickling its headers is closed");
 
     // A body declared larger than the limit: refused from its headers, the body never read.
