@@ -20,6 +20,7 @@ mod go_client;
 mod grpc;
 mod grpc_raw;
 mod harness;
+mod hostile;
 mod metrics;
 mod ordered;
 mod publish;

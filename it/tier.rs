@@ -26,14 +26,14 @@ use crate::publish::shared_cluster;
 use crate::transaction::{create_transaction_topic, stored_bodies};
 
 /// The app whose events the tier delivers, and another app that reaches for them.
-const APP: (&str, &str) = ("tier-app", "tier-app-secret-0123456789");
+pub(crate) const APP: (&str, &str) = ("tier-app", "tier-app-secret-0123456789");
 const OTHER: (&str, &str) = ("tier-other", "tier-other-secret-0123456789");
-const SECRET: &str = "tier-secret-it-0123456789";
+pub(crate) const SECRET: &str = "tier-secret-it-0123456789";
 const EVENTS: usize = 30;
 
 /// The config of instance `n`, its peer link on `port`, looking for peers on `peer_ports`, with `tier_lines` in
 /// its `[tier]` section.
-fn peer_toml(n: usize, port: u16, peer_ports: &[u16], delivery: &str, tier_lines: &str) -> String {
+pub(crate) fn peer_toml(n: usize, port: u16, peer_ports: &[u16], delivery: &str, tier_lines: &str) -> String {
     let peers: Vec<String> = peer_ports.iter().map(|p| format!("\"127.0.0.1:{p}\"")).collect();
     format!(
         "{delivery}\n\
@@ -292,7 +292,7 @@ async fn a_transaction_ends_on_another_instance_than_the_one_that_recorded_it(
 
 /// Polls `group` on instance `instance` (straight, not through the balancer) until it has handed out `count`
 /// deliveries: those deliveries.
-async fn hand_out(instance: &Popgate, group: &str, topic: &str, count: usize) -> Vec<Value> {
+pub(crate) async fn hand_out(instance: &Popgate, group: &str, topic: &str, count: usize) -> Vec<Value> {
     let poll = format!("/events/poll?group={group}&topic={topic}&max=16&waitMs=1000");
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut held = Vec::new();
@@ -305,7 +305,7 @@ async fn hand_out(instance: &Popgate, group: &str, topic: &str, count: usize) ->
     held
 }
 
-fn id_of(delivery: &Value) -> String {
+pub(crate) fn id_of(delivery: &Value) -> String {
     delivery["deliveryId"].as_str().expect("an id").to_owned()
 }
 
@@ -318,7 +318,7 @@ async fn ack_at(instance: &Popgate, id: &str) -> (u16, Value) {
         .await
 }
 
-async fn assert_acked_at(instance: &Popgate, id: &str) {
+pub(crate) async fn assert_acked_at(instance: &Popgate, id: &str) {
     let (status, answer) = ack_at(instance, id).await;
     assert_eq!((status, &answer["status"]), (200, &json!("acked")), "{id}: {answer}");
 }
@@ -532,7 +532,7 @@ async fn ends_of_unknown_transactions_are_asked_of_the_peers_a_bounded_number_at
 /// The peer link's signature of `message` for call `rpc` to instance `to`, made here as the README and
 /// `src/tier/signing.rs` describe it: `<unix ms>:<nonce>:<to>:<HMAC-SHA256>` over the call, the time, the nonce,
 /// the recipient and the message's protobuf encoding.
-fn peer_signature<M: prost::Message>(rpc: &str, to: &str, message: &M) -> String {
+pub(crate) fn peer_signature<M: prost::Message>(rpc: &str, to: &str, message: &M) -> String {
     use hmac::{Hmac, Mac};
     let at_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("after 1970").as_millis();
     let nonce = format!("{:032x}", rand::random::<u128>());
@@ -543,7 +543,7 @@ fn peer_signature<M: prost::Message>(rpc: &str, to: &str, message: &M) -> String
 }
 
 /// `message` carrying `signature` as the peer link's signature.
-fn with_signature<M>(message: M, signature: &str) -> tonic::Request<M> {
+pub(crate) fn with_signature<M>(message: M, signature: &str) -> tonic::Request<M> {
     let mut request = tonic::Request::new(message);
     request.metadata_mut().insert("x-popgate-peer-signature", signature.parse().expect("ascii"));
     request

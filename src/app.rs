@@ -10,6 +10,7 @@ use tokio::net::TcpListener;
 use crate::api::checker::HttpCheckers;
 use crate::api::guard::ConnectionLimits;
 use crate::api::listener::PlainListener;
+use crate::api::server::{serve as serve_http, ConnectionBounds};
 use crate::api::tls::{self, TlsError, TlsListener};
 use crate::api::{self, AppState};
 use crate::auth::TokenTable;
@@ -171,7 +172,9 @@ pub async fn serve(
                 tokens: tokens.clone(),
             };
             let service = PeerService::new(instance, &config.tier.secret, parts);
-            let server = spawn_front("peer link", serve_peer_link(listener, service, tls, stop_asked(&stop_rx)));
+            let call_timeout = Duration::from_millis(config.tier.forward_timeout_ms);
+            let serving = serve_peer_link(listener, service, tls, call_timeout, stop_asked(&stop_rx));
+            let server = spawn_front("peer link", serving);
             (Some(tier as Arc<dyn crate::gateway::Owners>), Some(server))
         }
         None => (None, None),
@@ -227,15 +230,18 @@ pub async fn serve(
         shutdown.await;
         let _ = stop_tx.send(true);
     };
-    // Each request knows its peer's address: ACL entries may be limited to source networks.
-    let router = api::router(state).into_make_service_with_connect_info::<api::guard::PeerAddr>();
+    let bounds = ConnectionBounds {
+        max_connections: state.config.server.max_connections,
+        idle_timeout: Duration::from_secs(state.config.server.idle_timeout_secs),
+    };
+    // Each request knows its peer's address (the server sets it): ACL entries may be limited to source networks.
+    let router = api::router(state);
     let server = async move {
         match tls {
-            Some(tls) => {
-                axum::serve(TlsListener::new(listener, tls)?, router).with_graceful_shutdown(stop_signal).await
-            }
-            None => axum::serve(PlainListener::new(listener), router).with_graceful_shutdown(stop_signal).await,
+            Some(tls) => serve_http(TlsListener::new(listener, tls)?, router, bounds, stop_signal).await,
+            None => serve_http(PlainListener::new(listener), router, bounds, stop_signal).await,
         }
+        Ok::<(), std::io::Error>(())
     };
     // The grace period starts when shutdown is asked for; a request still running after it is dropped.
     let grace_over = grace_elapsed(stop_rx, grace);

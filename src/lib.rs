@@ -36,6 +36,7 @@
 //!   settles a delivery another one handed out.
 //! - [`transaction`]: transactional messages' durable records and their ends.
 //! - [`metrics`]: every metric's name, help text and buckets.
+//! - `opening`: how long a connection to an HTTP/2 port (gRPC, the peer link) may take to open.
 //! - [`cli`]: the operator CLI's client of the admin API.
 //! - [`app`]: wiring and the serve loop; `main.rs` only parses the CLI and waits for a signal.
 //!
@@ -63,6 +64,7 @@ pub mod dlq;
 pub mod gateway;
 pub mod grpc;
 pub mod metrics;
+mod opening;
 pub mod publish;
 pub mod reliability;
 pub mod remoting;

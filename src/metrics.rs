@@ -105,8 +105,8 @@ pub const TRANSACTION_CHECK_ANSWERS: &str = "popgate_transaction_check_answers_t
 /// that instance (`result`: ok, refused, unreachable).
 pub const TIER_FORWARDED: &str = "popgate_tier_settlements_forwarded_total";
 /// Counter (`action`, `result`): settlements another instance of the tier asked of this one, transaction ends
-/// (`action` end) and peer look-ups refused (`action` identify) (`result`: ok, refused, not_here,
-/// unauthenticated, replayed, busy).
+/// (`action` end) and peer look-ups refused (`action` identify; `unknown`: a settlement naming no action)
+/// (`result`: ok, refused, not_here, unauthenticated, replayed, busy).
 pub const TIER_SERVED: &str = "popgate_tier_settlements_served_total";
 /// Counter (`action`, `result`): settlements of deliveries whose owner could not be reached, made at the
 /// broker with the lease the handle carries (`action`: ack, nack; `result`: ok, stale, busy).
@@ -159,17 +159,24 @@ pub const REMOTING_READS_PAUSED: &str = "popgate_remoting_reads_paused_total";
 pub const REMOTING_FRAME_BUDGET_WAITS: &str = "popgate_remoting_frame_budget_waits_total";
 /// Gauge: remoting requests being served now, over every connection.
 pub const REMOTING_REQUESTS_IN_FLIGHT: &str = "popgate_remoting_requests_in_flight";
+/// Counter: HTTP connections closed at once because `server.max_connections` were open.
+pub const HTTP_CONNECTIONS_REFUSED: &str = "popgate_http_connections_refused_total";
+/// Counter (`reason`): HTTP connections popgate closed on a client that went quiet (`idle`: no request head
+/// completed for `server.idle_timeout_secs`).
+pub const HTTP_CONNECTIONS_CLOSED: &str = "popgate_http_connections_closed_total";
 /// Gauge (`kind`): gRPC clients seen in the last minute (producer, push_consumer, simple_consumer, other).
 pub const GRPC_CLIENTS: &str = "popgate_grpc_clients";
 /// 1 while the broker is weaker than the reliability profile (flush or replication), else 0.
 pub const PROFILE_MISMATCH: &str = "popgate_profile_mismatch";
-/// Requests refused before or by their handler for a limit or for authentication, by `reason`
+/// Requests refused before or by their handler for a limit or for authentication (`body_too_large`: an HTTP
+/// body, or a gRPC message over the front's decoding limit), by `reason`
 /// (unauthenticated, forbidden, uri_too_long, headers_too_large, body_too_large, batch_too_large,
-/// too_many_waiters, too_many_streams, too_many_open_calls, too_many_clients, stale_signature,
+/// body_timeout, too_many_waiters, too_many_streams, too_many_open_calls, too_many_clients, stale_signature,
 /// too_many_tier_ends).
 pub const REQUESTS_REJECTED: &str = "popgate_requests_rejected_total";
-/// TLS handshakes that failed or timed out on the client fronts (HTTP, gRPC, remoting); the peer link's are
-/// [`TIER_CONNECTIONS_REFUSED`].
+/// Connections dropped before they were served on the client fronts (HTTP, gRPC, remoting) and the peer link's
+/// plaintext port: a TLS handshake that failed, or no first byte, handshake or HTTP/2 preface in time (the peer
+/// link's refused TLS connections are [`TIER_CONNECTIONS_REFUSED`]).
 pub const TLS_HANDSHAKE_FAILURES: &str = "popgate_tls_handshake_failures_total";
 /// DLQ events replayed by the admin plane, by `result` (replayed, failed).
 pub const DLQ_REPLAYS: &str = "popgate_dlq_replays_total";
@@ -242,6 +249,7 @@ const ZERO_SERIES: &[(&str, &str, &[&str])] = &[
     (PUSH_WRITE_FAILURES, "transport", &["sse", "websocket", "webhook"]),
     (REMOTING_FRAME_ERRORS, "reason", &["oversize", "undecodable", "truncated", "bad_header"]),
     (REMOTING_CONNECTIONS_CLOSED, "reason", &["idle", "not_reading"]),
+    (HTTP_CONNECTIONS_CLOSED, "reason", &["idle"]),
     (REMOTING_REREGISTRATIONS, "result", &["ok", "failed", "coalesced"]),
     (REMOTING_ROUTE_ANSWERS, "source", &["cache", "name_server", "stale"]),
     (CLUSTER_ACL_READS, "result", &["ok", "failed"]),
@@ -262,6 +270,7 @@ const ZERO_SERIES: &[(&str, &str, &[&str])] = &[
             "uri_too_long",
             "headers_too_large",
             "body_too_large",
+            "body_timeout",
             "batch_too_large",
             "too_many_waiters",
             "too_many_streams",
@@ -287,6 +296,7 @@ pub const STATS_REFRESH_OPS: &[&str] = &["backlog", "dlq_depth"];
 
 /// Counters without labels, registered at 0 at start for the same reason.
 const ZERO_COUNTERS: &[&str] = &[
+    HTTP_CONNECTIONS_REFUSED,
     REMOTING_CONNECTIONS_REFUSED,
     REMOTING_READS_PAUSED,
     REMOTING_FRAME_BUDGET_WAITS,
@@ -422,6 +432,16 @@ fn describe_all() {
         "Times a remoting connection waited to read a large frame: the front had its most bytes of them in."
     );
     describe_gauge!(REMOTING_REQUESTS_IN_FLIGHT, "Remoting requests being served now.");
+    describe_counter!(
+        HTTP_CONNECTIONS_REFUSED,
+        Unit::Count,
+        "HTTP connections closed at once because server.max_connections were open."
+    );
+    describe_counter!(
+        HTTP_CONNECTIONS_CLOSED,
+        Unit::Count,
+        "HTTP connections closed on a client that completed no request head in time, by reason."
+    );
     describe_counter!(TRANSACTIONS_ENDED, Unit::Count, "Transaction ends, by resolution and result.");
     describe_counter!(TRANSACTION_CHECKS, Unit::Count, "Brokers' transaction check-backs, by outcome.");
     describe_counter!(CLUSTER_ACL_READS, Unit::Count, "Reads of the cluster's ACL 2.0 users and ACLs, by result.");
@@ -542,7 +562,8 @@ fn describe_all() {
     describe_counter!(
         TLS_HANDSHAKE_FAILURES,
         Unit::Count,
-        "TLS handshakes that failed or timed out on the HTTP, gRPC and remoting fronts."
+        "Connections dropped before they were served: a TLS handshake that failed, or no first byte, handshake or \
+         HTTP/2 preface in time."
     );
     describe_counter!(DLQ_REPLAYS, Unit::Count, "DLQ events replayed to their origin topic, by result.");
     describe_histogram!(ACK_LATENCY, Unit::Seconds, "Time from dispatch to the subscriber's ACK.");

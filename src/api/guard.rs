@@ -6,15 +6,16 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
-use axum::body::Bytes;
-use axum::extract::connect_info::Connected;
+use axum::body::{Body, Bytes};
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{ConnectInfo, Request, State};
 use axum::http::{HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::serve::IncomingStream;
+use bytes::BytesMut;
+use futures::StreamExt;
 use metrics::counter;
 use rand::RngCore;
 use tracing::Instrument;
@@ -133,9 +134,55 @@ pub async fn size_limits(State(limits): State<SizeLimits>, request: Request, nex
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<usize>().ok());
     if declared.is_some_and(|length| length > limits.max_body_bytes) {
-        return rejected("body_too_large", ApiError::too_large(limits.max_body_bytes)).into_response();
+        return body_too_large(limits.max_body_bytes);
     }
     next.run(request).await
+}
+
+/// The counted 413 of a request body over `limit` bytes (the code is the publish path's `too_large`).
+fn body_too_large(limit: usize) -> Response {
+    let message = format!("the request body exceeds {limit} bytes");
+    let refused = ApiError::limit(StatusCode::PAYLOAD_TOO_LARGE, "too_large", "body", message);
+    rejected("body_too_large", refused).into_response()
+}
+
+/// How large a request's body may be, and how long it may take to arrive.
+#[derive(Debug, Clone, Copy)]
+pub struct BodyLimits {
+    /// Largest body.
+    pub max_body_bytes: usize,
+    /// Longest time from the request's head to the body's last byte.
+    pub timeout: Duration,
+}
+
+/// Reads a request's body in before its handler runs: at most `max_body_bytes` of it (a body that declared no
+/// length is refused once it passes them), and all of it within `timeout`. A client that sends its body a byte
+/// at a time would otherwise hold the connection, and what it sent so far, for as long as it likes.
+pub async fn read_body_in_time(State(limits): State<BodyLimits>, request: Request, next: Next) -> Response {
+    let (parts, body) = request.into_parts();
+    let read = async {
+        let mut chunks = body.into_data_stream();
+        let mut read = BytesMut::new();
+        while let Some(chunk) = chunks.next().await {
+            let chunk = chunk?;
+            if read.len() + chunk.len() > limits.max_body_bytes {
+                return Ok(None);
+            }
+            read.extend_from_slice(&chunk);
+        }
+        Ok::<_, axum::Error>(Some(read.freeze()))
+    };
+    match tokio::time::timeout(limits.timeout, read).await {
+        Ok(Ok(Some(body))) => next.run(Request::from_parts(parts, Body::from(body))).await,
+        Ok(Ok(None)) => body_too_large(limits.max_body_bytes),
+        Ok(Err(error)) => ApiError::malformed_body(format!("the request body cannot be read: {error}")).into_response(),
+        Err(_) => {
+            let secs = limits.timeout.as_secs();
+            let message = format!("the request body did not arrive within {secs} s (server.body_timeout_secs)");
+            let refused = ApiError::limit(StatusCode::REQUEST_TIMEOUT, "body_timeout", "body", message);
+            rejected("body_timeout", refused).into_response()
+        }
+    }
 }
 
 /// A counted rejection of a request part (`field`) larger than `limit` bytes; `reason` is also the error code.
@@ -144,21 +191,9 @@ fn too_big(status: StatusCode, reason: &'static str, field: &str, limit: usize) 
     rejected(reason, ApiError::limit(status, reason, field, message)).into_response()
 }
 
-/// The address a request came from, with and without TLS (axum knows it only for a plain `TcpListener`).
+/// The address a request came from, with and without TLS (set on each request by [`super::server`]).
 #[derive(Debug, Clone, Copy)]
 pub struct PeerAddr(pub SocketAddr);
-
-impl Connected<IncomingStream<'_, super::listener::PlainListener>> for PeerAddr {
-    fn connect_info(stream: IncomingStream<'_, super::listener::PlainListener>) -> PeerAddr {
-        PeerAddr(*stream.remote_addr())
-    }
-}
-
-impl Connected<IncomingStream<'_, super::tls::TlsListener>> for PeerAddr {
-    fn connect_info(stream: IncomingStream<'_, super::tls::TlsListener>) -> PeerAddr {
-        PeerAddr(*stream.remote_addr())
-    }
-}
 
 /// Authenticates the bearer token (or lets everyone in when authentication is off) and hands the
 /// [`Caller`] to the handlers. No or an unknown token: 401.

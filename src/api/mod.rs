@@ -16,7 +16,7 @@
 //!
 //! Every error is `{"error":{"code","message","field"}}` ([`ApiError`]). Every request passes [`guard`]
 //! first: a request id (`X-Request-Id`), URI/header/body size limits, then a bearer token for the `/events`
-//! and `/admin` routes.
+//! and `/admin` routes, whose body is then read in within its time. [`server`] serves the connections.
 
 mod admin;
 pub mod checker;
@@ -28,10 +28,12 @@ pub mod listener;
 mod openapi;
 mod publish;
 mod push;
+pub mod server;
 pub mod tls;
 mod transactions;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::extract::DefaultBodyLimit;
 use axum::response::IntoResponse;
@@ -168,9 +170,15 @@ pub fn router(state: AppState) -> Router {
         max_header_bytes: state.config.server.max_header_bytes,
         max_body_bytes: body_limit(state.config.publish.max_message_bytes),
     };
+    let body = guard::BodyLimits {
+        max_body_bytes: limits.max_body_bytes,
+        timeout: Duration::from_secs(state.config.server.body_timeout_secs),
+    };
     let admin = admin_routes().route_layer(axum::middleware::from_fn(guard::require_admin));
+    // A body is read in (in time, within its limit) only for an authenticated caller.
     let guarded = data_routes()
         .merge(admin)
+        .route_layer(axum::middleware::from_fn_with_state(body, guard::read_body_in_time))
         .route_layer(axum::middleware::from_fn_with_state(state.tokens.clone(), guard::authenticate));
     guarded
         .merge(public_routes())

@@ -289,6 +289,15 @@ pub struct GrpcConfig {
     /// HTTP/2 keep-alive: a PING after this long without frames; a connection that does not answer within
     /// as long again is closed (0 switches it off).
     pub keepalive_secs: u64,
+    /// Most calls (HTTP/2 streams) one connection may have open at once, advertised to the client; a client
+    /// that opens more has them refused (`REFUSED_STREAM`). An SDK client keeps one per long poll, one
+    /// Telemetry stream, and its calls in flight.
+    pub max_concurrent_streams: u32,
+    /// A call's request must have been read and its answer begun within this long, or the call is ended
+    /// (gRPC `CANCELLED`): a client sending its request message a byte at a time would otherwise hold the call,
+    /// and what it sent of the message, for as long as it likes. A long poll's answer begins at once (its
+    /// messages follow), so it is not cut; a client's own deadline (`grpc-timeout`) applies when shorter.
+    pub call_timeout_secs: u64,
 }
 
 impl Default for GrpcConfig {
@@ -303,6 +312,8 @@ impl Default for GrpcConfig {
             max_streams_per_token: 10_000,
             max_clients: 100_000,
             keepalive_secs: 30,
+            max_concurrent_streams: 1_000,
+            call_timeout_secs: 60,
         }
     }
 }
@@ -573,6 +584,16 @@ pub struct ServerConfig {
     pub max_streams_per_token: usize,
     /// Most delivery ids in one batch ACK.
     pub max_ack_batch: usize,
+    /// Most HTTP connections open at once; one more is closed at once. Without it, clients that open
+    /// connections and hold them take every file descriptor, the brokers' and the state store's included.
+    pub max_connections: usize,
+    /// A connection that completes no request head for this long is closed: one that sends nothing, waits
+    /// between requests (keep-alive) or sends its headers a byte at a time. A long poll or a stream in progress is
+    /// not idle.
+    pub idle_timeout_secs: u64,
+    /// A request's body must have arrived this long after its head, or it is answered 408 (a client sending it
+    /// a byte at a time would otherwise hold its connection and the body read so far for ever).
+    pub body_timeout_secs: u64,
 }
 
 impl Default for ServerConfig {
@@ -587,6 +608,9 @@ impl Default for ServerConfig {
             max_waiters_per_token: 256,
             max_streams_per_token: 64,
             max_ack_batch: 1_000,
+            max_connections: 10_000,
+            idle_timeout_secs: 60,
+            body_timeout_secs: 60,
         }
     }
 }

@@ -182,6 +182,11 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
     check(server.max_waiters_per_token >= 1, "server.max_waiters_per_token", "must be >= 1");
     check(server.max_streams_per_token >= 1, "server.max_streams_per_token", "must be >= 1");
     check(server.max_ack_batch >= 1, "server.max_ack_batch", "must be >= 1");
+    check(server.max_connections > 0, "server.max_connections", "must be > 0");
+    check(config.grpc.max_concurrent_streams > 0, "grpc.max_concurrent_streams", "must be > 0");
+    check(config.grpc.call_timeout_secs > 0, "grpc.call_timeout_secs", "must be > 0");
+    check(server.idle_timeout_secs > 0, "server.idle_timeout_secs", "must be > 0");
+    check(server.body_timeout_secs > 0, "server.body_timeout_secs", "must be > 0");
     check(
         (1..=10_000).contains(&config.admin.replay_rate_per_sec),
         "admin.replay_rate_per_sec",

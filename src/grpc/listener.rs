@@ -3,7 +3,8 @@
 //! certificate at start.
 //!
 //! Handshakes run in their own tasks, bounded by [`HANDSHAKE_TIMEOUT`], so one slow client never holds up
-//! the accept loop; a failed one is counted (`popgate_tls_handshake_failures_total`) and dropped.
+//! the accept loop; a failed one is counted (`popgate_tls_handshake_failures_total`) and dropped. The same
+//! time bounds the HTTP/2 preface that follows ([`crate::opening`]).
 
 use std::io;
 use std::path::Path;
@@ -13,14 +14,16 @@ use std::time::Duration;
 use metrics::counter;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::metrics as m;
-/// One accepted connection, plaintext or TLS.
-pub use crate::tls::MaybeTls as Connection;
+use crate::opening::Opening;
+use crate::tls::MaybeTls;
 
-/// Longest time a client may take to send its first byte and finish its TLS handshake.
+/// Longest time a client may take to send its first byte, finish its TLS handshake and send the HTTP/2
+/// connection preface.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Accepted connections waiting for the server to take them.
 const ACCEPTED_BACKLOG: usize = 128;
@@ -64,9 +67,11 @@ pub fn incoming(
             // tonic's own listener sets this; serve_with_incoming leaves it to us.
             let _ = tcp.set_nodelay(true);
             let (tx, acceptor) = (tx.clone(), acceptor.clone());
+            let opened_by = Instant::now() + HANDSHAKE_TIMEOUT;
             tokio::spawn(async move {
-                match tokio::time::timeout(HANDSHAKE_TIMEOUT, crate::tls::sniff(tcp, &acceptor)).await {
-                    Ok(Ok(connection)) => {
+                match tokio::time::timeout_at(opened_by, crate::tls::sniff(tcp, &acceptor)).await {
+                    Ok(Ok(io)) => {
+                        let connection = Opening::new(io, peer, opened_by);
                         let _ = tx.send(Ok(connection)).await;
                     }
                     Ok(Err(error)) => handshake_failed(&peer.to_string(), &error.to_string()),
@@ -82,3 +87,7 @@ fn handshake_failed(peer: &str, error: &str) {
     counter!(m::TLS_HANDSHAKE_FAILURES).increment(1);
     tracing::debug!(peer, error, "gRPC connection dropped before it was served.");
 }
+
+/// One accepted connection, plaintext or TLS, whose HTTP/2 preface must be in by the end of
+/// [`HANDSHAKE_TIMEOUT`].
+pub type Connection = Opening<MaybeTls>;

@@ -71,6 +71,8 @@ pub async fn serve(
 ) -> Result<(), tonic::transport::Error> {
     let (stopping, stop_asked) = tokio::sync::watch::channel(false);
     let config_keepalive_secs = config.grpc.keepalive_secs;
+    let max_concurrent_streams = config.grpc.max_concurrent_streams;
+    let call_timeout = std::time::Duration::from_secs(config.grpc.call_timeout_secs);
     let front = Arc::new(service::Front::new(parts, config, stop_asked));
     // The brokers' transaction check-backs go to this front's producers.
     let forwarder: std::sync::Weak<dyn crate::gateway::below::CheckForwarder> = Arc::downgrade(&front) as _;
@@ -88,6 +90,10 @@ pub async fn serve(
     };
     let keepalive = (config_keepalive_secs > 0).then(|| std::time::Duration::from_secs(config_keepalive_secs));
     tonic::transport::Server::builder()
+        // tonic sets none, unlike hyper (200): one connection could open streams without end.
+        .max_concurrent_streams(max_concurrent_streams)
+        // Nor a time to read a request in: a message sent a byte at a time was waited for for ever.
+        .timeout(call_timeout)
         .http2_keepalive_interval(keepalive)
         .http2_keepalive_timeout(keepalive)
         .add_service(service)

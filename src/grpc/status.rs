@@ -1,9 +1,31 @@
 //! RocketMQ's own status codes: every answer carries one in its body, and the gRPC status stays OK (what the
 //! SDKs expect from Apache's proxy).
 
+use metrics::counter;
+use tonic::codegen::http;
+
 use super::proto::{Code, Status};
 use crate::gateway::below::DeliveryError;
 use crate::gateway::GatewayError;
+use crate::metrics as m;
+
+/// gRPC's `OUT_OF_RANGE` and `RESOURCE_EXHAUSTED`, as `grpc-status` values.
+const OUT_OF_RANGE: &str = "11";
+const RESOURCE_EXHAUSTED: &str = "8";
+
+/// A request message over the front's decoding limit is refused by tonic, from its length prefix, with
+/// `OUT_OF_RANGE`, a code no other gRPC server gives it: grpc-go and gRPC's C core answer `RESOURCE_EXHAUSTED`,
+/// and grpc-java, under Apache's proxy, means that code ("gRPC message exceeds maximum size") but (5.4.0, seen
+/// with `curl`) resets the stream (`CANCEL`) without a status, which its client sees as `CANCELLED`. popgate
+/// answers no `OUT_OF_RANGE` of its own (its refusals are RocketMQ codes in the body), so an answer `headers`
+/// says carries one is that refusal: it is given `RESOURCE_EXHAUSTED`, with tonic's words (the sizes), and
+/// counted.
+pub(super) fn oversize_as_resource_exhausted(headers: &mut http::HeaderMap) {
+    if headers.get("grpc-status").is_some_and(|code| code == OUT_OF_RANGE) {
+        headers.insert("grpc-status", http::HeaderValue::from_static(RESOURCE_EXHAUSTED));
+        counter!(m::REQUESTS_REJECTED, "reason" => "body_too_large").increment(1);
+    }
+}
 
 /// A body status with `code` and a message for the app's logs.
 pub fn status(code: Code, message: impl Into<String>) -> Status {

@@ -31,7 +31,9 @@ impl TakenIn {
     }
 }
 
-/// Wraps the gRPC service: every `ReceiveMessage` call gets a [`TakenIn`] watch on its response body.
+/// Wraps the gRPC service: every `ReceiveMessage` call gets a [`TakenIn`] watch on its response body (and every
+/// answer to a message over the decoding limit gRPC's usual code, see
+/// [`super::status::oversize_as_resource_exhausted`]).
 #[derive(Clone)]
 pub(super) struct WatchReceives<S> {
     inner: S,
@@ -67,7 +69,11 @@ where
             taken_in
         });
         let response = self.inner.call(request);
-        Box::pin(async move { Ok(response.await?.map(|body| Watched { body, on_trailers })) })
+        Box::pin(async move {
+            let mut response = response.await?;
+            super::status::oversize_as_resource_exhausted(response.headers_mut());
+            Ok(response.map(|body| Watched { body, on_trailers }))
+        })
     }
 }
 

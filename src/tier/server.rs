@@ -8,8 +8,11 @@ use std::future::Future;
 use std::net::IpAddr;
 use std::sync::Arc;
 
+use std::time::Duration;
+
 use metrics::counter;
 use tokio::net::TcpListener;
+use tokio_stream::StreamExt;
 use tonic::{Request, Response, Status};
 
 use super::proto::peer_server::{Peer, PeerServer};
@@ -21,6 +24,13 @@ use crate::auth::{Caller, TokenTable};
 use crate::gateway::below::{DeliveryError, Transactions};
 use crate::gateway::{Deliveries, Ending, GatewayError};
 use crate::metrics as m;
+use crate::opening::Opening;
+
+/// Longest time a connection may take to send its HTTP/2 preface.
+const OPENING_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most calls one connection may have open at once (tonic sets no bound); an instance's settlements past it
+/// wait in its client for a place.
+const MAX_STREAMS: u32 = 1_000;
 
 /// What the peer link's server needs.
 pub struct PeerService {
@@ -52,7 +62,8 @@ impl PeerService {
 }
 
 /// The request `checked` (call `rpc`, for `action`) only if signed for this instance by name; a refusal is
-/// counted and logged.
+/// counted, and logged at debug only: anyone who reaches the port can send refusals without end, and the
+/// instance whose requests are refused logs that it could not ask.
 fn for_this_instance(checked: Result<Recipient, Refused>, rpc: &str, action: &'static str) -> Result<(), Status> {
     match checked {
         Ok(Recipient::This) => Ok(()),
@@ -63,7 +74,7 @@ fn for_this_instance(checked: Result<Recipient, Refused>, rpc: &str, action: &'s
 
 fn refusal(refused: Refused, rpc: &str, action: &'static str) -> Status {
     counter!(m::TIER_SERVED, "action" => action, "result" => refused.label()).increment(1);
-    tracing::warn!(rpc, error = %refused, "A peer request was refused.");
+    tracing::debug!(rpc, error = %refused, "A peer request was refused.");
     refused.status()
 }
 
@@ -114,11 +125,14 @@ impl Peer for PeerService {
     async fn settle(&self, request: Request<pb::SettleRequest>) -> Result<Response<pb::SettleReply>, Status> {
         let checked = self.verifier.check(&request, "settle");
         let request = request.into_inner();
-        let Some((settlement, action)) = wire::asked(&request) else {
+        let asked = wire::asked(&request);
+        // The signature first: a request nobody signed is told nothing about what it carries.
+        let label = asked.as_ref().map_or("unknown", |(_, action)| wire::action_label(action));
+        for_this_instance(checked, "settle", label)?;
+        let Some((settlement, action)) = asked else {
+            counter!(m::TIER_SERVED, "action" => label, "result" => "refused").increment(1);
             return Err(Status::invalid_argument("a settlement names its action"));
         };
-        let label = wire::action_label(&action);
-        for_this_instance(checked, "settle", label)?;
         let caller = caller_of(&self.tokens, &request.caller, &request.source_ip).inspect_err(|_| {
             counter!(m::TIER_SERVED, "action" => label, "result" => "refused").increment(1);
         })?;
@@ -162,7 +176,10 @@ impl Peer for PeerService {
 }
 
 /// Serves the peer link on `listener` until `shutdown` resolves: over mutual TLS when `tls` is given (a
-/// connection without it, or without a certificate of the tier's CA, is refused), else plaintext.
+/// connection without it, or without a certificate of the tier's CA, is refused), else plaintext. A connection
+/// has OPENING_TIMEOUT to send its HTTP/2 preface (see `crate::opening`), after its TLS handshake's own deadline;
+/// a call must be read in and answered within `call_timeout` (`tier.forward_timeout_ms`, the deadline the
+/// instances give their own calls).
 ///
 /// # Errors
 /// When the server fails.
@@ -170,13 +187,36 @@ pub async fn serve(
     listener: TcpListener,
     service: PeerService,
     tls: Option<Arc<PeerTls>>,
+    call_timeout: Duration,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
-    let server = tonic::transport::Server::builder().add_service(PeerServer::new(service));
+    let server = tonic::transport::Server::builder()
+        .max_concurrent_streams(MAX_STREAMS)
+        // A call that names no deadline (the instances name theirs) gets theirs: a request sent a byte at a time
+        // is not waited for for ever.
+        .timeout(call_timeout)
+        .add_service(PeerServer::new(service));
+    let due = || tokio::time::Instant::now() + OPENING_TIMEOUT;
     match tls {
-        Some(tls) => server.serve_with_incoming_shutdown(super::tls::incoming(listener, &tls), shutdown).await,
+        Some(tls) => {
+            let incoming = super::tls::incoming(listener, &tls).map(move |accepted| {
+                accepted.map(|io| {
+                    use tonic::transport::server::Connected as _;
+                    let unknown = std::net::SocketAddr::from(([0, 0, 0, 0], 0));
+                    let peer = io.connect_info().remote_addr().unwrap_or(unknown);
+                    Opening::new(io, peer, due())
+                })
+            });
+            server.serve_with_incoming_shutdown(incoming, shutdown).await
+        }
         None => {
-            let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+            let incoming =
+                tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)).map(move |accepted| {
+                    accepted.and_then(|tcp| {
+                        let peer = tcp.peer_addr()?;
+                        Ok(Opening::new(tcp, peer, due()))
+                    })
+                });
             server.serve_with_incoming_shutdown(incoming, shutdown).await
         }
     }

@@ -97,7 +97,11 @@ impl Deliveries {
 
     /// Sets the ACK deadline of a handed-out delivery to `now + by` (a SimpleConsumer's
     /// ChangeInvisibleDuration); returns the new deadline.
-    pub(in crate::delivery) async fn extend<'a>(&self, target: impl Into<Target<'a>>, by: Duration) -> Result<i64, DeliveryError> {
+    pub(in crate::delivery) async fn extend<'a>(
+        &self,
+        target: impl Into<Target<'a>>,
+        by: Duration,
+    ) -> Result<i64, DeliveryError> {
         let target = target.into();
         let id = target.id;
         let mut record = self.claim(target).await?;

@@ -24,17 +24,17 @@
 //! [`cluster`]; the unit tests are `tests.rs` and the model test of the state machine `model.rs`.
 
 mod cluster;
+#[cfg(test)]
+mod fake_cluster;
 mod hand_out;
 mod holds;
+#[cfg(test)]
+mod model;
 mod pop_side;
 mod recovery;
 mod settle;
 mod subscriptions;
 mod sweeper;
-#[cfg(test)]
-mod fake_cluster;
-#[cfg(test)]
-mod model;
 mod table;
 
 use std::collections::{HashMap, HashSet};

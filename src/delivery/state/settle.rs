@@ -261,7 +261,11 @@ impl Deliveries {
     }
 
     /// The subscriber's TERM: straight to the DLQ with its reason.
-    pub(in crate::delivery) async fn term<'a>(&self, target: impl Into<Target<'a>>, reason: &str) -> Result<(), DeliveryError> {
+    pub(in crate::delivery) async fn term<'a>(
+        &self,
+        target: impl Into<Target<'a>>,
+        reason: &str,
+    ) -> Result<(), DeliveryError> {
         let target = target.into();
         let id = target.id;
         let mut record = self.claim(target).await?;
@@ -277,7 +281,12 @@ impl Deliveries {
     }
 
     /// Applies a failed attempt to `record`: the next attempt after the backoff (or `delay`), or the DLQ.
-    pub(super) fn spend_attempt(&self, record: &mut DeliveryRecord, reason: &str, delay: Option<Duration>) -> NackOutcome {
+    pub(super) fn spend_attempt(
+        &self,
+        record: &mut DeliveryRecord,
+        reason: &str,
+        delay: Option<Duration>,
+    ) -> NackOutcome {
         record.last_failure = Some(reason.to_owned());
         let policy = self
             .table

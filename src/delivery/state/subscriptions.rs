@@ -17,7 +17,11 @@ impl Deliveries {
     }
 
     /// Serves a subscription already in the store (boot recovery). As [`Deliveries::put_subscription`].
-    pub(in crate::delivery) fn restore_subscription(&self, sub: Subscription, policy: RetryPolicy) -> Option<Arc<AtomicBool>> {
+    pub(in crate::delivery) fn restore_subscription(
+        &self,
+        sub: Subscription,
+        policy: RetryPolicy,
+    ) -> Option<Arc<AtomicBool>> {
         if self.table.lock().subs.contains_key(&sub.key()) {
             return None;
         }

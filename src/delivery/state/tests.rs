@@ -121,11 +121,7 @@ async fn in_a_tier_what_is_due_where_no_consumer_waits_goes_back_to_the_broker()
     let dir = tempfile::tempdir().expect("tempdir");
     let alone = subscribed(dir.path(), &sub).await;
     assert!(matches!(alone.admit(&sub.key(), vec![popped(b"a")]).await, Admission::Admitted));
-    assert_eq!(
-        given_back_unclaimed(&alone, now_millis() + 60_000).await,
-        0,
-        "alone, it keeps it for its consumers"
-    );
+    assert_eq!(given_back_unclaimed(&alone, now_millis() + 60_000).await, 0, "alone, it keeps it for its consumers");
 
     let dir = tempfile::tempdir().expect("tempdir");
     let tier = subscribed(dir.path(), &sub).await.giving_back_unclaimed(Some(after));
@@ -252,10 +248,7 @@ async fn a_hand_out_whose_time_ran_out_cannot_settle_the_next_one_and_a_repeated
     assert!(deliveries.ack(of(&second)).await.is_ok());
     assert!(deliveries.ack(of(&second)).await.is_ok(), "a repeated ACK of the same hand-out");
     let late = deliveries.ack(of(&first)).await;
-    assert!(
-        matches!(late, Err(DeliveryError::Unknown | DeliveryError::Superseded)),
-        "never the earlier one: {late:?}"
-    );
+    assert!(matches!(late, Err(DeliveryError::Unknown | DeliveryError::Superseded)), "never the earlier one: {late:?}");
     // A delivery id alone (HTTP) ACKed twice is still "already acknowledged".
     assert!(matches!(deliveries.ack(&second.id).await, Err(DeliveryError::Unknown)));
 }
@@ -284,8 +277,7 @@ async fn an_auto_renewed_hand_out_is_renewed_only_once_its_client_took_it_in() {
     assert_eq!(deliveries.mark_written(std::slice::from_ref(&this)).await.ok(), Some(1));
     assert_eq!(deliveries.mark_written(&[this]).await.ok(), Some(0), "marked once");
     assert_eq!(deliveries.keep_held(&clients, hold, max).await.ok(), Some(1), "renewed once written");
-    let stored: DeliveryRecord =
-        deliveries.store().get(Family::Deliveries, &handed.id).expect("read").expect("kept");
+    let stored: DeliveryRecord = deliveries.store().get(Family::Deliveries, &handed.id).expect("read").expect("kept");
     assert!(
         matches!(stored.phase, Phase::AwaitingAck { holder: Some(Holder { written: true, .. }), .. }),
         "the mark is stored: {:?}",
@@ -306,10 +298,7 @@ async fn a_broker_clock_a_minute_behind_does_not_make_fresh_leases_look_lapsed()
     assert!(matches!(deliveries.admit(&sub.key(), vec![event]).await, Admission::Admitted));
     let handed = deliveries.hand_out(&sub.key(), 10, &long_poll(), None).await.expect("hand out");
     assert_eq!(handed.len(), 1, "not judged lapsed");
-    assert!(
-        deliveries.sweep(now_millis()).await.iter().all(|o| !matches!(o, Owed::Renew(_))),
-        "nor due for renewal"
-    );
+    assert!(deliveries.sweep(now_millis()).await.iter().all(|o| !matches!(o, Owed::Renew(_))), "nor due for renewal");
 }
 
 #[tokio::test]
