@@ -4,22 +4,71 @@
 //! protocols accept any certificate by default, so without a configured one popgate generates a self-signed
 //! certificate at start.
 
+use std::future::Future;
 use std::io;
+use std::net::SocketAddr;
 use std::path::Path;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::TcpStream;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
 use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::{Connected, TcpConnectInfo};
 
 /// The first byte of a TLS record carrying a handshake.
 const TLS_HANDSHAKE: u8 = 0x16;
+/// Opened connections waiting for their server to take them.
+const ACCEPTED_BACKLOG: usize = 128;
+
+/// The connections of `listener` that `open` made ready to serve, for tonic's `serve_with_incoming`: each
+/// accepted connection is handed to `open` (a handshake, a check, a deadline) on a task of its own, so a slow or
+/// hostile client never holds up the others, and is served when `open` gives it back; `None` (counted and logged
+/// by `open`) closes it. `port` names the port when accepting fails (out of file descriptors and the like: the
+/// loop pauses rather than spins). Stops when the stream is dropped.
+pub fn accept_each<T, Open, Opened>(
+    listener: TcpListener,
+    port: &'static str,
+    open: Open,
+) -> ReceiverStream<Result<T, io::Error>>
+where
+    T: Send + 'static,
+    Open: Fn(TcpStream, SocketAddr) -> Opened + Send + 'static,
+    Opened: Future<Output = Option<T>> + Send + 'static,
+{
+    let (tx, rx) = mpsc::channel(ACCEPTED_BACKLOG);
+    tokio::spawn(async move {
+        loop {
+            let (tcp, peer) = tokio::select! {
+                () = tx.closed() => return,
+                accepted = listener.accept() => match accepted {
+                    Ok(accepted) => accepted,
+                    Err(error) => {
+                        tracing::warn!(%error, port, "Accepting a connection failed.");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                },
+            };
+            // tonic's own listener sets this; serve_with_incoming leaves it to its caller.
+            let _ = tcp.set_nodelay(true);
+            let (tx, opening) = (tx.clone(), open(tcp, peer));
+            tokio::spawn(async move {
+                if let Some(connection) = opening.await {
+                    let _ = tx.send(Ok(connection)).await;
+                }
+            });
+        }
+    });
+    ReceiverStream::new(rx)
+}
 
 /// Why a certificate cannot be used.
 #[derive(Debug, thiserror::Error)]

@@ -13,7 +13,6 @@ use std::time::Duration;
 
 use metrics::counter;
 use tokio::net::TcpListener;
-use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 use tokio_stream::wrappers::ReceiverStream;
@@ -25,8 +24,6 @@ use crate::tls::MaybeTls;
 /// Longest time a client may take to send its first byte, finish its TLS handshake and send the HTTP/2
 /// connection preface.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Accepted connections waiting for the server to take them.
-const ACCEPTED_BACKLOG: usize = 128;
 
 /// Why the gRPC front's certificate cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -48,44 +45,24 @@ pub fn incoming(
     listener: TcpListener,
     tls: Arc<rustls::ServerConfig>,
 ) -> ReceiverStream<Result<Connection, io::Error>> {
-    let (tx, rx) = mpsc::channel(ACCEPTED_BACKLOG);
     let acceptor = TlsAcceptor::from(tls);
-    tokio::spawn(async move {
-        loop {
-            let (tcp, peer) = tokio::select! {
-                () = tx.closed() => return,
-                accepted = listener.accept() => match accepted {
-                    Ok(accepted) => accepted,
-                    Err(error) => {
-                        // Out of file descriptors and the like: pause rather than spin.
-                        tracing::warn!(%error, "gRPC accept failed.");
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                        continue;
-                    }
-                },
-            };
-            // tonic's own listener sets this; serve_with_incoming leaves it to us.
-            let _ = tcp.set_nodelay(true);
-            let (tx, acceptor) = (tx.clone(), acceptor.clone());
+    crate::tls::accept_each(listener, "gRPC", move |tcp, peer| {
+        let acceptor = acceptor.clone();
+        async move {
             let opened_by = Instant::now() + HANDSHAKE_TIMEOUT;
-            tokio::spawn(async move {
-                match tokio::time::timeout_at(opened_by, crate::tls::sniff(tcp, &acceptor)).await {
-                    Ok(Ok(io)) => {
-                        let connection = Opening::new(io, peer, opened_by);
-                        let _ = tx.send(Ok(connection)).await;
-                    }
-                    Ok(Err(error)) => handshake_failed(&peer.to_string(), &error.to_string()),
-                    Err(_) => handshake_failed(&peer.to_string(), "no handshake in time"),
-                }
-            });
+            match tokio::time::timeout_at(opened_by, crate::tls::sniff(tcp, &acceptor)).await {
+                Ok(Ok(io)) => Some(Opening::new(io, peer, opened_by)),
+                Ok(Err(error)) => handshake_failed(&peer.to_string(), &error.to_string()),
+                Err(_) => handshake_failed(&peer.to_string(), "no handshake in time"),
+            }
         }
-    });
-    ReceiverStream::new(rx)
+    })
 }
 
-fn handshake_failed(peer: &str, error: &str) {
+fn handshake_failed(peer: &str, error: &str) -> Option<Connection> {
     counter!(m::TLS_HANDSHAKE_FAILURES).increment(1);
     tracing::debug!(peer, error, "gRPC connection dropped before it was served.");
+    None
 }
 
 /// One accepted connection, plaintext or TLS, whose HTTP/2 preface must be in by the end of

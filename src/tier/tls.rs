@@ -37,7 +37,6 @@ use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::server::{ParsedCertificate, WebPkiClientVerifier};
 use rustls::{DigitallySignedStruct, RootCertStore, SignatureScheme};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
 use tokio_rustls::client::TlsStream;
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 use tokio_stream::wrappers::ReceiverStream;
@@ -49,8 +48,6 @@ use crate::tls::MaybeTls;
 
 /// Longest time a peer may take to send its first byte and finish its TLS handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Handshaken connections waiting for the server to take them.
-const ACCEPTED_BACKLOG: usize = 128;
 /// The peer link is gRPC: HTTP/2 only.
 const ALPN_H2: &[u8] = b"h2";
 
@@ -284,42 +281,26 @@ impl Refusal {
 /// `tonic::transport::Server::serve_with_incoming_shutdown`. Each is handshaken on a task of its own, so a slow
 /// or hostile client never holds up the others; a refused one is counted and closed.
 pub(crate) fn incoming(listener: TcpListener, tls: &PeerTls) -> ReceiverStream<Result<MaybeTls, io::Error>> {
-    let (tx, rx) = mpsc::channel(ACCEPTED_BACKLOG);
     let acceptor = tls.acceptor();
-    tokio::spawn(async move {
-        loop {
-            let (tcp, peer) = tokio::select! {
-                () = tx.closed() => return,
-                accepted = listener.accept() => match accepted {
-                    Ok(accepted) => accepted,
-                    Err(error) => {
-                        // Out of file descriptors and the like: pause rather than spin.
-                        tracing::warn!(%error, "Accepting a peer link connection failed.");
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                        continue;
-                    }
-                },
-            };
-            let _ = tcp.set_nodelay(true);
-            let (tx, acceptor) = (tx.clone(), acceptor.clone());
-            tokio::spawn(async move {
-                match tokio::time::timeout(HANDSHAKE_TIMEOUT, crate::tls::sniff(tcp, &acceptor)).await {
-                    Ok(Ok(tls @ MaybeTls::Tls(_))) => {
-                        let _ = tx.send(Ok(tls)).await;
-                    }
-                    Ok(Ok(MaybeTls::Plain(_))) => refused(peer, Refusal::Plaintext, "it opened with no TLS handshake"),
-                    Ok(Err(error)) => refused(peer, Refusal::of(&error), &error.to_string()),
-                    Err(_) => refused(peer, Refusal::Timeout, "no handshake within 10 s"),
-                }
-            });
+    crate::tls::accept_each(listener, "peer link", move |tcp, peer| {
+        let acceptor = acceptor.clone();
+        async move {
+            match tokio::time::timeout(HANDSHAKE_TIMEOUT, crate::tls::sniff(tcp, &acceptor)).await {
+                Ok(Ok(tls @ MaybeTls::Tls(_))) => Some(tls),
+                Ok(Ok(MaybeTls::Plain(_))) => refused(peer, Refusal::Plaintext, "it opened with no TLS handshake"),
+                Ok(Err(error)) => refused(peer, Refusal::of(&error), &error.to_string()),
+                Err(_) => refused(peer, Refusal::Timeout, "no handshake within 10 s"),
+            }
         }
-    });
-    ReceiverStream::new(rx)
+    })
 }
 
-fn refused(peer: SocketAddr, refusal: Refusal, why: &str) {
+/// A connection refused before it was served: counted, and logged at debug only (the count is the signal; a
+/// stranger's flood must not fill the log).
+fn refused(peer: SocketAddr, refusal: Refusal, why: &str) -> Option<MaybeTls> {
     counter!(m::TIER_CONNECTIONS_REFUSED, "reason" => refusal.label()).increment(1);
-    tracing::warn!(%peer, reason = refusal.label(), error = why, "A connection to the peer link was refused.");
+    tracing::debug!(%peer, reason = refusal.label(), error = why, "A connection to the peer link was refused.");
+    None
 }
 
 #[cfg(test)]
