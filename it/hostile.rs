@@ -506,7 +506,8 @@ fn good_grpc_sender(
 async fn grpc_port_closes_half_open_connections_bounds_streams_messages_and_clients_and_serves_a_good_client() {
     let cluster = shared_cluster();
     let config =
-        "[grpc]\nlisten = \"127.0.0.1:0\"\nmax_clients = 300\nmax_concurrent_streams = 100\ncall_timeout_secs = 3\n";
+        "[grpc]\nlisten = \"127.0.0.1:0\"\nmax_clients = 300\nmax_concurrent_streams = 100\ncall_timeout_secs = 3\n\
+         max_connections = 400\n";
     let popgate = Popgate::start(&cluster.namesrv_addr, config).await;
     let began = Instant::now();
     let (topic, group) = (unique_topic("hostile_grpc"), unique_topic("g_hostile_grpc"));
@@ -524,6 +525,17 @@ async fn grpc_port_closes_half_open_connections_bounds_streams_messages_and_clie
         }
         half_open.push(stream);
     }
+    // Past grpc.max_connections (400; the good client's and these 350 are open), a new connection is closed at
+    // once, before anything is read from it.
+    let mut past_bound = Vec::new();
+    for _ in 0..60 {
+        past_bound.push(TcpStream::connect(&popgate.grpc).await.expect("connect"));
+    }
+    let closed_at_once = closed_count(&mut past_bound, Duration::from_secs(2)).await;
+    println!("60 connections past the 351 open, with grpc.max_connections 400: {closed_at_once} closed at once");
+    assert!((5..=20).contains(&closed_at_once), "about 11 closed at once: {closed_at_once}");
+    assert!(popgate.metric("popgate_grpc_connections_refused_total").await >= 5.0);
+    drop(past_bound);
     // The preface, then garbage: a protocol error, the connection closed.
     let mut garbage = TcpStream::connect(&popgate.grpc).await.expect("connect");
     garbage.write_all(PREFACE).await.expect("write");

@@ -173,7 +173,14 @@ pub async fn serve(
             };
             let service = PeerService::new(instance, &config.tier.secret, parts);
             let call_timeout = Duration::from_millis(config.tier.forward_timeout_ms);
-            let serving = serve_peer_link(listener, service, tls, call_timeout, stop_asked(&stop_rx));
+            let serving = serve_peer_link(
+                listener,
+                service,
+                tls,
+                call_timeout,
+                config.tier.max_connections,
+                stop_asked(&stop_rx),
+            );
             let server = spawn_front("peer link", serving);
             (Some(tier as Arc<dyn crate::gateway::Owners>), Some(server))
         }

@@ -159,6 +159,8 @@ pub const REMOTING_READS_PAUSED: &str = "popgate_remoting_reads_paused_total";
 pub const REMOTING_FRAME_BUDGET_WAITS: &str = "popgate_remoting_frame_budget_waits_total";
 /// Gauge: remoting requests being served now, over every connection.
 pub const REMOTING_REQUESTS_IN_FLIGHT: &str = "popgate_remoting_requests_in_flight";
+/// Counter: gRPC connections closed at once because `grpc.max_connections` were open.
+pub const GRPC_CONNECTIONS_REFUSED: &str = "popgate_grpc_connections_refused_total";
 /// Counter: HTTP connections closed at once because `server.max_connections` were open.
 pub const HTTP_CONNECTIONS_REFUSED: &str = "popgate_http_connections_refused_total";
 /// Counter (`reason`): HTTP connections popgate closed on a client that went quiet (`idle`: no request head
@@ -297,6 +299,7 @@ pub const STATS_REFRESH_OPS: &[&str] = &["backlog", "dlq_depth"];
 /// Counters without labels, registered at 0 at start for the same reason.
 const ZERO_COUNTERS: &[&str] = &[
     HTTP_CONNECTIONS_REFUSED,
+    GRPC_CONNECTIONS_REFUSED,
     REMOTING_CONNECTIONS_REFUSED,
     REMOTING_READS_PAUSED,
     REMOTING_FRAME_BUDGET_WAITS,
@@ -432,6 +435,11 @@ fn describe_all() {
         "Times a remoting connection waited to read a large frame: the front had its most bytes of them in."
     );
     describe_gauge!(REMOTING_REQUESTS_IN_FLIGHT, "Remoting requests being served now.");
+    describe_counter!(
+        GRPC_CONNECTIONS_REFUSED,
+        Unit::Count,
+        "gRPC connections closed at once because grpc.max_connections were open."
+    );
     describe_counter!(
         HTTP_CONNECTIONS_REFUSED,
         Unit::Count,

@@ -27,6 +27,8 @@ pub struct Opening<IO> {
     peer: SocketAddr,
     /// Until the preface's bytes are read: how many are left, and by when.
     preface: Option<Preface>,
+    /// The port's connection slot this connection holds until it is dropped (closed).
+    _slot: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 struct Preface {
@@ -38,7 +40,13 @@ impl<IO> Opening<IO> {
     /// `io`, from `peer`, whose preface is due by `due`.
     pub fn new(io: IO, peer: SocketAddr, due: Instant) -> Opening<IO> {
         let preface = Preface { left: PREFACE_BYTES, due: Box::pin(tokio::time::sleep_until(due)) };
-        Opening { io, peer, preface: Some(preface) }
+        Opening { io, peer, preface: Some(preface), _slot: None }
+    }
+
+    /// The connection, holding one of its port's connection `slot`s for as long as it is open.
+    pub fn holding(mut self, slot: tokio::sync::OwnedSemaphorePermit) -> Opening<IO> {
+        self._slot = Some(slot);
+        self
     }
 }
 

@@ -29,18 +29,21 @@ const TLS_HANDSHAKE: u8 = 0x16;
 const ACCEPTED_BACKLOG: usize = 128;
 
 /// The connections of `listener` that `open` made ready to serve, for tonic's `serve_with_incoming`: each
-/// accepted connection is handed to `open` (a handshake, a check, a deadline) on a task of its own, so a slow or
-/// hostile client never holds up the others, and is served when `open` gives it back; `None` (counted and logged
-/// by `open`) closes it. `port` names the port when accepting fails (out of file descriptors and the like: the
-/// loop pauses rather than spins). Stops when the stream is dropped.
+/// accepted connection takes one of `slots` (none left: it is closed at once, and `full` counts it), and is
+/// handed with it to `open` (a handshake, a check, a deadline) on a task of its own, so a slow or hostile client
+/// never holds up the others; it is served when `open` gives it back (holding its slot until it closes), and
+/// `None` (counted and logged by `open`) closes it. `port` names the port when accepting fails (out of file
+/// descriptors and the like: the loop pauses rather than spins). Stops when the stream is dropped.
 pub fn accept_each<T, Open, Opened>(
     listener: TcpListener,
     port: &'static str,
+    slots: Arc<tokio::sync::Semaphore>,
+    full: fn(SocketAddr),
     open: Open,
 ) -> ReceiverStream<Result<T, io::Error>>
 where
     T: Send + 'static,
-    Open: Fn(TcpStream, SocketAddr) -> Opened + Send + 'static,
+    Open: Fn(TcpStream, SocketAddr, tokio::sync::OwnedSemaphorePermit) -> Opened + Send + 'static,
     Opened: Future<Output = Option<T>> + Send + 'static,
 {
     let (tx, rx) = mpsc::channel(ACCEPTED_BACKLOG);
@@ -57,9 +60,13 @@ where
                     }
                 },
             };
+            let Ok(slot) = slots.clone().try_acquire_owned() else {
+                full(peer);
+                continue;
+            };
             // tonic's own listener sets this; serve_with_incoming leaves it to its caller.
             let _ = tcp.set_nodelay(true);
-            let (tx, opening) = (tx.clone(), open(tcp, peer));
+            let (tx, opening) = (tx.clone(), open(tcp, peer, slot));
             tokio::spawn(async move {
                 if let Some(connection) = opening.await {
                     let _ = tx.send(Ok(connection)).await;

@@ -120,6 +120,10 @@ pub struct TierConfig {
     pub secret: String,
     /// How long a settlement asked of another instance may take before it fails (the client may retry).
     pub forward_timeout_ms: u64,
+    /// Most connections the peer port keeps open at once; past it a new one is closed at once (counted in
+    /// `popgate_tier_connections_refused_total{reason="too_many_connections"}`). Each instance keeps one to each
+    /// peer.
+    pub max_connections: usize,
     /// A delivery due again (its backoff over) on an instance where no consumer of its group has waited for
     /// this long is given back to the broker, which hands it to the next POP of any instance: a client whose
     /// connection a balancer moved to another instance gets it there instead of never.
@@ -163,6 +167,7 @@ impl Default for TierConfig {
             refresh_secs: 10,
             secret: String::new(),
             forward_timeout_ms: 3_000,
+            max_connections: 1_000,
             give_back_unclaimed_ms: 20_000,
             max_ends_asked_at_once: 64,
             tls_cert_path: None,
@@ -293,6 +298,9 @@ pub struct GrpcConfig {
     /// that opens more has them refused (`REFUSED_STREAM`). An SDK client keeps one per long poll, one
     /// Telemetry stream, and its calls in flight.
     pub max_concurrent_streams: u32,
+    /// Most connections the front keeps open at once; past it a new connection is closed at once (counted in
+    /// `popgate_grpc_connections_refused_total`). An SDK client keeps one per endpoint.
+    pub max_connections: usize,
     /// A call's request must have been read and its answer begun within this long, or the call is ended
     /// (gRPC `CANCELLED`): a client sending its request message a byte at a time would otherwise hold the call,
     /// and what it sent of the message, for as long as it likes. A long poll's answer begins at once (its
@@ -313,6 +321,7 @@ impl Default for GrpcConfig {
             max_clients: 100_000,
             keepalive_secs: 30,
             max_concurrent_streams: 1_000,
+            max_connections: 10_000,
             call_timeout_secs: 60,
         }
     }

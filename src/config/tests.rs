@@ -299,6 +299,7 @@ fn the_remoting_front_is_off_by_default_and_its_bad_keys_are_named() {
         ("[remoting]\nadvertised_addr = \"popgate\"\n", "remoting.advertised_addr"),
         ("[remoting]\nmax_frame_bytes = 100\n", "remoting.max_frame_bytes"),
         ("[remoting]\nmax_connections = 0\n", "remoting.max_connections"),
+        ("[grpc]\nmax_connections = 0\n", "grpc.max_connections"),
         ("[remoting]\nclient_expiry_secs = 5\n", "remoting.client_expiry_secs"),
     ] {
         let err = parse(text).unwrap_err().to_string();

@@ -184,6 +184,7 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
     check(server.max_ack_batch >= 1, "server.max_ack_batch", "must be >= 1");
     check(server.max_connections > 0, "server.max_connections", "must be > 0");
     check(config.grpc.max_concurrent_streams > 0, "grpc.max_concurrent_streams", "must be > 0");
+    check(config.grpc.max_connections > 0, "grpc.max_connections", "must be > 0");
     check(config.grpc.call_timeout_secs > 0, "grpc.call_timeout_secs", "must be > 0");
     check(server.idle_timeout_secs > 0, "server.idle_timeout_secs", "must be > 0");
     check(server.body_timeout_secs > 0, "server.body_timeout_secs", "must be > 0");
@@ -286,6 +287,7 @@ fn tier_problems(tier: &super::TierConfig) -> Vec<String> {
     check(tier.secret.len() >= 16, "secret", "the peer link needs a shared secret of at least 16 characters");
     check((1..=3600).contains(&tier.refresh_secs), "refresh_secs", "must be in 1..=3600");
     check((100..=60_000).contains(&tier.forward_timeout_ms), "forward_timeout_ms", "must be in 100..=60000");
+    check(tier.max_connections > 0, "max_connections", "must be > 0");
     check(
         (1_000..=3_600_000).contains(&tier.give_back_unclaimed_ms),
         "give_back_unclaimed_ms",

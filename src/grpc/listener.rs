@@ -40,23 +40,31 @@ pub fn tls_config(cert_and_key: Option<(&Path, &Path)>) -> Result<Arc<rustls::Se
 }
 
 /// The connections of `listener`, each sniffed and (for TLS) handshaken, for
-/// `tonic::transport::Server::serve_with_incoming`.
+/// `tonic::transport::Server::serve_with_incoming`; at most `max_connections` open at once.
 pub fn incoming(
     listener: TcpListener,
     tls: Arc<rustls::ServerConfig>,
+    max_connections: usize,
 ) -> ReceiverStream<Result<Connection, io::Error>> {
+    let slots = Arc::new(tokio::sync::Semaphore::new(max_connections));
     let acceptor = TlsAcceptor::from(tls);
-    crate::tls::accept_each(listener, "gRPC", move |tcp, peer| {
+    crate::tls::accept_each(listener, "gRPC", slots, too_many, move |tcp, peer, slot| {
         let acceptor = acceptor.clone();
         async move {
             let opened_by = Instant::now() + HANDSHAKE_TIMEOUT;
             match tokio::time::timeout_at(opened_by, crate::tls::sniff(tcp, &acceptor)).await {
-                Ok(Ok(io)) => Some(Opening::new(io, peer, opened_by)),
+                Ok(Ok(io)) => Some(Opening::new(io, peer, opened_by).holding(slot)),
                 Ok(Err(error)) => handshake_failed(&peer.to_string(), &error.to_string()),
                 Err(_) => handshake_failed(&peer.to_string(), "no handshake in time"),
             }
         }
     })
+}
+
+/// A connection closed at once: the front keeps `grpc.max_connections` open.
+fn too_many(peer: std::net::SocketAddr) {
+    counter!(m::GRPC_CONNECTIONS_REFUSED).increment(1);
+    tracing::debug!(%peer, "gRPC connection closed: grpc.max_connections are open.");
 }
 
 fn handshake_failed(peer: &str, error: &str) -> Option<Connection> {

@@ -72,6 +72,7 @@ pub async fn serve(
     let (stopping, stop_asked) = tokio::sync::watch::channel(false);
     let config_keepalive_secs = config.grpc.keepalive_secs;
     let max_concurrent_streams = config.grpc.max_concurrent_streams;
+    let max_connections = config.grpc.max_connections;
     let call_timeout = std::time::Duration::from_secs(config.grpc.call_timeout_secs);
     let front = Arc::new(service::Front::new(parts, config, stop_asked));
     // The brokers' transaction check-backs go to this front's producers.
@@ -97,6 +98,6 @@ pub async fn serve(
         .http2_keepalive_interval(keepalive)
         .http2_keepalive_timeout(keepalive)
         .add_service(service)
-        .serve_with_incoming_shutdown(listener::incoming(listener, tls), shutdown)
+        .serve_with_incoming_shutdown(listener::incoming(listener, tls, max_connections), shutdown)
         .await
 }

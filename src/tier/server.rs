@@ -12,7 +12,6 @@ use std::time::Duration;
 
 use metrics::counter;
 use tokio::net::TcpListener;
-use tokio_stream::StreamExt;
 use tonic::{Request, Response, Status};
 
 use super::proto::peer_server::{Peer, PeerServer};
@@ -179,7 +178,7 @@ impl Peer for PeerService {
 /// connection without it, or without a certificate of the tier's CA, is refused), else plaintext. A connection
 /// has OPENING_TIMEOUT to send its HTTP/2 preface (see `crate::opening`), after its TLS handshake's own deadline;
 /// a call must be read in and answered within `call_timeout` (`tier.forward_timeout_ms`, the deadline the
-/// instances give their own calls).
+/// instances give their own calls); at most `max_connections` are open at once.
 ///
 /// # Errors
 /// When the server fails.
@@ -188,6 +187,7 @@ pub async fn serve(
     service: PeerService,
     tls: Option<Arc<PeerTls>>,
     call_timeout: Duration,
+    max_connections: usize,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
     let server = tonic::transport::Server::builder()
@@ -196,26 +196,17 @@ pub async fn serve(
         // is not waited for for ever.
         .timeout(call_timeout)
         .add_service(PeerServer::new(service));
-    let due = || tokio::time::Instant::now() + OPENING_TIMEOUT;
+    let slots = Arc::new(tokio::sync::Semaphore::new(max_connections));
     match tls {
         Some(tls) => {
-            let incoming = super::tls::incoming(listener, &tls).map(move |accepted| {
-                accepted.map(|io| {
-                    use tonic::transport::server::Connected as _;
-                    let unknown = std::net::SocketAddr::from(([0, 0, 0, 0], 0));
-                    let peer = io.connect_info().remote_addr().unwrap_or(unknown);
-                    Opening::new(io, peer, due())
-                })
-            });
+            let incoming = super::tls::incoming(listener, &tls, slots, OPENING_TIMEOUT);
             server.serve_with_incoming_shutdown(incoming, shutdown).await
         }
         None => {
             let incoming =
-                tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)).map(move |accepted| {
-                    accepted.and_then(|tcp| {
-                        let peer = tcp.peer_addr()?;
-                        Ok(Opening::new(tcp, peer, due()))
-                    })
+                crate::tls::accept_each(listener, "peer link", slots, super::tls::too_many, |tcp, peer, slot| {
+                    let due = tokio::time::Instant::now() + OPENING_TIMEOUT;
+                    std::future::ready(Some(Opening::new(tcp, peer, due).holding(slot)))
                 });
             server.serve_with_incoming_shutdown(incoming, shutdown).await
         }

@@ -44,6 +44,7 @@ use tonic::transport::Uri;
 
 use crate::config::TierConfig;
 use crate::metrics as m;
+use crate::opening::Opening;
 use crate::tls::MaybeTls;
 
 /// Longest time a peer may take to send its first byte and finish its TLS handshake.
@@ -250,11 +251,14 @@ pub(crate) enum Refusal {
     /// Any other failed handshake: no common protocol version or cipher suite, the client refused this
     /// instance's certificate, or left before the handshake was over (a TCP probe of the port included).
     Handshake,
+    /// The port had `tier.max_connections` open (plaintext or TLS).
+    TooManyConnections,
 }
 
 impl Refusal {
     /// Every refusal's label, registered at 0 at start.
-    pub const LABELS: [&'static str; 5] = ["plaintext", "no_certificate", "bad_certificate", "timeout", "handshake"];
+    pub const LABELS: [&'static str; 6] =
+        ["plaintext", "no_certificate", "bad_certificate", "timeout", "handshake", "too_many_connections"];
 
     /// The refusal's label.
     pub fn label(self) -> &'static str {
@@ -264,6 +268,7 @@ impl Refusal {
             Refusal::BadCertificate => Self::LABELS[2],
             Refusal::Timeout => Self::LABELS[3],
             Refusal::Handshake => Self::LABELS[4],
+            Refusal::TooManyConnections => Self::LABELS[5],
         }
     }
 
@@ -280,13 +285,20 @@ impl Refusal {
 /// The connections of `listener` whose mutual TLS handshake succeeded, for
 /// `tonic::transport::Server::serve_with_incoming_shutdown`. Each is handshaken on a task of its own, so a slow
 /// or hostile client never holds up the others; a refused one is counted and closed.
-pub(crate) fn incoming(listener: TcpListener, tls: &PeerTls) -> ReceiverStream<Result<MaybeTls, io::Error>> {
+pub(crate) fn incoming(
+    listener: TcpListener,
+    tls: &PeerTls,
+    slots: Arc<tokio::sync::Semaphore>,
+    preface_within: Duration,
+) -> ReceiverStream<Result<Opening<MaybeTls>, io::Error>> {
     let acceptor = tls.acceptor();
-    crate::tls::accept_each(listener, "peer link", move |tcp, peer| {
+    crate::tls::accept_each(listener, "peer link", slots, too_many, move |tcp, peer, slot| {
         let acceptor = acceptor.clone();
         async move {
             match tokio::time::timeout(HANDSHAKE_TIMEOUT, crate::tls::sniff(tcp, &acceptor)).await {
-                Ok(Ok(tls @ MaybeTls::Tls(_))) => Some(tls),
+                Ok(Ok(tls @ MaybeTls::Tls(_))) => {
+                    Some(Opening::new(tls, peer, tokio::time::Instant::now() + preface_within).holding(slot))
+                }
                 Ok(Ok(MaybeTls::Plain(_))) => refused(peer, Refusal::Plaintext, "it opened with no TLS handshake"),
                 Ok(Err(error)) => refused(peer, Refusal::of(&error), &error.to_string()),
                 Err(_) => refused(peer, Refusal::Timeout, "no handshake within 10 s"),
@@ -295,9 +307,14 @@ pub(crate) fn incoming(listener: TcpListener, tls: &PeerTls) -> ReceiverStream<R
     })
 }
 
+/// A connection closed at once because the peer port had `tier.max_connections` open (plaintext or TLS).
+pub(crate) fn too_many(peer: SocketAddr) {
+    refused(peer, Refusal::TooManyConnections, "tier.max_connections are open");
+}
+
 /// A connection refused before it was served: counted, and logged at debug only (the count is the signal; a
 /// stranger's flood must not fill the log).
-fn refused(peer: SocketAddr, refusal: Refusal, why: &str) -> Option<MaybeTls> {
+fn refused(peer: SocketAddr, refusal: Refusal, why: &str) -> Option<Opening<MaybeTls>> {
     counter!(m::TIER_CONNECTIONS_REFUSED, "reason" => refusal.label()).increment(1);
     tracing::debug!(%peer, reason = refusal.label(), error = why, "A connection to the peer link was refused.");
     None
@@ -482,15 +499,17 @@ mod tests {
         assert!(text.contains("tier.tls_key_path") && text.contains(&other_key.display().to_string()), "{text}");
     }
 
-    /// The peer port end to end: a peer's connector is served; a plaintext client is closed unserved.
+    /// The peer port end to end: a peer's connector is served; a plaintext client is closed unserved, and so is
+    /// a connection past the port's bound while the peer's is open.
     #[tokio::test]
-    async fn the_peer_port_serves_a_peers_connector_and_closes_a_plaintext_client() {
+    async fn the_peer_port_serves_a_peers_connector_and_closes_a_plaintext_client_and_one_too_many() {
         let dir = tempfile::tempdir().expect("tempdir");
         let tier = ca("tier");
         let tls = peer(&files(&dir, &tier, &["popgate-0"], both(), &tier), None);
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let port = listener.local_addr().expect("address").port();
-        let mut served = incoming(listener, &tls);
+        let one_slot = Arc::new(tokio::sync::Semaphore::new(1));
+        let mut served = incoming(listener, &tls, one_slot, Duration::from_secs(10));
 
         let mut plain = TcpStream::connect(("127.0.0.1", port)).await.expect("connect");
         plain.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").await.expect("write");
@@ -503,9 +522,16 @@ mod tests {
         dialled.write_all(b"?").await.expect("write");
         dialled.flush().await.expect("flush");
         let connection = futures::StreamExt::next(&mut served).await.expect("one").expect("served");
-        let MaybeTls::Tls(mut connection) = connection else { panic!("a TLS connection") };
+        let mut connection = connection;
         let mut byte = [0u8; 1];
         connection.read_exact(&mut byte).await.expect("read");
         assert_eq!(&byte, b"?", "the plaintext client was never handed to the server");
+
+        // The one slot is the peer's: another connection is closed at once, before any handshake.
+        let mut another = TcpStream::connect(("127.0.0.1", port)).await.expect("connect");
+        let mut rest = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(5), another.read_to_end(&mut rest)).await;
+        assert!(matches!(read, Ok(Ok(0)) | Ok(Err(_))), "closed at once: {read:?}");
+        drop(connection);
     }
 }
