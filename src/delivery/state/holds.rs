@@ -102,13 +102,7 @@ impl Deliveries {
         target: impl Into<Target<'a>>,
         by: Duration,
     ) -> Result<i64, DeliveryError> {
-        let target = target.into();
-        let id = target.id;
-        let mut record = self.claim(target).await?;
-        if let Err(refused) = self.check_settleable(&record) {
-            self.release(id, OwedWork::NotFailed);
-            return Err(refused);
-        }
+        let mut record = self.claim_settleable(target.into()).await?;
         let new_deadline = epoch_ms_after(now_millis(), by);
         if let Phase::AwaitingAck { deadline_ms, .. } = &mut record.phase {
             *deadline_ms = new_deadline;

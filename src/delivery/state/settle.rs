@@ -74,6 +74,26 @@ impl Deliveries {
         Ok(())
     }
 
+    /// Claims `target` for a subscriber's settlement: refused (and the claim released, nothing changed) unless
+    /// it is settleable ([`Deliveries::check_settleable`]).
+    pub(super) async fn claim_settleable(&self, target: Target<'_>) -> Result<DeliveryRecord, DeliveryError> {
+        let id = target.id;
+        let record = self.claim(target).await?;
+        self.settleable_or_released(id, record)
+    }
+
+    /// `record` (claimed as `id`) if a subscriber may settle it; else its claim is released and the refusal
+    /// returned.
+    fn settleable_or_released(&self, id: &str, record: DeliveryRecord) -> Result<DeliveryRecord, DeliveryError> {
+        match self.check_settleable(&record) {
+            Ok(()) => Ok(record),
+            Err(refused) => {
+                self.release(id, OwedWork::NotFailed);
+                Err(refused)
+            }
+        }
+    }
+
     /// Only a delivery that is handed out (or was, before a crash) may be settled by a subscriber.
     pub(super) fn check_settleable(&self, record: &DeliveryRecord) -> Result<(), DeliveryError> {
         match record.phase {
@@ -123,13 +143,7 @@ impl Deliveries {
         let mut acked: Vec<(usize, DeliveryRecord)> = Vec::new();
         let mut repeated = Vec::new();
         for (index, (target, claim)) in ids.iter().zip(claims).enumerate() {
-            let checked = claim.and_then(|record| match self.check_settleable(&record) {
-                Ok(()) => Ok(record),
-                Err(refused) => {
-                    self.release(target.id, OwedWork::NotFailed);
-                    Err(refused)
-                }
-            });
+            let checked = claim.and_then(|record| self.settleable_or_released(target.id, record));
             // The same hand-out ACKed again (its answer was lost on the way): answered as the first ACK was.
             let checked = match checked {
                 Err(DeliveryError::Unknown) if self.was_acked(*target) => {
@@ -249,11 +263,7 @@ impl Deliveries {
     ) -> Result<NackOutcome, DeliveryError> {
         let target = target.into();
         let id = target.id;
-        let mut record = self.claim(target).await?;
-        if let Err(refused) = self.check_settleable(&record) {
-            self.release(id, OwedWork::NotFailed);
-            return Err(refused);
-        }
+        let mut record = self.claim_settleable(target).await?;
         let outcome = self.spend_attempt(&mut record, "nack", delay);
         self.commit(record, OwedWork::NotFailed).await?;
         self.after_spent(id, &outcome, "nack");
@@ -268,11 +278,7 @@ impl Deliveries {
     ) -> Result<(), DeliveryError> {
         let target = target.into();
         let id = target.id;
-        let mut record = self.claim(target).await?;
-        if let Err(refused) = self.check_settleable(&record) {
-            self.release(id, OwedWork::NotFailed);
-            return Err(refused);
-        }
+        let mut record = self.claim_settleable(target).await?;
         record.last_failure = Some(format!("terminated: {reason}"));
         record.phase = Phase::DeadLetter { reason: format!("terminated by the subscriber: {reason}") };
         self.commit(record, OwedWork::NotFailed).await?;
