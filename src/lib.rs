@@ -36,6 +36,8 @@
 //!   settles a delivery another one handed out.
 //! - [`transaction`]: transactional messages' durable records and their ends.
 //! - [`metrics`]: every metric's name, help text and buckets.
+//! - [`clock`]: popgate's one clock ([`clock::Epoch`]: every deadline, lease and expiry) and the only reading of
+//!   the wall clock.
 //! - `opening`: how long a connection to an HTTP/2 port (gRPC, the peer link) may take to open.
 //! - [`cli`]: the operator CLI's client of the admin API.
 //! - [`app`]: wiring and the serve loop; `main.rs` only parses the CLI and waits for a signal.
@@ -44,7 +46,7 @@
 //!
 //! Arrows run down only: `app` → the fronts (`api`, `grpc`, `remoting`, the peer link in `tier`; and `cli`) →
 //! `gateway` → `delivery`, `transaction`, `publish`, `dlq`, `auth`, `reliability` → `broker`, `store` → `config`;
-//! `metrics` is a leaf anyone may use. In particular `publish` knows nothing of HTTP, a front holds the delivery
+//! `metrics` and `clock` are leaves anyone may use. In particular `publish` knows nothing of HTTP, a front holds the delivery
 //! core only as `gateway::Deliveries` (reads start from a checked `gateway::Reader`) and names what else lies
 //! below the gateway only through `gateway::below`, and `config` imports no other module. Unit tests below read
 //! the sources and fail on an arrow that runs back up.
@@ -58,6 +60,7 @@ pub mod app;
 pub mod auth;
 pub mod broker;
 pub mod cli;
+pub mod clock;
 pub mod config;
 pub mod delivery;
 pub mod dlq;
@@ -160,6 +163,22 @@ mod layering {
             let after = text[at + word.len()..].chars().next();
             !before.is_some_and(part_of_name) && !after.is_some_and(part_of_name)
         })
+    }
+
+    /// popgate has one clock: every deadline is a `clock::Epoch`, and the wall clock is read in `clock.rs` alone
+    /// (a deadline made from the wall clock and compared with one from popgate's clock is off by every step the
+    /// wall clock took since start).
+    #[test]
+    fn the_wall_clock_is_read_in_one_place() {
+        let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut files = Vec::new();
+        sources(&src, &mut files);
+        let readers: Vec<&String> = files
+            .iter()
+            .filter(|(path, text)| !path.ends_with("clock.rs") && text.contains(&["SystemTime", "::now()"].concat()))
+            .map(|(path, _)| path)
+            .collect();
+        assert!(readers.is_empty(), "read the wall clock outside clock.rs: {readers:#?}");
     }
 
     /// A front holds the delivery core only as `gateway::Deliveries`: every read starts from a checked

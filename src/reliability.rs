@@ -17,8 +17,8 @@ use metrics::gauge;
 use parking_lot::RwLock;
 use serde::Serialize;
 
-use crate::broker::client::now_millis;
 use crate::broker::BrokerClient;
+use crate::clock::Epoch;
 use crate::config::Profile;
 use crate::metrics as m;
 
@@ -100,7 +100,7 @@ impl ProfileMonitor {
         let masters = self.broker.cluster_masters().await?;
         let mut reports = Vec::with_capacity(masters.len());
         for master in masters {
-            let checked_at = u64::try_from(now_millis()).unwrap_or(0);
+            let checked_at = u64::try_from(Epoch::now().as_millis()).unwrap_or(0);
             let report = match self.broker.broker_config(&master.addr).await {
                 Ok(settings) => BrokerProfileReport {
                     shortfalls: shortfalls(self.profile, &settings),

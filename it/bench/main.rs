@@ -551,10 +551,14 @@ fn planted_record(i: usize, now_ms: i64) -> DeliveryRecord {
             // A lease an hour long: neither renewed nor given up while the boot is measured.
             pop_time_ms: now_ms,
             invisible_ms: 3_600_000,
-            lease_until_ms: now_ms + 3_600_000,
+            lease_until_ms: popgate::clock::Epoch::from_millis(now_ms + 3_600_000),
         },
         attempt: 1,
-        phase: Phase::AwaitingAck { deadline_ms: now_ms + 3_600_000, dispatched_ms: now_ms, holder: None },
+        phase: Phase::AwaitingAck {
+            deadline_ms: popgate::clock::Epoch::from_millis(now_ms + 3_600_000),
+            dispatched_ms: popgate::clock::Epoch::from_millis(now_ms),
+            holder: None,
+        },
         last_failure: None,
         seq: i as u64 + 1,
         body_apart: true,

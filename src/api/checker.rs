@@ -17,7 +17,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use metrics::counter;
 use serde::Deserialize;
@@ -142,7 +142,7 @@ async fn post(
         "event": event_json(&orphan.event),
     });
     let body = serde_json::to_vec(&body).map_err(|e| e.to_string())?;
-    let timestamp = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let timestamp = crate::clock::wall_clock_secs();
     let response = client
         .post(&config.url)
         .timeout(Duration::from_millis(config.timeout_ms))

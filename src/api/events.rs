@@ -216,7 +216,7 @@ pub fn delivery_json(delivery: &Dispatched) -> Value {
     json!({
         "deliveryId": delivery.handle_id(),
         "attempt": delivery.attempt,
-        "ackDeadline": delivery.ack_deadline_ms,
+        "ackDeadline": delivery.ack_deadline.as_millis(),
         "event": event_json(&delivery.event),
     })
 }
@@ -291,7 +291,7 @@ pub async fn nack(
     let delay = body.delay_ms.map(Duration::from_millis);
     let outcome = state.settling().nack(&caller, settlement(&body.delivery_id), delay).await?;
     Ok(Json(match outcome {
-        NackOutcome::Retry { attempt, due_ms } => json!({"status": "retry", "attempt": attempt, "dueAt": due_ms}),
+        NackOutcome::Retry { attempt, due } => json!({"status": "retry", "attempt": attempt, "dueAt": due.as_millis()}),
         NackOutcome::DeadLetter => json!({"status": "dead_letter"}),
     })
     .into_response())

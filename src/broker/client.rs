@@ -42,6 +42,7 @@ use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
 use rocketmq_runtime::{RuntimeConfig, RuntimeOwner};
 
 use super::message::{ClientWire, OutgoingMessage};
+use crate::clock::Epoch;
 use crate::config::BrokerConfig;
 
 /// The topic whose route a producer borrows for a topic the broker will auto-create.
@@ -568,7 +569,7 @@ impl BrokerClient {
             default_topic_queue_nums: DEFAULT_TOPIC_QUEUE_NUMS,
             queue_id,
             sys_flag,
-            born_timestamp: now_millis(),
+            born_timestamp: Epoch::now().as_millis(),
             flag: 0,
             properties: Some(message_properties_to_string(&properties)),
             reconsume_times: Some(0),
@@ -627,35 +628,6 @@ fn client_send_request(message: &OutgoingMessage, wire: &ClientWire, queue_id: i
 
 fn crate_properties(properties: &std::collections::BTreeMap<String, String>) -> HashMap<CheetahString, CheetahString> {
     properties.iter().map(|(k, v)| (CheetahString::from(k.as_str()), CheetahString::from(v.as_str()))).collect()
-}
-
-/// popgate's clock, in epoch milliseconds: the wall clock read once, at the first call, then advanced by the
-/// monotonic clock. Every deadline popgate keeps (leases, ACK deadlines, retries) is judged on it, so a wall
-/// clock stepped by an operator or NTP moves none of them; it stays within the steps made since start of the
-/// wall clock, which is what a restart (and the stored records it reads back) re-anchors to.
-pub(crate) fn now_millis() -> i64 {
-    static ANCHOR: std::sync::OnceLock<(std::time::Instant, i64)> = std::sync::OnceLock::new();
-    let (started, wall_at_start) = ANCHOR.get_or_init(|| (std::time::Instant::now(), wall_millis()));
-    wall_at_start.saturating_add(i64::try_from(elapsed_since(*started).as_millis()).unwrap_or(i64::MAX))
-}
-
-#[cfg(not(test))]
-fn elapsed_since(started: std::time::Instant) -> std::time::Duration {
-    started.elapsed()
-}
-
-/// Unit tests read Tokio's clock, so a test on paused time (`start_paused`, `time::advance`) moves popgate's
-/// clock with its timers: deadlines and backoffs are tested without sleeping.
-#[cfg(test)]
-fn elapsed_since(started: std::time::Instant) -> std::time::Duration {
-    tokio::time::Instant::now().into_std().saturating_duration_since(started)
-}
-
-fn wall_millis() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-        .unwrap_or_default()
 }
 
 /// The hook that signs every request to the cluster with `broker.access_key` (RocketMQ's `AclClientRPCHook`:

@@ -16,6 +16,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use cheetah_string::CheetahString;
 use rocketmq_client_rust::{AckStatus, ClientInstanceHandle, PopStatus};
@@ -29,8 +30,9 @@ use rocketmq_protocol::protocol::header::extra_info_util::ExtraInfoUtil;
 use rocketmq_protocol::protocol::header::pop_message_request_header::PopMessageRequestHeader;
 use rocketmq_protocol::RemotingCommand;
 
-use super::client::{now_millis, BrokerClient, BrokerError, BrokerRoute};
+use super::client::{BrokerClient, BrokerError, BrokerRoute};
 use super::message::is_reserved_property;
+use crate::clock::Epoch;
 
 /// `ConsumeInitMode.MIN`: a group that never consumed a queue starts at its oldest message, so nothing
 /// published before the first POP is skipped.
@@ -140,12 +142,12 @@ pub struct ReceiptHandle {
     pub pop_time_ms: i64,
     /// How long the broker keeps the message invisible from `pop_time_ms`.
     pub invisible_ms: i64,
-    /// Until when popgate holds the lease, on popgate's own clock ([`now_millis`]): the moment the POP (or
+    /// Until when popgate holds the lease, on popgate's own clock ([`Epoch::now`]): the moment the POP (or
     /// the renewal) was *sent*, plus the invisible time it asked for. The broker starts the invisible time
     /// later than that (when it takes the request), so this ends no later than the broker's lease, whatever
     /// the two clocks say. 0 in records stored before popgate judged leases this way.
     #[serde(default)]
-    pub lease_until_ms: i64,
+    pub lease_until_ms: Epoch,
 }
 
 impl ReceiptHandle {
@@ -155,18 +157,18 @@ impl ReceiptHandle {
     /// clock 60 s behind popgate's would make every fresh lease look lapsed, and one ahead would keep
     /// accepting ACKs for messages the broker has already handed to someone else. A record stored before
     /// `lease_until_ms` existed falls back to the broker's figures.
-    pub fn lease_deadline_ms(&self) -> i64 {
-        if self.lease_until_ms > 0 {
+    pub fn lease_deadline(&self) -> Epoch {
+        if self.lease_until_ms > Epoch::ZERO {
             self.lease_until_ms
         } else {
-            self.pop_time_ms.saturating_add(self.invisible_ms)
+            Epoch::from_millis(self.pop_time_ms.saturating_add(self.invisible_ms))
         }
     }
 }
 
-/// The end of a lease granted for `invisible_ms` by a request sent at `sent_at_ms` (popgate's clock).
-fn lease_until(sent_at_ms: i64, invisible_ms: u64) -> i64 {
-    sent_at_ms.saturating_add(i64::try_from(invisible_ms).unwrap_or(i64::MAX))
+/// The end of a lease granted for `invisible_ms` by a request sent at `sent_at` (popgate's clock).
+fn lease_until(sent_at: Epoch, invisible_ms: u64) -> Epoch {
+    sent_at + Duration::from_millis(invisible_ms)
 }
 
 /// One message from a POP.
@@ -230,7 +232,7 @@ impl BrokerClient {
             max_msg_nums: request.max,
             invisible_time: request.invisible_ms,
             poll_time: request.poll_ms,
-            born_time: u64::try_from(now_millis()).unwrap_or_default(),
+            born_time: u64::try_from(Epoch::now().as_millis()).unwrap_or_default(),
             init_mode: INIT_MODE_MIN,
             exp_type: Some(request.filter_type.into()),
             exp: Some(request.filter.into()),
@@ -240,7 +242,7 @@ impl BrokerClient {
         };
         let timeout_ms = request.poll_ms + POP_TIMEOUT_SLACK_MS;
         // Read before the request leaves: the lease is judged from here (see `ReceiptHandle::lease_until_ms`).
-        let sent_at_ms = now_millis();
+        let sent_at = Epoch::now();
         let result = handle
             .pop_message(&broker.name.as_str().into(), &broker.addr.as_str().into(), header, timeout_ms)
             .await
@@ -249,7 +251,7 @@ impl BrokerClient {
             return Ok(Vec::new());
         }
         let messages = result.msg_found_list.unwrap_or_default();
-        let usable: Vec<Popped> = messages.iter().filter_map(|m| popped(m, request, broker, sent_at_ms)).collect();
+        let usable: Vec<Popped> = messages.iter().filter_map(|m| popped(m, request, broker, sent_at)).collect();
         let unusable = messages.len() - usable.len();
         if unusable > 0 {
             // It cannot be ACKed or renewed without its receipt handle; the broker delivers it again once its
@@ -363,7 +365,7 @@ impl BrokerClient {
             topic_request_header: None,
         };
         let timeout = self.request_timeout();
-        let sent_at_ms = now_millis();
+        let sent_at = Epoch::now();
         let result = self
             .pooled()
             .change_invisible_time(
@@ -388,7 +390,7 @@ impl BrokerClient {
             extra_info,
             pop_time_ms: result.pop_time(),
             invisible_ms: answered,
-            lease_until_ms: lease_until(sent_at_ms, invisible_ms),
+            lease_until_ms: lease_until(sent_at, invisible_ms),
             ..handle.clone()
         })
     }
@@ -438,7 +440,7 @@ pub struct AckEntry<'a> {
 
 /// Turns one popped message into an event and its handle; a message without a readable `POP_CK` is
 /// skipped (it cannot be ACKed, so the broker will deliver it again).
-fn popped(message: &MessageExt, request: &PopRequest<'_>, broker: &BrokerRoute, sent_at_ms: i64) -> Option<Popped> {
+fn popped(message: &MessageExt, request: &PopRequest<'_>, broker: &BrokerRoute, sent_at: Epoch) -> Option<Popped> {
     let property = |name: &str| message.properties().get(&CheetahString::from(name)).map(ToString::to_string);
     let extra_info = property("POP_CK")?;
     let parsed = ExtraInfoUtil::parse_ack_extra_info(&extra_info).ok()?;
@@ -455,7 +457,7 @@ fn popped(message: &MessageExt, request: &PopRequest<'_>, broker: &BrokerRoute, 
         invisible_ms: parsed.invisible_time,
         // The shorter of what was asked and what the broker wrote into the handle.
         lease_until_ms: lease_until(
-            sent_at_ms,
+            sent_at,
             request.invisible_ms.min(u64::try_from(parsed.invisible_time).unwrap_or(0)),
         ),
         extra_info,
@@ -517,7 +519,7 @@ mod tests {
             queue_offset: 0,
             pop_time_ms: 1_000,
             invisible_ms: 60_000,
-            lease_until_ms: 0,
+            lease_until_ms: Epoch::from_millis(0),
         }
     }
 
@@ -547,20 +549,22 @@ mod tests {
         };
         let broker =
             BrokerRoute { name: "broker-a".into(), addr: "127.0.0.1:10911".into(), write_queues: 1, read_queues: 1 };
-        let sent_at = now_millis();
+        let sent_at = Epoch::now();
         // The broker's clock a minute behind popgate's, the same, and a minute ahead.
         for skew_ms in [-60_000, 0, 60_000] {
+            let broker_pop_time = sent_at.as_millis() + skew_ms;
             let popped =
-                popped(&message_popped_at(sent_at + skew_ms), &request, &broker, sent_at).expect("a usable message");
-            assert_eq!(popped.handle.lease_deadline_ms(), sent_at + 60_000, "broker clock off by {skew_ms} ms");
-            assert_eq!(popped.handle.pop_time_ms, sent_at + skew_ms, "the broker's own figure is kept apart");
+                popped(&message_popped_at(broker_pop_time), &request, &broker, sent_at).expect("a usable message");
+            let lease = Duration::from_secs(60);
+            assert_eq!(popped.handle.lease_deadline(), sent_at + lease, "broker clock off by {skew_ms} ms");
+            assert_eq!(popped.handle.pop_time_ms, broker_pop_time, "the broker's own figure is kept apart");
         }
     }
 
     #[test]
     fn a_record_stored_before_local_leases_falls_back_to_the_brokers_figures() {
         let old = handle("0 1000 60000 3 0 broker-a 1 0".into());
-        assert_eq!(old.lease_deadline_ms(), 61_000);
+        assert_eq!(old.lease_deadline(), Epoch::from_millis(61_000));
     }
 
     #[test]

@@ -10,8 +10,8 @@
 use bytes::Bytes;
 
 use super::record::{DeliveryRecord, Phase};
-use crate::broker::client::now_millis;
 use crate::broker::OutgoingMessage;
+use crate::clock::Epoch;
 use crate::publish::{PublishError, Publisher, SendMode};
 
 /// Property: the topic the event was consumed from.
@@ -53,7 +53,7 @@ pub fn dead_letter_message(record: &DeliveryRecord) -> OutgoingMessage {
         (DLQ_ORIGIN_MESSAGE_ID, event.id.clone()),
         (POPGATE_ATTEMPTS, record.attempt.to_string()),
         (POPGATE_LAST_FAILURE, reason),
-        (POPGATE_DEAD_LETTERED_AT, now_millis().to_string()),
+        (POPGATE_DEAD_LETTERED_AT, Epoch::now().to_string()),
         (POPGATE_DELIVERY_ID, record.id.to_string()),
     ];
     for (name, value) in extra {

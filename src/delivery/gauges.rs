@@ -22,8 +22,8 @@ use tokio::time::Instant;
 use super::dlq::dlq_topic;
 use super::record::Subscription;
 use super::state::Deliveries;
-use crate::broker::client::now_millis;
 use crate::broker::BrokerError;
+use crate::clock::Epoch;
 use crate::metrics as m;
 
 /// How often a pause between refreshes looks for shutdown, so the loop ends well within the dispatcher's wait.
@@ -82,11 +82,11 @@ async fn refresh(deliveries: &Deliveries, watched: &mut Watched) {
 
 /// Sets each subscription's oldest-unacknowledged age from the in-flight table (0 when it holds nothing).
 fn export_ages(deliveries: &Deliveries, subscriptions: &BTreeSet<(String, String)>) {
-    let oldest = deliveries.oldest_unsettled_ms();
-    let now = now_millis();
+    let oldest = deliveries.oldest_unsettled();
+    let now = Epoch::now();
     for (group, topic) in subscriptions {
-        let popped_ms = oldest.get(&Subscription::key_of(group, topic)).copied().unwrap_or(now);
-        let age_secs = now.saturating_sub(popped_ms).max(0) as f64 / 1_000.0;
+        let popped = oldest.get(&Subscription::key_of(group, topic)).copied().unwrap_or(now);
+        let age_secs = now.since(popped).as_secs_f64();
         gauge!(m::OLDEST_UNACKED_AGE, "group" => group.clone(), "topic" => topic.clone()).set(age_secs);
     }
 }
@@ -155,7 +155,7 @@ mod tests {
     }
 
     /// A message the broker handed out `ago_ms` ago.
-    fn popped(id: &str, ago_ms: i64) -> Popped {
+    fn popped(id: &str, ago_ms: u64) -> Popped {
         crate::delivery::test_support::popped(id, b"b", ago_ms)
     }
 
@@ -182,8 +182,9 @@ mod tests {
         assert_eq!(rendered_age(&deliveries, &subscriptions, series), Some(0.0), "nothing held");
 
         deliveries.admit(&key, vec![popped("young", 2_000), popped("old", 7_000)]).await;
-        let oldest = deliveries.oldest_unsettled_ms().get(&key).copied().expect("held");
-        assert!((now_millis() - oldest - 7_000).abs() < 1_000, "the older of the two counts");
+        let oldest = deliveries.oldest_unsettled().get(&key).copied().expect("held");
+        let age = Epoch::now().since(oldest);
+        assert!(age.abs_diff(Duration::from_secs(7)) < Duration::from_secs(1), "the older of the two counts: {age:?}");
         let age = rendered_age(&deliveries, &subscriptions, series).expect("exported");
         assert!((7.0..8.0).contains(&age), "ready deliveries count: {age}");
         assert_eq!(rendered_age(&deliveries, &subscriptions, idle), Some(0.0));

@@ -17,6 +17,7 @@ use hmac::{Hmac, Mac};
 
 use super::record::DeliveryRecord;
 use crate::broker::consumer::ReceiptHandle;
+use crate::clock::Epoch;
 
 /// Between a delivery id and its sealed lease: a character no delivery id, instance id or base64url text has.
 const LEASE_SEPARATOR: char = '!';
@@ -73,7 +74,7 @@ impl LeaseSeal {
             h.queue_offset,
             h.pop_time_ms,
             h.invisible_ms,
-            h.lease_until_ms,
+            h.lease_until_ms.as_millis(),
         );
         let content = URL_SAFE_NO_PAD.encode(serde_json::to_vec(&sealed).ok()?);
         let mac = URL_SAFE_NO_PAD.encode(self.mac(&record.id, &content)?.finalize().into_bytes().get(..MAC_BYTES)?);
@@ -103,7 +104,7 @@ impl LeaseSeal {
             queue_offset,
             pop_time_ms: pop,
             invisible_ms: inv,
-            lease_until_ms: until,
+            lease_until_ms: Epoch::from_millis(until),
         };
         Some(Lease { group, topic, handle })
     }
@@ -150,7 +151,7 @@ mod tests {
             event: popped.event,
             handle: popped.handle,
             attempt: 1,
-            phase: Phase::Ready { due_ms: 0 },
+            phase: Phase::Ready { due_ms: Epoch::ZERO },
             last_failure: None,
             seq: 1,
             handouts: 0,

@@ -60,6 +60,7 @@ use retry::RetryPolicy;
 use state::Deliveries;
 
 use crate::broker::BrokerClient;
+use crate::clock::Epoch;
 use crate::config::{bounds, DeliveryConfig};
 use crate::publish::Publisher;
 use crate::store::{StateStore, StoreError};
@@ -134,8 +135,8 @@ pub struct Dispatched {
     /// Which hand-out of the delivery this is (1-based, counted over its whole life): a front whose
     /// handles name it can have a settlement of an earlier one refused ([`Target`]).
     pub handout: u32,
-    /// ACK by this time (epoch ms).
-    pub ack_deadline_ms: i64,
+    /// ACK by this time.
+    pub ack_deadline: Epoch,
     /// The event.
     pub event: Event,
     /// Its broker lease at the hand-out, sealed, in a tier ([`LeaseSeal`]): a peer ACKs it at the broker with
@@ -206,12 +207,12 @@ impl HandOut {
 /// The outcome of a NACK.
 #[derive(Debug, Clone, PartialEq)]
 pub enum NackOutcome {
-    /// Attempt `attempt` is due at `due_ms`.
+    /// Attempt `attempt` is due at `due`.
     Retry {
         /// The next attempt's number.
         attempt: u32,
-        /// When (epoch ms).
-        due_ms: i64,
+        /// When.
+        due: Epoch,
     },
     /// It was the last attempt: the event goes to the DLQ.
     DeadLetter,
@@ -733,11 +734,11 @@ impl Dispatcher {
     }
 
     /// Extends the ACK deadline of a handed-out delivery to `by` from now (a SimpleConsumer's
-    /// ChangeInvisibleDuration); returns the new deadline (epoch ms).
+    /// ChangeInvisibleDuration); returns the new deadline.
     ///
     /// # Errors
     /// As [`Dispatcher::ack`].
-    pub async fn extend<'a>(&self, target: impl Into<Target<'a>>, by: Duration) -> Result<i64, DeliveryError> {
+    pub async fn extend<'a>(&self, target: impl Into<Target<'a>>, by: Duration) -> Result<Epoch, DeliveryError> {
         self.deliveries.extend(target.into(), by).await
     }
 

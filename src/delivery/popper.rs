@@ -18,9 +18,9 @@ use metrics::counter;
 use rocketmq_client_rust::ClientInstanceHandle;
 
 use super::state::{Admission, Deliveries};
-use crate::broker::client::now_millis;
 use crate::broker::consumer::{PopRequest, Popped};
 use crate::broker::BrokerError;
+use crate::clock::Epoch;
 use crate::metrics as m;
 
 /// The broker's answer to a filter it cannot compile (`ResponseCode.SUBSCRIPTION_PARSE_FAILED`).
@@ -42,8 +42,8 @@ pub(super) async fn run(deliveries: Arc<Deliveries>, key: String, stop: Arc<Atom
     while !stop.load(Ordering::Relaxed) && !deliveries.is_shutting_down() {
         if !unadmitted.is_empty() {
             // Keep only what the broker still leases to us, with a margin for the write itself.
-            let now = now_millis();
-            unadmitted.retain(|p| p.handle.lease_deadline_ms() > now + 1_000);
+            let now = Epoch::now();
+            unadmitted.retain(|p| p.handle.lease_deadline() > now + Duration::from_secs(1));
             if !admit(&deliveries, &key, &group, std::mem::take(&mut unadmitted), &mut unadmitted).await {
                 tokio::time::sleep(ERROR_PAUSE).await;
                 continue;

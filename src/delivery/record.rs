@@ -8,6 +8,8 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
+use crate::clock::Epoch;
+
 pub use crate::broker::consumer::{PoppedEvent as Event, ReceiptHandle};
 
 /// Where a delivery stands.
@@ -16,15 +18,15 @@ pub use crate::broker::consumer::{PoppedEvent as Event, ReceiptHandle};
 pub enum Phase {
     /// Waiting to be dispatched: at once for a new event, at `due_ms` for a retry.
     Ready {
-        /// Not before this time (epoch ms).
-        due_ms: i64,
+        /// Not before this time.
+        due_ms: Epoch,
     },
     /// Handed to a subscriber; an ACK is due by `deadline_ms`.
     AwaitingAck {
-        /// Epoch ms.
-        deadline_ms: i64,
+        /// The ACK deadline.
+        deadline_ms: Epoch,
         /// When it was handed out, for the ACK latency.
-        dispatched_ms: i64,
+        dispatched_ms: Epoch,
         /// The gRPC client it was handed to, if one was (see [`Holder`]).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         holder: Option<Holder>,

@@ -128,8 +128,8 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::broker::client::now_millis;
     use crate::broker::consumer::{PoppedEvent, ReceiptHandle};
+    use crate::clock::Epoch;
     use crate::delivery::record::{Holder, Phase};
     use crate::delivery::test_support::{offline_parts, subscription};
     use crate::delivery::Dispatcher;
@@ -161,9 +161,9 @@ mod tests {
                 queue_id: 0,
                 queue_offset: 0,
                 // A lease far in the future: the sweeper neither renews nor gives it up during the test.
-                pop_time_ms: now_millis(),
+                pop_time_ms: Epoch::now().as_millis(),
                 invisible_ms: 3_600_000,
-                lease_until_ms: now_millis() + 3_600_000,
+                lease_until_ms: Epoch::now() + Duration::from_millis(3_600_000),
             },
             attempt,
             phase,
@@ -197,11 +197,11 @@ mod tests {
         let store = StateStore::open(dir.path(), true).expect("open");
         let sub = subscription();
         store.put(Family::Subscriptions, &sub.key(), &sub).await.expect("put sub");
-        let soon = now_millis() + 5_000;
+        let soon = Epoch::now() + Duration::from_millis(5_000);
         let holder = Holder { client_id: "app@1".into(), auto_renew: true, written: true };
         let held = record(
             "held",
-            Phase::AwaitingAck { deadline_ms: soon, dispatched_ms: now_millis(), holder: Some(holder) },
+            Phase::AwaitingAck { deadline_ms: soon, dispatched_ms: Epoch::now(), holder: Some(holder) },
             2,
         );
         store.put(Family::Deliveries, &held.id, &held).await.expect("put");
@@ -220,8 +220,8 @@ mod tests {
             Some(0),
             "not due yet"
         );
-        let due = dispatcher.in_flight(Some("g"), 1)[0].due_ms.unwrap_or(0);
-        assert!(due >= now_millis() + 25_000, "the deadline moved 30 s ahead: {due}");
+        let due = Epoch::from_millis(dispatcher.in_flight(Some("g"), 1)[0].due_ms.unwrap_or(0));
+        assert!(due >= Epoch::now() + Duration::from_millis(25_000), "the deadline moved 30 s ahead: {due}");
         assert_eq!(dispatcher.hold_of("held").and_then(|(_, _, h)| h).map(|h| h.client_id), Some("app@1".into()));
         dispatcher.shutdown().await;
     }
@@ -232,11 +232,11 @@ mod tests {
         let store = StateStore::open(dir.path(), true).expect("open");
         let sub = subscription();
         store.put(Family::Subscriptions, &sub.key(), &sub).await.expect("put sub");
-        let later = now_millis() + 30_000;
+        let later = Epoch::now() + Duration::from_millis(30_000);
         let holder = Holder { client_id: "app@1".into(), auto_renew: true, written: false };
         let mut unwritten = record(
             "unwritten",
-            Phase::AwaitingAck { deadline_ms: later, dispatched_ms: now_millis(), holder: Some(holder) },
+            Phase::AwaitingAck { deadline_ms: later, dispatched_ms: Epoch::now(), holder: Some(holder) },
             2,
         );
         unwritten.handouts = 2;
@@ -263,8 +263,16 @@ mod tests {
         let sub = subscription();
         store.put(Family::Subscriptions, &sub.key(), &sub).await.expect("put sub");
         let planted = [
-            record("awaiting", Phase::AwaitingAck { deadline_ms: 0, dispatched_ms: 0, holder: None }, 3),
-            record("ready", Phase::Ready { due_ms: 0 }, 2),
+            record(
+                "awaiting",
+                Phase::AwaitingAck {
+                    deadline_ms: Epoch::from_millis(0),
+                    dispatched_ms: Epoch::from_millis(0),
+                    holder: None,
+                },
+                3,
+            ),
+            record("ready", Phase::Ready { due_ms: Epoch::from_millis(0) }, 2),
             record("acked", Phase::Acked, 1),
             record("dead", Phase::DeadLetter { reason: "r".into() }, 6),
         ];

@@ -120,13 +120,6 @@ impl RetryPolicy {
     }
 }
 
-/// The epoch millisecond `delay` after `now_ms`, saturating at `i64::MAX`. Delays reach the state machine from
-/// clients (a NACK's `delayMs`, a gRPC invisible duration); the transports bound them, and this keeps the core
-/// from overflowing, and panicking while it holds a delivery claimed, should any delay get past them.
-pub fn epoch_ms_after(now_ms: i64, delay: Duration) -> i64 {
-    now_ms.saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -193,16 +186,5 @@ mod tests {
     fn a_single_attempt_budget_dead_letters_at_once() {
         let policy = RetryPolicy::try_new(Duration::from_secs(1), Duration::from_secs(1), 0.0, 1).expect("valid");
         assert_eq!(policy.next(1, &mut StdRng::seed_from_u64(0)), NextStep::DeadLetter);
-    }
-
-    #[test]
-    fn a_delay_too_large_for_the_clock_saturates_instead_of_overflowing() {
-        let now = 1_700_000_000_000;
-        assert_eq!(epoch_ms_after(now, Duration::from_millis(1_500)), now + 1_500);
-        // Each of these overflowed `now + delay.as_millis() as i64` (a panic in a debug build), or wrapped to
-        // a time in the past.
-        for delay in [Duration::from_millis(i64::MAX as u64), Duration::from_millis(u64::MAX), Duration::MAX] {
-            assert_eq!(epoch_ms_after(now, delay), i64::MAX, "{delay:?}");
-        }
     }
 }

@@ -12,13 +12,13 @@ use std::time::Duration;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 
 use super::state::{Deliveries, Owed};
-use crate::broker::client::now_millis;
+use crate::clock::Epoch;
 
 /// How often the sweeper looks at the deliveries that are due.
 const TICK: Duration = Duration::from_millis(100);
 
 /// How often idle implicit subscriptions are looked for (at most; sooner when the expiry itself is shorter).
-const EXPIRY_PASS_EVERY_MS: i64 = 10_000;
+const EXPIRY_PASS_EVERY: Duration = Duration::from_secs(10);
 
 /// Workers renewing leases. With many deliveries held, their renewals fall due together: they wait in a queue
 /// (an id each) and this many run at once, so memory and broker load stay bounded. A delivery waiting in the
@@ -36,19 +36,18 @@ pub(super) async fn run(deliveries: Arc<Deliveries>) {
     let owed_work = worker_pool(&deliveries, OWED_WORKERS);
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let idle_expiry =
-        i64::try_from(deliveries.config().idle_subscription_expiry_secs.saturating_mul(1_000)).unwrap_or(i64::MAX);
-    let mut next_expiry_pass = now_millis();
+    let idle_expiry = Duration::from_secs(deliveries.config().idle_subscription_expiry_secs);
+    let mut next_expiry_pass = Epoch::now();
     while !deliveries.is_shutting_down() {
         tick.tick().await;
-        let now = now_millis();
+        let now = Epoch::now();
         for owed in deliveries.sweep(now).await {
             let pool = if matches!(owed, Owed::Renew(_)) { &renewals } else { &owed_work };
             let _ = pool.send(owed);
         }
         if now >= next_expiry_pass {
-            deliveries.expire_idle_subscriptions(now.saturating_sub(idle_expiry)).await;
-            next_expiry_pass = now + EXPIRY_PASS_EVERY_MS.min(idle_expiry.max(1));
+            deliveries.expire_idle_subscriptions(now - idle_expiry).await;
+            next_expiry_pass = now + EXPIRY_PASS_EVERY.min(idle_expiry.max(Duration::from_millis(1)));
         }
     }
     // Dropping the senders stops the workers once their queues are empty.

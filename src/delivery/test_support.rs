@@ -2,11 +2,12 @@
 //! hand-out and recovery need none), and a plain subscription.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use super::record::Subscription;
-use crate::broker::client::now_millis;
 use crate::broker::consumer::{Popped, PoppedEvent, ReceiptHandle};
 use crate::broker::BrokerClient;
+use crate::clock::Epoch;
 use crate::config::{BrokerConfig, Config, DeliveryConfig};
 use crate::publish::Publisher;
 
@@ -45,8 +46,8 @@ pub(crate) fn subscription() -> Subscription {
 
 /// A message as the POP path records it: event `id` carrying `body`, its POP sent `ago_ms` ago (popgate's
 /// clock, and the broker's), leased for an hour from then.
-pub(crate) fn popped(id: &str, body: &[u8], ago_ms: i64) -> Popped {
-    let popped_at = now_millis() - ago_ms;
+pub(crate) fn popped(id: &str, body: &[u8], ago_ms: u64) -> Popped {
+    let popped_at = Epoch::now() - Duration::from_millis(ago_ms);
     let event = PoppedEvent {
         id: id.into(),
         topic: "t".into(),
@@ -67,9 +68,9 @@ pub(crate) fn popped(id: &str, body: &[u8], ago_ms: i64) -> Popped {
         ack_topic: "t".into(),
         queue_id: 0,
         queue_offset: 0,
-        pop_time_ms: popped_at,
+        pop_time_ms: popped_at.as_millis(),
         invisible_ms: 3_600_000,
-        lease_until_ms: popped_at + 3_600_000,
+        lease_until_ms: popped_at + Duration::from_millis(3_600_000),
     };
     Popped { event, handle }
 }

@@ -10,9 +10,9 @@ use serde::{Deserialize, Serialize};
 
 use super::browse::{user_properties, BrowseRequest, BrowsedMessage};
 use super::{ledger_key, DlqAdmin, DlqError};
-use crate::broker::client::now_millis;
 use crate::broker::message::{PROPERTY_SHARDING_KEY, PROPERTY_UNIQ_KEY};
 use crate::broker::OutgoingMessage;
+use crate::clock::Epoch;
 use crate::delivery::dlq::POPGATE_MESSAGE_GROUP;
 use crate::metrics as m;
 use crate::publish::SendMode;
@@ -146,7 +146,7 @@ impl DlqAdmin {
         let mut record = ReplayRecord {
             state: ReplayState::Replaying,
             origin_topic: origin_topic.clone(),
-            started_ms: now_millis(),
+            started_ms: Epoch::now().as_millis(),
             replayed_ms: None,
         };
         self.record(&key, &record).await?;
@@ -155,7 +155,7 @@ impl DlqAdmin {
         match self.publisher.publish(&replayed, SendMode::Sync).await {
             Ok(_) => {
                 record.state = ReplayState::Replayed;
-                record.replayed_ms = Some(now_millis());
+                record.replayed_ms = Some(Epoch::now().as_millis());
                 self.record(&key, &record).await?;
                 counter!(m::DLQ_REPLAYS, "result" => "replayed").increment(1);
                 tracing::info!(dlq = dlq_topic, message_id = %message.message_id, event_id = ?event_id, "DLQ event replayed.");

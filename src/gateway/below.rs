@@ -13,7 +13,6 @@
 //!   each request code on the remoting front's explicit list (`remoting::relay::RELAYED`) with the permission
 //!   the gateway checks for it.
 
-pub(crate) use crate::broker::client::now_millis;
 pub(crate) use crate::broker::message::{is_reserved_property, ClientWire, PROPERTY_UNIQ_KEY};
 pub(crate) use crate::broker::transaction::{PROPERTY_PRODUCER_GROUP, PROPERTY_TRANSACTION_PREPARED};
 pub(crate) use crate::broker::{BrokerClient, SendReceipt};

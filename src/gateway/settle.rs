@@ -16,6 +16,7 @@ use metrics::counter;
 
 use super::{may_consume, may_read, GatewayError};
 use crate::auth::Caller;
+use crate::clock::Epoch;
 use crate::delivery::{split_lease, DeliveryError, Dispatcher, NackOutcome, Target};
 use crate::metrics as m;
 
@@ -50,8 +51,8 @@ pub enum Settled {
     Nacked(NackOutcome),
     /// On its way to the DLQ.
     Termed,
-    /// The new deadline (epoch ms).
-    Extended(i64),
+    /// The new deadline.
+    Extended(Epoch),
 }
 
 /// The other instances of a tier, as the gateway needs them: which one handed a delivery out, and a way to ask
@@ -188,7 +189,7 @@ impl Settling<'_> {
             // The broker's lease redelivers it; nothing is owed before that.
             _ => Ok(Settled::Nacked(NackOutcome::Retry {
                 attempt: settlement.target.handout.unwrap_or(0).saturating_add(1),
-                due_ms: lease.handle.lease_deadline_ms(),
+                due: lease.handle.lease_deadline(),
             })),
         };
         let result = match &outcome {
@@ -301,13 +302,18 @@ impl Settling<'_> {
         self.settle(caller, settlement, &Settle::Term { reason: reason.to_owned() }).await.map(|_| ())
     }
 
-    /// Gives a handed-out delivery a new deadline `by` from now; returns it (epoch ms).
+    /// Gives a handed-out delivery a new deadline `by` from now; returns it.
     ///
     /// # Errors
     /// As [`Settling::settle`].
-    pub async fn extend(&self, caller: &Caller, settlement: Settlement<'_>, by: Duration) -> Result<i64, GatewayError> {
+    pub async fn extend(
+        &self,
+        caller: &Caller,
+        settlement: Settlement<'_>,
+        by: Duration,
+    ) -> Result<Epoch, GatewayError> {
         match self.settle(caller, settlement, &Settle::Extend { by }).await? {
-            Settled::Extended(deadline_ms) => Ok(deadline_ms),
+            Settled::Extended(deadline) => Ok(deadline),
             other => Err(unexpected(&other)),
         }
     }

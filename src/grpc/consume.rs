@@ -24,6 +24,7 @@ use super::settings::duration;
 use super::status::{ok, overall, refused, status};
 use super::{deadline, names};
 use crate::auth::Caller;
+use crate::clock::Epoch;
 use crate::gateway::below::{Dispatched, FilterType, MAX_POLL_BATCH, MAX_POLL_WAIT};
 use crate::gateway::{self, Reader, Receive as Opened, ReceiveRequest, ReceivingClient, Settlement};
 use crate::metrics as m;
@@ -203,7 +204,7 @@ pub(super) struct Answered {
     pub(super) code: i32,
     /// The hand-outs it carried (delivery id, hand-out number), and the earliest of their deadlines.
     handed: Vec<(String, u32)>,
-    first_deadline_ms: i64,
+    first_deadline: Epoch,
 }
 
 /// Runs a checked receive: waits for deliveries (or until the client goes away) and writes the stream Apache's
@@ -227,7 +228,7 @@ pub(super) async fn run_receive(
             let refusal = refused(&error);
             let code = refusal.code;
             let _ = out.send(Ok(content(Content::Status(refusal)))).await;
-            return Some(Answered { code, handed: Vec::new(), first_deadline_ms: 0 });
+            return Some(Answered { code, handed: Vec::new(), first_deadline: Epoch::ZERO });
         }
     };
     let first = if deliveries.is_empty() { status(Code::MessageNotFound, "no new message") } else { ok() };
@@ -251,11 +252,11 @@ pub(super) async fn run_receive(
         counter!(m::GRPC_UNWRITTEN_DELIVERIES).increment(queued as u64);
         return None;
     }
-    let _ = out.send(Ok(content(Content::DeliveryTimestamp(timestamp(now_ms()))))).await;
+    let _ = out.send(Ok(content(Content::DeliveryTimestamp(timestamp(Epoch::now().as_millis()))))).await;
     Some(Answered {
         code,
         handed: deliveries.iter().map(|d| (d.id.clone(), d.handout)).collect(),
-        first_deadline_ms: deliveries.iter().map(|d| d.ack_deadline_ms).min().unwrap_or(0),
+        first_deadline: deliveries.iter().map(|d| d.ack_deadline).min().unwrap_or(Epoch::ZERO),
     })
 }
 
@@ -268,10 +269,10 @@ pub(super) async fn when_taken_in(front: &Front, answered: Answered, taken_in: O
     if answered.handed.is_empty() {
         return;
     }
-    let time_left = u64::try_from(answered.first_deadline_ms - now_ms()).unwrap_or(0);
+    let time_left = Epoch::now().until(answered.first_deadline);
     let taken = match taken_in {
         None => true,
-        Some(watch) => matches!(tokio::time::timeout(Duration::from_millis(time_left), watch).await, Ok(Ok(()))),
+        Some(watch) => matches!(tokio::time::timeout(time_left, watch).await, Ok(Ok(()))),
     };
     if !taken {
         counter!(m::GRPC_UNWRITTEN_DELIVERIES).increment(answered.handed.len() as u64);
@@ -291,10 +292,9 @@ fn content(content: Content) -> pb::ReceiveMessageResponse {
 /// stored message (`GrpcConverter`), except popgate's attempt number, receipt handle and the time left to
 /// settle it (`invisible_duration`, which Apache's proxy leaves out).
 fn to_message(delivery: &Dispatched, namespace: &str) -> pb::Message {
-    let remaining = delivery.ack_deadline_ms - now_ms();
     let hand_out = HandOutFacts {
         receipt_handle: receipt_handle(&delivery.handle_id(), delivery.handout),
-        invisible: Duration::from_millis(u64::try_from(remaining).unwrap_or(0)),
+        invisible: Epoch::now().until(delivery.ack_deadline),
         attempt: delivery.attempt,
     };
     message_of(&delivery.event, namespace, Some(hand_out))
@@ -367,7 +367,7 @@ fn message_type(event: &crate::gateway::below::Event) -> MessageType {
 fn delivery_timestamp(event: &crate::gateway::below::Event) -> Option<i64> {
     let system = &event.stored.system;
     if let Some(seconds) = system.get("TIMER_DELAY_SEC").and_then(|v| v.parse::<i64>().ok()) {
-        return Some(now_ms().saturating_add(seconds.saturating_mul(1000)));
+        return Some(Epoch::now().as_millis().saturating_add(seconds.saturating_mul(1000)));
     }
     system.get("TIMER_DELIVER_MS").and_then(|v| v.parse().ok())
 }
@@ -484,11 +484,6 @@ fn checked_invisible(asked: prost_types::Duration, min_ms: u64, max_ms: u64) -> 
         return Err(status(Code::IllegalInvisibleTime, format!("the invisibleTime is too large. max is {max_ms}")));
     }
     Ok(asked)
-}
-
-fn now_ms() -> i64 {
-    let since_epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-    i64::try_from(since_epoch.as_millis()).unwrap_or(i64::MAX)
 }
 
 pub(super) fn to_std(d: prost_types::Duration) -> Option<Duration> {

@@ -221,7 +221,7 @@ impl Front {
             .ok_or_else(|| refused("unknown access key or bad signature"))?;
         // The signature covers only the date: an old one would be a lasting credential for whoever saw it.
         let skew = Duration::from_secs(self.config.auth.max_clock_skew_secs);
-        if !within_skew(signed, SystemTime::now(), skew) {
+        if !within_skew(signed, crate::clock::wall_clock(), skew) {
             counter!(m::REQUESTS_REJECTED, "reason" => "stale_signature").increment(1);
             let why = format!("x-mq-date-time `{signed}` is more than {} s away from popgate's clock", skew.as_secs());
             return Err(status(Code::Unauthorized, why));

@@ -17,8 +17,8 @@ use metrics::counter;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
-use crate::broker::client::now_millis;
 use crate::broker::{SendReceipt, StoreStatus};
+use crate::clock::Epoch;
 use crate::metrics as m;
 use crate::store::{expiry_key, Change, Family, StateStore};
 
@@ -43,7 +43,7 @@ struct Remembered {
     offset_message_id: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     transaction_id: Option<String>,
-    stored_at_ms: i64,
+    stored_at_ms: Epoch,
 }
 
 impl Remembered {
@@ -64,7 +64,7 @@ impl Remembered {
 /// The window: the keys of recent sends and their receipts.
 pub struct DedupWindow {
     store: Arc<StateStore>,
-    window_ms: i64,
+    window: Duration,
     memory: Mutex<Memory>,
     in_flight: Mutex<HashSet<String>>,
 }
@@ -108,7 +108,7 @@ impl DedupWindow {
     pub fn start(store: Arc<StateStore>, window: Duration) -> Arc<DedupWindow> {
         let dedup = Arc::new(DedupWindow {
             store,
-            window_ms: i64::try_from(window.as_millis()).unwrap_or(i64::MAX),
+            window,
             memory: Mutex::new(Memory::default()),
             in_flight: Mutex::new(HashSet::new()),
         });
@@ -144,8 +144,8 @@ impl DedupWindow {
 
     /// The receipt remembered for `key`, if it is still within the window: memory first, then the store.
     fn recall(&self, key: &str) -> Option<Remembered> {
-        let now = now_millis();
-        let fresh = |r: &Remembered| r.stored_at_ms + self.window_ms > now;
+        let now = Epoch::now();
+        let fresh = |r: &Remembered| r.stored_at_ms + self.window > now;
         if let Some(remembered) = self.memory.lock().receipts.get(key).filter(|r| fresh(r)) {
             return Some(remembered.clone());
         }
@@ -168,7 +168,7 @@ impl DedupWindow {
             commit_log_offset: receipt.commit_log_offset,
             offset_message_id: receipt.offset_message_id.clone(),
             transaction_id: receipt.transaction_id.clone(),
-            stored_at_ms: now_millis(),
+            stored_at_ms: Epoch::now(),
         };
         let Ok(value) = serde_json::to_vec(&remembered) else { return };
         let expiry = expiry_key(remembered.stored_at_ms, key);
@@ -192,7 +192,7 @@ impl DedupWindow {
 
     /// Forgets the keys whose window has passed, in memory and in the store.
     async fn forget_expired(&self) {
-        let cutoff = now_millis() - self.window_ms;
+        let cutoff = Epoch::now() - self.window;
         {
             let mut memory = self.memory.lock();
             while let Some(oldest) = memory.order.front() {

@@ -15,11 +15,11 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use crate::broker::client::now_millis;
 use crate::broker::content::PROPERTY_CONTENT_TYPE;
 use crate::broker::message::{
     is_reserved_property, OutgoingMessage, PROPERTY_SHARDING_KEY, PROPERTY_TIMER_DELIVER_MS, PROPERTY_UNIQ_KEY,
 };
+use crate::clock::Epoch;
 pub use crate::config::MessageLimits;
 
 /// Which part of a message broke a limit: each front names it its own way (an HTTP field, a gRPC code).
@@ -82,7 +82,7 @@ fn client_delivery_time(message: &OutgoingMessage) -> Option<i64> {
     let delay_ms = number(PROPERTY_TIMER_DELAY_SEC)
         .map(|secs| secs.saturating_mul(1000))
         .or_else(|| number(PROPERTY_TIMER_DELAY_MS))?;
-    Some(now_millis().saturating_add(delay_ms))
+    Some(Epoch::now().as_millis().saturating_add(delay_ms))
 }
 
 /// Properties a front sets itself: not the user's, so not counted against the user's limits. (An app on
@@ -339,7 +339,7 @@ impl MessageLimits {
 
     /// A delivery time (epoch ms) no further ahead than the limit; one already past is delivered at once.
     fn check_delivery_time(&self, deliver_at_ms: i64) -> Result<(), LimitError> {
-        let ahead = deliver_at_ms.saturating_sub(now_millis());
+        let ahead = deliver_at_ms.saturating_sub(Epoch::now().as_millis());
         if ahead > i64::try_from(self.max_delay_ms).unwrap_or(i64::MAX) {
             return refuse(
                 Part::DeliveryTime,
@@ -392,7 +392,7 @@ mod tests {
         m.keys = vec!["k1".into(), String::new()];
         m.properties.insert(PROPERTY_SHARDING_KEY.into(), "g".repeat(63));
         m.properties.insert(PROPERTY_UNIQ_KEY.into(), "id".into());
-        m.properties.insert(PROPERTY_TIMER_DELIVER_MS.into(), (now_millis() + 3_600_000).to_string());
+        m.properties.insert(PROPERTY_TIMER_DELIVER_MS.into(), (Epoch::now().as_millis() + 3_600_000).to_string());
         assert_eq!(MessageLimits::default().check(&m), Ok(()));
     }
 
@@ -485,7 +485,7 @@ mod tests {
     #[test]
     fn a_delivery_time_past_one_day_is_refused() {
         let mut m = message();
-        m.properties.insert(PROPERTY_TIMER_DELIVER_MS.into(), (now_millis() + 25 * 3_600_000).to_string());
+        m.properties.insert(PROPERTY_TIMER_DELIVER_MS.into(), (Epoch::now().as_millis() + 25 * 3_600_000).to_string());
         assert_eq!(
             refused(&m),
             (Part::DeliveryTime, "the max delay time of message is too large, max is 86400000".to_owned())

@@ -35,7 +35,7 @@ use super::codes;
 use super::connection::Connection;
 use super::service::{error, field, Front, Refusal, Reply};
 use crate::auth::Caller;
-use crate::gateway::below::now_millis as now_ms;
+use crate::clock::Epoch;
 use crate::gateway::below::{Dispatched, FilterType, NackOutcome, MAX_POLL_WAIT};
 use crate::gateway::{self, Reader, ReceiveRequest, ReceivingClient, Settlement};
 
@@ -187,7 +187,7 @@ fn filter_of(exp_type: Option<&str>, exp: Option<&str>) -> (String, FilterType) 
 /// The answer to a POP: `POLLING_TIMEOUT` when nothing came, else the messages, each as the broker encodes a
 /// stored message, and the hand-outs they carry; with it the hand-outs it could not encode.
 fn popped_answer(deliveries: &[Dispatched], bname: &str, invisible_ms: u64) -> (Reply, Vec<(String, u32)>) {
-    let pop_time = now_ms();
+    let pop_time = Epoch::now();
     let mut encoded = BytesMut::new();
     let mut handed = Vec::with_capacity(deliveries.len());
     let mut offsets: BTreeMap<i32, Vec<i64>> = BTreeMap::new();
@@ -230,7 +230,7 @@ fn popped_answer(deliveries: &[Dispatched], bname: &str, invisible_ms: u64) -> (
 
 /// A delivery as the broker stores a message (`MessageDecoder.encode`), with the attempt as its
 /// `reconsumeTimes` and popgate's handle in its `POP_CK`.
-fn encode_delivery(delivery: &Dispatched, bname: &str, pop_time: i64) -> Result<Bytes, String> {
+fn encode_delivery(delivery: &Dispatched, bname: &str, pop_time: Epoch) -> Result<Bytes, String> {
     let event = &delivery.event;
     let stored = &event.stored;
     let mut properties: HashMap<CheetahString, CheetahString> =
@@ -251,7 +251,7 @@ fn encode_delivery(delivery: &Dispatched, bname: &str, pop_time: i64) -> Result<
     for (name, value) in &stored.system {
         put(name, value.clone());
     }
-    let invisible = (delivery.ack_deadline_ms - pop_time).max(0);
+    let invisible = pop_time.until(delivery.ack_deadline).as_millis();
     let (queue_id, offset) = (stored.queue_id, stored.queue_offset);
     let handle = format!("{HANDLE_PREFIX}{}.{}", delivery.handle_id(), delivery.handout);
     put(PROPERTY_POP_CK, format!("{offset} {pop_time} {invisible} 0 0 {bname} {queue_id} {offset} {handle}"));
@@ -331,15 +331,15 @@ pub(super) async fn change_invisible_time(
         Ok(settlement) => settlement,
         Err(refusal) => return refusal.answer(),
     };
-    let now = now_ms();
-    let due_ms = match front.settling().nack(caller, settlement, None).await {
-        Ok(NackOutcome::Retry { due_ms, .. }) => due_ms,
+    let now = Epoch::now();
+    let due = match front.settling().nack(caller, settlement, None).await {
+        Ok(NackOutcome::Retry { due, .. }) => due,
         Ok(NackOutcome::DeadLetter) => now,
         Err(refusal) => return Refusal::from(refusal).answer(),
     };
     let mut answer = RemotingCommand::create_success_response_command();
     answer.add_ext_field("popTime", now.to_string());
-    answer.add_ext_field("invisibleTime", (due_ms - now).max(0).to_string());
+    answer.add_ext_field("invisibleTime", now.until(due).as_millis().to_string());
     answer.add_ext_field("reviveQid", "0");
     answer
 }

@@ -41,6 +41,8 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::sync::oneshot;
 
+use crate::clock::Epoch;
+
 /// Which kind of record; each has its own column family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Family {
@@ -401,11 +403,11 @@ impl StateStore {
     ///
     /// # Errors
     /// [`StoreError::Read`] when iteration fails.
-    pub fn due(&self, family: Family, cutoff_ms: i64) -> Result<Vec<(String, String)>, StoreError> {
+    pub fn due(&self, family: Family, cutoff: Epoch) -> Result<Vec<(String, String)>, StoreError> {
         let mut due = Vec::new();
         self.scan_prefix(family, EXPIRY_PREFIX, |index_key| {
             let Some((at, key)) = parse_expiry_key(index_key) else { return true };
-            if at > cutoff_ms {
+            if at > cutoff.as_millis() {
                 return false;
             }
             due.push((index_key.to_owned(), key.to_owned()));
@@ -617,8 +619,9 @@ fn family_handle(db: &DB, family: Family) -> &rocksdb::ColumnFamily {
 /// never start with `~`.
 pub const EXPIRY_PREFIX: &str = "~";
 
-/// The expiry-index key that makes `key` due at `at_ms`.
-pub fn expiry_key(at_ms: i64, key: &str) -> String {
+/// The expiry-index key that makes `key` due at `at`.
+pub fn expiry_key(at: Epoch, key: &str) -> String {
+    let at_ms = at.as_millis();
     format!("{EXPIRY_PREFIX}{at_ms:013}\n{key}")
 }
 
@@ -737,7 +740,7 @@ mod tests {
 
     #[test]
     fn expiry_keys_sort_by_time_and_parse_back() {
-        let (a, b) = (expiry_key(999, "t\nx"), expiry_key(1_000, "t\ny"));
+        let (a, b) = (expiry_key(Epoch::from_millis(999), "t\nx"), expiry_key(Epoch::from_millis(1_000), "t\ny"));
         assert!(a < b);
         assert_eq!(parse_expiry_key(&b), Some((1_000, "t\ny")));
     }
@@ -748,13 +751,13 @@ mod tests {
         let store = StateStore::open(dir.path(), true).expect("open");
         for (key, at) in [("early", 1_000), ("late", 5_000)] {
             store.put(Family::Transactions, key, &Rec { n: 1 }).await.expect("put");
-            store.put_raw(Family::Transactions, &expiry_key(at, key), b"").await.expect("index");
+            store.put_raw(Family::Transactions, &expiry_key(Epoch::from_millis(at), key), b"").await.expect("index");
         }
-        let due = store.due(Family::Transactions, 2_000).expect("due");
-        assert_eq!(due, [(expiry_key(1_000, "early"), "early".to_owned())]);
+        let due = store.due(Family::Transactions, Epoch::from_millis(2_000)).expect("due");
+        assert_eq!(due, [(expiry_key(Epoch::from_millis(1_000), "early"), "early".to_owned())]);
         store.remove_due(Family::Transactions, &due).await.expect("remove");
         assert!(store.get::<Rec>(Family::Transactions, "early").expect("get").is_none());
         assert!(store.get::<Rec>(Family::Transactions, "late").expect("get").is_some());
-        assert_eq!(store.due(Family::Transactions, 10_000).expect("due").len(), 1);
+        assert_eq!(store.due(Family::Transactions, Epoch::from_millis(10_000)).expect("due").len(), 1);
     }
 }

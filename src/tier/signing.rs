@@ -35,7 +35,7 @@ use parking_lot::Mutex;
 use prost::Message;
 
 use super::InstanceId;
-use crate::gateway::below::now_millis;
+use crate::clock::Epoch;
 
 /// The metadata entry that carries a peer request's signature.
 pub(super) const SIGNATURE_HEADER: &str = "x-popgate-peer-signature";
@@ -102,7 +102,7 @@ pub(super) enum Recipient {
 
 /// Signs `request` for call `rpc` to instance `to` (empty: not known yet; only for `identify`) with `secret`.
 pub(super) fn sign_request<M: Message>(request: &mut tonic::Request<M>, secret: &[u8], rpc: &str, to: &str) {
-    let at_ms = now_millis();
+    let at_ms = Epoch::now().as_millis();
     let nonce = format!("{:032x}", rand::random::<u128>());
     let encoded = request.get_ref().encode_to_vec();
     let Some(mac) = mac_of(secret, rpc, at_ms, &nonce, to, &encoded) else { return };
@@ -146,7 +146,7 @@ impl Verifier {
         let nonce = parse_nonce(nonce_hex).ok_or(Refused::Unsigned)?;
         let presented = hex::decode(presented).map_err(|_| Refused::Unsigned)?;
         // abs_diff: a made-up time (i64::MIN) must not overflow.
-        if now_millis().abs_diff(at_ms) > MAX_SKEW_MS.unsigned_abs() {
+        if Epoch::now().as_millis().abs_diff(at_ms) > MAX_SKEW_MS.unsigned_abs() {
             return Err(Refused::OutOfTime);
         }
         let recipient = match to {
@@ -325,7 +325,9 @@ mod tests {
         assert_eq!(verifier.check(&request, "settle"), Err(Refused::NotForMe));
         let request = signed(pb::IdentifyRequest { asker: "popgate-0".into() }, "identify", "", |_| {});
         assert_eq!(verifier.check(&request, "identify"), Ok(Recipient::Unnamed), "the server decides what it tells");
-        for at_ms in [now_millis() - 2 * MAX_SKEW_MS, now_millis() + 2 * MAX_SKEW_MS, i64::MIN, i64::MAX] {
+        for at_ms in
+            [Epoch::now().as_millis() - 2 * MAX_SKEW_MS, Epoch::now().as_millis() + 2 * MAX_SKEW_MS, i64::MIN, i64::MAX]
+        {
             let message = settle_request();
             let nonce = format!("{:032x}", rand::random::<u128>());
             let mac = mac_of(SECRET, "settle", at_ms, &nonce, "popgate-1", &message.encode_to_vec()).expect("mac");

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use super::proto::{self as pb, settle_reply::Outcome, settle_request::Action};
 use crate::auth::Caller;
+use crate::clock::Epoch;
 use crate::gateway::below::{DeliveryError, Ended, NackOutcome, Resolution, Target, TransactionError};
 use crate::gateway::{EndOutcome, EndRequest, GatewayError, Settle, Settled, Settlement};
 
@@ -59,11 +60,11 @@ pub(super) fn reply(outcome: Result<Settled, GatewayError>) -> pb::SettleReply {
         Ok(Settled::Nacked(NackOutcome::DeadLetter)) => {
             Outcome::Nacked(pb::Nacked { dead_lettered: true, next_attempt: 0, due_ms: 0 })
         }
-        Ok(Settled::Nacked(NackOutcome::Retry { attempt, due_ms })) => {
-            Outcome::Nacked(pb::Nacked { dead_lettered: false, next_attempt: attempt, due_ms })
+        Ok(Settled::Nacked(NackOutcome::Retry { attempt, due })) => {
+            Outcome::Nacked(pb::Nacked { dead_lettered: false, next_attempt: attempt, due_ms: due.as_millis() })
         }
         Ok(Settled::Termed) => Outcome::Termed(pb::Termed {}),
-        Ok(Settled::Extended(deadline_ms)) => Outcome::Extended(pb::Extended { deadline_ms }),
+        Ok(Settled::Extended(deadline)) => Outcome::Extended(pb::Extended { deadline_ms: deadline.as_millis() }),
         Err(refused) => Outcome::Refused(refusal(&refused)),
     };
     pb::SettleReply { outcome: Some(outcome) }
@@ -99,11 +100,12 @@ pub(super) fn outcome_of(reply: pb::SettleReply, id: &str) -> Result<Settled, Ga
     match reply.outcome {
         Some(Outcome::Acked(_)) => Ok(Settled::Acked),
         Some(Outcome::Nacked(nacked)) if nacked.dead_lettered => Ok(Settled::Nacked(NackOutcome::DeadLetter)),
-        Some(Outcome::Nacked(nacked)) => {
-            Ok(Settled::Nacked(NackOutcome::Retry { attempt: nacked.next_attempt, due_ms: nacked.due_ms }))
-        }
+        Some(Outcome::Nacked(nacked)) => Ok(Settled::Nacked(NackOutcome::Retry {
+            attempt: nacked.next_attempt,
+            due: Epoch::from_millis(nacked.due_ms),
+        })),
         Some(Outcome::Termed(_)) => Ok(Settled::Termed),
-        Some(Outcome::Extended(extended)) => Ok(Settled::Extended(extended.deadline_ms)),
+        Some(Outcome::Extended(extended)) => Ok(Settled::Extended(Epoch::from_millis(extended.deadline_ms))),
         Some(Outcome::Refused(refused)) => Err(refused_here(refused, id)),
         None => Err(GatewayError::Unavailable("the instance that handed the delivery out answered nothing".into())),
     }
@@ -252,9 +254,9 @@ mod tests {
         let settled = [
             Settled::Acked,
             Settled::Termed,
-            Settled::Extended(17),
+            Settled::Extended(Epoch::from_millis(17)),
             Settled::Nacked(NackOutcome::DeadLetter),
-            Settled::Nacked(NackOutcome::Retry { attempt: 3, due_ms: 99 }),
+            Settled::Nacked(NackOutcome::Retry { attempt: 3, due: Epoch::from_millis(99) }),
         ];
         for done in settled {
             assert_eq!(outcome_of(reply(Ok(done.clone())), id).expect("settled"), done);

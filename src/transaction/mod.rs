@@ -31,11 +31,11 @@ use parking_lot::Mutex;
 use rand::Rng;
 
 pub use self::record::{State, TransactionRecord};
-use crate::broker::client::now_millis;
 pub use crate::broker::consumer::PoppedEvent as Event;
 pub use crate::broker::transaction::{mark_half, HalfMessage, RemotingCheck, Resolution, PROPERTY_REMOTING_GROUP};
 use crate::broker::transaction::{CheckBacks, OrphanCheck};
 use crate::broker::{BrokerClient, BrokerError};
+use crate::clock::Epoch;
 use crate::config::TransactionConfig;
 use crate::metrics as m;
 use crate::store::{expiry_key, Change, Family, StateStore, StoreError, EXPIRY_PREFIX};
@@ -120,7 +120,7 @@ pub struct Transactions {
     /// Transactions a task is changing right now; others wait.
     claimed: Mutex<HashSet<String>>,
     /// Owed resolutions, by transaction id, with the time of their next try (epoch ms).
-    owed: Mutex<HashMap<String, i64>>,
+    owed: Mutex<HashMap<String, Epoch>>,
     /// popgate's registration as a producer of its transactional group, once the brokers could be told
     /// (retried in the background until they can).
     check_backs: tokio::sync::OnceCell<CheckBacks>,
@@ -238,7 +238,7 @@ impl Transactions {
     /// [`StoreError`] when the store cannot be read.
     pub fn lookup(&self, id: &str) -> Result<Option<TransactionRecord>, StoreError> {
         let record = self.store.get::<TransactionRecord>(Family::Transactions, id)?;
-        Ok(record.filter(|r| r.expires_ms > now_millis()))
+        Ok(record.filter(|r| r.expires_ms > Epoch::now()))
     }
 
     /// The producer group every half message carries.
@@ -264,12 +264,12 @@ impl Transactions {
             Some(ended) if ended_before(&ended, &half) => Some(ended),
             Some(_) => return Ok(()),
         };
-        let now = now_millis();
+        let now = Epoch::now();
         let record = TransactionRecord {
             transaction_id: half.message_id.clone(),
             half,
             sent_ms: now,
-            expires_ms: now + retention_ms(&self.config),
+            expires_ms: now + retention(&self.config),
             state: State::Open,
         };
         match replaced {
@@ -327,7 +327,7 @@ impl Transactions {
             self.answer_from_record(record, half, resolution).await;
             return;
         }
-        let now = now_millis();
+        let now = Epoch::now();
         let stored = match known {
             Some(mut record) => {
                 if half.broker_name.is_empty() {
@@ -341,7 +341,7 @@ impl Transactions {
                     transaction_id: id.clone(),
                     half,
                     sent_ms: now,
-                    expires_ms: now + retention_ms(&self.config),
+                    expires_ms: now + retention(&self.config),
                     state: State::Open,
                 };
                 self.store_new(&record).await
@@ -375,7 +375,7 @@ impl Transactions {
             // An owed commit whose first try may have landed (it reached a broker that stopped answering) is
             // looked up: if it did, this copy goes, as for an ended one.
             State::Owed { maybe_landed: true, .. } if resolution == Resolution::Commit => {
-                match self.broker.committed_message_exists(&half, record.sent_ms).await {
+                match self.broker.committed_message_exists(&half, record.sent_ms.as_millis()).await {
                     Ok(true) => Resolution::Rollback,
                     Ok(false) => resolution,
                     Err(error) => {
@@ -423,7 +423,7 @@ impl Transactions {
         let record = self
             .store
             .get::<TransactionRecord>(Family::Transactions, id)?
-            .filter(|r| r.half.topic == topic && r.expires_ms > now_millis())
+            .filter(|r| r.half.topic == topic && r.expires_ms > Epoch::now())
             .ok_or_else(|| TransactionError::Unknown(id.to_owned()))?;
         match record.state {
             State::Open => {}
@@ -483,7 +483,7 @@ impl Transactions {
         from_check: bool,
     ) -> Result<(), StoreError> {
         let mut intent = record.clone();
-        let next_try_ms = now_millis() + backoff(0).as_millis() as i64;
+        let next_try_ms = Epoch::now() + backoff(0);
         intent.state = State::Owed { resolution, from_check, maybe_landed: true, attempts: 0, next_try_ms };
         self.store.put(Family::Transactions, &intent.transaction_id, &intent).await
     }
@@ -491,7 +491,7 @@ impl Transactions {
     /// Transaction `id`'s stored intent is to be retried (with its look-up) at once.
     fn owe_again_now(&self, id: &str) {
         let mut owed = self.owed.lock();
-        owed.insert(id.to_owned(), now_millis());
+        owed.insert(id.to_owned(), Epoch::now());
         gauge!(m::TRANSACTIONS_OWED).set(owed.len() as f64);
     }
 
@@ -514,7 +514,7 @@ impl Transactions {
     }
 
     async fn store_ended(&self, mut record: TransactionRecord, resolution: Resolution) -> Result<(), StoreError> {
-        record.state = State::Ended { resolution, at_ms: now_millis() };
+        record.state = State::Ended { resolution, at_ms: Epoch::now() };
         self.store.put(Family::Transactions, &record.transaction_id, &record).await?;
         counter!(m::TRANSACTIONS_ENDED, "resolution" => resolution.as_str(), "result" => "landed").increment(1);
         let mut owed = self.owed.lock();
@@ -531,7 +531,7 @@ impl Transactions {
         maybe_landed: bool,
         attempts: u32,
     ) -> Result<(), StoreError> {
-        let next_try_ms = now_millis() + backoff(attempts).as_millis() as i64;
+        let next_try_ms = Epoch::now() + backoff(attempts);
         record.state = State::Owed { resolution, from_check, maybe_landed, attempts, next_try_ms };
         self.store.put(Family::Transactions, &record.transaction_id, &record).await?;
         let mut owed = self.owed.lock();
@@ -542,7 +542,7 @@ impl Transactions {
 
     /// Tries the owed resolutions that are due; each one that lands is stored as ended.
     async fn retry_owed(&self) {
-        let now = now_millis();
+        let now = Epoch::now();
         let due: Vec<String> =
             self.owed.lock().iter().filter(|(_, at)| **at <= now).map(|(id, _)| id.clone()).collect();
         for id in due {
@@ -566,7 +566,7 @@ impl Transactions {
         let outcome = match (resolution, maybe_landed) {
             // A commit whose answer was lost may have landed: committing again would store the message twice.
             (Resolution::Commit, true) => {
-                match self.broker.committed_message_exists(&record.half, record.sent_ms).await {
+                match self.broker.committed_message_exists(&record.half, record.sent_ms.as_millis()).await {
                     Ok(true) => Ok(()),
                     Ok(false) => self.send_end(&record.half, resolution, from_check).await,
                     Err(error) => Err(error),
@@ -600,7 +600,7 @@ impl Transactions {
 
     /// Removes the records past their retention, read from the expiry index.
     async fn expire(&self) {
-        let due = match self.store.due(Family::Transactions, now_millis()) {
+        let due = match self.store.due(Family::Transactions, Epoch::now()) {
             Ok(due) => due,
             Err(error) => {
                 tracing::warn!(%error, "Could not read the transactions' expiry index.");
@@ -672,8 +672,8 @@ fn ended_before(known: &TransactionRecord, half: &HalfMessage) -> bool {
             != (half.commit_log_offset, half.broker_name.as_str())
 }
 
-fn retention_ms(config: &TransactionConfig) -> i64 {
-    i64::try_from(config.record_retention_secs.saturating_mul(1000)).unwrap_or(i64::MAX)
+fn retention(config: &TransactionConfig) -> Duration {
+    Duration::from_secs(config.record_retention_secs)
 }
 
 /// `ResponseCode.SYSTEM_BUSY`: the broker is overloaded and did not take the request.
@@ -748,6 +748,7 @@ mod tests {
     use super::*;
 
     fn record(id: &str, expires_ms: i64) -> TransactionRecord {
+        let (sent_ms, expires_ms) = (Epoch::ZERO, Epoch::from_millis(expires_ms));
         let half = HalfMessage {
             topic: "t".into(),
             producer_group: "g".into(),
@@ -757,7 +758,7 @@ mod tests {
             tran_state_table_offset: 0,
             commit_log_offset: 0,
         };
-        TransactionRecord { transaction_id: id.into(), half, sent_ms: 0, expires_ms, state: State::Open }
+        TransactionRecord { transaction_id: id.into(), half, sent_ms, expires_ms, state: State::Open }
     }
 
     #[tokio::test]
@@ -767,13 +768,13 @@ mod tests {
         let (old, new) = (record("OLD", 1_000), record("NEW", 2_000));
         store.put(Family::Transactions, "OLD", &old).await.expect("put");
         store.put(Family::Transactions, "NEW", &new).await.expect("put");
-        store.put_raw(Family::Transactions, &expiry_key(2_000, "NEW"), b"").await.expect("index");
+        store.put_raw(Family::Transactions, &expiry_key(Epoch::from_millis(2_000), "NEW"), b"").await.expect("index");
         let listing = store.list::<TransactionRecord>(Family::Transactions).expect("list");
         let indexed: HashSet<&str> =
             listing.undecodable.iter().map(String::as_str).filter(|k| k.starts_with(EXPIRY_PREFIX)).collect();
         assert_eq!(indexed.len(), 1);
         index_unindexed(&store, &listing.records, &indexed).await.expect("index");
-        let due = store.due(Family::Transactions, 5_000).expect("due");
+        let due = store.due(Family::Transactions, Epoch::from_millis(5_000)).expect("due");
         let ids: Vec<&str> = due.iter().map(|(_, id)| id.as_str()).collect();
         assert_eq!(ids, ["OLD", "NEW"], "both expire, in their order");
     }

@@ -4,6 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::broker::transaction::{HalfMessage, Resolution};
+use crate::clock::Epoch;
 
 /// One transaction.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -13,10 +14,10 @@ pub struct TransactionRecord {
     pub transaction_id: String,
     /// Where the broker keeps the half message.
     pub half: HalfMessage,
-    /// When it was sent (epoch ms).
-    pub sent_ms: i64,
-    /// When the record is removed (epoch ms): an end after it is refused as unknown.
-    pub expires_ms: i64,
+    /// When it was sent.
+    pub sent_ms: Epoch,
+    /// When the record is removed: an end after it is refused as unknown.
+    pub expires_ms: Epoch,
     /// How far its end has come.
     pub state: State,
 }
@@ -39,15 +40,15 @@ pub enum State {
         maybe_landed: bool,
         /// Tries that failed since the first.
         attempts: u32,
-        /// Epoch ms.
-        next_try_ms: i64,
+        /// When.
+        next_try_ms: Epoch,
     },
     /// The broker has the resolution.
     #[serde(rename_all = "camelCase")]
     Ended {
         /// How it ended.
         resolution: Resolution,
-        /// Epoch ms.
-        at_ms: i64,
+        /// When.
+        at_ms: Epoch,
     },
 }

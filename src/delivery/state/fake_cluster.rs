@@ -4,14 +4,15 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::future::BoxFuture;
 use parking_lot::Mutex;
 
 use super::cluster::Cluster;
-use crate::broker::client::now_millis;
 use crate::broker::consumer::{AckEntry, ReceiptHandle};
 use crate::broker::BrokerError;
+use crate::clock::Epoch;
 use crate::delivery::record::{DeliveryRecord, Phase};
 use crate::publish::PublishError;
 use crate::store::{Family, StateStore};
@@ -90,7 +91,7 @@ impl Cluster for FakeCluster {
             if let Some(down) = self.unreachable() {
                 return Err(down);
             }
-            let lease_until_ms = now_millis() + invisible_ms as i64;
+            let lease_until_ms = Epoch::now() + Duration::from_millis(invisible_ms);
             Ok(ReceiptHandle { lease_until_ms, ..handle.clone() })
         })
     }

@@ -16,14 +16,14 @@ impl Deliveries {
         to: &HandOut,
         holder: Option<u64>,
     ) -> Result<Vec<Dispatched>, DeliveryError> {
-        let now = now_millis();
+        let now = Epoch::now();
         let transport = to.transport;
         let mut taken: Vec<DeliveryRecord> = Vec::new();
         {
             let mut guard = self.table.lock();
             let table = &mut *guard;
             let Some(active) = table.subs.get(key) else { return Ok(Vec::new()) };
-            let ack_timeout = to.ack_timeout.map_or(active.sub.ack_timeout_ms as i64, |t| t.as_millis() as i64);
+            let ack_timeout = to.ack_timeout.unwrap_or(Duration::from_millis(active.sub.ack_timeout_ms));
             let ordered = active.sub.ordered;
             let Table { subs, deliveries, timers, fifo, .. } = table;
             let Some(active) = subs.get_mut(key) else { return Ok(Vec::new()) };
@@ -35,7 +35,7 @@ impl Deliveries {
                 let Some(tracked) = deliveries.get(&id) else { continue };
                 // A lapsed lease (popgate was hung) means the broker may have handed the event to someone
                 // else already: it is not handed out, and the sweeper gives it up.
-                let lapsed = tracked.record.handle.lease_deadline_ms() <= now;
+                let lapsed = tracked.record.handle.lease_deadline() <= now;
                 let unavailable = tracked.claimed || !tracked.dispatchable(now) || lapsed;
                 // An earlier event of its message group still unsettled: it waits its turn.
                 // (or, for a FIFO batch, behind deliveries of its group that this hand-out did not take).
@@ -49,7 +49,7 @@ impl Deliveries {
                 if unavailable {
                     // Out of the queue: the sweeper queues it again when it is due.
                     tracked.queued = false;
-                    timers.push(std::cmp::Reverse((0, id)));
+                    timers.push(std::cmp::Reverse((Epoch::ZERO, id)));
                     continue;
                 }
                 if behind_its_head {
@@ -102,7 +102,7 @@ impl Deliveries {
                 id: record.id.to_string(),
                 attempt: record.attempt,
                 handout: record.handouts,
-                ack_deadline_ms: deadline_ms,
+                ack_deadline: deadline_ms,
                 event,
                 lease: self.lease_seal.as_ref().and_then(|seal| seal.seal(&record)),
             });
@@ -113,7 +113,7 @@ impl Deliveries {
                 tracked.redispatch = false;
                 tracked.holder = holder;
             }
-            table.wake(&id, 0);
+            table.wake(&id, Epoch::ZERO);
         }
         let more_ready = table.subs.get(key).is_some_and(|active| !active.ready.is_empty());
         drop(table);

@@ -12,10 +12,10 @@ impl Deliveries {
         hold: Duration,
         max_hold: Duration,
     ) -> Result<usize, DeliveryError> {
-        let now = now_millis();
-        let new_deadline = now + hold.as_millis() as i64;
-        let hold_half = hold.as_millis() as i64 / 2;
-        let oldest = now - max_hold.as_millis() as i64;
+        let now = Epoch::now();
+        let new_deadline = now + hold;
+        let hold_half = hold / 2;
+        let oldest = now - max_hold;
         let mut extended: Vec<DeliveryRecord> = Vec::new();
         {
             let mut table = self.table.lock();
@@ -60,7 +60,7 @@ impl Deliveries {
             if let Some(tracked) = table.deliveries.get_mut(&*record.id) {
                 tracked.claimed = false;
             }
-            table.wake(&record.id, 0);
+            table.wake(&record.id, Epoch::ZERO);
         }
         stored.map(|()| records.len()).map_err(DeliveryError::from)
     }
@@ -101,9 +101,9 @@ impl Deliveries {
         &self,
         target: impl Into<Target<'a>>,
         by: Duration,
-    ) -> Result<i64, DeliveryError> {
+    ) -> Result<Epoch, DeliveryError> {
         let mut record = self.claim_settleable(target.into()).await?;
-        let new_deadline = epoch_ms_after(now_millis(), by);
+        let new_deadline = Epoch::now() + by;
         if let Phase::AwaitingAck { deadline_ms, .. } = &mut record.phase {
             *deadline_ms = new_deadline;
         }

@@ -51,18 +51,18 @@ use self::cluster::{BrokerCluster, Cluster};
 use self::table::{ActiveSubscription, Id, Table, Tracked};
 use super::lease::{Lease, LeaseSeal};
 use super::record::{DeliveryRecord, Holder, Phase, Subscription};
-use super::retry::{epoch_ms_after, NextStep, RetryPolicy};
+use super::retry::{NextStep, RetryPolicy};
 use super::{DeliveryError, Dispatched, HandOut, InFlight, NackOutcome, Target};
-use crate::broker::client::now_millis;
 use crate::broker::consumer::{AckEntry, Popped};
 use crate::broker::{BrokerClient, BrokerError};
+use crate::clock::Epoch;
 use crate::config::DeliveryConfig;
 use crate::metrics as m;
 use crate::publish::Publisher;
 use crate::store::{Change, Family, StateStore, StoreError};
 
 /// How long an id whose lease was lost is remembered, to answer its late ACK with 409 rather than 404.
-const STALE_MEMORY_MS: i64 = 10 * 60 * 1000;
+const STALE_MEMORY: Duration = Duration::from_secs(10 * 60);
 /// How long a client request waits for a delivery another task is acting on.
 const CLAIM_WAIT: Duration = Duration::from_secs(10);
 /// How long a given-back message stays invisible at the broker: long enough for the change to land, short
@@ -70,7 +70,7 @@ const CLAIM_WAIT: Duration = Duration::from_secs(10);
 const GIVE_BACK_INVISIBLE_MS: u64 = 1_000;
 /// Filter changes made by receives (consumers of one group with different filters) are taken at most this
 /// often per subscription, so they cannot rewrite it on every receive.
-const FILTER_CHANGE_INTERVAL_MS: i64 = 10_000;
+const FILTER_CHANGE_INTERVAL: Duration = Duration::from_secs(10);
 /// How many ready events an ordered subscription may hold beyond its demand, so events blocked behind their
 /// message group's head do not stop other groups.
 const ORDERED_LOOKAHEAD: usize = 256;
@@ -177,8 +177,8 @@ pub(super) struct Deliveries {
     /// Seals each hand-out's broker lease into its handles, in a tier (see `delivery::lease`).
     lease_seal: Option<LeaseSeal>,
     /// In a tier, how long a subscription may go without a waiting consumer before what is due on it is given
-    /// back to the broker (ms).
-    give_back_unclaimed_ms: Option<i64>,
+    /// back to the broker.
+    give_back_unclaimed: Option<Duration>,
 }
 
 // === construction, configuration, persistence ===
@@ -212,7 +212,7 @@ impl Deliveries {
             shutting_down: AtomicBool::new(false),
             instance: String::new(),
             lease_seal: None,
-            give_back_unclaimed_ms: None,
+            give_back_unclaimed: None,
         }
     }
 
@@ -227,7 +227,7 @@ impl Deliveries {
     /// In a tier: deliveries due again on a subscription no consumer has waited on for `after` are given back
     /// to the broker (see [`ActiveSubscription::unclaimed`]).
     pub(super) fn giving_back_unclaimed(mut self, after: Option<Duration>) -> Deliveries {
-        self.give_back_unclaimed_ms = after.map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+        self.give_back_unclaimed = after;
         self
     }
 
@@ -239,7 +239,7 @@ impl Deliveries {
     /// ACKs a lease another instance handed out, at the broker, without any record of it here (its owner
     /// cannot be reached). Refused as the owner would refuse an ACK of a lapsed lease.
     pub(super) async fn ack_lease(&self, lease: &Lease) -> Result<(), DeliveryError> {
-        if lease.handle.lease_deadline_ms() <= now_millis() {
+        if lease.handle.lease_deadline() <= Epoch::now() {
             return Err(DeliveryError::Stale);
         }
         self.cluster.ack(&lease.group, &lease.handle).await.map_err(|why| {

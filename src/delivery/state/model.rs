@@ -18,14 +18,15 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
 
 use super::fake_cluster::FakeCluster;
 use super::{Admission, Deliveries};
-use crate::broker::client::now_millis;
 use crate::broker::consumer::{Popped, PoppedEvent, ReceiptHandle};
+use crate::clock::Epoch;
 use crate::delivery::record::{DeliveryRecord, Phase, Subscription};
 use crate::delivery::retry::RetryPolicy;
 use crate::delivery::test_support::{offline_parts, subscription};
@@ -116,7 +117,7 @@ async fn deliveries_over(store: Arc<StateStore>, cluster: Arc<FakeCluster>) -> D
 }
 
 fn popped(event_id: &str, group: Option<String>, reconsume_times: u32, checkpoint: u64) -> Popped {
-    let now = now_millis();
+    let now = Epoch::now();
     let event = PoppedEvent {
         id: event_id.to_owned(),
         topic: "t".into(),
@@ -124,7 +125,7 @@ fn popped(event_id: &str, group: Option<String>, reconsume_times: u32, checkpoin
         keys: Vec::new(),
         properties: BTreeMap::new(),
         body: event_id.as_bytes().to_vec(),
-        born_timestamp: now,
+        born_timestamp: now.as_millis(),
         reconsume_times,
         retry_topic: None,
         message_group: group,
@@ -137,9 +138,9 @@ fn popped(event_id: &str, group: Option<String>, reconsume_times: u32, checkpoin
         ack_topic: "t".into(),
         queue_id: 0,
         queue_offset: checkpoint as i64,
-        pop_time_ms: now,
+        pop_time_ms: now.as_millis(),
         invisible_ms: 3_600_000,
-        lease_until_ms: now + 3_600_000,
+        lease_until_ms: now + Duration::from_millis(3_600_000),
     };
     Popped { event, handle }
 }
@@ -182,7 +183,7 @@ impl Run {
 
     /// Runs the sweeper once at `now` and does all the owed work it returns.
     async fn sweep_and_perform(&self) {
-        for owed in self.d().sweep(now_millis()).await {
+        for owed in self.d().sweep(Epoch::now()).await {
             self.d().perform(owed).await;
         }
     }
@@ -280,7 +281,7 @@ impl Run {
                     let mut table = self.d().table.lock();
                     for tracked in table.deliveries.values_mut() {
                         if let Phase::AwaitingAck { deadline_ms, .. } = &mut tracked.record.phase {
-                            *deadline_ms = now_millis() - 1;
+                            *deadline_ms = Epoch::now() - Duration::from_millis(1);
                         }
                     }
                 }
@@ -298,10 +299,10 @@ impl Run {
                 let checkpoint = {
                     let mut table = self.d().table.lock();
                     let checkpoint = table.deliveries.get_mut(id.as_str()).map(|tracked| {
-                        tracked.record.handle.lease_until_ms = now_millis() - 1;
+                        tracked.record.handle.lease_until_ms = Epoch::now() - Duration::from_millis(1);
                         tracked.record.handle.extra_info.clone()
                     });
-                    table.wake(&id, 0);
+                    table.wake(&id, Epoch::ZERO);
                     checkpoint.unwrap_or_default()
                 };
                 self.sweep_and_perform().await;
@@ -317,17 +318,17 @@ impl Run {
             Step::TimePasses => {
                 {
                     let mut table = self.d().table.lock();
-                    let now = now_millis();
+                    let now = Epoch::now();
                     let ids: Vec<_> = table.deliveries.keys().cloned().collect();
                     for tracked in table.deliveries.values_mut() {
                         if let Phase::Ready { due_ms } = &mut tracked.record.phase {
-                            *due_ms = (*due_ms).min(now - 1);
+                            *due_ms = (*due_ms).min(now - Duration::from_millis(1));
                         }
-                        tracked.owed_retry_ms = 0;
-                        tracked.renew_retry_ms = 0;
+                        tracked.owed_retry_at = Epoch::ZERO;
+                        tracked.renew_retry_at = Epoch::ZERO;
                     }
                     for id in ids {
-                        table.wake(&id, 0);
+                        table.wake(&id, Epoch::ZERO);
                     }
                 }
                 self.sweep_and_perform().await;

@@ -27,7 +27,7 @@ impl Deliveries {
         let Some((sub, policy)) = self.table.lock().subs.get(key).map(|a| (a.sub.clone(), a.policy)) else {
             return Admission::NoSubscription(popped);
         };
-        let now = now_millis();
+        let now = Epoch::now();
         let mut bodies: Vec<Vec<u8>> = Vec::with_capacity(popped.len());
         let records: Vec<DeliveryRecord> = popped
             .into_iter()

@@ -43,13 +43,13 @@ impl Deliveries {
         self.table.lock().deliveries.get(id).map(|t| (t.record.group.to_string(), t.record.topic.to_string()))
     }
 
-    /// When the oldest unsettled delivery (ready or handed out) of each subscription key was popped (epoch
-    /// ms), for the oldest-unacknowledged-age gauge; keys with none are absent. Read-only.
-    pub(in crate::delivery) fn oldest_unsettled_ms(&self) -> HashMap<String, i64> {
+    /// When the oldest unsettled delivery (ready or handed out) of each subscription key was popped, for the
+    /// oldest-unacknowledged-age gauge; keys with none are absent. Read-only.
+    pub(in crate::delivery) fn oldest_unsettled(&self) -> HashMap<String, Epoch> {
         let table = self.table.lock();
-        let mut oldest: HashMap<(Arc<str>, Arc<str>), i64> = HashMap::new();
+        let mut oldest: HashMap<(Arc<str>, Arc<str>), Epoch> = HashMap::new();
         for tracked in table.deliveries.values().filter(|t| t.unsettled()) {
-            let (record, at) = (&tracked.record, tracked.admitted_ms);
+            let (record, at) = (&tracked.record, tracked.admitted_at);
             oldest.entry((record.group.clone(), record.topic.clone())).and_modify(|o| *o = (*o).min(at)).or_insert(at);
         }
         drop(table);
@@ -80,10 +80,10 @@ impl Deliveries {
                     event_id: record.event.id.clone(),
                     attempt: record.attempt,
                     phase,
-                    due_ms,
+                    due_ms: due_ms.map(Epoch::as_millis),
                     subscriber: tracked.holder.map(|h| format!("push-{h}")),
                     last_failure: record.last_failure.clone(),
-                    lease_deadline_ms: record.handle.lease_deadline_ms(),
+                    lease_deadline_ms: record.handle.lease_deadline().as_millis(),
                 }
             })
             .collect()

@@ -47,9 +47,9 @@ impl Deliveries {
         if let Some(tracked) = table.deliveries.get_mut(id) {
             tracked.claimed = false;
             if owed == OwedWork::Failed {
-                tracked.owed_work_failed(now_millis());
+                tracked.owed_work_failed(Epoch::now());
             }
-            table.wake(id, 0);
+            table.wake(id, Epoch::ZERO);
         }
     }
 
@@ -67,10 +67,10 @@ impl Deliveries {
         if let Some(tracked) = table.deliveries.get_mut(&*id) {
             tracked.claimed = false;
             if owed == OwedWork::Failed {
-                tracked.owed_work_failed(now_millis());
+                tracked.owed_work_failed(Epoch::now());
             }
         }
-        table.wake(&id, 0);
+        table.wake(&id, Epoch::ZERO);
         Ok(())
     }
 
@@ -101,7 +101,7 @@ impl Deliveries {
             Phase::Acked => return Err(DeliveryError::Unknown),
             Phase::Ready { .. } | Phase::DeadLetter { .. } => return Err(DeliveryError::NotInFlight),
         }
-        if record.handle.lease_deadline_ms() <= now_millis() {
+        if record.handle.lease_deadline() <= Epoch::now() {
             // The broker answers SUCCESS even to a lapsed handle, so the check is ours.
             return Err(DeliveryError::Stale);
         }
@@ -155,7 +155,7 @@ impl Deliveries {
             };
             answers.push(checked.map(|mut record| {
                 if let Phase::AwaitingAck { dispatched_ms, .. } = record.phase {
-                    histogram!(m::ACK_LATENCY).record((now_millis() - dispatched_ms).max(0) as f64 / 1000.0);
+                    histogram!(m::ACK_LATENCY).record(Epoch::now().since(dispatched_ms).as_secs_f64());
                 }
                 record.phase = Phase::Acked;
                 acked.push((index, record));
@@ -188,7 +188,7 @@ impl Deliveries {
         let acked: Vec<DeliveryRecord> = acked.into_iter().map(|(_, record)| record).collect();
         {
             let mut table = self.table.lock();
-            let now = now_millis();
+            let now = Epoch::now();
             for record in &acked {
                 table.acked.remember(record.id.clone(), record.handouts, now);
                 table.set_record(record.clone());
@@ -252,7 +252,7 @@ impl Deliveries {
     /// Whether `target` names a hand-out whose ACK was stored lately (a repeated ACK). Only targets that name
     /// their hand-out: an HTTP delivery id ACKed twice is answered "unknown", as it always was.
     pub(super) fn was_acked(&self, target: Target<'_>) -> bool {
-        target.handout.is_some_and(|handout| self.table.lock().acked.contains(target.id, handout, now_millis()))
+        target.handout.is_some_and(|handout| self.table.lock().acked.contains(target.id, handout, Epoch::now()))
     }
 
     /// The subscriber's NACK: the attempt is spent; the next is scheduled after `delay` (or the backoff).
@@ -303,10 +303,10 @@ impl Deliveries {
             .unwrap_or_else(|| RetryPolicy::from_config(&self.config).unwrap_or(RetryPolicy::SEED_DEFAULT));
         match policy.next(record.attempt, &mut rand::rng()) {
             NextStep::RetryAfter(backoff, next) => {
-                let due_ms = epoch_ms_after(now_millis(), delay.unwrap_or(backoff));
+                let due = Epoch::now() + delay.unwrap_or(backoff);
                 record.attempt = next;
-                record.phase = Phase::Ready { due_ms };
-                NackOutcome::Retry { attempt: next, due_ms }
+                record.phase = Phase::Ready { due_ms: due };
+                NackOutcome::Retry { attempt: next, due }
             }
             NextStep::DeadLetter => {
                 record.phase = Phase::DeadLetter { reason: reason.to_owned() };
@@ -338,7 +338,7 @@ impl Deliveries {
                 self.release(id, OwedWork::NotFailed);
                 continue;
             }
-            record.phase = Phase::Ready { due_ms: now_millis() };
+            record.phase = Phase::Ready { due_ms: Epoch::now() };
             if self.commit(record, OwedWork::NotFailed).await.is_err() {
                 continue;
             }

@@ -33,14 +33,14 @@ impl Deliveries {
         let mut table = self.table.lock();
         if let Some(active) = table.subs.get_mut(&key) {
             if active.sub.filter != sub.filter || active.sub.filter_type != sub.filter_type {
-                active.filter_changed_ms = now_millis();
+                active.filter_changed = Some(Epoch::now());
                 active.filter_refusal = None;
             }
             active.sub = sub;
             active.policy = policy;
             return None;
         }
-        let active = ActiveSubscription::new(sub, policy, now_millis());
+        let active = ActiveSubscription::new(sub, policy, Epoch::now());
         let stop = active.stop.clone();
         table.subs.insert(key.clone(), active);
         // Deliveries left from an earlier subscription of the same key are queued here again.
@@ -100,28 +100,28 @@ impl Deliveries {
     pub(in crate::delivery) fn add_demand(&self, key: &str, count: usize) {
         if let Some(active) = self.table.lock().subs.get_mut(key) {
             active.demand += count;
-            active.last_used_ms = now_millis();
+            active.last_used = Epoch::now();
         }
         self.ring(key);
     }
 
-    /// Whether a receive may change `key`'s filter now: at most one change per [`FILTER_CHANGE_INTERVAL_MS`].
+    /// Whether a receive may change `key`'s filter now: at most one change per [`FILTER_CHANGE_INTERVAL`].
     pub(in crate::delivery) fn may_change_filter(&self, key: &str) -> bool {
         self.table.lock().subs.get(key).is_none_or(|active| {
-            active.filter_changed_ms == 0 || now_millis() - active.filter_changed_ms >= FILTER_CHANGE_INTERVAL_MS
+            active.filter_changed.is_none_or(|changed| Epoch::now().since(changed) >= FILTER_CHANGE_INTERVAL)
         })
     }
 
-    /// Removes the implicit subscriptions (made by a receive, not asked for) idle since `idle_since_ms`: nobody
+    /// Removes the implicit subscriptions (made by a receive, not asked for) idle since `idle_since`: nobody
     /// waiting on them, nothing held for them. Their POP loops stop; the next receive creates them again.
     /// Returns how many were removed.
-    pub(in crate::delivery) async fn expire_idle_subscriptions(&self, idle_since_ms: i64) -> usize {
+    pub(in crate::delivery) async fn expire_idle_subscriptions(&self, idle_since: Epoch) -> usize {
         let expired: Vec<ActiveSubscription> = {
             let mut table = self.table.lock();
             let keys: Vec<String> = table
                 .subs
                 .iter()
-                .filter(|(key, active)| active.idle_implicit(table.held_by(key), idle_since_ms))
+                .filter(|(key, active)| active.idle_implicit(table.held_by(key), idle_since))
                 .map(|(key, _)| key.clone())
                 .collect();
             keys.iter().filter_map(|key| table.subs.remove(key)).collect()
@@ -144,7 +144,7 @@ impl Deliveries {
     pub(in crate::delivery) fn withdraw_demand(&self, key: &str, count: usize) {
         if let Some(active) = self.table.lock().subs.get_mut(key) {
             active.demand = active.demand.saturating_sub(count);
-            active.last_used_ms = now_millis();
+            active.last_used = Epoch::now();
         }
     }
 }

@@ -6,7 +6,7 @@ impl Deliveries {
     /// Queues `ids` for hand-out now if they are dispatchable and subscribed (newly admitted, handed back),
     /// without waiting for the next sweep, and wakes waiting subscribers. The others are the sweeper's.
     pub(super) fn queue_now(&self, ids: &[String]) {
-        let now = now_millis();
+        let now = Epoch::now();
         let mut keys = Vec::new();
         let mut guard = self.table.lock();
         for id in ids {
@@ -29,8 +29,8 @@ impl Deliveries {
 
     /// One sweeper tick over the deliveries filed as due: queues what is ready, spends the attempt of what
     /// missed its ACK deadline, gives up what lost its lease, and returns the broker work that is owed.
-    pub(in crate::delivery) async fn sweep(&self, now: i64) -> Vec<Owed> {
-        let half_lease = (self.config.lease_ms / 2) as i64;
+    pub(in crate::delivery) async fn sweep(&self, now: Epoch) -> Vec<Owed> {
+        let half_lease = Duration::from_millis(self.config.lease_ms / 2);
         let mut owed = Vec::new();
         let mut broker_acks = Vec::new();
         let mut expired = Vec::new();
@@ -57,7 +57,7 @@ impl Deliveries {
                 }
                 let key = tracked.key();
                 let subscribed = table.subs.contains_key(&key);
-                let lease_deadline = tracked.record.handle.lease_deadline_ms();
+                let lease_deadline = tracked.record.handle.lease_deadline();
                 if tracked.unsettled() && !subscribed {
                     tracked.claimed = true;
                     owed.push(Owed::GiveBack(id, "unsubscribed"));
@@ -73,8 +73,8 @@ impl Deliveries {
                     lapsed.push(id);
                     continue;
                 }
-                let owed_due = tracked.owed_retry_ms <= now;
-                let mut next = lease_deadline.min((lease_deadline - half_lease).max(tracked.renew_retry_ms));
+                let owed_due = tracked.owed_retry_at <= now;
+                let mut next = lease_deadline.min((lease_deadline - half_lease).max(tracked.renew_retry_at));
                 match &tracked.record.phase {
                     Phase::AwaitingAck { deadline_ms, .. } if *deadline_ms <= now && !tracked.redispatch => {
                         tracked.claimed = true;
@@ -94,12 +94,12 @@ impl Deliveries {
                         tracked.dlq_write_in_flight = true;
                         owed.push(Owed::DeadLetter(id.clone()));
                     }
-                    Phase::Acked | Phase::DeadLetter { .. } => next = next.min(tracked.owed_retry_ms),
+                    Phase::Acked | Phase::DeadLetter { .. } => next = next.min(tracked.owed_retry_at),
                     Phase::Ready { due_ms } if *due_ms > now => next = next.min(*due_ms),
                     _ => {}
                 }
-                if let Some(after) = self.give_back_unclaimed_ms.filter(|_| tracked.dispatchable(now)) {
-                    let unclaimed = table.subs.get(&key).is_some_and(|a| a.unclaimed(now.saturating_sub(after)));
+                if let Some(after) = self.give_back_unclaimed.filter(|_| tracked.dispatchable(now)) {
+                    let unclaimed = table.subs.get(&key).is_some_and(|a| a.unclaimed(now - after));
                     if unclaimed {
                         tracked.claimed = true;
                         owed.push(Owed::GiveBack(id, "unclaimed"));
@@ -117,11 +117,11 @@ impl Deliveries {
                 }
                 // Every owned delivery is renewed, owed work included: a broker outage longer than the lease
                 // must not turn a recorded ACK or a pending DLQ write into a redelivery.
-                if lease_deadline - now < half_lease && tracked.renew_retry_ms <= now {
+                if now.until(lease_deadline) < half_lease && tracked.renew_retry_at <= now {
                     owed.push(Owed::Renew(id));
                     continue;
                 }
-                table.timers.push(std::cmp::Reverse((next.max(now + 1), id)));
+                table.timers.push(std::cmp::Reverse((next.max(now + Duration::from_millis(1)), id)));
             }
             Self::set_pending_gauge(table);
         }
@@ -168,7 +168,7 @@ impl Deliveries {
                 if let Some(tracked) = table.deliveries.get_mut(&follower) {
                     tracked.surrender = true;
                 }
-                table.wake(&follower, 0);
+                table.wake(&follower, Epoch::ZERO);
             }
         }
         self.retire(id).await;
@@ -177,7 +177,7 @@ impl Deliveries {
 
     /// A late ACK of `id` is answered "stale" (409) rather than "unknown" for a while.
     pub(super) fn remember_stale(&self, id: &str) {
-        self.table.lock().stale.insert(id.to_owned(), now_millis() + STALE_MEMORY_MS);
+        self.table.lock().stale.insert(id.to_owned(), Epoch::now() + STALE_MEMORY);
     }
 
     /// Forgets a delivery everywhere: ACKed at the broker, dead-lettered, given back, or given up.
@@ -284,27 +284,27 @@ impl Deliveries {
         if let Some(tracked) = table.deliveries.get_mut(id) {
             tracked.dlq_write_in_flight = false;
             if owed == OwedWork::Failed {
-                tracked.owed_work_failed(now_millis());
+                tracked.owed_work_failed(Epoch::now());
             }
-            table.wake(id, 0);
+            table.wake(id, Epoch::ZERO);
         }
     }
 
     /// Extends the lease. The new handle is stored before it is relied on; the old one is dead either way.
     pub(super) async fn renew(&self, id: &str) {
-        let half_lease = (self.config.lease_ms / 2) as i64;
+        let half_lease = Duration::from_millis(self.config.lease_ms / 2);
         let record = {
             let mut table = self.table.lock();
-            let now = now_millis();
+            let now = Epoch::now();
             let Some(tracked) = table.deliveries.get_mut(id) else { return };
             if tracked.claimed {
                 // Another task has it; the sweeper gets it back when that claim ends.
                 return;
             }
-            let lease_deadline = tracked.record.handle.lease_deadline_ms();
-            if lease_deadline <= now || lease_deadline - now >= half_lease || tracked.renew_retry_ms > now {
+            let lease_deadline = tracked.record.handle.lease_deadline();
+            if lease_deadline <= now || now.until(lease_deadline) >= half_lease || tracked.renew_retry_at > now {
                 // Lapsed meanwhile (the sweeper gives it up) or no longer due.
-                table.wake(id, 0);
+                table.wake(id, Epoch::ZERO);
                 return;
             }
             tracked.claimed = true;
@@ -331,9 +331,9 @@ impl Deliveries {
                 let mut table = self.table.lock();
                 if let Some(tracked) = table.deliveries.get_mut(id) {
                     tracked.claimed = false;
-                    tracked.renewal_failed(now_millis());
+                    tracked.renewal_failed(Epoch::now());
                 }
-                table.wake(id, 0);
+                table.wake(id, Epoch::ZERO);
             }
         }
     }

@@ -6,13 +6,14 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
+use std::time::Duration;
 
-use crate::broker::client::now_millis;
+use crate::clock::Epoch;
 use crate::delivery::record::{DeliveryRecord, Phase, Subscription};
 use crate::delivery::retry::{RetryPolicy, OWED_WORK_BACKOFF, RENEWAL_BACKOFF};
 
-fn delay_ms(policy: &RetryPolicy, failures: u32) -> i64 {
-    i64::try_from(policy.delay_after(failures, &mut rand::rng()).as_millis()).unwrap_or(i64::MAX)
+fn delay(policy: &RetryPolicy, failures: u32) -> Duration {
+    policy.delay_after(failures, &mut rand::rng())
 }
 
 /// A delivery id as memory holds it: one allocation shared by the table's key, the ready queue and every
@@ -30,16 +31,16 @@ pub(super) struct Tracked {
     /// Recovered after a crash while handed out: dispatched again at once with its attempt kept, and until
     /// then still ACKable by the subscriber that held it before the crash.
     pub(super) redispatch: bool,
-    /// Earliest retry of an owed broker ACK or DLQ write that failed (epoch ms).
-    pub(super) owed_retry_ms: i64,
+    /// Earliest retry of an owed broker ACK or DLQ write that failed.
+    pub(super) owed_retry_at: Epoch,
     /// Failures in a row of that owed work, for its backoff.
     pub(super) owed_failures: u32,
     /// Its DLQ write is under way. That write runs unclaimed (its send attempts may outlast a lease), so
     /// renewals go on meanwhile; this flag alone keeps a second write from starting.
     pub(super) dlq_write_in_flight: bool,
-    /// Earliest retry of a lease renewal that failed (epoch ms); kept apart from owed work so a failing
-    /// broker ACK never holds a renewal back.
-    pub(super) renew_retry_ms: i64,
+    /// Earliest retry of a lease renewal that failed; kept apart from owed work so a failing broker ACK never
+    /// holds a renewal back.
+    pub(super) renew_retry_at: Epoch,
     /// Failed renewals in a row, for their backoff.
     pub(super) renew_failures: u32,
     /// The push subscriber it is handed to (memory only: a restart hands everything out anew).
@@ -48,8 +49,8 @@ pub(super) struct Tracked {
     /// this one must not overtake it, so it is never handed out or settled again and the sweeper gives it
     /// back to the broker (which then redelivers the group in order) as soon as nobody acts on it.
     pub(super) surrender: bool,
-    /// When popgate popped it (epoch ms), for the oldest-unacknowledged-age gauge; see [`admission_time`].
-    pub(super) admitted_ms: i64,
+    /// When popgate popped it, for the oldest-unacknowledged-age gauge; see [`admission_time`].
+    pub(super) admitted_at: Epoch,
 }
 
 impl Tracked {
@@ -63,7 +64,7 @@ impl Tracked {
     pub(super) fn held_as(&self, handout: u32) -> bool {
         handout == self.record.handouts
             && match self.record.phase {
-                Phase::AwaitingAck { deadline_ms, .. } => deadline_ms > now_millis(),
+                Phase::AwaitingAck { deadline_ms, .. } => deadline_ms > Epoch::now(),
                 Phase::Acked => true,
                 Phase::Ready { .. } | Phase::DeadLetter { .. } => false,
             }
@@ -74,29 +75,29 @@ impl Tracked {
             claimed: false,
             queued: false,
             redispatch: false,
-            owed_retry_ms: 0,
+            owed_retry_at: Epoch::ZERO,
             owed_failures: 0,
             dlq_write_in_flight: false,
-            renew_retry_ms: 0,
+            renew_retry_at: Epoch::ZERO,
             renew_failures: 0,
             holder: None,
             surrender: false,
-            admitted_ms: admission_time(&record),
+            admitted_at: admission_time(&record),
             record,
         }
     }
 
     /// Its owed broker work (ACK, DLQ write) failed again: the next try waits longer
     /// ([`OWED_WORK_BACKOFF`]).
-    pub(super) fn owed_work_failed(&mut self, now_ms: i64) {
+    pub(super) fn owed_work_failed(&mut self, now: Epoch) {
         self.owed_failures = self.owed_failures.saturating_add(1);
-        self.owed_retry_ms = now_ms + delay_ms(&OWED_WORK_BACKOFF, self.owed_failures);
+        self.owed_retry_at = now + delay(&OWED_WORK_BACKOFF, self.owed_failures);
     }
 
     /// Its lease renewal failed again ([`RENEWAL_BACKOFF`]).
-    pub(super) fn renewal_failed(&mut self, now_ms: i64) {
+    pub(super) fn renewal_failed(&mut self, now: Epoch) {
         self.renew_failures = self.renew_failures.saturating_add(1);
-        self.renew_retry_ms = now_ms + delay_ms(&RENEWAL_BACKOFF, self.renew_failures);
+        self.renew_retry_at = now + delay(&RENEWAL_BACKOFF, self.renew_failures);
     }
 
     pub(super) fn key(&self) -> String {
@@ -104,12 +105,12 @@ impl Tracked {
     }
 
     /// Can be handed to a subscriber now.
-    pub(super) fn dispatchable(&self, now_ms: i64) -> bool {
+    pub(super) fn dispatchable(&self, now: Epoch) -> bool {
         if self.surrender {
             return false;
         }
         match self.record.phase {
-            Phase::Ready { due_ms } => due_ms <= now_ms,
+            Phase::Ready { due_ms } => due_ms <= now,
             Phase::AwaitingAck { .. } => self.redispatch,
             Phase::Acked | Phase::DeadLetter { .. } => false,
         }
@@ -128,17 +129,17 @@ impl Tracked {
 /// it is the checkpoint it held then: its POP if its lease was never renewed, else its last renewal (which moves
 /// the checkpoint), so a restart can make a long-held delivery look younger, down to under one lease old, but not
 /// new. Memory only: the stored record's format is unchanged.
-fn admission_time(record: &DeliveryRecord) -> i64 {
-    let now = now_millis();
+fn admission_time(record: &DeliveryRecord) -> Epoch {
+    let now = Epoch::now();
     // When the last POP or renewal was sent, on popgate's own clock (never the broker's `popTime`); records
     // stored before popgate kept that fall back to the broker's figure.
     let handle = &record.handle;
-    let checkpoint = if handle.lease_until_ms > 0 {
-        handle.lease_until_ms.saturating_sub(handle.invisible_ms)
+    let checkpoint = if handle.lease_until_ms > Epoch::ZERO {
+        handle.lease_until_ms - Duration::from_millis(u64::try_from(handle.invisible_ms).unwrap_or(0))
     } else {
-        handle.pop_time_ms
+        Epoch::from_millis(handle.pop_time_ms)
     };
-    if checkpoint > 0 {
+    if checkpoint > Epoch::ZERO {
         checkpoint.min(now)
     } else {
         now
@@ -155,41 +156,40 @@ pub(super) struct ActiveSubscription {
     pub(super) demand: usize,
     /// Tells this subscription's POP loop to stop.
     pub(super) stop: Arc<AtomicBool>,
-    /// When a receive last waited on it (epoch ms): an implicit subscription idle for long is removed.
-    pub(super) last_used_ms: i64,
-    /// When a receive last changed its filter (epoch ms; 0: never), to take such changes at most once per
-    /// interval.
-    pub(super) filter_changed_ms: i64,
+    /// When a receive last waited on it: an implicit subscription idle for long is removed.
+    pub(super) last_used: Epoch,
+    /// When a receive last changed its filter (`None`: never), to take such changes at most once per interval.
+    pub(super) filter_changed: Option<Epoch>,
     /// The broker's refusal of the filter (it cannot compile an SQL92 expression), until a POP succeeds or
     /// the filter changes: receives are answered with it instead of waiting for what cannot come.
     pub(super) filter_refusal: Option<String>,
 }
 
 impl ActiveSubscription {
-    pub(super) fn new(sub: Subscription, policy: RetryPolicy, now_ms: i64) -> ActiveSubscription {
+    pub(super) fn new(sub: Subscription, policy: RetryPolicy, now: Epoch) -> ActiveSubscription {
         ActiveSubscription {
             sub,
             policy,
             ready: VecDeque::new(),
             demand: 0,
             stop: Arc::new(AtomicBool::new(false)),
-            last_used_ms: now_ms,
-            filter_changed_ms: 0,
+            last_used: now,
+            filter_changed: None,
             filter_refusal: None,
         }
     }
 
-    /// Nobody waits on it, and nobody has since `since_ms`: in a tier, its consumers may be connected to another
+    /// Nobody waits on it, and nobody has since `since`: in a tier, its consumers may be connected to another
     /// instance, and what is due here is better given back to the broker, which hands it to the next POP of
     /// any instance. Not an ordered subscription's: the broker's orderly POP keeps its queues' order, and a
     /// message given back would be popped by no one sooner anyway.
-    pub(super) fn unclaimed(&self, since_ms: i64) -> bool {
-        !self.sub.ordered && self.demand == 0 && self.last_used_ms <= since_ms
+    pub(super) fn unclaimed(&self, since: Epoch) -> bool {
+        !self.sub.ordered && self.demand == 0 && self.last_used <= since
     }
 
-    /// Created by a receive, with nobody waiting on it and nothing held for it since `idle_since_ms`.
-    pub(super) fn idle_implicit(&self, held: usize, idle_since_ms: i64) -> bool {
-        self.sub.implicit && self.demand == 0 && held == 0 && self.last_used_ms <= idle_since_ms
+    /// Created by a receive, with nobody waiting on it and nothing held for it since `idle_since`.
+    pub(super) fn idle_implicit(&self, held: usize, idle_since: Epoch) -> bool {
+        self.sub.implicit && self.demand == 0 && held == 0 && self.last_used <= idle_since
     }
 }
 
@@ -199,12 +199,12 @@ pub(super) struct Table {
     /// Boxed: a map slot then costs a pointer, not a whole `Tracked`, in the table's spare capacity.
     pub(super) deliveries: HashMap<Id, Box<Tracked>>,
     /// Ids given up to the broker, with the time until which a late ACK is answered 409 rather than 404.
-    pub(super) stale: HashMap<String, i64>,
+    pub(super) stale: HashMap<String, Epoch>,
     /// How many deliveries each subscription key holds, kept with every insert and removal.
     held: HashMap<String, usize>,
-    /// When the sweeper must look at a delivery next (epoch ms, id), earliest first. Entries may be stale
+    /// When the sweeper must look at a delivery next (time, id), earliest first. Entries may be stale
     /// (the delivery changed or is gone): the sweeper looks, then files the delivery at its next due time.
-    pub(super) timers: BinaryHeap<Reverse<(i64, Id)>>,
+    pub(super) timers: BinaryHeap<Reverse<(Epoch, Id)>>,
     /// Group, topic and broker names, one copy each, shared by every record that carries them (a million
     /// deliveries of one subscription would otherwise hold a million copies of each).
     names: std::collections::HashSet<Arc<str>>,
@@ -221,23 +221,23 @@ pub(super) struct Table {
 }
 
 /// How long an ACKed hand-out is remembered: the official SDKs retry a lost ACK answer within seconds.
-const ACKED_MEMORY_MS: i64 = 2 * 60 * 1000;
+const ACKED_MEMORY: Duration = Duration::from_secs(2 * 60);
 /// The most ACKed hand-outs remembered; past it the oldest are forgotten early (their repeat is then
 /// answered as an unknown handle, which tells an SDK to stop retrying: never a wrong settlement).
 const ACKED_MEMORY_MAX: usize = 200_000;
 
-/// ACKed hand-outs by delivery id, each remembered for `ACKED_MEMORY_MS`.
+/// ACKed hand-outs by delivery id, each remembered for `ACKED_MEMORY`.
 #[derive(Default)]
 pub(super) struct RecentlyAcked {
     /// Id → (hand-out, forget at).
-    handouts: HashMap<Id, (u32, i64)>,
+    handouts: HashMap<Id, (u32, Epoch)>,
     /// Ids in the order remembered (so, by when to forget them).
     order: VecDeque<Id>,
 }
 
 impl RecentlyAcked {
-    pub(super) fn remember(&mut self, id: Id, handout: u32, now: i64) {
-        if self.handouts.insert(id.clone(), (handout, now + ACKED_MEMORY_MS)).is_none() {
+    pub(super) fn remember(&mut self, id: Id, handout: u32, now: Epoch) {
+        if self.handouts.insert(id.clone(), (handout, now + ACKED_MEMORY)).is_none() {
             self.order.push_back(id);
         }
         while self.order.len() > ACKED_MEMORY_MAX {
@@ -246,11 +246,11 @@ impl RecentlyAcked {
     }
 
     /// Expired entries linger until the next sweep; they no longer count.
-    pub(super) fn contains(&self, id: &str, handout: u32, now: i64) -> bool {
+    pub(super) fn contains(&self, id: &str, handout: u32, now: Epoch) -> bool {
         self.handouts.get(id).is_some_and(|&(remembered, until)| remembered == handout && until > now)
     }
 
-    pub(super) fn expire(&mut self, now: i64) {
+    pub(super) fn expire(&mut self, now: Epoch) {
         while let Some(oldest) = self.order.front() {
             if self.handouts.get(oldest).is_some_and(|&(_, until)| until > now) {
                 break;
@@ -297,10 +297,11 @@ impl Table {
         self.deliveries.get_key_value(id).map(|(id, _)| id.clone())
     }
 
-    /// Files `id` for the sweeper at `at_ms` (0: the next tick); an id no longer tracked needs no timer.
-    pub(super) fn wake(&mut self, id: &str, at_ms: i64) {
+    /// Files `id` for the sweeper at `at` ([`Epoch::ZERO`]: the next tick); an id no longer tracked needs no
+    /// timer.
+    pub(super) fn wake(&mut self, id: &str, at: Epoch) {
         if let Some(id) = self.id(id) {
-            self.timers.push(Reverse((at_ms, id)));
+            self.timers.push(Reverse((at, id)));
         }
     }
 
@@ -329,7 +330,7 @@ impl Table {
         self.intern(&mut tracked.record);
         let key = tracked.key();
         let id: Id = tracked.record.id.clone();
-        self.timers.push(Reverse((0, id.clone())));
+        self.timers.push(Reverse((Epoch::ZERO, id.clone())));
         let fifo_entry = tracked.record.event.message_group.clone().map(|group| (group, tracked.record.seq));
         if let Some(old) = self.deliveries.insert(id.clone(), Box::new(tracked)) {
             self.uncount(&old);
@@ -459,7 +460,7 @@ impl Table {
             })
             .collect();
         for id in ids {
-            self.timers.push(Reverse((0, id)));
+            self.timers.push(Reverse((Epoch::ZERO, id)));
         }
     }
 }

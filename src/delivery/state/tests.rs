@@ -83,9 +83,9 @@ async fn a_lost_fifo_head_takes_the_later_events_of_its_group_with_it() {
     // g1's lease lapses (popgate could not renew it): the broker will redeliver g1.
     let head = id_of(&deliveries, b"g1");
     let (g2, g3) = (id_of(&deliveries, b"g2"), id_of(&deliveries, b"g3"));
-    let now = now_millis();
+    let now = Epoch::now();
     if let Some(tracked) = deliveries.table.lock().deliveries.get_mut(&head) {
-        tracked.record.handle.lease_until_ms = now - 1;
+        tracked.record.handle.lease_until_ms = now - Duration::from_millis(1);
     }
     let owed = deliveries.sweep(now).await;
     assert!(owed.iter().all(|o| !matches!(o, Owed::GiveBack(..))), "the lapsed head is given up, not given back");
@@ -94,7 +94,7 @@ async fn a_lost_fifo_head_takes_the_later_events_of_its_group_with_it() {
     // g2 must not overtake the redelivery of g1.
     assert!(deliveries.hand_out(&sub.key(), 10, &long_poll(), None).await.expect("hand out").is_empty());
     assert!(matches!(deliveries.ack(&g2).await, Err(DeliveryError::Stale)));
-    let owed = deliveries.sweep(now_millis()).await;
+    let owed = deliveries.sweep(Epoch::now()).await;
     let mut given_back: Vec<Id> = owed
         .iter()
         .filter_map(|o| match o {
@@ -109,7 +109,7 @@ async fn a_lost_fifo_head_takes_the_later_events_of_its_group_with_it() {
 }
 
 /// What a sweep `at` gives back to the broker as unclaimed.
-async fn given_back_unclaimed(deliveries: &Deliveries, at: i64) -> usize {
+async fn given_back_unclaimed(deliveries: &Deliveries, at: Epoch) -> usize {
     let owed = deliveries.sweep(at).await;
     owed.iter().filter(|o| matches!(o, Owed::GiveBack(_, "unclaimed"))).count()
 }
@@ -121,28 +121,44 @@ async fn in_a_tier_what_is_due_where_no_consumer_waits_goes_back_to_the_broker()
     let dir = tempfile::tempdir().expect("tempdir");
     let alone = subscribed(dir.path(), &sub).await;
     assert!(matches!(alone.admit(&sub.key(), vec![popped(b"a")]).await, Admission::Admitted));
-    assert_eq!(given_back_unclaimed(&alone, now_millis() + 60_000).await, 0, "alone, it keeps it for its consumers");
+    assert_eq!(
+        given_back_unclaimed(&alone, Epoch::now() + Duration::from_millis(60_000)).await,
+        0,
+        "alone, it keeps it for its consumers"
+    );
 
     let dir = tempfile::tempdir().expect("tempdir");
     let tier = subscribed(dir.path(), &sub).await.giving_back_unclaimed(Some(after));
     assert!(matches!(tier.admit(&sub.key(), vec![popped(b"b")]).await, Admission::Admitted));
     // A consumer waits here: kept, however long it has been.
     tier.add_demand(&sub.key(), 1);
-    assert_eq!(given_back_unclaimed(&tier, now_millis() + 60_000).await, 0, "a consumer waits for it here");
+    assert_eq!(
+        given_back_unclaimed(&tier, Epoch::now() + Duration::from_millis(60_000)).await,
+        0,
+        "a consumer waits for it here"
+    );
     // It stops waiting: kept for `after`, then given back.
     tier.withdraw_demand(&sub.key(), 1);
-    assert_eq!(given_back_unclaimed(&tier, now_millis() + 1_000).await, 0, "its consumer may be back soon");
-    let stopped = now_millis();
+    assert_eq!(
+        given_back_unclaimed(&tier, Epoch::now() + Duration::from_millis(1_000)).await,
+        0,
+        "its consumer may be back soon"
+    );
+    let stopped = Epoch::now();
     let id = id_of(&tier, b"b");
-    tier.table.lock().timers.push(std::cmp::Reverse((0, id)));
-    assert_eq!(given_back_unclaimed(&tier, stopped + 21_000).await, 1, "nobody waited for it here for 20 s");
+    tier.table.lock().timers.push(std::cmp::Reverse((Epoch::from_millis(0), id)));
+    assert_eq!(
+        given_back_unclaimed(&tier, stopped + Duration::from_millis(21_000)).await,
+        1,
+        "nobody waited for it here for 20 s"
+    );
     assert!(tier.hand_out(&sub.key(), 1, &long_poll(), None).await.expect("hand out").is_empty(), "claimed");
 }
 
 /// How long from now each tracked delivery's owed work waits, in ms.
-fn owed_waits(deliveries: &Deliveries) -> Vec<i64> {
-    let now = now_millis();
-    deliveries.table.lock().deliveries.values().map(|t| t.owed_retry_ms - now).collect()
+fn owed_waits(deliveries: &Deliveries) -> Vec<u128> {
+    let now = Epoch::now();
+    deliveries.table.lock().deliveries.values().map(|t| now.until(t.owed_retry_at).as_millis()).collect()
 }
 
 #[tokio::test]
@@ -163,7 +179,7 @@ async fn owed_broker_acks_travel_together_and_back_off_exponentially_while_the_b
     }
 
     // One sweep finds all three due: one piece of work, one batch request per broker.
-    let owed = deliveries.sweep(now_millis() + 1_300).await;
+    let owed = deliveries.sweep(Epoch::now() + Duration::from_millis(1_300)).await;
     assert_eq!(owed.len(), 1, "{owed:?}");
     assert!(matches!(&owed[0], Owed::BrokerAcks(batch) if batch.len() == 3));
     for work in owed {
@@ -176,7 +192,7 @@ async fn owed_broker_acks_travel_together_and_back_off_exponentially_while_the_b
 
 /// Runs one sweep at popgate's `now` and all the owed work it finds.
 async fn sweep_and_perform(deliveries: &Deliveries) {
-    for owed in deliveries.sweep(now_millis()).await {
+    for owed in deliveries.sweep(Epoch::now()).await {
         deliveries.perform(owed).await;
     }
 }
@@ -204,9 +220,9 @@ async fn an_unacked_delivery_returns_on_the_seed_backoff_and_its_sixth_miss_goes
         let Some(record) = deliveries.tracked_record(&handed[0].id) else { panic!("still tracked") };
         match record.phase {
             Phase::Ready { due_ms } if attempt < 6 => {
-                let wait = due_ms - now_millis();
-                waits.push(wait);
-                tokio::time::advance(Duration::from_millis(u64::try_from(wait + 1).unwrap_or(0))).await;
+                let wait = Epoch::now().until(due_ms);
+                waits.push(wait.as_millis());
+                tokio::time::advance(wait + Duration::from_millis(1)).await;
             }
             Phase::DeadLetter { .. } if attempt == 6 => {}
             other => panic!("after attempt {attempt}: {other:?}"),
@@ -292,13 +308,13 @@ async fn a_broker_clock_a_minute_behind_does_not_make_fresh_leases_look_lapsed()
     let deliveries = subscribed(dir.path(), &sub).await;
     let mut event = popped(b"x");
     // As the POP path records it: the broker's popTime a minute behind, the lease from the send time.
-    event.handle.pop_time_ms = now_millis() - 60_000;
+    event.handle.pop_time_ms = (Epoch::now() - Duration::from_millis(60_000)).as_millis();
     event.handle.invisible_ms = 60_000;
-    event.handle.lease_until_ms = now_millis() + 60_000;
+    event.handle.lease_until_ms = Epoch::now() + Duration::from_millis(60_000);
     assert!(matches!(deliveries.admit(&sub.key(), vec![event]).await, Admission::Admitted));
     let handed = deliveries.hand_out(&sub.key(), 10, &long_poll(), None).await.expect("hand out");
     assert_eq!(handed.len(), 1, "not judged lapsed");
-    assert!(deliveries.sweep(now_millis()).await.iter().all(|o| !matches!(o, Owed::Renew(_))), "nor due for renewal");
+    assert!(deliveries.sweep(Epoch::now()).await.iter().all(|o| !matches!(o, Owed::Renew(_))), "nor due for renewal");
 }
 
 #[tokio::test]

@@ -26,7 +26,7 @@ pub mod target;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use hmac::{Hmac, Mac};
 use metrics::counter;
@@ -196,7 +196,7 @@ impl Pusher {
         if let Err(forbidden) = self.targets.check_url(&url) {
             return refused(delivery, "literal", &forbidden.to_string());
         }
-        let timestamp = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        let timestamp = crate::clock::wall_clock_secs();
         let data_type = content::http_data(&event.properties, &event.body).media_type();
         let ce = headers::cloudevent_headers(&event.properties, &event.topic, data_type);
         self.report_skips(delivery, &ce.skipped);

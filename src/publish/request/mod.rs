@@ -26,12 +26,12 @@ use bytes::Bytes;
 use serde_json::{Map, Value};
 
 use super::limits::{MessageLimits, Part, WithinLimits};
-use crate::broker::client::now_millis;
 use crate::broker::content::{DataKind, PROPERTY_CONTENT_TYPE};
 use crate::broker::message::{
     is_reserved_property, is_valid_name, OutgoingMessage, MAX_NAME_LEN, PROPERTY_SHARDING_KEY,
     PROPERTY_TIMER_DELIVER_MS,
 };
+use crate::clock::Epoch;
 
 /// Why a publish request was refused before anything reached the broker. The HTTP layer turns it into its
 /// 400 or 413 answer; this module knows nothing of HTTP statuses.
@@ -378,7 +378,7 @@ fn set_delay(message: &mut OutgoingMessage, delay: Duration) {
     if delay.is_zero() {
         return;
     }
-    let deliver_at = now_millis().saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
+    let deliver_at = Epoch::now().as_millis().saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
     message.properties.insert(PROPERTY_TIMER_DELIVER_MS.to_owned(), deliver_at.to_string());
 }
 
