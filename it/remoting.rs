@@ -1667,3 +1667,44 @@ async fn a_check_back_of_a_producer_that_never_heartbeat_is_asked_on_the_half_me
     .await;
     assert!(popgate.metric("popgate_transaction_checks_total{outcome=\"forwarded\"}").await >= 1.0);
 }
+
+/// Issue #47: the size limit and the one-way rule are publishing's, in the gateway, for every front (HTTP
+/// refused one-way sends under the financial profile, and only HTTP and gRPC checked `max_message_bytes`).
+/// Through the remoting front: a body over the limit is refused in Apache's client's words, a one-way send under
+/// the financial profile is not sent (it has no answer: the metric and the log say it), a sync send is stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_size_limit_and_the_one_way_rule_hold_on_the_remoting_front_as_on_http() {
+    let cluster = shared_cluster();
+    let profile = "[reliability]\nprofile = \"financial\"\n[publish]\nmax_message_bytes = 2048\n";
+    let (popgate, namesrv) = popgate_with_remoting(cluster, profile).await;
+    let topic = unique_topic("rm_rules");
+    create_topic(cluster, &topic).await;
+    let broker = cluster.brokers[0].name.clone();
+    let mut stream = TcpStream::connect(&namesrv).await.expect("connect");
+
+    let (too_large, _) = crate::remoting_hostile::raw_send(&topic, &broker, &"x".repeat(2049), 0, &[]);
+    let refused = ask(&mut stream, too_large).await.expect("answered");
+    let remark = refused.remark().map(ToString::to_string).unwrap_or_default();
+    assert_eq!((refused.code(), remark.as_str()), (13, "the message body size over max value, MAX: 2048"));
+
+    let (one_way, _) = crate::remoting_hostile::raw_send(&topic, &broker, "one-way", 0, &[]);
+    send(&mut stream, one_way.mark_oneway_rpc()).await;
+    let (confirmed, _) = crate::remoting_hostile::raw_send(&topic, &broker, "confirmed", 0, &[]);
+    let stored_it = ask(&mut stream, confirmed).await.expect("answered");
+    assert_eq!(stored_it.code(), 0, "{:?}", stored_it.remark());
+    let refusals = |result: &str| {
+        let series = format!("popgate_publish_requests_total{{result=\"{result}\",transport=\"remoting\"}}");
+        let popgate = &popgate;
+        async move { popgate.metric(&series).await }
+    };
+    eventually(Duration::from_secs(20), "the one-way send was refused and counted", || async {
+        refusals("bad_request").await == 1.0
+    })
+    .await;
+    assert_eq!(refusals("too_large").await, 1.0);
+    assert!(popgate.output().contains("A one-way send was refused"), "logged");
+    eventually(Duration::from_secs(20), "only the confirmed send is stored", || async {
+        stored_bodies(cluster, &topic).await == ["confirmed"]
+    })
+    .await;
+}

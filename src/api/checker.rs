@@ -25,9 +25,11 @@ use serde_json::json;
 use tokio::sync::Semaphore;
 
 use super::events::event_json;
+use crate::auth::Caller;
 use crate::config::CheckerConfig;
 use crate::gateway::below::signature;
 use crate::gateway::below::{CheckForwarder, Orphan, Resolution, Transactions};
+use crate::gateway::{EndRequest, Ending};
 use crate::metrics as m;
 
 /// Check-back requests in flight at once to one checker; more wait.
@@ -109,21 +111,22 @@ async fn ask(
         Ok(answer) => answer,
         Err(why) => {
             tracing::warn!(transaction = %id, producer_group = %group, error = %why, "A transaction checker did not answer; the broker will ask again.");
-            count_answer("failed");
+            counter!(m::TRANSACTION_CHECK_ANSWERS, "front" => "http", "answer" => "failed").increment(1);
             return;
         }
     };
     let resolution = match answer.as_str() {
-        "commit" => Resolution::Commit,
-        "rollback" => Resolution::Rollback,
-        _ => {
-            count_answer("unknown");
-            return;
-        }
+        "commit" => Some(Resolution::Commit),
+        "rollback" => Some(Resolution::Rollback),
+        _ => None,
     };
-    count_answer(resolution.as_str());
     let Some(transactions) = transactions.upgrade() else { return };
-    if let Err(error) = transactions.end(&orphan.event.topic, id, resolution, true, None).await {
+    // Ended through the gateway, as every front ends a transaction (it counts the answer, `unknown` included).
+    // The checker is the operator's configuration (`transactions.checkers.<group>`), not a client: it answers
+    // for the producer group the broker asked, with the rights the operator gave it by naming it.
+    let ending = Ending { transactions: &transactions, front: "http", owners: None };
+    let request = EndRequest { id, topic: Some(&orphan.event.topic), resolution, from_check: true, answer_by: None };
+    if let Err(error) = ending.end(&Caller::unrestricted(), request).await {
         tracing::warn!(transaction = %id, %error, "Could not end a transaction as its checker answered; the broker will ask again.");
     }
 }
@@ -160,8 +163,4 @@ async fn post(
     }
     let answer: Answer = response.json().await.map_err(|e| format!("answered no {{\"resolution\"}}: {e}"))?;
     Ok(answer.resolution)
-}
-
-fn count_answer(answer: &'static str) {
-    counter!(m::TRANSACTION_CHECK_ANSWERS, "front" => "http", "answer" => answer).increment(1);
 }

@@ -186,6 +186,8 @@ impl From<GatewayError> for ApiError {
             }
             GatewayError::TopicNotFound(topic) => ApiError::unknown_topic(&topic),
             GatewayError::TakesNoTransactions { .. } => ApiError::invalid_field("transaction", said),
+            GatewayError::MessageTooLarge { max } => ApiError::too_large(max),
+            GatewayError::OneWayUnconfirmed => ApiError::invalid_field("mode", said),
             GatewayError::HandleOfAnotherGroup { .. } => ApiError::invalid_field("group", said),
             GatewayError::NotStored { attempts, .. } => {
                 ApiError::unavailable(said, serde_json::json!({ "attempts": attempts }))
@@ -212,13 +214,12 @@ fn transaction_refusal(error: TransactionError) -> ApiError {
     }
 }
 
-/// A refused publish request: 400 naming the field, or 413.
+/// A refused publish request: 400 naming the field.
 impl From<RequestError> for ApiError {
     fn from(error: RequestError) -> ApiError {
         match error {
             RequestError::InvalidField { field, message } => ApiError::invalid_field(&field, message),
             RequestError::MalformedBody(message) => ApiError::malformed_body(message),
-            RequestError::TooLarge { limit } => ApiError::too_large(limit),
         }
     }
 }

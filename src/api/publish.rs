@@ -22,7 +22,6 @@ use serde_json::json;
 use super::guard::rejected;
 use super::{ApiError, AppState};
 use crate::auth::Caller;
-use crate::config::Profile;
 use crate::gateway::{self, GatewayError, PublishRefused, PublishRequest};
 use crate::publish::{request, Placement, Published, SendMode};
 
@@ -85,16 +84,10 @@ fn decode(
             SendMode::parse(text).ok_or_else(|| ApiError::invalid_field("mode", "must be sync, async or oneway"))?
         }
     };
-    if mode == SendMode::Oneway && state.publisher.profile() == Profile::Financial {
-        return Err(ApiError::invalid_field(
-            "mode",
-            "oneway sends are never confirmed by the broker; the financial profile refuses them",
-        ));
-    }
     let limits = &state.config.publish.limits;
     let param = |name: &str| query.get(name).map(String::as_str);
     let transaction_params = (param("transaction"), param("producerGroup"));
-    let parsed = request::parse(headers, param("topic"), transaction_params, &body, max, limits)?;
+    let parsed = request::parse(headers, param("topic"), transaction_params, &body, limits)?;
     let mut message = parsed.message;
     let retry_key = request::dedup_key(headers, message.message())?;
     if let Some(transactional) = &parsed.transaction {

@@ -70,6 +70,15 @@ pub enum GatewayError {
         /// The setting that sets it.
         setting: &'static str,
     },
+    /// The message body is larger than `publish.max_message_bytes` (a batch's, as a whole).
+    #[error("the message body is larger than the {max} bytes popgate sends")]
+    MessageTooLarge {
+        /// `publish.max_message_bytes`.
+        max: usize,
+    },
+    /// A one-way send under the financial profile, which publishes only what the broker confirmed stored.
+    #[error("oneway sends are never confirmed by the broker; the financial profile refuses them")]
+    OneWayUnconfirmed,
     /// The topic does not exist (and the broker would not create it).
     #[error("topic `{0}` does not exist")]
     TopicNotFound(String),
@@ -140,7 +149,8 @@ impl GatewayError {
             GatewayError::Transaction(TransactionError::Busy(_)) => "busy",
             GatewayError::Transaction(TransactionError::Store(_)) => "unavailable",
             GatewayError::TopicNotFound(_) => "not_found",
-            GatewayError::TakesNoTransactions { .. } => "bad_request",
+            GatewayError::TakesNoTransactions { .. } | GatewayError::OneWayUnconfirmed => "bad_request",
+            GatewayError::MessageTooLarge { .. } => "too_large",
             GatewayError::NotStored { .. } | GatewayError::Unavailable(_) => "unavailable",
         }
     }

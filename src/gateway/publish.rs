@@ -1,4 +1,5 @@
-//! Publishing, the same for every front: the caller's `Pub` on the topic, a transactional message only to a
+//! Publishing, the same for every front: the caller's `Pub` on the topic, the body's size
+//! (`publish.max_message_bytes`), no one-way send under the financial profile, a transactional message only to a
 //! topic typed for transactions (on the fronts whose yardstick is Apache's proxy; a broker takes it on any
 //! topic, and so does the remoting front), the send under the front's placement and retry key, a half message's
 //! record stored before the publish is answered (a commit must find it, after a restart too), and the count of
@@ -16,6 +17,7 @@ use metrics::{counter, histogram};
 
 use super::{may_publish, GatewayError};
 use crate::auth::Caller;
+use crate::config::Profile;
 use crate::metrics as m;
 use crate::publish::limits::WithinLimits;
 use crate::publish::{Placement, PublishError, Published, Publisher, SendMode};
@@ -72,6 +74,7 @@ fn result_of(outcome: &Result<Published, GatewayError>) -> Option<&'static str> 
             "forbidden" => None,
             "not_found" => Some("not_found"),
             "bad_request" => Some("bad_request"),
+            "too_large" => Some("too_large"),
             _ => Some("unavailable"),
         },
     }
@@ -91,7 +94,8 @@ impl Publishing<'_> {
     /// Publishes `request` for `caller`, and counts it.
     ///
     /// # Errors
-    /// [`GatewayError::MayNotPublish`] (counted), [`GatewayError::TopicNotFound`],
+    /// [`GatewayError::MayNotPublish`] (counted), [`GatewayError::MessageTooLarge`],
+    /// [`GatewayError::OneWayUnconfirmed`], [`GatewayError::TopicNotFound`],
     /// [`GatewayError::TakesNoTransactions`] for a half message to a topic not typed for them,
     /// [`GatewayError::NotStored`] when no attempt stored it, [`GatewayError::Unavailable`] when the topic's type
     /// could not be read or a stored half message could not be recorded.
@@ -108,6 +112,10 @@ impl Publishing<'_> {
         let PublishRequest { message, placement, mode, deadline, retry_key, half, received_at: _ } = request;
         let message = message.message();
         may_publish(caller, &message.topic)?;
+        self.check_size(message.body.len())?;
+        if mode == SendMode::Oneway && self.publisher.profile() == Profile::Financial {
+            return Err(GatewayError::OneWayUnconfirmed);
+        }
         if half && self.checks_topic_types() {
             self.check_takes_transactions(&message.topic).await?;
         }
@@ -120,6 +128,16 @@ impl Publishing<'_> {
             self.record_half(&message.topic, &published).await?;
         }
         Ok(published)
+    }
+
+    /// A body over `publish.max_message_bytes` is not sent, whatever front it came through (a front may refuse
+    /// a request body far larger before decoding it, to bound what it reads).
+    fn check_size(&self, body_bytes: usize) -> Result<(), GatewayError> {
+        let max = self.publisher.max_message_bytes();
+        if body_bytes > max {
+            return Err(GatewayError::MessageTooLarge { max });
+        }
+        Ok(())
     }
 
     /// Whether a half message sent through this front must go to a topic typed for transactions. On the gRPC

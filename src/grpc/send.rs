@@ -70,12 +70,7 @@ async fn send_one(
     let outgoing = match to_outgoing(message, &front.config.publish, half_group) {
         Ok(outgoing) => outgoing,
         Err(invalid) => {
-            let why = if invalid.code == Code::MessageBodyTooLarge as i32 {
-                PublishRefused::TooLarge
-            } else {
-                PublishRefused::BadRequest
-            };
-            gateway::count_refused_publish("grpc", why, received_at);
+            gateway::count_refused_publish("grpc", PublishRefused::BadRequest, received_at);
             return refused(invalid);
         }
     };
@@ -119,10 +114,6 @@ fn to_outgoing(
     let topic = names::topic(message.topic.as_ref())?;
     if message.body.is_empty() {
         return Err(status(Code::MessageBodyEmpty, "message body cannot be empty"));
-    }
-    let max_body_bytes = config.max_message_bytes;
-    if message.body.len() > max_body_bytes {
-        return Err(status(Code::MessageBodyTooLarge, format!("message body cannot exceed the max {max_body_bytes}")));
     }
     let system = message.system_properties.unwrap_or_default();
     if system.message_id.trim().is_empty() {
@@ -172,9 +163,8 @@ fn to_outgoing(
             Part::Property => Code::IllegalMessagePropertyKey,
             Part::PropertiesTooLarge => Code::MessagePropertiesTooLarge,
             Part::DeliveryTime => Code::IllegalDeliveryTime,
-            // The body is checked before (`max_body_bytes`); the SDK's limits do not read it.
+            // The body is checked before (empty) and by publishing (its size); the SDK's limits do not read it.
             Part::BodyEmpty => Code::MessageBodyEmpty,
-            Part::BodyTooLarge => Code::MessageBodyTooLarge,
         };
         status(code, broken.message)
     })?;

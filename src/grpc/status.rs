@@ -48,6 +48,12 @@ pub fn refused(error: &GatewayError) -> Status {
         }
         GatewayError::TooManyClients { .. } => status(Code::TooManyRequests, error.to_string()),
         GatewayError::TopicNotFound(_) => status(Code::TopicNotFound, error.to_string()),
+        // Apache's proxy's words (`SendMessageActivity.validateMessageBodySize`).
+        GatewayError::MessageTooLarge { max } => {
+            status(Code::MessageBodyTooLarge, format!("message body cannot exceed the max {max}"))
+        }
+        // The gRPC protocol has no one-way send; kept for completeness of the one mapping.
+        GatewayError::OneWayUnconfirmed => status(Code::BadRequest, error.to_string()),
         GatewayError::TakesNoTransactions { topic_type, .. } => status(
             Code::MessagePropertyConflictWithType,
             format!(

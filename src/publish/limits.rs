@@ -39,8 +39,6 @@ pub enum Part {
     DeliveryTime,
     /// The body: empty (a remoting client's; Apache's client refuses it before sending).
     BodyEmpty,
-    /// The body: over `publish.max_message_bytes` (a remoting client's, a batch's as a whole).
-    BodyTooLarge,
 }
 
 /// A limit the message broke, with Apache's message for it.
@@ -135,20 +133,16 @@ impl MessageLimits {
     }
 
     /// `message`, as a RocketMQ remoting client made it, once [`MessageLimits::check_client_made`] passed it,
-    /// and its body is neither empty nor over `max_body_bytes`, as Apache's client checks it before sending
-    /// (`Validators.checkMessage`). A batch (its `wire` says) is checked as a whole for its size, and each
-    /// message inside it as a message of its own, properties and body.
+    /// and its body is not empty, as Apache's client checks it before sending (`Validators.checkMessage`; the
+    /// body's size is publishing's to judge, for every front). A batch (its `wire` says) has each message inside
+    /// it checked as a message of its own, properties and body.
     ///
     /// # Errors
     /// The first [`LimitError`] found.
-    pub fn admit_client_made(
-        &self,
-        message: OutgoingMessage,
-        max_body_bytes: usize,
-    ) -> Result<WithinLimits, LimitError> {
-        check_body(&message.body, max_body_bytes)?;
+    pub fn admit_client_made(&self, message: OutgoingMessage) -> Result<WithinLimits, LimitError> {
+        check_body(&message.body)?;
         if message.wire.as_ref().is_some_and(|wire| wire.batch) {
-            self.check_batch(&message, max_body_bytes)?;
+            self.check_batch(&message)?;
         } else {
             self.check_client_made(&message)?;
         }
@@ -157,14 +151,14 @@ impl MessageLimits {
 
     /// Each message inside batch `message`'s body, as [`MessageLimits::check_client_made`] checks one message;
     /// a body that is not a batch's encoding is refused.
-    fn check_batch(&self, message: &OutgoingMessage, max_body_bytes: usize) -> Result<(), LimitError> {
+    fn check_batch(&self, message: &OutgoingMessage) -> Result<(), LimitError> {
         let inner = decode_batch(&message.body)
             .ok_or_else(|| LimitError { part: Part::BodyEmpty, message: "the batch body does not decode".into() })?;
         if inner.is_empty() {
             return refuse(Part::BodyEmpty, "the message body length is zero");
         }
         for (body, properties) in inner {
-            check_body(&body, max_body_bytes)?;
+            check_body(&body)?;
             if let Some(name) = properties.keys().find(|name| name.starts_with(POPGATE_PROPERTY_PREFIX)) {
                 return refuse(Part::Property, format!("the message property {name} is reserved by popgate"));
             }
@@ -181,12 +175,9 @@ impl MessageLimits {
 pub const POPGATE_PROPERTY_PREFIX: &str = "__POPGATE";
 
 /// A remoting client's body as Apache's client checks it before sending, in its words.
-fn check_body(body: &[u8], max_body_bytes: usize) -> Result<(), LimitError> {
+fn check_body(body: &[u8]) -> Result<(), LimitError> {
     if body.is_empty() {
         return refuse(Part::BodyEmpty, "the message body length is zero");
-    }
-    if body.len() > max_body_bytes {
-        return refuse(Part::BodyTooLarge, format!("the message body size over max value, MAX: {max_body_bytes}"));
     }
     Ok(())
 }

@@ -319,6 +319,11 @@ impl Publisher {
         self.topic_types.of(&self.broker, topic, route).await.map_err(|e| e.to_string())
     }
 
+    /// The largest message body popgate sends (`publish.max_message_bytes`; a batch's body as a whole).
+    pub fn max_message_bytes(&self) -> usize {
+        self.config.max_message_bytes
+    }
+
     /// Whether a message's type is checked against its topic's (`publish.check_topic_message_type`).
     pub fn checks_topic_message_type(&self) -> bool {
         self.config.check_topic_message_type

@@ -35,7 +35,7 @@ use crate::gateway::below::{
     is_reserved_property, ClientWire, SendReceipt, PROPERTY_PRODUCER_GROUP, PROPERTY_REMOTING_GROUP,
     PROPERTY_TRANSACTION_PREPARED, PROPERTY_UNIQ_KEY,
 };
-use crate::gateway::{self, PublishRefused, PublishRequest};
+use crate::gateway::{self, GatewayError, PublishRefused, PublishRequest};
 use crate::publish::limits::POPGATE_PROPERTY_PREFIX;
 use crate::publish::{OutgoingMessage, Placement, SendMode};
 
@@ -64,7 +64,13 @@ pub(super) async fn send_message(
             }
             None => RemotingCommand::create_success_response_command(),
         },
-        Err(failed) => Refusal::from(failed).answer(),
+        Err(failed) => {
+            if matches!(failed, GatewayError::OneWayUnconfirmed) {
+                // A one-way send has no answer: the app never hears of it; the log and the metric say it.
+                tracing::warn!("A one-way send was refused: the financial profile takes only confirmed sends.");
+            }
+            Refusal::from(failed).answer()
+        }
     }
 }
 
@@ -77,7 +83,7 @@ async fn decode(front: &Front, request: &RemotingCommand, received_at: Instant) 
     let publish = &front.config.publish;
     let mut message = publish
         .limits
-        .admit_client_made(message, publish.max_message_bytes)
+        .admit_client_made(message)
         .map_err(|broken| Refusal::new(codes::MESSAGE_ILLEGAL, broken.message))?;
     if transactional {
         message.amend(|message| as_popgates_half(message, front.transactions.producer_group()));

@@ -273,6 +273,11 @@ impl From<GatewayError> for Refusal {
             GatewayError::TopicNotFound(topic) => {
                 Refusal::new(codes::TOPIC_NOT_EXIST, format!("topic[{topic}] not exist, apply first please!"))
             }
+            // Apache's client's words (`Validators.checkMessage`), which a 4.x app sees straight at the cluster.
+            GatewayError::MessageTooLarge { max } => {
+                Refusal::new(codes::MESSAGE_ILLEGAL, format!("the message body size over max value, MAX: {max}"))
+            }
+            GatewayError::OneWayUnconfirmed => Refusal::new(codes::MESSAGE_ILLEGAL, refused.to_string()),
             GatewayError::TakesNoTransactions { topic_type, .. } => Refusal::new(
                 codes::MESSAGE_ILLEGAL,
                 format!("TopicMessageType validate failed, the expected type is {topic_type}, but actual type is TRANSACTION"),

@@ -48,12 +48,6 @@ pub enum RequestError {
     /// The body as a whole cannot be read (not JSON, wrong content type).
     #[error("{0}")]
     MalformedBody(String),
-    /// The event's data is larger than the limit.
-    #[error("message body exceeds {limit} bytes")]
-    TooLarge {
-        /// The limit, in bytes.
-        limit: usize,
-    },
 }
 
 impl RequestError {
@@ -65,16 +59,11 @@ impl RequestError {
         RequestError::MalformedBody(message.into())
     }
 
-    fn too_large(limit: usize) -> RequestError {
-        RequestError::TooLarge { limit }
-    }
-
-    /// The field at fault, when there is one (`data` for an oversized event).
+    /// The field at fault, when there is one.
     pub fn field(&self) -> Option<&str> {
         match self {
             RequestError::InvalidField { field, .. } => Some(field),
             RequestError::MalformedBody(_) => None,
-            RequestError::TooLarge { .. } => Some("data"),
         }
     }
 }
@@ -108,13 +97,12 @@ type TransactionParams<'a> = (Option<&'a str>, Option<&'a str>);
 ///
 /// # Errors
 /// [`RequestError`] 400 naming the field for malformed, missing or wrong-typed input or a message past the
-/// [`MessageLimits`], 413 when the data is larger than `max_message_bytes`.
+/// [`MessageLimits`]. The data's size is publishing's to judge (`gateway::Publishing`), the same for every front.
 pub fn parse(
     headers: &HeaderMap,
     topic_param: Option<&str>,
     query_transaction: TransactionParams<'_>,
     body: &Bytes,
-    max_message_bytes: usize,
     limits: &MessageLimits,
 ) -> Result<PublishRequest, RequestError> {
     let content_type = header_str(headers, "content-type").unwrap_or_default().to_ascii_lowercase();
@@ -135,9 +123,6 @@ pub fn parse(
             ),
         ));
     };
-    if message.body.len() > max_message_bytes {
-        return Err(RequestError::too_large(max_message_bytes));
-    }
     let message =
         limits.admit(message).map_err(|broken| RequestError::invalid_field(field_of(broken.part), broken.message))?;
     let wanted = query_transaction.0.map(parse_flag).transpose()?.or(body_transaction.0);
@@ -197,7 +182,7 @@ fn field_of(part: Part) -> &'static str {
         Part::MessageGroup => "messageGroup",
         Part::Property | Part::PropertiesTooLarge => "properties",
         Part::DeliveryTime => "delayMs",
-        Part::BodyEmpty | Part::BodyTooLarge => "data",
+        Part::BodyEmpty => "data",
     }
 }
 

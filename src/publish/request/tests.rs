@@ -1,8 +1,6 @@
 use super::*;
 use axum::http::{HeaderName, HeaderValue};
 
-const MAX: usize = 1024;
-
 fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
     let mut map = HeaderMap::new();
     for (name, value) in pairs {
@@ -21,7 +19,6 @@ fn json_request(body: &str, query: TransactionParams<'_>) -> Result<PublishReque
         None,
         query,
         &Bytes::from(body.to_owned()),
-        MAX,
         &MessageLimits::default(),
     )
 }
@@ -31,10 +28,9 @@ fn parse_message(
     h: &HeaderMap,
     topic: Option<&str>,
     body: &Bytes,
-    max: usize,
     limits: &MessageLimits,
 ) -> Result<OutgoingMessage, RequestError> {
-    parse(h, topic, (None, None), body, max, limits).map(|r| r.message.message().clone())
+    parse(h, topic, (None, None), body, limits).map(|r| r.message.message().clone())
 }
 
 fn field_of(result: Result<OutgoingMessage, RequestError>) -> String {
@@ -73,7 +69,7 @@ fn the_shape_of_data_is_kept_as_the_content_type() {
     let h = headers(&[("content-type", "application/cloudevents+json")]);
     let structured = |data: &str| {
         let body = format!(r#"{{"specversion":"1.0","id":"e","source":"/s","type":"x",{data}}}"#);
-        let m = parse_message(&h, Some("t"), &Bytes::from(body), MAX, &MessageLimits::default());
+        let m = parse_message(&h, Some("t"), &Bytes::from(body), &MessageLimits::default());
         m.unwrap().properties.get(PROPERTY_CONTENT_TYPE).cloned()
     };
     assert_eq!(structured(r#""data":[1]"#).as_deref(), Some("application/json"));
@@ -96,7 +92,6 @@ fn the_topic_parameter_wins_over_the_body() {
         &h,
         Some("fromquery"),
         &Bytes::from_static(br#"{"topic":"x","data":"d"}"#),
-        MAX,
         &MessageLimits::default(),
     )
     .unwrap();
@@ -128,18 +123,11 @@ fn a_body_that_is_not_a_json_object_is_malformed() {
 }
 
 #[test]
-fn data_larger_than_the_limit_is_413() {
-    let big = "x".repeat(MAX + 1);
-    let err = json(&format!(r#"{{"topic":"t","data":"{big}"}}"#)).unwrap_err();
-    assert_eq!(err, RequestError::TooLarge { limit: MAX });
-}
-
-#[test]
 fn structured_cloudevents_map_attributes_to_properties_and_the_id_to_the_key() {
     let h = headers(&[("content-type", "application/cloudevents+json")]);
     let body = br#"{"specversion":"1.0","id":"e-1","source":"/shop","type":"order.created",
         "subject":"o-9","datacontenttype":"application/json","data":{"n":1},"tenant":"acme"}"#;
-    let m = parse_message(&h, Some("orders"), &Bytes::from_static(body), MAX, &MessageLimits::default()).unwrap();
+    let m = parse_message(&h, Some("orders"), &Bytes::from_static(body), &MessageLimits::default()).unwrap();
     assert_eq!(&m.body[..], br#"{"n":1}"#);
     assert_eq!(m.keys, vec!["e-1"]);
     for (name, value) in [
@@ -163,7 +151,7 @@ fn binary_cloudevents_read_ce_headers_and_keep_the_body() {
         ("ce-type", "t.x"),
         ("content-type", "application/octet-stream"),
     ]);
-    let m = parse_message(&h, Some("orders"), &Bytes::from_static(&[9, 8, 7]), MAX, &MessageLimits::default()).unwrap();
+    let m = parse_message(&h, Some("orders"), &Bytes::from_static(&[9, 8, 7]), &MessageLimits::default()).unwrap();
     assert_eq!(&m.body[..], &[9, 8, 7]);
     assert_eq!(m.properties.get("ce_datacontenttype").map(String::as_str), Some("application/octet-stream"));
     assert_eq!(m.properties.get(PROPERTY_CONTENT_TYPE).map(String::as_str), Some("application/octet-stream"));
@@ -175,7 +163,7 @@ fn binary_cloudevents_read_ce_headers_and_keep_the_body() {
         ("application/xml", None),
     ] {
         let h = headers(&[ce.as_slice(), &[("content-type", content_type)]].concat());
-        let m = parse_message(&h, Some("orders"), &Bytes::from_static(b"{}"), MAX, &MessageLimits::default()).unwrap();
+        let m = parse_message(&h, Some("orders"), &Bytes::from_static(b"{}"), &MessageLimits::default()).unwrap();
         assert_eq!(m.properties.get(PROPERTY_CONTENT_TYPE).map(String::as_str), kept, "{content_type}");
     }
 }
@@ -183,11 +171,11 @@ fn binary_cloudevents_read_ce_headers_and_keep_the_body() {
 #[test]
 fn cloudevents_without_a_required_attribute_name_it() {
     let h = headers(&[("ce-specversion", "1.0"), ("ce-id", "e-2"), ("ce-source", "/s")]);
-    assert_eq!(field_of(parse_message(&h, Some("t"), &Bytes::new(), MAX, &MessageLimits::default())), "type");
+    assert_eq!(field_of(parse_message(&h, Some("t"), &Bytes::new(), &MessageLimits::default())), "type");
     let h = headers(&[("content-type", "application/cloudevents+json")]);
     let body = br#"{"specversion":"0.3","id":"1","source":"s","type":"t","data":"x"}"#;
     assert_eq!(
-        field_of(parse_message(&h, Some("t"), &Bytes::from_static(body), MAX, &MessageLimits::default())),
+        field_of(parse_message(&h, Some("t"), &Bytes::from_static(body), &MessageLimits::default())),
         "specversion"
     );
 }
@@ -196,7 +184,7 @@ fn cloudevents_without_a_required_attribute_name_it() {
 fn an_unsupported_content_type_is_named() {
     let h = headers(&[("content-type", "text/plain")]);
     assert_eq!(
-        field_of(parse_message(&h, Some("t"), &Bytes::from_static(b"x"), MAX, &MessageLimits::default())),
+        field_of(parse_message(&h, Some("t"), &Bytes::from_static(b"x"), &MessageLimits::default())),
         "content-type"
     );
 }
@@ -244,7 +232,7 @@ proptest::proptest! {
         content_type in proptest::sample::select(vec!["application/json", "application/cloudevents+json", "text/plain", ""]),
     ) {
         let h = headers(&[("content-type", content_type)]);
-        if let Err(refused) = parse(&h, Some("t"), (None, None), &Bytes::from(body), MAX, &MessageLimits::default()) {
+        if let Err(refused) = parse(&h, Some("t"), (None, None), &Bytes::from(body), &MessageLimits::default()) {
             proptest::prop_assert!(refused.field().is_some() || !refused.to_string().is_empty());
         }
     }
