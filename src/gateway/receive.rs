@@ -238,12 +238,6 @@ impl Deliveries {
         }
     }
 
-    /// Whether delivery `id` is held by a client that keeps it alive (a gRPC PushConsumer's): such a client
-    /// changes its invisible time only when its listener failed.
-    pub fn is_auto_renewed(&self, id: &str) -> bool {
-        self.dispatcher.hold_of(id).and_then(|(_, _, holder)| holder).is_some_and(|holder| holder.auto_renew)
-    }
-
     /// The holders `clients` (as [`super::holder_id`] names them) are alive: what they hold auto-renewed stays
     /// handed out for `hold` more, up to `max_hold` after its hand-out.
     ///

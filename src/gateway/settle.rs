@@ -35,7 +35,10 @@ pub enum Settle {
         /// Why, kept with the dead-lettered message.
         reason: String,
     },
-    /// Still being processed: a new deadline `by` from now.
+    /// Still being processed: a new deadline `by` from now (a SimpleConsumer's ChangeInvisibleDuration). A
+    /// delivery its holder keeps alive itself (a gRPC PushConsumer's, auto-renewed) is NACKed instead, on the
+    /// backoff: its SDK changes a delivery's invisible time only when its listener failed. Decided where the
+    /// delivery is held, so a tier decides it the same whichever instance the request reached.
     Extend {
         /// How far from now.
         by: Duration,
@@ -147,6 +150,9 @@ impl Settling<'_> {
             Settle::Term { reason } => {
                 self.dispatcher.term(target, reason).await?;
                 Settled::Termed
+            }
+            Settle::Extend { .. } if self.is_auto_renewed(target.id) => {
+                Settled::Nacked(self.dispatcher.nack(target, None).await?)
             }
             Settle::Extend { by } => Settled::Extended(self.dispatcher.extend(target, *by).await?),
         })
@@ -302,20 +308,23 @@ impl Settling<'_> {
         self.settle(caller, settlement, &Settle::Term { reason: reason.to_owned() }).await.map(|_| ())
     }
 
-    /// Gives a handed-out delivery a new deadline `by` from now; returns it.
+    /// Gives a handed-out delivery a new deadline `by` from now, or NACKs it when its holder keeps it alive
+    /// ([`Settle::Extend`]); says which it did.
     ///
     /// # Errors
     /// As [`Settling::settle`].
-    pub async fn extend(
+    pub async fn change_deadline(
         &self,
         caller: &Caller,
         settlement: Settlement<'_>,
         by: Duration,
-    ) -> Result<Epoch, GatewayError> {
-        match self.settle(caller, settlement, &Settle::Extend { by }).await? {
-            Settled::Extended(deadline) => Ok(deadline),
-            other => Err(unexpected(&other)),
-        }
+    ) -> Result<Settled, GatewayError> {
+        self.settle(caller, settlement, &Settle::Extend { by }).await
+    }
+
+    /// Whether delivery `id` is held by a client that keeps it alive (a gRPC PushConsumer's).
+    fn is_auto_renewed(&self, id: &str) -> bool {
+        self.dispatcher.hold_of(id).and_then(|(_, _, holder)| holder).is_some_and(|holder| holder.auto_renew)
     }
 }
 

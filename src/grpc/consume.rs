@@ -422,9 +422,9 @@ pub(super) async fn ack_messages(
     pb::AckMessageResponse { status: Some(overall(&statuses)), entries }
 }
 
-/// A PushConsumer's (auto-renewed) delivery: its listener failed, so this is a NACK on popgate's backoff (the
-/// same schedule the Settings gave the SDK, with popgate's jitter). A SimpleConsumer's: a new deadline. The
-/// answer carries the same handle either way: popgate's handles never change.
+/// A SimpleConsumer's delivery: a new deadline. A PushConsumer's (auto-renewed): its listener failed, so the
+/// gateway NACKs it on popgate's backoff (the same schedule the Settings gave the SDK, with popgate's jitter).
+/// The answer carries the same handle either way: popgate's handles never change.
 pub(super) async fn change_invisible_duration(
     front: &Front,
     caller: &Caller,
@@ -440,9 +440,6 @@ pub(super) async fn change_invisible_duration(
         Ok(settlement) => settlement,
         Err(refusal) => return answer(refusal),
     };
-    if front.deliveries.is_auto_renewed(settlement.target.id) {
-        return answer(settled(front.settling().nack(caller, settlement, None).await));
-    }
     let by = match checked_invisible(
         request.invisible_duration.unwrap_or_default(),
         0,
@@ -451,7 +448,7 @@ pub(super) async fn change_invisible_duration(
         Ok(by) => by,
         Err(refusal) => return answer(refusal),
     };
-    answer(settled(front.settling().extend(caller, settlement, by).await))
+    answer(settled(front.settling().change_deadline(caller, settlement, by).await))
 }
 
 pub(super) async fn forward_to_dead_letter_queue(
