@@ -1,3 +1,5 @@
+use std::time::Duration;
+
 use super::*;
 
 /// Authentication off, explicitly: the other tests look at other sections.
