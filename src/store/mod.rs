@@ -28,125 +28,28 @@
 //! subscriptions, the DLQ replay ledger), is counted in `popgate_offset_write_failures_total` and makes
 //! [`StateStore::is_healthy`] false until a write succeeds again (`/readyz` reads it).
 
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+mod error;
+mod expiry;
+mod family;
+mod writer;
 
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 #[cfg(test)]
-use parking_lot::Mutex;
-use parking_lot::{RwLock, RwLockReadGuard};
-use rocksdb::{ColumnFamilyDescriptor, IteratorMode, Options, WriteBatch, WriteOptions, DB};
+use std::time::Duration;
+
+use parking_lot::RwLockReadGuard;
+use rocksdb::{IteratorMode, DB};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::sync::oneshot;
 
-use crate::clock::Epoch;
-
-/// Which kind of record; each has its own column family.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Family {
-    /// In-flight deliveries, keyed by deliveryId.
-    Deliveries,
-    /// Subscriptions, keyed by group and topic.
-    Subscriptions,
-    /// DLQ replay progress, keyed by DLQ topic and message id.
-    DlqReplays,
-    /// The body of each in-flight delivery, keyed by deliveryId: written once at admission, read at hand-out
-    /// and for the DLQ, deleted with the delivery. Kept apart so memory and every phase change carry only
-    /// the small record.
-    Payloads,
-    /// The publish de-duplication window: the receipt of each recent send by its key, and an expiry index.
-    Published,
-    /// Transactional messages: what ending each transaction needs, and how it ended, by transaction id.
-    Transactions,
-    /// In a tier, ACKs made at the broker for another instance's deliveries while it could not be reached,
-    /// keyed by that instance and the delivery id, until it is told.
-    UntoldAcks,
-}
-
-impl Family {
-    const ALL: [Family; 7] = [
-        Family::Deliveries,
-        Family::Subscriptions,
-        Family::DlqReplays,
-        Family::Payloads,
-        Family::Published,
-        Family::Transactions,
-        Family::UntoldAcks,
-    ];
-
-    /// The family's memtable size. Memtables count in popgate's RSS (two per family at most), so they are
-    /// far below RocksDB's 64 MiB: a delivery's records (admitted, handed out, deleted) and its body (written,
-    /// read, deleted) still mostly meet and cancel within one memtable, since a delivery lives for
-    /// milliseconds to seconds under load. Bodies are the bulk of the bytes and are written once, so their
-    /// memtable is the smallest.
-    fn write_buffer_bytes(self) -> usize {
-        match self {
-            Family::Payloads => 4 * 1024 * 1024,
-            Family::Deliveries => 8 * 1024 * 1024,
-            Family::Subscriptions | Family::DlqReplays | Family::Published | Family::Transactions => 4 * 1024 * 1024,
-            // Written only while a peer cannot be reached.
-            Family::UntoldAcks => 1024 * 1024,
-        }
-    }
-
-    fn name(self) -> &'static str {
-        match self {
-            Family::Deliveries => "deliveries",
-            Family::Subscriptions => "subscriptions",
-            Family::DlqReplays => "dlq_replays",
-            Family::Payloads => "payloads",
-            Family::Published => "published",
-            Family::Transactions => "transactions",
-            Family::UntoldAcks => "untold_acks",
-        }
-    }
-}
-
-/// A state-store failure. Writes failing (disk full, I/O error) is the one the delivery path must survive.
-#[derive(Debug, thiserror::Error)]
-pub enum StoreError {
-    /// RocksDB could not be opened.
-    #[error("cannot open the state store at {path}: {source}")]
-    Open {
-        /// The directory.
-        path: String,
-        /// RocksDB's error.
-        #[source]
-        source: rocksdb::Error,
-    },
-    /// A write (or the WAL sync) failed: nothing of the batch was stored.
-    #[error("state store write failed: {0}")]
-    Write(#[source] rocksdb::Error),
-    /// A read failed.
-    #[error("state store read failed: {0}")]
-    Read(#[source] rocksdb::Error),
-    /// A record could not be encoded (a bug, not an I/O problem).
-    #[error("cannot encode a record: {0}")]
-    Encode(#[from] serde_json::Error),
-    /// A stored record does not decode (corrupt, or from an incompatible version): never read as "absent".
-    #[error("the stored record `{key}` does not decode: {source}")]
-    Decode {
-        /// The record's key.
-        key: String,
-        /// Why it does not decode.
-        #[source]
-        source: serde_json::Error,
-    },
-    /// The database is closed after a failure and could not be reopened yet.
-    #[error("state store unavailable until it can be reopened")]
-    Closed,
-    /// The writer thread could not be started.
-    #[error("cannot start the state store's writer thread: {0}")]
-    Writer(#[source] std::io::Error),
-}
-
-/// The shortest pause between two attempts to reopen a failed database.
-const REOPEN_PAUSE: Duration = Duration::from_secs(1);
-/// The most callers' writes one group commit takes: enough to turn a burst into a few synced batches, few
-/// enough that one batch (and the callers waiting on it) never grows without bound.
-const MAX_GROUP_WRITES: usize = 1024;
+pub use self::error::StoreError;
+pub use self::expiry::{expiry_key, EXPIRY_PREFIX};
+pub use self::family::Family;
+use self::family::{family_handle, open_db};
+use self::writer::{Job, OwnedChange, Shared};
 
 /// One change in an atomic batch.
 #[derive(Debug)]
@@ -155,22 +58,6 @@ pub enum Change<'a> {
     Put(Family, &'a str, Vec<u8>),
     /// Remove `key`.
     Delete(Family, &'a str),
-}
-
-/// A change as the writer thread takes it: owned, so the caller's borrow ends when it is queued.
-struct OwnedChange {
-    family: Family,
-    key: Box<[u8]>,
-    /// `None`: delete.
-    value: Option<Vec<u8>>,
-}
-
-/// What a caller asks the writer thread for.
-enum Job {
-    /// Apply these changes atomically (with the other jobs of the same group commit).
-    Write(Vec<OwnedChange>, oneshot::Sender<Result<(), StoreError>>),
-    /// Sync the WAL to disk (the group commit of async-flush profiles).
-    SyncWal(oneshot::Sender<Result<(), StoreError>>),
 }
 
 /// The open state store.
@@ -188,46 +75,12 @@ pub struct StateStore {
     writer: Option<std::thread::JoinHandle<()>>,
 }
 
-/// What the writer thread and the readers share.
-struct Shared {
-    dir: PathBuf,
-    sync_writes: bool,
-    /// `None` while closed after a failure.
-    db: RwLock<Option<DB>>,
-    /// A write failed: the writer reopens the database before its next group.
-    failed: AtomicBool,
-    /// False from a failed write (or WAL sync) until the next one that succeeds.
-    healthy: AtomicBool,
-    /// Test hook: how long each group commit takes on top of RocksDB's own time (a slow disk).
-    #[cfg(test)]
-    commit_delay: Mutex<Duration>,
-    /// Group commits made, for tests.
-    #[cfg(test)]
-    commits: std::sync::atomic::AtomicUsize,
-}
-
 /// Records listed from a family: those that decode, and the keys of those that do not.
 pub struct Listing<T> {
     /// Decodable records with their keys.
     pub records: Vec<(String, T)>,
     /// Keys whose value does not decode as `T` (corrupt or from an incompatible version).
     pub undecodable: Vec<String>,
-}
-
-fn open_db(dir: &Path) -> Result<DB, StoreError> {
-    let mut options = Options::default();
-    options.create_if_missing(true);
-    options.create_missing_column_families(true);
-    // Deliveries are small and short-lived: keep the memory and file footprint modest.
-    options.set_max_total_wal_size(64 * 1024 * 1024);
-    options.set_keep_log_file_num(3);
-    let families = Family::ALL.iter().map(|f| {
-        let mut family = Options::default();
-        family.set_write_buffer_size(f.write_buffer_bytes());
-        ColumnFamilyDescriptor::new(f.name(), family)
-    });
-    DB::open_cf_descriptors(&options, dir, families)
-        .map_err(|source| StoreError::Open { path: dir.display().to_string(), source })
 }
 
 impl StateStore {
@@ -238,17 +91,7 @@ impl StateStore {
     /// thread cannot be started.
     pub fn open(dir: &Path, sync_writes: bool) -> Result<StateStore, StoreError> {
         let db = open_db(dir)?;
-        let shared = Arc::new(Shared {
-            dir: dir.to_path_buf(),
-            sync_writes,
-            db: RwLock::new(Some(db)),
-            failed: AtomicBool::new(false),
-            healthy: AtomicBool::new(true),
-            #[cfg(test)]
-            commit_delay: Mutex::new(Duration::ZERO),
-            #[cfg(test)]
-            commits: std::sync::atomic::AtomicUsize::new(0),
-        });
+        let shared = Arc::new(Shared::new(dir, sync_writes, db));
         let (jobs, queue) = std::sync::mpsc::channel();
         let writer = std::thread::Builder::new()
             .name("popgate-store-writer".into())
@@ -290,15 +133,7 @@ impl StateStore {
     /// # Errors
     /// [`StoreError::Write`] when the batch could not be made durable; nothing of it is visible then.
     pub async fn apply(&self, changes: &[Change<'_>]) -> Result<(), StoreError> {
-        let owned = changes
-            .iter()
-            .map(|change| match change {
-                Change::Put(family, key, value) => {
-                    OwnedChange { family: *family, key: key.as_bytes().into(), value: Some(value.clone()) }
-                }
-                Change::Delete(family, key) => OwnedChange { family: *family, key: key.as_bytes().into(), value: None },
-            })
-            .collect();
+        let owned = changes.iter().map(OwnedChange::from).collect();
         self.submit(|reply| Job::Write(owned, reply)).await
     }
 
@@ -398,39 +233,6 @@ impl StateStore {
         Ok(())
     }
 
-    /// The entries of `family`'s expiry index ([`expiry_key`]) whose time is at most `cutoff_ms`, oldest
-    /// first, as `(index key, key)`.
-    ///
-    /// # Errors
-    /// [`StoreError::Read`] when iteration fails.
-    pub fn due(&self, family: Family, cutoff: Epoch) -> Result<Vec<(String, String)>, StoreError> {
-        let mut due = Vec::new();
-        self.scan_prefix(family, EXPIRY_PREFIX, |index_key| {
-            let Some((at, key)) = parse_expiry_key(index_key) else { return true };
-            if at > cutoff.as_millis() {
-                return false;
-            }
-            due.push((index_key.to_owned(), key.to_owned()));
-            true
-        })?;
-        Ok(due)
-    }
-
-    /// Removes `due` entries of `family`'s expiry index and the keys they name, in batches.
-    ///
-    /// # Errors
-    /// [`StoreError::Write`]: what was not removed yet stays due.
-    pub async fn remove_due(&self, family: Family, due: &[(String, String)]) -> Result<(), StoreError> {
-        for chunk in due.chunks(512) {
-            let changes: Vec<Change<'_>> = chunk
-                .iter()
-                .flat_map(|(index, key)| [Change::Delete(family, index), Change::Delete(family, key)])
-                .collect();
-            self.apply(&changes).await?;
-        }
-        Ok(())
-    }
-
     /// Every record of `family`, decoded as `T`.
     ///
     /// # Errors
@@ -479,155 +281,6 @@ impl Drop for StateStore {
             let _ = writer.join();
         }
     }
-}
-
-// === the writer thread ===
-
-impl Shared {
-    /// Commits queued jobs, a group at a time, until every sender is gone.
-    fn run_writer(&self, queue: &std::sync::mpsc::Receiver<Job>) {
-        let mut last_reopen: Option<Instant> = None;
-        loop {
-            // While failed, wake up to retry the reopen even when no write comes.
-            let first = if self.failed.load(Ordering::Relaxed) {
-                match queue.recv_timeout(REOPEN_PAUSE) {
-                    Ok(job) => Some(job),
-                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => None,
-                    Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
-                }
-            } else {
-                match queue.recv() {
-                    Ok(job) => Some(job),
-                    Err(_) => return,
-                }
-            };
-            if self.failed.load(Ordering::Relaxed) && last_reopen.is_none_or(|at| at.elapsed() >= REOPEN_PAUSE) {
-                last_reopen = Some(Instant::now());
-                self.reopen();
-            }
-            let Some(first) = first else { continue };
-            let mut group = vec![first];
-            while group.len() < MAX_GROUP_WRITES {
-                match queue.try_recv() {
-                    Ok(job) => group.push(job),
-                    Err(_) => break,
-                }
-            }
-            self.commit_group(group);
-        }
-    }
-
-    /// Writes every job's changes as one batch, synced once (and the WAL synced for those that asked), then
-    /// answers each job.
-    fn commit_group(&self, group: Vec<Job>) {
-        let started = Instant::now();
-        #[cfg(test)]
-        {
-            std::thread::sleep(*self.commit_delay.lock());
-            self.commits.fetch_add(1, Ordering::Relaxed);
-        }
-        let writes = group.iter().filter(|job| matches!(job, Job::Write(..))).count();
-        let wal_syncs = group.len() - writes;
-        let guard = self.db.read();
-        let result = match guard.as_ref() {
-            None => Err(None),
-            Some(db) => self.write_group(db, &group).map_err(Some),
-        };
-        // A synced write also syncs the WAL; otherwise a sync asked for is done after the writes.
-        let wal_result = match guard.as_ref() {
-            Some(db) if wal_syncs > 0 && !(self.sync_writes && writes > 0) => db.flush_wal(true).map_err(Some),
-            Some(_) => Ok(()),
-            None => Err(None),
-        };
-        drop(guard);
-        metrics::histogram!(crate::metrics::STORE_GROUP_COMMIT_WRITES).record(writes as f64);
-        metrics::histogram!(crate::metrics::STORE_COMMIT_DURATION).record(started.elapsed().as_secs_f64());
-        for job in group {
-            let (what, outcome, reply) = match job {
-                Job::Write(_, reply) => ("batch", &result, reply),
-                Job::SyncWal(reply) => ("wal sync", &wal_result, reply),
-            };
-            let answer = match outcome {
-                Ok(()) => Ok(()),
-                Err(Some(error)) => Err(StoreError::Write(error.clone())),
-                Err(None) => Err(StoreError::Closed),
-            };
-            let _ = reply.send(self.account(what, answer));
-        }
-    }
-
-    fn write_group(&self, db: &DB, group: &[Job]) -> Result<(), rocksdb::Error> {
-        let mut batch = WriteBatch::default();
-        for change in group.iter().flat_map(|job| match job {
-            Job::Write(changes, _) => changes.as_slice(),
-            Job::SyncWal(_) => &[],
-        }) {
-            let handle = family_handle(db, change.family);
-            match &change.value {
-                Some(value) => batch.put_cf(handle, &change.key, value),
-                None => batch.delete_cf(handle, &change.key),
-            }
-        }
-        if batch.is_empty() {
-            return Ok(());
-        }
-        let mut options = WriteOptions::default();
-        options.set_sync(self.sync_writes);
-        db.write_opt(batch, &options)
-    }
-
-    /// Keeps the health flag, the failure counter and the reopen flag true to a job's outcome.
-    fn account(&self, what: &'static str, result: Result<(), StoreError>) -> Result<(), StoreError> {
-        match &result {
-            Ok(()) => self.healthy.store(true, Ordering::Relaxed),
-            Err(error) => {
-                // After a failed write RocksDB refuses every later one: reopen before the next group.
-                self.failed.store(true, Ordering::Relaxed);
-                self.healthy.store(false, Ordering::Relaxed);
-                metrics::counter!(crate::metrics::OFFSET_WRITE_FAILURES).increment(1);
-                tracing::warn!(%error, what, "State store write failed.");
-            }
-        }
-        result
-    }
-
-    /// Closes the failed database and opens it again (the WAL replay brings back everything acknowledged).
-    /// The lock is held only to swap: readers meanwhile get `Closed` at once instead of waiting out the replay.
-    fn reopen(&self) {
-        // Closed first: RocksDB holds a lock on the directory.
-        let old = self.db.write().take();
-        drop(old);
-        match open_db(&self.dir) {
-            Ok(db) => {
-                *self.db.write() = Some(db);
-                self.failed.store(false, Ordering::Relaxed);
-                tracing::info!(dir = %self.dir.display(), "State store reopened after a failure.");
-            }
-            Err(error) => tracing::warn!(%error, "State store still cannot be reopened."),
-        }
-    }
-}
-
-fn family_handle(db: &DB, family: Family) -> &rocksdb::ColumnFamily {
-    // Every family is created at open (`create_missing_column_families`), so the handle always exists.
-    #[allow(clippy::expect_used)]
-    db.cf_handle(family.name()).expect("column family created at open")
-}
-
-/// Prefix of an expiry index kept inside a family beside its records: keys `~<time ms, 13 digits>\n<key>`,
-/// in the order they expire, so forgetting what is due reads only that ([`StateStore::due`]). Record keys
-/// never start with `~`.
-pub const EXPIRY_PREFIX: &str = "~";
-
-/// The expiry-index key that makes `key` due at `at`.
-pub fn expiry_key(at: Epoch, key: &str) -> String {
-    let at_ms = at.as_millis();
-    format!("{EXPIRY_PREFIX}{at_ms:013}\n{key}")
-}
-
-fn parse_expiry_key(index_key: &str) -> Option<(i64, &str)> {
-    let (at, key) = index_key.strip_prefix(EXPIRY_PREFIX)?.split_once('\n')?;
-    Some((at.parse().ok()?, key))
 }
 
 #[cfg(test)]
@@ -680,84 +333,5 @@ mod tests {
         let keys: Vec<String> =
             store.list::<Rec>(Family::Deliveries).expect("list").records.into_iter().map(|(k, _)| k).collect();
         assert_eq!(keys, vec!["y".to_owned()]);
-    }
-
-    /// A multi-threaded runtime with one worker: what a loaded machine looks like to a task.
-    fn one_worker() -> tokio::runtime::Runtime {
-        tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().expect("runtime")
-    }
-
-    #[test]
-    fn a_slow_synced_write_never_stalls_the_runtime() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let store = Arc::new(StateStore::open(dir.path(), true).expect("open"));
-        store.slow_down_commits(Duration::from_millis(800));
-        one_worker().block_on(async {
-            let writing = tokio::spawn({
-                let store = store.clone();
-                async move { store.put(Family::Deliveries, "a", &Rec { n: 1 }).await }
-            });
-            // The only worker must stay free for everything else while the write waits for its "disk".
-            let started = Instant::now();
-            let timer = tokio::spawn(async move {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-                started.elapsed()
-            });
-            let took = timer.await.expect("timer task");
-            assert!(took < Duration::from_millis(600), "a 20 ms timer took {took:?} behind a slow write");
-            writing.await.expect("task").expect("put");
-        });
-        assert_eq!(store.get::<Rec>(Family::Deliveries, "a").expect("read"), Some(Rec { n: 1 }));
-    }
-
-    #[test]
-    fn concurrent_writes_share_a_group_commit_and_each_stays_atomic() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let store = Arc::new(StateStore::open(dir.path(), true).expect("open"));
-        store.slow_down_commits(Duration::from_millis(200));
-        one_worker().block_on(async {
-            let writes = (0..50).map(|n| {
-                let store = store.clone();
-                tokio::spawn(async move {
-                    let (a, b) = (format!("a{n}"), format!("b{n}"));
-                    let value = serde_json::to_vec(&Rec { n }).expect("encode");
-                    store
-                        .apply(&[
-                            Change::Put(Family::Deliveries, &a, value.clone()),
-                            Change::Put(Family::Payloads, &b, value),
-                        ])
-                        .await
-                })
-            });
-            for write in futures::future::join_all(writes).await {
-                write.expect("task").expect("write");
-            }
-        });
-        assert!(store.commits() <= 3, "50 writes in {} group commits", store.commits());
-        assert_eq!(store.list::<Rec>(Family::Deliveries).expect("list").records.len(), 50);
-        assert_eq!(store.list::<Rec>(Family::Payloads).expect("list").records.len(), 50);
-    }
-
-    #[test]
-    fn expiry_keys_sort_by_time_and_parse_back() {
-        let (a, b) = (expiry_key(Epoch::from_millis(999), "t\nx"), expiry_key(Epoch::from_millis(1_000), "t\ny"));
-        assert!(a < b);
-        assert_eq!(parse_expiry_key(&b), Some((1_000, "t\ny")));
-    }
-
-    #[tokio::test]
-    async fn only_what_is_due_is_removed_with_its_index_entry() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let store = StateStore::open(dir.path(), true).expect("open");
-        for (key, at) in [("early", 1_000), ("late", 5_000)] {
-            store.put(Family::Transactions, key, &Rec { n: 1 }).await.expect("put");
-            store.put_raw(Family::Transactions, &expiry_key(Epoch::from_millis(at), key), b"").await.expect("index");
-        }
-        let due = store.due(Family::Transactions, Epoch::from_millis(2_000)).expect("due");
-        assert_eq!(due, [(expiry_key(Epoch::from_millis(1_000), "early"), "early".to_owned())]);
-        store.remove_due(Family::Transactions, &due).await.expect("remove");
-        assert!(store.get::<Rec>(Family::Transactions, "early").expect("get").is_none());
-        assert!(store.get::<Rec>(Family::Transactions, "late").expect("get").is_some());
-        assert_eq!(store.due(Family::Transactions, Epoch::from_millis(10_000)).expect("due").len(), 1);
     }
 }
