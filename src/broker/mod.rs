@@ -2,6 +2,7 @@
 //!
 //! - [`admin`]: the cluster's brokers and their running configuration.
 //! - [`client`]: the connection (routes, sends) over rocketmq-client-rust; no policy.
+//! - `error`: [`BrokerError`], what every file here returns.
 //! - [`fault`]: the latency fault-avoidance table (MQFaultStrategy) and the broker choice for one attempt.
 //! - [`consumer`]: POP, ACK and ChangeInvisibleTime, and the receipt handle they use.
 //! - [`pull`]: reading a queue by offset without consuming it (DLQ browsing).
@@ -15,6 +16,7 @@ pub mod admin;
 pub mod client;
 pub mod consumer;
 pub mod content;
+mod error;
 #[cfg(test)]
 mod fake_peer;
 pub mod fault;
