@@ -1,23 +1,27 @@
 //! `MessagingService`: each RPC checks the caller, then calls the publish or the delivery layer. It holds no
 //! message or delivery state of its own: only which clients are alive (for the gauge, and so the deliveries a
 //! live PushConsumer holds stay handed out: [`keep_alive_loop`]).
+//!
+//! Beside this file: [`caller`] (the signature check) and [`clients`] (which clients are alive).
 
-use std::collections::HashSet;
+mod caller;
+mod clients;
+
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::Instant;
 
-use metrics::{counter, gauge, histogram};
+use metrics::{counter, histogram};
 use parking_lot::Mutex;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 use tonic::codegen::BoxStream;
-use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Streaming};
 
-use super::consume::{self, AUTO_RENEW_HOLD, AUTO_RENEW_MAX};
+pub(super) use self::clients::keep_alive_loop;
+use self::clients::{client_id, client_version, Liveness};
+use super::consume;
 use super::deadline;
 use super::limits::OpenCalls;
-use super::names;
 use super::producers::Producers;
 use super::proto::messaging_service_server::MessagingService;
 use super::proto::{self as pb, settings::PubSub as settings_pub_sub, telemetry_command, Code};
@@ -29,17 +33,9 @@ use super::written;
 use crate::auth::{Caller, TokenTable};
 use crate::config::Config;
 use crate::gateway::below::Transactions;
-use crate::gateway::{self, ClientIds, GatewayError};
+use crate::gateway::{self, GatewayError};
 use crate::metrics as m;
 use crate::publish::Publisher;
-
-/// A client that stops heartbeating (it heartbeats every 10 s) is forgotten after this long.
-const CLIENT_EXPIRY: Duration = Duration::from_secs(60);
-/// A client seen this recently (any call: heartbeats every 10 s, receives all the time) counts as alive, and
-/// the deliveries it holds with `auto_renew` are kept handed out to it.
-const ALIVE_WINDOW: Duration = Duration::from_secs(20);
-/// How often the deadlines of live clients' auto-renewed deliveries are pushed forward.
-const KEEP_ALIVE_EVERY: Duration = Duration::from_secs(5);
 
 /// What the front needs from the rest of popgate.
 pub struct Front {
@@ -62,83 +58,6 @@ pub struct Front {
 
 /// Commands a Telemetry stream may have waiting for its client (Settings answers, check-backs).
 const TELEMETRY_BACKLOG: usize = 64;
-
-/// The client kinds of the `popgate_grpc_clients{kind}` gauge.
-const CLIENT_KINDS: [&str; 4] = ["producer", "push_consumer", "simple_consumer", "other"];
-
-/// Which clients were seen when, with a count per kind kept at every change: a call costs a map update and
-/// four gauge sets, never a pass over the clients. Whose each client id is, and how many are kept, is the
-/// gateway's rule ([`ClientIds`]).
-struct Liveness {
-    seen: ClientIds<Seen>,
-    per_kind: [usize; CLIENT_KINDS.len()],
-}
-
-/// A client id's kind, when it was last seen, and the request timeout its Settings gave (a long poll keeps
-/// half of it back, see `deadline`).
-struct Seen {
-    kind: &'static str,
-    at: Instant,
-    request_timeout: Option<Duration>,
-}
-
-impl Liveness {
-    fn new(max_clients: usize, owners: crate::gateway::ClientOwners) -> Liveness {
-        Liveness { seen: ClientIds::new(max_clients, "grpc.max_clients", owners), per_kind: [0; CLIENT_KINDS.len()] }
-    }
-
-    fn kind_index(kind: &str) -> usize {
-        CLIENT_KINDS.iter().position(|k| *k == kind).unwrap_or(CLIENT_KINDS.len() - 1)
-    }
-
-    /// `id` was seen now, used by `caller`; its kind is updated when the call tells it.
-    ///
-    /// # Errors
-    /// [`GatewayError::ClientIdTaken`] when another token uses the id, [`GatewayError::TooManyClients`] for a
-    /// new id past `grpc.max_clients` (nothing changes).
-    fn saw(&mut self, id: &str, kind: Option<&'static str>, now: Instant, caller: &Caller) -> Result<(), GatewayError> {
-        let mut new = false;
-        let seen = self.seen.claim(id, caller, || {
-            new = true;
-            Seen { kind: kind.unwrap_or("other"), at: now, request_timeout: None }
-        })?;
-        if new {
-            self.per_kind[Self::kind_index(seen.kind)] += 1;
-            return Ok(());
-        }
-        seen.at = now;
-        if let Some(kind) = kind.filter(|k| *k != seen.kind) {
-            self.per_kind[Self::kind_index(seen.kind)] -= 1;
-            self.per_kind[Self::kind_index(kind)] += 1;
-            seen.kind = kind;
-        }
-        Ok(())
-    }
-
-    fn forget(&mut self, id: &str) {
-        if let Some(seen) = self.seen.remove(id) {
-            self.per_kind[Self::kind_index(seen.kind)] -= 1;
-        }
-    }
-
-    /// Forgets the clients not seen for [`CLIENT_EXPIRY`].
-    fn expire(&mut self, now: Instant) {
-        let per_kind = &mut self.per_kind;
-        self.seen.retain(|_, seen| {
-            let keep = now.duration_since(seen.at) < CLIENT_EXPIRY;
-            if !keep {
-                per_kind[Self::kind_index(seen.kind)] -= 1;
-            }
-            keep
-        });
-    }
-
-    fn publish_gauge(&self) {
-        for (kind, count) in CLIENT_KINDS.iter().zip(self.per_kind) {
-            gauge!(m::GRPC_CLIENTS, "kind" => *kind).set(count as f64);
-        }
-    }
-}
 
 impl Front {
     /// The gateway's publish path.
@@ -187,141 +106,6 @@ impl Front {
             std::future::pending::<()>().await;
         }
     }
-
-    /// The caller of a request, from the SDK's signature (`authorization: MQv2-HMAC-SHA1 Credential=<AK>,
-    /// SignedHeaders=x-mq-date-time, Signature=<hex>`); everyone when authentication is off.
-    pub(super) fn caller<T>(&self, request: &Request<T>) -> Result<Caller, pb::Status> {
-        let caller = self.signer(request.metadata())?;
-        Ok(match request.remote_addr() {
-            Some(peer) => caller.from_address(peer.ip()),
-            None => caller,
-        })
-    }
-
-    /// The caller a request's signature stands for, wherever it came from.
-    fn signer(&self, metadata: &MetadataMap) -> Result<Caller, pb::Status> {
-        if !self.tokens.enabled() {
-            return Ok(Caller::unrestricted());
-        }
-        let header = |name: &str| metadata.get(name).and_then(|v| v.to_str().ok());
-        let refused = |why: &str| {
-            counter!(m::REQUESTS_REJECTED, "reason" => "unauthenticated").increment(1);
-            status(Code::Unauthorized, why.to_owned())
-        };
-        let Some(authorization) = header("authorization") else {
-            return Err(refused("authentication is required: configure the client's credentials"));
-        };
-        let Some((access_key, signature)) = parse_authorization(authorization) else {
-            return Err(refused("the authorization header is not MQv2-HMAC-SHA1"));
-        };
-        let signed = header("x-mq-date-time").unwrap_or_default();
-        let caller = self
-            .tokens
-            .authenticate_signature(access_key, signed, signature)
-            .ok_or_else(|| refused("unknown access key or bad signature"))?;
-        // The signature covers only the date: an old one would be a lasting credential for whoever saw it.
-        let skew = Duration::from_secs(self.config.auth.max_clock_skew_secs);
-        if !within_skew(signed, crate::clock::wall_clock(), skew) {
-            counter!(m::REQUESTS_REJECTED, "reason" => "stale_signature").increment(1);
-            let why = format!("x-mq-date-time `{signed}` is more than {} s away from popgate's clock", skew.as_secs());
-            return Err(status(Code::Unauthorized, why));
-        }
-        Ok(caller)
-    }
-
-    /// The caller of a request ([`Front::caller`]); only an authenticated call marks its client alive (with
-    /// its kind, when known), so an unauthenticated peer cannot insert client ids or keep another client's
-    /// auto-renewed deliveries held.
-    fn authenticated<T>(&self, request: &Request<T>, kind: Option<&'static str>) -> Result<Caller, pb::Status> {
-        let caller = self.caller(request)?;
-        self.saw_client(&caller, request.metadata(), kind)?;
-        Ok(caller)
-    }
-
-    /// Notes that the calling client is alive (its kind, when known). Constant time: expiry is the keep-alive
-    /// loop's ([`Front::prune_clients`]), not every call's. A new client past `grpc.max_clients` is refused, and
-    /// so is a client id another token uses (it is that token's until it expires): a client id names whose
-    /// deliveries are kept alive and given back at termination.
-    fn saw_client(
-        &self,
-        caller: &Caller,
-        metadata: &MetadataMap,
-        kind: Option<&'static str>,
-    ) -> Result<(), pb::Status> {
-        let Some(id) = client_id(metadata) else { return Ok(()) };
-        let mut clients = self.clients.lock();
-        clients.saw(id, kind, Instant::now(), caller).map_err(|refused| super::status::refused(&refused))?;
-        clients.publish_gauge();
-        Ok(())
-    }
-
-    /// A client that terminated is forgotten; a consumer gives back what it holds in its group (and only there,
-    /// when it may consume as that group: a client may be in several groups, and anyone may name any client id).
-    async fn terminate_client(&self, caller: &Caller, id: &str, group: Option<&pb::Resource>) -> pb::Status {
-        // A producer names no group (or a blank one).
-        let group = group.filter(|g| !g.name.trim().is_empty());
-        let group = match group.map(|g| names::group(Some(g))).transpose() {
-            Ok(group) => group,
-            Err(refused) => return refused,
-        };
-        let mine = self.clients.lock().seen.of_caller(id, caller).map(|_| ());
-        if let Err(taken) = mine {
-            return super::status::refused(&taken);
-        }
-        if let Some(group) = group {
-            match self.deliveries.leave_group(caller, "grpc", id, &group).await {
-                Ok(0) => {}
-                Ok(released) => {
-                    tracing::info!(client = %id, group, released, "gRPC client terminated; what it held is due again.")
-                }
-                Err(refused) => return super::status::refused(&refused),
-            }
-        }
-        self.forget_client(id);
-        ok()
-    }
-
-    fn forget_client(&self, id: &str) {
-        let mut clients = self.clients.lock();
-        clients.forget(id);
-        clients.publish_gauge();
-    }
-
-    /// Keeps the request timeout a client's Settings give (the SDK's default when they give none).
-    fn note_request_timeout(&self, metadata: &MetadataMap, settings: &pb::Settings) {
-        let Some(id) = client_id(metadata) else { return };
-        let timeout = settings.request_timeout.and_then(consume::to_std).unwrap_or(deadline::DEFAULT_REQUEST_TIMEOUT);
-        let mut clients = self.clients.lock();
-        if let Some(seen) = clients.seen.get_mut(id) {
-            seen.request_timeout = Some(timeout);
-        }
-    }
-
-    /// The request timeout of a client, as its Settings gave it.
-    pub(super) fn request_timeout_of(&self, client_id: &str) -> Duration {
-        let timeout = self.clients.lock().seen.get(client_id).and_then(|seen| seen.request_timeout);
-        timeout.unwrap_or(deadline::DEFAULT_REQUEST_TIMEOUT)
-    }
-
-    /// Forgets the clients not seen for [`CLIENT_EXPIRY`]: one pass per keep-alive tick, so a hundred thousand
-    /// clients coming and going cost one pass every few seconds, not one per call.
-    fn prune_clients(&self) {
-        let mut clients = self.clients.lock();
-        clients.expire(Instant::now());
-        clients.publish_gauge();
-    }
-
-    /// The ids of the clients seen within [`ALIVE_WINDOW`].
-    fn live_clients(&self) -> HashSet<String> {
-        let now = Instant::now();
-        let clients = self.clients.lock();
-        clients
-            .seen
-            .iter()
-            .filter(|(_, _, seen)| now.duration_since(seen.at) < ALIVE_WINDOW)
-            .map(|(id, _, _)| id.to_owned())
-            .collect()
-    }
 }
 
 impl Front {
@@ -353,65 +137,6 @@ fn may_announce(caller: &Caller, client: &pb::Settings) -> Result<(), GatewayErr
         }
         None => Ok(()),
     }
-}
-
-/// The SDK's version (`x-mq-client-version`), when it sent one.
-fn client_version(metadata: &MetadataMap) -> Option<&str> {
-    metadata.get("x-mq-client-version").and_then(|v| v.to_str().ok())
-}
-
-/// The SDK's client id (`x-mq-client-id`), when it sent a usable one.
-fn client_id(metadata: &MetadataMap) -> Option<&str> {
-    metadata.get("x-mq-client-id").and_then(|v| v.to_str().ok()).filter(|id| !id.trim().is_empty())
-}
-
-/// Keeps the auto-renewed deliveries of every live client handed out: their deadlines move [`AUTO_RENEW_HOLD`]
-/// ahead every [`KEEP_ALIVE_EVERY`]. A client that goes away without a word stops being seen, and what it held
-/// comes back through the retry policy once that deadline passes. Ends when the front is dropped.
-pub(super) async fn keep_alive_loop(front: std::sync::Weak<Front>) {
-    let mut tick = tokio::time::interval(KEEP_ALIVE_EVERY);
-    loop {
-        tick.tick().await;
-        let Some(front) = front.upgrade() else { return };
-        front.prune_clients();
-        // Holders are named by front (`gateway::holder_id`); records written before that by the bare client id,
-        // so both are kept (a bare id names no other front's holder).
-        let bare = front.live_clients();
-        if bare.is_empty() {
-            continue;
-        }
-        let mut live: std::collections::HashSet<String> =
-            bare.iter().map(|id| gateway::holder_id("grpc", id)).collect();
-        live.extend(bare);
-        if let Err(error) = front.deliveries.keep_held(&live, AUTO_RENEW_HOLD, AUTO_RENEW_MAX).await {
-            tracing::warn!(%error, "Could not extend the deliveries live gRPC clients hold; will retry.");
-        }
-    }
-}
-
-/// Whether `date_time` (the SDK's `x-mq-date-time`, `yyyyMMdd'T'HHmmss'Z'` in UTC) is within `skew` of `now`.
-fn within_skew(date_time: &str, now: SystemTime, skew: Duration) -> bool {
-    let Ok(signed) = chrono::NaiveDateTime::parse_from_str(date_time, "%Y%m%dT%H%M%SZ") else { return false };
-    let now = chrono::DateTime::<chrono::Utc>::from(now).naive_utc();
-    let apart = (now - signed).abs().to_std().unwrap_or(Duration::MAX);
-    apart <= skew
-}
-
-/// `Credential=<AK>[/…], SignedHeaders=…, Signature=<hex>` after the algorithm name.
-fn parse_authorization(header: &str) -> Option<(&str, &str)> {
-    let rest = header.trim().strip_prefix("MQv2-HMAC-SHA1")?.trim();
-    let mut access_key = None;
-    let mut signature = None;
-    for part in rest.split(',') {
-        let (name, value) = part.trim().split_once('=')?;
-        match name.trim() {
-            // The Go SDK sends `AK//Rocketmq`; the access key is what comes before the first slash.
-            "Credential" => access_key = value.split('/').next(),
-            "Signature" => signature = Some(value.trim()),
-            _ => {}
-        }
-    }
-    Some((access_key?, signature?))
 }
 
 /// Counts one answered RPC and its duration.
@@ -685,32 +410,5 @@ impl crate::gateway::below::CheckForwarder for Front {
             command: Some(telemetry_command::Command::RecoverOrphanedTransactionCommand(recover)),
         };
         self.producers.send_to_one(&orphan.event.topic, command)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_signature_date_counts_only_within_the_skew_window_either_way() {
-        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_796_083_200); // 2026-12-01T00:00:00Z
-        let window = Duration::from_secs(900);
-        assert!(within_skew("20261201T000000Z", now, window));
-        assert!(within_skew("20261130T234500Z", now, window), "15 minutes behind");
-        assert!(within_skew("20261201T001500Z", now, window), "15 minutes ahead");
-        assert!(!within_skew("20261130T234459Z", now, window));
-        assert!(!within_skew("20261201T001501Z", now, window));
-        assert!(!within_skew("not a date", now, window));
-        assert!(!within_skew("", now, window));
-    }
-
-    #[test]
-    fn the_authorization_header_of_each_sdk_is_read() {
-        let java = "MQv2-HMAC-SHA1 Credential=app, SignedHeaders=x-mq-date-time, Signature=ABCD";
-        assert_eq!(parse_authorization(java), Some(("app", "ABCD")));
-        let go = "MQv2-HMAC-SHA1 Credential=app//Rocketmq, SignedHeaders=x-mq-date-time, Signature=ABCD";
-        assert_eq!(parse_authorization(go), Some(("app", "ABCD")));
-        assert_eq!(parse_authorization("Bearer token"), None);
     }
 }
