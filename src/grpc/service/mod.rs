@@ -7,6 +7,7 @@
 mod caller;
 mod clients;
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -140,9 +141,103 @@ fn may_announce(caller: &Caller, client: &pb::Settings) -> Result<(), GatewayErr
 }
 
 /// Counts one answered RPC and its duration.
-pub(super) fn observe(rpc: &'static str, code: i32, started: Instant) {
+fn observe(rpc: &'static str, code: i32, started: Instant) {
     counter!(m::GRPC_REQUESTS, "rpc" => rpc, "code" => code_label(code)).increment(1);
     histogram!(m::GRPC_REQUEST_DURATION, "rpc" => rpc).record(started.elapsed().as_secs_f64());
+}
+
+/// What a call's caller must pass before the call is made.
+#[derive(Debug, Clone, Copy)]
+enum Admission {
+    /// Authenticated, and its client id marked alive, with the client's kind when the call tells it
+    /// ([`Front::authenticated`]).
+    Client(Option<&'static str>),
+    /// Authenticated only ([`Front::caller`]): a client saying goodbye is not marked alive again.
+    Caller,
+}
+
+/// A unary RPC's request: the answer it gets, and what that answer is when its caller is refused.
+trait Unary {
+    /// The response message.
+    type Answer;
+    /// The answer to a caller refused before the call was made, `refused` as its status.
+    fn refusal(&self, refused: pb::Status) -> Self::Answer;
+    /// The status code `answer` carries, for the metrics (`OK` when it carries none).
+    fn code(answer: &Self::Answer) -> i32;
+}
+
+/// [`Unary`] for the RPCs whose refusal is the response with its status and the other fields (named) empty.
+macro_rules! unary {
+    ($($request:ident => $answer:ident { $($empty:ident),* }),* $(,)?) => {$(
+        impl Unary for pb::$request {
+            type Answer = pb::$answer;
+
+            fn refusal(&self, refused: pb::Status) -> pb::$answer {
+                pb::$answer { status: Some(refused), $($empty: Default::default()),* }
+            }
+
+            fn code(answer: &pb::$answer) -> i32 {
+                answer.status.as_ref().map_or(0, |s| s.code)
+            }
+        }
+    )*};
+}
+
+unary! {
+    QueryRouteRequest => QueryRouteResponse { message_queues },
+    HeartbeatRequest => HeartbeatResponse {},
+    SendMessageRequest => SendMessageResponse { entries },
+    NotifyClientTerminationRequest => NotifyClientTerminationResponse {},
+    QueryAssignmentRequest => QueryAssignmentResponse { assignments },
+    AckMessageRequest => AckMessageResponse { entries },
+    ForwardMessageToDeadLetterQueueRequest => ForwardMessageToDeadLetterQueueResponse {},
+    EndTransactionRequest => EndTransactionResponse {},
+}
+
+/// A refused ChangeInvisibleDuration still carries the handle it named.
+impl Unary for pb::ChangeInvisibleDurationRequest {
+    type Answer = pb::ChangeInvisibleDurationResponse;
+
+    fn refusal(&self, refused: pb::Status) -> pb::ChangeInvisibleDurationResponse {
+        pb::ChangeInvisibleDurationResponse { status: Some(refused), receipt_handle: self.receipt_handle.clone() }
+    }
+
+    fn code(answer: &pb::ChangeInvisibleDurationResponse) -> i32 {
+        answer.status.as_ref().map_or(0, |s| s.code)
+    }
+}
+
+impl Front {
+    /// Every unary RPC's one path: admits the caller, makes the call, and counts the answer under `rpc` (its
+    /// code and its duration, from before the caller was checked). A refused caller gets the request's
+    /// [`Unary::refusal`]. The gRPC status is OK either way: RocketMQ's status travels in the answer.
+    ///
+    /// The streaming RPCs (ReceiveMessage, Telemetry) admit their caller the same way but count each answer
+    /// when it is given, in the task that serves the stream, so they do not go through here.
+    async fn unary<Req, F, Fut>(
+        &self,
+        rpc: &'static str,
+        request: Request<Req>,
+        admission: Admission,
+        call: F,
+    ) -> Result<Response<Req::Answer>, tonic::Status>
+    where
+        Req: Unary,
+        F: FnOnce(Caller, Request<Req>) -> Fut,
+        Fut: Future<Output = Req::Answer>,
+    {
+        let started = Instant::now();
+        let admitted = match admission {
+            Admission::Client(kind) => self.authenticated(&request, kind),
+            Admission::Caller => self.caller(&request),
+        };
+        let answer = match admitted {
+            Err(refused) => request.get_ref().refusal(refused),
+            Ok(caller) => call(caller, request).await,
+        };
+        observe(rpc, Req::code(&answer), started);
+        Ok(Response::new(answer))
+    }
 }
 
 #[tonic::async_trait]
@@ -151,73 +246,55 @@ impl MessagingService for Arc<Front> {
         &self,
         request: Request<pb::QueryRouteRequest>,
     ) -> Result<Response<pb::QueryRouteResponse>, tonic::Status> {
-        let started = Instant::now();
-        let answer = match self.authenticated(&request, None) {
-            Err(refused) => pb::QueryRouteResponse { status: Some(refused), message_queues: Vec::new() },
-            Ok(caller) => super::route::query_route(self, &caller, request.into_inner()).await,
-        };
-        observe("QueryRoute", answer.status.as_ref().map_or(0, |s| s.code), started);
-        Ok(Response::new(answer))
+        self.unary("QueryRoute", request, Admission::Client(None), |caller, request| async move {
+            super::route::query_route(self, &caller, request.into_inner()).await
+        })
+        .await
     }
 
     async fn heartbeat(
         &self,
         request: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, tonic::Status> {
-        let started = Instant::now();
         // The Go SDK heartbeats with an empty request while reconnecting: no field is required.
         let kind = settings::kind_label(Some(request.get_ref().client_type));
-        let answer = match self.authenticated(&request, (kind != "other").then_some(kind)) {
-            Err(refused) => refused,
-            Ok(_) => ok(),
-        };
-        observe("Heartbeat", answer.code, started);
-        Ok(Response::new(pb::HeartbeatResponse { status: Some(answer) }))
+        let admission = Admission::Client((kind != "other").then_some(kind));
+        self.unary("Heartbeat", request, admission, |_, _| async { pb::HeartbeatResponse { status: Some(ok()) } }).await
     }
 
     async fn send_message(
         &self,
         request: Request<pb::SendMessageRequest>,
     ) -> Result<Response<pb::SendMessageResponse>, tonic::Status> {
-        let started = Instant::now();
-        let answer = match self.authenticated(&request, Some("producer")) {
-            Err(refused) => pb::SendMessageResponse { status: Some(refused), entries: Vec::new() },
-            Ok(caller) => {
-                let deadline = deadline::answer_by(request.metadata());
-                send::send_messages(self, &caller, request.into_inner(), deadline).await
-            }
-        };
-        observe("SendMessage", answer.status.as_ref().map_or(0, |s| s.code), started);
-        Ok(Response::new(answer))
+        self.unary("SendMessage", request, Admission::Client(Some("producer")), |caller, request| async move {
+            let deadline = deadline::answer_by(request.metadata());
+            send::send_messages(self, &caller, request.into_inner(), deadline).await
+        })
+        .await
     }
 
     async fn notify_client_termination(
         &self,
         request: Request<pb::NotifyClientTerminationRequest>,
     ) -> Result<Response<pb::NotifyClientTerminationResponse>, tonic::Status> {
-        let started = Instant::now();
-        let answer = match self.caller(&request) {
-            Err(refused) => refused,
-            Ok(caller) => match client_id(request.metadata()) {
+        self.unary("NotifyClientTermination", request, Admission::Caller, |caller, request| async move {
+            let answer = match client_id(request.metadata()) {
                 None => ok(),
                 Some(id) => self.terminate_client(&caller, id, request.get_ref().group.as_ref()).await,
-            },
-        };
-        observe("NotifyClientTermination", answer.code, started);
-        Ok(Response::new(pb::NotifyClientTerminationResponse { status: Some(answer) }))
+            };
+            pb::NotifyClientTerminationResponse { status: Some(answer) }
+        })
+        .await
     }
 
     async fn query_assignment(
         &self,
         request: Request<pb::QueryAssignmentRequest>,
     ) -> Result<Response<pb::QueryAssignmentResponse>, tonic::Status> {
-        let started = Instant::now();
-        let answer = match self.authenticated(&request, Some("push_consumer")) {
-            Err(refused) => pb::QueryAssignmentResponse { status: Some(refused), assignments: Vec::new() },
-            Ok(caller) => consume::query_assignment(self, &caller, request.into_inner()).await,
-        };
-        observe("QueryAssignment", answer.status.as_ref().map_or(0, |s| s.code), started);
-        Ok(Response::new(answer))
+        self.unary("QueryAssignment", request, Admission::Client(Some("push_consumer")), |caller, request| async move {
+            consume::query_assignment(self, &caller, request.into_inner()).await
+        })
+        .await
     }
 
     async fn receive_message(
@@ -269,58 +346,43 @@ impl MessagingService for Arc<Front> {
         &self,
         request: Request<pb::AckMessageRequest>,
     ) -> Result<Response<pb::AckMessageResponse>, tonic::Status> {
-        let started = Instant::now();
-        let answer = match self.authenticated(&request, None) {
-            Err(refused) => pb::AckMessageResponse { status: Some(refused), entries: Vec::new() },
-            Ok(caller) => consume::ack_messages(self, &caller, request.into_inner()).await,
-        };
-        observe("AckMessage", answer.status.as_ref().map_or(0, |s| s.code), started);
-        Ok(Response::new(answer))
+        self.unary("AckMessage", request, Admission::Client(None), |caller, request| async move {
+            consume::ack_messages(self, &caller, request.into_inner()).await
+        })
+        .await
     }
 
     async fn change_invisible_duration(
         &self,
         request: Request<pb::ChangeInvisibleDurationRequest>,
     ) -> Result<Response<pb::ChangeInvisibleDurationResponse>, tonic::Status> {
-        let started = Instant::now();
-        let answer = match self.authenticated(&request, None) {
-            Err(refused) => {
-                let handle = request.get_ref().receipt_handle.clone();
-                pb::ChangeInvisibleDurationResponse { status: Some(refused), receipt_handle: handle }
-            }
-            Ok(caller) => consume::change_invisible_duration(self, &caller, request.into_inner()).await,
-        };
-        observe("ChangeInvisibleDuration", answer.status.as_ref().map_or(0, |s| s.code), started);
-        Ok(Response::new(answer))
+        self.unary("ChangeInvisibleDuration", request, Admission::Client(None), |caller, request| async move {
+            consume::change_invisible_duration(self, &caller, request.into_inner()).await
+        })
+        .await
     }
 
     async fn forward_message_to_dead_letter_queue(
         &self,
         request: Request<pb::ForwardMessageToDeadLetterQueueRequest>,
     ) -> Result<Response<pb::ForwardMessageToDeadLetterQueueResponse>, tonic::Status> {
-        let started = Instant::now();
-        let answer = match self.authenticated(&request, None) {
-            Err(refused) => refused,
-            Ok(caller) => consume::forward_to_dead_letter_queue(self, &caller, request.into_inner()).await,
-        };
-        observe("ForwardMessageToDeadLetterQueue", answer.code, started);
-        Ok(Response::new(pb::ForwardMessageToDeadLetterQueueResponse { status: Some(answer) }))
+        self.unary("ForwardMessageToDeadLetterQueue", request, Admission::Client(None), |caller, request| async move {
+            let answer = consume::forward_to_dead_letter_queue(self, &caller, request.into_inner()).await;
+            pb::ForwardMessageToDeadLetterQueueResponse { status: Some(answer) }
+        })
+        .await
     }
 
     async fn end_transaction(
         &self,
         request: Request<pb::EndTransactionRequest>,
     ) -> Result<Response<pb::EndTransactionResponse>, tonic::Status> {
-        let started = Instant::now();
-        let answer = match self.authenticated(&request, Some("producer")) {
-            Err(refused) => refused,
-            Ok(caller) => {
-                let answer_by = deadline::answer_by(request.metadata());
-                transaction::end_transaction(self, &caller, request.into_inner(), answer_by).await
-            }
-        };
-        observe("EndTransaction", answer.code, started);
-        Ok(Response::new(pb::EndTransactionResponse { status: Some(answer) }))
+        self.unary("EndTransaction", request, Admission::Client(Some("producer")), |caller, request| async move {
+            let answer_by = deadline::answer_by(request.metadata());
+            let answer = transaction::end_transaction(self, &caller, request.into_inner(), answer_by).await;
+            pb::EndTransactionResponse { status: Some(answer) }
+        })
+        .await
     }
 
     /// Answers each Settings the client sends at once (it waits for that answer to finish starting), and
