@@ -21,7 +21,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::proto::{self as pb, receive_message_response::Content, Code, DigestType, Encoding, MessageType};
 use super::service::Front;
 use super::settings::duration;
-use super::status::{ok, overall, refused, status};
+use super::status::{bad, ok, overall, refused, status};
 use super::{deadline, names};
 use crate::auth::Caller;
 use crate::clock::Epoch;
@@ -83,7 +83,7 @@ pub(super) async fn query_assignment(
         Err(refusal) => return unanswered(refusal),
     };
     let Some(endpoints) = request.endpoints else {
-        return unanswered(status(Code::IllegalAccessPoint, "the request names no endpoints"));
+        return unanswered(bad(Code::IllegalAccessPoint, "the request names no endpoints"));
     };
     let route = match front.publisher.existing_topic(&topic).await {
         Ok(Some(route)) => route,
@@ -146,11 +146,11 @@ pub(super) async fn prepare_receive(
     let batch = usize::try_from(request.batch_size)
         .ok()
         .filter(|n| *n > 0)
-        .ok_or_else(|| status(Code::BadRequest, "batch_size must be greater than 0"))?
+        .ok_or_else(|| bad(Code::BadRequest, "batch_size must be greater than 0"))?
         .min(MAX_RECEIVE_BATCH.min(MAX_POLL_BATCH));
     let asked = request
         .long_polling_timeout
-        .map(|d| to_std(d).ok_or_else(|| status(Code::IllegalPollingTime, "long_polling_timeout must not be negative")))
+        .map(|d| to_std(d).ok_or_else(|| bad(Code::IllegalPollingTime, "long_polling_timeout must not be negative")))
         .transpose()?;
     let request_timeout = front.request_timeout_of(&call.client_id);
     let wait = deadline::long_poll(asked, call.time_left, request_timeout, call.client_version.as_deref())?;
@@ -184,7 +184,7 @@ fn filter_of(expression: Option<pb::FilterExpression>) -> Result<(String, Filter
     let Some(expression) = expression else { return Ok(("*".to_owned(), FilterType::Tag)) };
     if expression.r#type == pb::FilterType::Sql as i32 {
         if expression.expression.trim().is_empty() {
-            return Err(status(Code::IllegalFilterExpression, "Expression can't be null! SQL92"));
+            return Err(bad(Code::IllegalFilterExpression, "Expression can't be null! SQL92"));
         }
         return Ok((expression.expression, FilterType::Sql92));
     }
@@ -193,7 +193,7 @@ fn filter_of(expression: Option<pb::FilterExpression>) -> Result<(String, Filter
         return Ok(("*".to_owned(), FilterType::Tag));
     }
     if tags.split("||").all(|tag| tag.trim().is_empty()) {
-        return Err(status(Code::IllegalFilterExpression, "subString split error"));
+        return Err(bad(Code::IllegalFilterExpression, "subString split error"));
     }
     Ok((expression.expression, FilterType::Tag))
 }
@@ -376,7 +376,7 @@ fn delivery_timestamp(event: &crate::gateway::below::Event) -> Option<i64> {
 /// the gateway checks the rest (the delivery's group and topic).
 fn settlement_of<'h>(group: &'h str, handle: &'h str) -> Result<Settlement<'h>, pb::Status> {
     let (id, handout) =
-        parts_of(handle).ok_or_else(|| status(Code::InvalidReceiptHandle, "not a receipt handle popgate issued"))?;
+        parts_of(handle).ok_or_else(|| bad(Code::InvalidReceiptHandle, "not a receipt handle popgate issued"))?;
     Ok(Settlement::of(id, handout, Some(group)))
 }
 
@@ -395,7 +395,7 @@ pub(super) async fn ack_messages(
         Err(refusal) => return pb::AckMessageResponse { status: Some(refusal), entries: vec![] },
     };
     if request.entries.is_empty() {
-        return pb::AckMessageResponse { status: Some(status(Code::BadRequest, "no entries")), entries: vec![] };
+        return pb::AckMessageResponse { status: Some(bad(Code::BadRequest, "no entries")), entries: vec![] };
     }
     // The entries with a valid handle are ACKed as one batch (one store write, one broker request per broker).
     let parsed: Vec<Result<Settlement<'_>, pb::Status>> =
@@ -475,10 +475,10 @@ pub(super) async fn forward_to_dead_letter_queue(
 fn checked_invisible(asked: prost_types::Duration, min_ms: u64, max_ms: u64) -> Result<Duration, pb::Status> {
     let asked = to_std(asked).unwrap_or_default();
     if asked < Duration::from_millis(min_ms) {
-        return Err(status(Code::IllegalInvisibleTime, format!("the invisibleTime is too small. min is {min_ms}")));
+        return Err(bad(Code::IllegalInvisibleTime, format!("the invisibleTime is too small. min is {min_ms}")));
     }
     if asked > Duration::from_millis(max_ms) {
-        return Err(status(Code::IllegalInvisibleTime, format!("the invisibleTime is too large. max is {max_ms}")));
+        return Err(bad(Code::IllegalInvisibleTime, format!("the invisibleTime is too large. max is {max_ms}")));
     }
     Ok(asked)
 }

@@ -3,7 +3,7 @@
 //! and the same 127-character topic limit.
 
 use super::proto::{self as pb, Code};
-use super::status::status;
+use super::status::bad;
 use crate::publish::is_valid_name;
 
 /// Apache's description of the allowed characters, quoted in its refusals.
@@ -40,7 +40,7 @@ pub(super) fn topic(resource: Option<&pb::Resource>) -> Result<String, pb::Statu
     } else {
         return Ok(name);
     };
-    Err(status(Code::IllegalTopic, refusal))
+    Err(bad(Code::IllegalTopic, refusal))
 }
 
 /// The consumer group a resource names, or `ILLEGAL_CONSUMER_GROUP`. Apache allows 255 characters; popgate's
@@ -58,7 +58,7 @@ pub(super) fn group(resource: Option<&pb::Resource>) -> Result<String, pb::Statu
     } else {
         return Ok(name);
     };
-    Err(status(Code::IllegalConsumerGroup, refusal))
+    Err(bad(Code::IllegalConsumerGroup, refusal))
 }
 
 #[cfg(test)]

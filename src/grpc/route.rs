@@ -6,7 +6,7 @@
 use super::names;
 use super::proto::{self as pb, Code, MessageType, Permission};
 use super::service::Front;
-use super::status::{ok, refused, status};
+use super::status::{bad, ok, refused, status};
 use crate::auth::Caller;
 use crate::gateway;
 
@@ -43,7 +43,7 @@ pub(super) async fn query_route(
         return answer(refused(&refusal));
     }
     let Some(endpoints) = request.endpoints else {
-        return answer(status(Code::IllegalAccessPoint, "the request names no endpoints"));
+        return answer(bad(Code::IllegalAccessPoint, "the request names no endpoints"));
     };
     let route = match front.publisher.existing_topic(&topic.name).await {
         Ok(Some(route)) => route,

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use super::names;
 use super::proto::{self as pb, Code, MessageType};
 use super::service::Front;
-use super::status::{ok, overall_of_sends, status};
+use super::status::{bad, ok, overall_of_sends};
 use crate::auth::Caller;
 use crate::config::PublishConfig;
 use crate::gateway::below::mark_half;
@@ -33,9 +33,9 @@ pub(super) async fn send_messages(
     // Apache's proxy sends one request's messages as one batch, so they must share their topic.
     let first_topic = request.messages.first().map(|m| m.topic.clone());
     let refusal = match &first_topic {
-        None => Some(status(Code::MessageCorrupted, "no message to send")),
+        None => Some(bad(Code::MessageCorrupted, "no message to send")),
         Some(topic) if request.messages.iter().any(|m| m.topic != *topic) => {
-            Some(status(Code::MessageCorrupted, "topic in message is not same"))
+            Some(bad(Code::MessageCorrupted, "topic in message is not same"))
         }
         Some(_) => None,
     };
@@ -113,11 +113,11 @@ fn to_outgoing(
 ) -> Result<WithinLimits, pb::Status> {
     let topic = names::topic(message.topic.as_ref())?;
     if message.body.is_empty() {
-        return Err(status(Code::MessageBodyEmpty, "message body cannot be empty"));
+        return Err(bad(Code::MessageBodyEmpty, "message body cannot be empty"));
     }
     let system = message.system_properties.unwrap_or_default();
     if system.message_id.trim().is_empty() {
-        return Err(status(Code::IllegalMessageId, "message id cannot be empty"));
+        return Err(bad(Code::IllegalMessageId, "message id cannot be empty"));
     }
     let mut outgoing = OutgoingMessage::new(topic, message.body);
     // Kept apart for the limits: an app's `UNIQ_KEY` is refused, not taken for the id popgate sets below.
@@ -125,7 +125,7 @@ fn to_outgoing(
     outgoing.properties.extend(user_properties.clone());
     let recovery_secs = system.orphaned_transaction_recovery_duration.map(|d| d.seconds.max(0));
     if half_group.is_some() && recovery_secs.is_some_and(|s| s > MAX_TRANSACTION_RECOVERY_SECS) {
-        return Err(status(
+        return Err(bad(
             Code::BadRequest,
             format!(
                 "the max transaction recovery time of message is too large, max is {MAX_TRANSACTION_RECOVERY_SECS}"
@@ -137,7 +137,7 @@ fn to_outgoing(
     outgoing.properties.insert(MESSAGE_ID_PROPERTY.to_owned(), system.message_id);
     match (system.message_group, system.delivery_timestamp) {
         (Some(_), Some(_)) => {
-            return Err(status(
+            return Err(bad(
                 Code::MessagePropertyConflictWithType,
                 "a message cannot have both a message group and a delivery timestamp",
             ))
@@ -166,7 +166,7 @@ fn to_outgoing(
             // The body is checked before (empty) and by publishing (its size); the SDK's limits do not read it.
             Part::BodyEmpty => Code::MessageBodyEmpty,
         };
-        status(code, broken.message)
+        bad(code, broken.message)
     })?;
     // System properties, set after the limits (which refuse them from the app).
     if let Some(group) = half_group {

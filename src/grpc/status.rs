@@ -32,6 +32,14 @@ pub fn status(code: Code, message: impl Into<String>) -> Status {
     Status { code: code as i32, message: message.into() }
 }
 
+/// A request the front refuses as it decodes it: a field missing, malformed, or outside what the protocol
+/// allows (Apache's proxy's checks, codes and words). Every decoding refusal of the front is made here, so they
+/// are found, and changed, in one place; like every answer it is RocketMQ's `code` in the body, the gRPC status
+/// staying OK.
+pub(super) fn bad(code: Code, message: impl Into<String>) -> Status {
+    status(code, message)
+}
+
 /// The gRPC front's one mapping of the gateway's errors (the gateway counted its refusals), in Apache's
 /// proxy's codes and, where an app may match on them, its words. What the caller's ACL does not allow is
 /// `UNAUTHORIZED`, as Apache's proxy (5.3+, ACL 2.0) answers an `AuthorizationException`; a client id of

@@ -6,7 +6,7 @@
 use super::names;
 use super::proto::{self as pb, Code, TransactionResolution, TransactionSource};
 use super::service::Front;
-use super::status::{ok, refused, status};
+use super::status::{bad, ok, refused, status};
 use crate::auth::Caller;
 use crate::gateway::below::{Resolution, TransactionError};
 use crate::gateway::{self, EndRequest};
@@ -29,7 +29,7 @@ pub(super) async fn end_transaction(
         if let Err(refusal) = gateway::may_publish(caller, &topic) {
             return refused(&refusal);
         }
-        return status(Code::InvalidTransactionId, "transaction id cannot be empty");
+        return bad(Code::InvalidTransactionId, "transaction id cannot be empty");
     }
     let resolution = match TransactionResolution::try_from(request.resolution) {
         Ok(TransactionResolution::Commit) => Some(Resolution::Commit),

@@ -28,7 +28,7 @@ use super::proto::messaging_service_server::MessagingService;
 use super::proto::{self as pb, settings::PubSub as settings_pub_sub, telemetry_command, Code};
 use super::send;
 use super::settings;
-use super::status::{code_label, ok, status};
+use super::status::{bad, code_label, ok};
 use super::transaction;
 use super::written;
 use crate::auth::{Caller, TokenTable};
@@ -306,7 +306,7 @@ impl MessagingService for Arc<Front> {
         let taken_in = written::TakenIn::of(request.extensions());
         let checked = match (self.authenticated(&request, None), client_id(request.metadata())) {
             (Err(refused), _) => Err(refused),
-            (Ok(_), None) => Err(status(Code::ClientIdRequired, "the x-mq-client-id header is required")),
+            (Ok(_), None) => Err(bad(Code::ClientIdRequired, "the x-mq-client-id header is required")),
             (Ok(caller), Some(id)) => match self.receives.take(&caller) {
                 Err(refused) => Err(refused),
                 Ok(slot) => {
