@@ -204,7 +204,7 @@ pub async fn serve(
         Some((listener, advertised, tls)) => {
             let parts = crate::remoting::Parts {
                 publisher: publisher.clone(),
-                broker: broker.clone(),
+                broker: crate::gateway::Relay::new(broker.clone()),
                 deliveries: deliveries.clone(),
                 tokens: tokens.clone(),
                 transactions: transactions.clone(),

@@ -9,13 +9,12 @@
 //!   checked [`super::Reader`] and whose settlements go through [`super::Settling`].
 //! - [`Transactions`]: answering check-backs the broker sends a front's producers; ending goes through
 //!   [`super::Ending`].
-//! - [`BrokerClient`]: the remoting front relays a pull consumer's queue requests to their broker as they are,
-//!   each request code on the remoting front's explicit list (`remoting::relay::RELAYED`) with the permission
-//!   the gateway checks for it.
+//! - The broker client is not among them either: the remoting front relays what it does not serve itself
+//!   through [`super::Relay`], which can relay and nothing else.
 
 pub(crate) use crate::broker::message::{is_reserved_property, ClientWire, PROPERTY_UNIQ_KEY};
 pub(crate) use crate::broker::transaction::{PROPERTY_PRODUCER_GROUP, PROPERTY_TRANSACTION_PREPARED};
-pub(crate) use crate::broker::{BrokerClient, SendReceipt};
+pub(crate) use crate::broker::SendReceipt;
 pub(crate) use crate::delivery::retry::RetryPolicy;
 pub(crate) use crate::delivery::webhook::{signature, WebhookPush};
 pub(crate) use crate::delivery::{

@@ -19,6 +19,7 @@ pub(crate) mod below;
 mod clients;
 mod publish;
 mod receive;
+mod relay;
 mod settle;
 mod transaction;
 
@@ -33,6 +34,7 @@ use crate::transaction::TransactionError;
 pub use clients::{ClientIds, ClientOwners};
 pub use publish::{count_refused_publish, PublishRefused, PublishRequest, Publishing};
 pub use receive::{Deliveries, Reader, Receive, ReceiveRequest, ReceivingClient};
+pub use relay::Relay;
 pub use settle::{Owners, Settle, Settled, Settlement, Settling};
 pub use transaction::{EndOutcome, EndRequest, Ending};
 

@@ -20,7 +20,6 @@ use super::reregistrations::Reregistrations;
 use super::{auth, pop, relay, route, send, transaction, Parts};
 use crate::auth::{Caller, TokenTable};
 use crate::config::Config;
-use crate::gateway::below::BrokerClient;
 use crate::gateway::below::DeliveryError;
 use crate::gateway::below::{TransactionError, Transactions};
 use crate::gateway::GatewayError;
@@ -30,7 +29,7 @@ use crate::publish::Publisher;
 /// The remoting front's shared state.
 pub(super) struct Front {
     pub publisher: Arc<Publisher>,
-    pub broker: Arc<BrokerClient>,
+    pub broker: crate::gateway::Relay,
     pub deliveries: crate::gateway::Deliveries,
     /// The tier's other instances, when this one is in a tier: deliveries they handed out are settled there.
     pub owners: Option<Arc<dyn crate::gateway::Owners>>,
