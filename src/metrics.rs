@@ -256,7 +256,7 @@ const ZERO_SERIES: &[(&str, &str, &[&str])] = &[
     (REMOTING_ROUTE_ANSWERS, "source", &["cache", "name_server", "stale"]),
     (CLUSTER_ACL_READS, "result", &["ok", "failed"]),
     (WEBHOOK_TARGETS_REFUSED, "reason", &["literal", "dns"]),
-    (WEBHOOK_HEADERS_SKIPPED, "reason", &crate::delivery::webhook::headers::Skip::LABELS),
+    (WEBHOOK_HEADERS_SKIPPED, "reason", &crate::api::webhook::headers::Skip::LABELS),
     (ACKS, "result", &["acked", "repeated", "unknown", "stale", "superseded", "not_in_flight", "busy", "store_error"]),
     (REDELIVERIES, "reason", &["timeout", "nack", "push_failure", "recovery"]),
     (RECOVERED_DELIVERIES, "outcome", &["redispatched", "ack_pending", "dead_letter_pending", "corrupt"]),

@@ -22,7 +22,8 @@
 //! - [`popper`]: one demand-paced POP loop per subscription.
 //! - [`sweeper`]: the timer tick: timeouts, retries, lease renewal, owed broker ACKs and DLQ writes.
 //! - [`subscriber`]: a push subscriber's session (prefetch, write failures, disconnects).
-//! - [`webhook`]: pushing a subscription's deliveries to an HTTP endpoint (CloudEvents, HMAC-signed).
+//! - [`SubscriptionWatcher`]: what a push transport beside the core (the HTTP front's webhook pusher,
+//!   `api::webhook`) is told as subscriptions are made, changed and removed.
 //! - [`recovery`]: boot replay of the stored state. [`dlq`]: the dead-letter message. [`retry`]: the backoff.
 
 pub mod dlq;
@@ -39,9 +40,7 @@ mod sweeper;
 #[cfg(test)]
 mod test_support;
 mod untold;
-pub mod webhook;
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -51,7 +50,7 @@ use tokio::task::JoinHandle;
 /// writes the property it reads; the fronts reach it through here.
 pub use crate::broker::content;
 pub use lease::{split_lease, with_lease, Lease, LeaseSeal};
-pub use record::{Event, FilterType, Holder, Subscription};
+pub use record::{Event, FilterType, Holder, Subscription, WebhookPush};
 pub use state::{instance_of, new_delivery_id};
 pub use subscriber::Subscriber;
 
@@ -240,7 +239,7 @@ pub struct SubscriptionRequest {
     /// FIFO message groups (default false).
     pub ordered: Option<bool>,
     /// Push deliveries to a webhook.
-    pub push: Option<webhook::WebhookPush>,
+    pub push: Option<WebhookPush>,
     /// Made by a receive on its own rather than asked for (see [`Subscription::implicit`]). An existing
     /// subscription that was asked for stays so.
     pub implicit: bool,
@@ -291,16 +290,24 @@ pub struct InFlight {
     pub lease_deadline_ms: i64,
 }
 
+/// A push transport that runs beside the core's subscriptions (the HTTP front's webhook pusher): told of every
+/// subscription made or changed, and of each one kept at boot ([`Dispatcher::watch_subscriptions`]), of each one
+/// removed, and of the shutdown. Calls are made with no lock held and must not block.
+pub trait SubscriptionWatcher: Send + Sync {
+    /// `sub` was made or changed (or was kept when the watcher was set).
+    fn subscribed(&self, sub: &Subscription);
+    /// The subscription of key `key` was removed.
+    fn unsubscribed(&self, key: &str);
+    /// popgate is shutting down.
+    fn shut_down(&self);
+}
+
 /// The consume path's entry point, shared by every transport.
 pub struct Dispatcher {
     deliveries: Arc<Deliveries>,
     tasks: parking_lot::Mutex<Vec<JoinHandle<()>>>,
-    /// This dispatcher, for the webhook pushers it starts (they hold it as subscribers do).
-    me: std::sync::Weak<Dispatcher>,
-    /// Stop flags of the running webhook pushers, by subscription key.
-    webhooks: parking_lot::Mutex<std::collections::HashMap<String, Arc<AtomicBool>>>,
-    /// Which addresses webhooks may reach (`webhook.allowed_networks`): checked at subscribe and connect.
-    webhook_targets: Arc<webhook::TargetPolicy>,
+    /// The push transports that run beside subscriptions (the HTTP front's webhook pusher), told of each change.
+    watcher: std::sync::OnceLock<Arc<dyn SubscriptionWatcher>>,
     /// Which consumer groups the cluster makes orderly.
     group_order: Arc<group_order::GroupOrder>,
     /// In a tier, the ACKs made at the broker for other instances that could not be reached, until they ask.
@@ -315,14 +322,13 @@ impl Dispatcher {
     /// [`DeliveryError::Store`] when the store cannot be read.
     ///
     /// `group_commit` is the WAL sync interval when the store does not sync each write (async-flush profiles).
-    /// `webhook_targets` says which addresses webhook pushes may reach. `instance` is this instance's id, the
+    /// `instance` is this instance's id, the
     /// start of every delivery id it mints (empty: the ids name no instance).
     pub async fn start(
         store: Arc<StateStore>,
         broker: Arc<BrokerClient>,
         publisher: Arc<Publisher>,
         config: DeliveryConfig,
-        webhook_targets: webhook::TargetPolicy,
         group_commit: Option<Duration>,
         issuer: Issuer<'_>,
     ) -> Result<(Arc<Dispatcher>, RecoveryReport), DeliveryError> {
@@ -334,12 +340,10 @@ impl Dispatcher {
                 .giving_back_unclaimed(issuer.give_back_unclaimed),
         );
         let (report, poppers) = recovery::recover(&deliveries).await?;
-        let dispatcher = Arc::new_cyclic(|me| Dispatcher {
+        let dispatcher = Arc::new(Dispatcher {
             deliveries: deliveries.clone(),
             tasks: parking_lot::Mutex::new(Vec::new()),
-            me: me.clone(),
-            webhooks: parking_lot::Mutex::new(std::collections::HashMap::new()),
-            webhook_targets: Arc::new(webhook_targets),
+            watcher: std::sync::OnceLock::new(),
             group_order,
             untold,
         });
@@ -350,9 +354,6 @@ impl Dispatcher {
         }
         for (key, stop) in poppers {
             dispatcher.spawn(popper::run(deliveries.clone(), key, stop));
-        }
-        for sub in dispatcher.subscriptions() {
-            dispatcher.restart_webhook(&sub);
         }
         Ok((dispatcher, report))
     }
@@ -382,17 +383,26 @@ impl Dispatcher {
         Ok(report)
     }
 
-    /// Stops the subscription's webhook pusher, if any, and starts one for its current `push` config.
-    fn restart_webhook(&self, sub: &Subscription) {
-        let key = sub.key();
-        if let Some(stop) = self.webhooks.lock().remove(&key) {
-            stop.store(true, Ordering::Relaxed);
+    /// Tells `watcher` of every subscription from now on, and at once of each one kept now (recovered at
+    /// boot). Set once; a second watcher is refused (returned).
+    ///
+    /// # Errors
+    /// The watcher, when one is set already.
+    pub fn watch_subscriptions(
+        &self,
+        watcher: Arc<dyn SubscriptionWatcher>,
+    ) -> Result<(), Arc<dyn SubscriptionWatcher>> {
+        self.watcher.set(watcher)?;
+        for sub in self.subscriptions() {
+            self.tell_watcher(|watcher| watcher.subscribed(&sub));
         }
-        let (Some(push), Some(me)) = (sub.push.clone(), self.me.upgrade()) else { return };
-        let stop = Arc::new(AtomicBool::new(false));
-        self.webhooks.lock().insert(key, stop.clone());
-        let targets = self.webhook_targets.clone();
-        self.spawn(webhook::run(me, sub.group.clone(), sub.topic.clone(), push, targets, stop));
+        Ok(())
+    }
+
+    fn tell_watcher(&self, tell: impl FnOnce(&dyn SubscriptionWatcher)) {
+        if let Some(watcher) = self.watcher.get() {
+            tell(watcher.as_ref());
+        }
     }
 
     /// Creates or updates a subscription (persisted) and starts its POP loop.
@@ -418,9 +428,6 @@ impl Dispatcher {
             push: request.push,
             implicit,
         };
-        if let Some(push) = &sub.push {
-            push.validate(&self.webhook_targets)?;
-        }
         if sub.filter.trim().is_empty() {
             let what = match sub.filter_type {
                 FilterType::Tag => "must be a tag expression such as `*` or `a || b`",
@@ -445,7 +452,7 @@ impl Dispatcher {
         if let Some(stop) = self.deliveries.put_subscription(sub.clone(), policy).await? {
             self.spawn(popper::run(self.deliveries.clone(), sub.key(), stop));
         }
-        self.restart_webhook(&sub);
+        self.tell_watcher(|watcher| watcher.subscribed(&sub));
         Ok(sub)
     }
 
@@ -456,9 +463,7 @@ impl Dispatcher {
     /// [`DeliveryError::Unknown`] when there is no such subscription; [`DeliveryError::Store`].
     pub async fn unsubscribe(&self, group: &str, topic: &str) -> Result<(), DeliveryError> {
         self.deliveries.remove_subscription(group, topic).await?;
-        if let Some(stop) = self.webhooks.lock().remove(&Subscription::key_of(group, topic)) {
-            stop.store(true, Ordering::Relaxed);
-        }
+        self.tell_watcher(|watcher| watcher.unsubscribed(&Subscription::key_of(group, topic)));
         Ok(())
     }
 
@@ -803,9 +808,7 @@ impl Dispatcher {
     /// Stops every background task (POP loops, sweeper). In-flight state stays in the store.
     pub async fn shutdown(&self) {
         self.deliveries.shut_down();
-        for stop in self.webhooks.lock().values() {
-            stop.store(true, Ordering::Relaxed);
-        }
+        self.tell_watcher(|watcher| watcher.shut_down());
         let tasks: Vec<JoinHandle<()>> = self.tasks.lock().drain(..).collect();
         for task in tasks {
             let _ = tokio::time::timeout(Duration::from_secs(10), task).await;

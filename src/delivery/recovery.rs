@@ -177,13 +177,11 @@ mod tests {
     /// A dispatcher over `store` with no reachable broker: recovery itself must not need one.
     async fn start_offline(store: StateStore) -> (Arc<Dispatcher>, RecoveryReport) {
         let (broker, publisher, config) = offline_parts().await;
-        let targets = crate::delivery::webhook::TargetPolicy::default();
         Dispatcher::start(
             Arc::new(store),
             broker,
             publisher,
             config,
-            targets,
             None,
             crate::delivery::Issuer { instance: "", lease_seal: None, give_back_unclaimed: None },
         )
