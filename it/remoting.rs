@@ -51,6 +51,7 @@ on_every_remoting_client!(
     a_push_consumer_gets_every_message_and_one_it_asks_to_reconsume_later_comes_back_then_goes_to_the_dlq,
     an_orderly_push_consumer_gets_each_queue_in_order,
     broadcasting_consumers_each_get_every_message,
+    two_broadcasting_consumers_of_one_group_in_one_app_each_get_every_message_promptly,
     a_lite_pull_consumer_resumes_from_its_committed_offset_after_a_restart,
     messages_sent_over_remoting_reach_http_and_grpc_consumers_and_the_reverse,
     a_client_that_uses_tls_sends_and_consumes_through_popgate,
@@ -293,6 +294,57 @@ async fn broadcasting_consumers_each_get_every_message(client: RemotingClient) {
         assert_eq!(got, ["b-0", "b-1", "b-2", "b-3", "b-4"], "each consumer gets every message: {result}");
     }
 }
+
+/// Two push consumers of one broadcasting group in one app (two `DefaultMQPushConsumer`s, each its own
+/// `instanceName`), with the client's default 30 s heartbeat, each get every message with none of their pulls
+/// refused, in each of [`BROADCASTING_ROUNDS`] fresh groups.
+///
+/// Seen before: popgate told each member of the group to rebalance when the other joined (a broker does not
+/// tell broadcasting members), the push came while the member was still sending its first heartbeats, the
+/// rebalance's heartbeat with the subscription's new version was skipped ("lock heartBeat, but failed"), and the
+/// broker refused the member's pulls as `SUBSCRIPTION_NOT_LATEST` until its next heartbeat: 1 to 3 s (4.9.x,
+/// most rounds), 29.9 s once.
+async fn two_broadcasting_consumers_of_one_group_in_one_app_each_get_every_message_promptly(client: RemotingClient) {
+    let cluster = shared_cluster();
+    let namesrv = format!("127.0.0.1:{}", free_port());
+    // Relayed pulls logged (debug): what each was answered.
+    let log_relays = ("RUST_LOG", "info,popgate::remoting=debug,rocketmq_client_rust=warn,rocketmq_transport=warn");
+    let remoting = format!("[remoting]\nlisten = \"{namesrv}\"\n");
+    let popgate = Popgate::start_with_env(&cluster.namesrv_addr, &remoting, &[log_relays]).await;
+    for round in 0..BROADCASTING_ROUNDS {
+        let topic = unique_topic("rm_bcast_app");
+        let group = unique_topic("rm_bcast_app_g");
+        create_topic(cluster, &topic).await;
+        // The client's own heartbeat interval (30 s), so a refused subscription shows as the stall it is.
+        let consume = json!({"namesrv": namesrv, "pollNameServerIntervalMs": 1000, "topic": topic, "group": group,
+            "expect": 5, "broadcasting": true, "consumeFromWhere": "first", "instances": ["one", "two"],
+            "timeoutMs": 25_000});
+        let consumers = client.start("push-consume", &consume);
+        let produce = json!({"topic": topic, "group": "rm_bcast_app_p", "count": 5, "bodyPrefix": "b"});
+        let sent = client.run("produce", &send_args(&namesrv, produce), DRIVER_TIMEOUT).await;
+        assert_eq!(sent["errors"], json!([]), "{sent}");
+        let result = consumers.finish(DRIVER_TIMEOUT).await;
+        let refused: Vec<String> = popgate
+            .output()
+            .lines()
+            .filter(|line| line.contains("code=\"pull_message\"") && line.contains(&format!("\"{group}\"")))
+            .filter(|line| line.contains("answer=24 ") || line.contains("answer=25 "))
+            .map(str::to_owned)
+            .collect();
+        assert!(refused.is_empty(), "round {round}: no pull of theirs is refused:\n{}", refused.join("\n"));
+        let each = result["consumers"].as_array().cloned().unwrap_or_default();
+        assert_eq!(each.len(), 2, "two consumers in the one app: {result}");
+        for consumer in each {
+            let mut got = bodies(&consumer, "received");
+            got.sort();
+            assert_eq!(got, ["b-0", "b-1", "b-2", "b-3", "b-4"], "round {round}: each gets every message: {consumer}");
+        }
+    }
+}
+
+/// Fresh groups [`two_broadcasting_consumers_of_one_group_in_one_app_each_get_every_message_promptly`] starts in
+/// turn: before the fix, 3 rounds in 4 of a 4.9.x client had pulls refused.
+const BROADCASTING_ROUNDS: usize = 2;
 
 async fn a_lite_pull_consumer_resumes_from_its_committed_offset_after_a_restart(client: RemotingClient) {
     let cluster = shared_cluster();

@@ -493,17 +493,100 @@ fn lost_its_registration(request: &RemotingCommand, answer: &Relayed) -> bool {
     pull && lost && answer.by == AnsweredBy::Broker
 }
 
+/// Whether the broker still refuses pull `request` for naming a newer subscription than its own: the client
+/// skipped the heartbeat that carries it ([`register_again`]).
+fn still_not_latest(request: &RemotingCommand, answer: &Relayed) -> bool {
+    request.code() == codes::PULL_MESSAGE
+        && answer.by == AnsweredBy::Broker
+        && answer.code() == codes::SUBSCRIPTION_NOT_LATEST
+}
+
+/// Pull `request` carrying its group's subscription to its topic as popgate has it (the newest of its members'
+/// heartbeats), as Apache's proxy relays every pull: the broker then reads by that subscription and does not
+/// compare versions. Only for a pull the broker refused as naming a newer subscription version, which the
+/// client's skipped heartbeat would have brought; straight at the broker its pulls are refused until its next
+/// heartbeat, up to 30 s later (seen through popgate: 29.9 s, two broadcasting consumers of one app). A 4.x
+/// client gives its subscription a new version at each rebalance, its filter unchanged; had the app changed the
+/// filter, it reads by the former one until that heartbeat. `None` when the pull carries a subscription already,
+/// or popgate has none of its group to the topic.
+fn with_the_groups_subscription(front: &Front, request: &RemotingCommand) -> Option<RemotingCommand> {
+    const FLAG_SUBSCRIPTION: i32 = 1 << 2;
+    const FLAG_CLASS_FILTER: i32 = 1 << 3;
+    let sys_flag: i32 = field(request, "sysFlag")?.parse().ok()?;
+    if sys_flag & (FLAG_SUBSCRIPTION | FLAG_CLASS_FILTER) != 0 {
+        return None;
+    }
+    let (group, topic) = (field(request, "consumerGroup")?, field(request, "topic")?);
+    let subscription = front
+        .clients
+        .registrations_of(group)
+        .iter()
+        .filter_map(|registration| registration.subscription(group, topic))
+        .max_by_key(|subscription| subscription.sub_version)?;
+    tracing::debug!(
+        group,
+        topic,
+        subscription = %subscription.sub_string,
+        "A pull names a newer subscription than any heartbeat of its group reached popgate with (the client \
+         skipped it): relayed with the group's subscription as popgate has it."
+    );
+    let mut with_subscription = request.clone();
+    with_subscription.add_ext_field("sysFlag", (sys_flag | FLAG_SUBSCRIPTION).to_string());
+    with_subscription.add_ext_field("subscription", subscription.sub_string);
+    let expression_type = if subscription.expression_type.is_empty() { "TAG" } else { &subscription.expression_type };
+    with_subscription.add_ext_field("expressionType", expression_type);
+    Some(with_subscription)
+}
+
 /// Registers the consumer group of pull `request` again at broker `addr`, with the heartbeats its members last
 /// sent here; whether the broker took one. Straight at the broker the client's next heartbeat would, up to 30 s
 /// later, with its pulls refused until then; here the pull that found the group missing is relayed once more.
 /// Once for a burst of such pulls ([`super::reregistrations`]).
-async fn register_again(front: &Front, request: &RemotingCommand, addr: &str) -> bool {
+///
+/// A pull refused for naming a newer subscription than the broker's (`SUBSCRIPTION_NOT_LATEST`, `refusal`) is
+/// cured only by a heartbeat carrying that version. A 4.x client's rebalance gives the subscription a new
+/// version, starts the pulls and then sends that heartbeat, so it is often on its way: the pull waits for it
+/// here, up to [`NEWER_SUBSCRIPTION_WAIT`]. When it does not come, the client skipped it (it skips a heartbeat
+/// while another of its own is under way) and only its next one brings the version: registering the older ones
+/// again would change nothing, and is not done ([`with_the_groups_subscription`] serves the pull then).
+async fn register_again(front: &Front, request: &RemotingCommand, refusal: i32, addr: &str) -> bool {
     let Some(group) = field(request, "consumerGroup") else { return false };
-    let registrations = front.clients.registrations_of(group);
+    let topic = field(request, "topic").unwrap_or_default();
+    let newer = field(request, "subVersion")
+        .and_then(|v| v.parse::<i64>().ok())
+        .filter(|_| refusal == codes::SUBSCRIPTION_NOT_LATEST);
+    let registrations = match newer {
+        Some(version) => match registrations_carrying(front, group, topic, version).await {
+            Some(registrations) => registrations,
+            None => return false,
+        },
+        None => front.clients.registrations_of(group),
+    };
     if registrations.is_empty() {
         return false;
     }
-    front.reregistrations.once(group, addr, || pass_on(front, group, registrations, addr)).await
+    let version = newer.unwrap_or(0);
+    front.reregistrations.once(group, addr, version, || pass_on(front, group, registrations, addr)).await
+}
+
+/// How long a pull refused for naming a newer subscription than its broker's waits for the heartbeat carrying
+/// it ([`register_again`]); the client itself tries such a pull again 3 s later.
+const NEWER_SUBSCRIPTION_WAIT: Duration = Duration::from_secs(2);
+
+/// Consumer group `group`'s members' last heartbeats once one of them subscribes to `topic` at `version` or
+/// later, looked at every 50 ms for [`NEWER_SUBSCRIPTION_WAIT`]; `None` when none came.
+async fn registrations_carrying(front: &Front, group: &str, topic: &str, version: i64) -> Option<Vec<Registration>> {
+    let deadline = tokio::time::Instant::now() + NEWER_SUBSCRIPTION_WAIT;
+    loop {
+        let registrations = front.clients.registrations_of(group);
+        if registrations.iter().any(|r| r.subscribes_at_least(group, topic, version)) {
+            return Some(registrations);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// Passes `registrations` (consumer group `group`'s members' last heartbeats) on to broker `addr` again.
@@ -576,8 +659,13 @@ async fn relayed(front: &Front, request: &RemotingCommand) -> Relayed {
     };
     let timeout = relay_timeout(front, code, request);
     let mut relayed = relay_counted(front, label, &addr, request, timeout).await;
-    if lost_its_registration(request, &relayed) && register_again(front, request, &addr).await {
+    if lost_its_registration(request, &relayed) && register_again(front, request, relayed.code(), &addr).await {
         relayed = relay_counted(front, label, &addr, request, timeout).await;
+    }
+    if still_not_latest(request, &relayed) {
+        if let Some(with_subscription) = with_the_groups_subscription(front, request) {
+            relayed = relay_counted(front, label, &addr, &with_subscription, timeout).await;
+        }
     }
     // At debug: what a consumer asked of which broker and what it was told (offsets, chiefly).
     tracing::debug!(
