@@ -607,7 +607,9 @@ fn with_the_groups_subscription(front: &Front, request: &RemotingCommand) -> Opt
 /// A pull refused for naming a newer subscription than the broker's (`SUBSCRIPTION_NOT_LATEST`, `refusal`) is
 /// cured only by a heartbeat carrying that version. A 4.x client's rebalance gives the subscription a new
 /// version, starts the pulls and then sends that heartbeat, so it is often on its way: the pull waits for it
-/// here, up to [`NEWER_SUBSCRIPTION_WAIT`]. When it does not come, the client skipped it (it skips a heartbeat
+/// here, up to [`NEWER_SUBSCRIPTION_WAIT`]. So does a pull refused for a group the broker does not know when no
+/// heartbeat of the group reached popgate yet (a consumer that started before its topic had a route sends its
+/// first heartbeat to the brokers in that rebalance). When it does not come, the client skipped it (it skips a heartbeat
 /// while another of its own is under way) and only its next one brings the version: registering the older ones
 /// again would change nothing, and is not done ([`with_the_groups_subscription`] serves the pull then).
 async fn register_again(front: &Front, request: &RemotingCommand, refusal: i32, addr: &str) -> bool {
@@ -616,31 +618,30 @@ async fn register_again(front: &Front, request: &RemotingCommand, refusal: i32, 
     let newer = field(request, "subVersion")
         .and_then(|v| v.parse::<i64>().ok())
         .filter(|_| refusal == codes::SUBSCRIPTION_NOT_LATEST);
-    let registrations = match newer {
-        Some(version) => match registrations_carrying(front, group, topic, version).await {
-            Some(registrations) => registrations,
-            None => return false,
-        },
-        None => front.clients.registrations_of(group),
+    let will_do = |registrations: &[Registration]| match newer {
+        Some(version) => registrations.iter().any(|r| r.subscribes_at_least(group, topic, version)),
+        None => !registrations.is_empty(),
     };
-    if registrations.is_empty() {
-        return false;
-    }
+    let Some(registrations) = registrations_once(front, group, will_do).await else { return false };
     let version = newer.unwrap_or(0);
     front.reregistrations.once(group, addr, version, || pass_on(front, group, registrations, addr)).await
 }
 
-/// How long a pull refused for naming a newer subscription than its broker's waits for the heartbeat carrying
-/// it ([`register_again`]); the client itself tries such a pull again 3 s later.
+/// How long a pull refused for a subscription its broker does not have waits for the heartbeat carrying it
+/// ([`register_again`]); the client itself tries such a pull again 3 s later.
 const NEWER_SUBSCRIPTION_WAIT: Duration = Duration::from_secs(2);
 
-/// Consumer group `group`'s members' last heartbeats once one of them subscribes to `topic` at `version` or
-/// later, looked at every 50 ms for [`NEWER_SUBSCRIPTION_WAIT`]; `None` when none came.
-async fn registrations_carrying(front: &Front, group: &str, topic: &str, version: i64) -> Option<Vec<Registration>> {
+/// Consumer group `group`'s members' last heartbeats once they `will_do`, looked at every 50 ms for
+/// [`NEWER_SUBSCRIPTION_WAIT`]; `None` when they did not come.
+async fn registrations_once(
+    front: &Front,
+    group: &str,
+    will_do: impl Fn(&[Registration]) -> bool,
+) -> Option<Vec<Registration>> {
     let deadline = tokio::time::Instant::now() + NEWER_SUBSCRIPTION_WAIT;
     loop {
         let registrations = front.clients.registrations_of(group);
-        if registrations.iter().any(|r| r.subscribes_at_least(group, topic, version)) {
+        if will_do(&registrations) {
             return Some(registrations);
         }
         if tokio::time::Instant::now() >= deadline {
