@@ -13,6 +13,7 @@ use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+use crate::harness::balancer::{Backend, Balancer};
 use crate::harness::direct::{Direct, DirectConsumer, StoredMessage};
 use crate::harness::popgate::Popgate;
 use crate::harness::remoting::RemotingClient;
@@ -1808,4 +1809,53 @@ async fn a_check_back_of_a_producer_that_never_heartbeat_is_asked_on_the_half_me
     })
     .await;
     assert!(popgate.metric("popgate_transaction_checks_total{outcome=\"forwarded\"}").await >= 1.0);
+}
+
+/// Apps on Apache's remoting client behind a TCP balancer (HAProxy, round robin, no stickiness) in front of two
+/// popgate instances, each advertising the balancer as every broker: a push consumer (client rebalance, pulls
+/// relayed) and producers each reach whichever instance the balancer picks, and the balancer closes each
+/// instance's connections in turn between batches of messages (a drained node): the clients connect again, to
+/// the other instance. Every message sent is consumed, under a 4.9.x and a 5.x client. (A client before 4.9.5
+/// is given a port per broker on the instance it asked, which a balancer in front does not balance.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producer_and_a_push_consumer_behind_a_tcp_balancer_lose_nothing_while_it_moves_their_connections() {
+    const BATCHES: usize = 3;
+    const PER_BATCH: usize = 8;
+    let cluster = shared_cluster();
+    let balancer_port = free_port();
+    let mut instances = Vec::new();
+    let mut backends = Vec::new();
+    for _ in 0..2 {
+        let listen = format!("127.0.0.1:{}", free_port());
+        let remoting = format!("[remoting]\nlisten = \"{listen}\"\nadvertised_addr = \"127.0.0.1:{balancer_port}\"\n");
+        let popgate = Popgate::start(&cluster.namesrv_addr, &remoting).await;
+        backends.push(Backend::of(&popgate, &listen));
+        instances.push(popgate);
+    }
+    let balancer = Balancer::tcp_on(balancer_port, &backends).await;
+    let namesrv = balancer.address.clone();
+    for client in [RemotingClient::V4, RemotingClient::V5] {
+        let topic = unique_topic("rm_lb");
+        create_topic(cluster, &topic).await;
+        let expected: Vec<String> =
+            (0..BATCHES * PER_BATCH).map(|i| format!("b{}-{}", i / PER_BATCH, i % PER_BATCH)).collect();
+        let consume = json!({"topic": topic, "group": unique_topic("rm_lb_g"), "expect": expected.len(),
+            "consumeFromWhere": "first", "timeoutMs": 90_000});
+        let consumer = client.start("push-consume", &args(&namesrv, consume));
+        for batch in 0..BATCHES {
+            let produce = json!({"topic": topic, "group": "rm_lb_p", "count": PER_BATCH,
+                "bodyPrefix": format!("b{batch}")});
+            let sent = client.run("produce", &send_args(&namesrv, produce), DRIVER_TIMEOUT).await;
+            assert_eq!(sent["errors"], json!([]), "{} batch {batch}: {sent}", client.0);
+            let cut = balancer.cut_connections_to(batch % instances.len()).await;
+            assert!(cut.is_empty(), "haproxy cut the connections: {cut}");
+        }
+        let result = consumer.finish(DRIVER_TIMEOUT).await;
+        let mut got = bodies(&result, "received");
+        got.sort();
+        got.dedup();
+        let mut expected = expected;
+        expected.sort();
+        assert_eq!(got, expected, "{}: every message consumed through the balancer: {result}", client.0);
+    }
 }
