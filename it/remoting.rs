@@ -358,6 +358,27 @@ async fn two_broadcasting_consumers_of_one_group_in_one_app_each_get_every_messa
     }
 }
 
+/// A pull naming a newer subscription version than any heartbeat of its group brought (the client skipped the
+/// heartbeat that carried it) is refused by its broker as `SUBSCRIPTION_NOT_LATEST` until the client's next
+/// heartbeat, up to 30 s later, straight at the cluster; through popgate it is served (after a wait of 2 s for that
+/// heartbeat) with the group's subscription as popgate has it, as Apache's proxy relays every pull.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_whose_newer_subscription_version_never_came_is_served_with_the_groups_subscription() {
+    let cluster = shared_cluster();
+    let (_popgate, namesrv) = popgate_with_remoting(cluster, "").await;
+    let topic = unique_topic("rm_skipped_hb");
+    let group = unique_topic("rm_skipped_hb_g");
+    create_topic(cluster, &topic).await;
+    let mut member = TcpStream::connect(&namesrv).await.expect("connect");
+    // Subscription version 0, passed on to every master before the answer.
+    let registered = ask(&mut member, push_consumer_heartbeat("skipped@1", &group, &topic)).await.expect("answered");
+    assert_eq!(registered.code(), 0, "{:?}", registered.remark());
+    let mut pull = raw_pull(&group, &topic, "0", None);
+    pull.add_ext_field("subVersion", "5000");
+    let answer = ask(&mut member, pull).await.expect("answered");
+    assert_eq!(answer.code(), 19, "served (PULL_NOT_FOUND: the queue is empty), not refused: {:?}", answer.remark());
+}
+
 /// Waits until `topic`'s route is answered through popgate at `namesrv` (a new topic reaches the name server
 /// with its broker's next registration; popgate keeps an absence for a second).
 async fn route_known(namesrv: &str, topic: &str) {
