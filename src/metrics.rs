@@ -62,7 +62,7 @@ pub const BROKER_ACK_REQUESTS: &str = "popgate_broker_ack_requests_total";
 pub const BROKER_ACK_FAILURES: &str = "popgate_broker_ack_failures_total";
 /// State-store writes that failed (disk full, I/O error): the seed's offsetWriteFailures.
 pub const OFFSET_WRITE_FAILURES: &str = "popgate_offset_write_failures_total";
-/// Records replayed at boot, by `outcome` (redispatched, ack_pending, dead_letter_pending, corrupt).
+/// Records replayed at boot, by `outcome` (redispatched, lease_lapsed, ack_pending, dead_letter_pending, corrupt).
 pub const RECOVERED_DELIVERIES: &str = "popgate_recovered_deliveries_total";
 /// Deliveries whose broker lease lapsed or could not be renewed: popgate gave them up to the broker.
 pub const LEASES_LOST: &str = "popgate_leases_lost_total";
@@ -259,7 +259,11 @@ const ZERO_SERIES: &[(&str, &str, &[&str])] = &[
     (WEBHOOK_HEADERS_SKIPPED, "reason", &crate::api::webhook::headers::Skip::LABELS),
     (ACKS, "result", &["acked", "repeated", "unknown", "stale", "superseded", "not_in_flight", "busy", "store_error"]),
     (REDELIVERIES, "reason", &["timeout", "nack", "push_failure", "recovery"]),
-    (RECOVERED_DELIVERIES, "outcome", &["redispatched", "ack_pending", "dead_letter_pending", "corrupt"]),
+    (
+        RECOVERED_DELIVERIES,
+        "outcome",
+        &["redispatched", "lease_lapsed", "ack_pending", "dead_letter_pending", "corrupt"],
+    ),
     (CONSUME_REQUEST_FAILURES, "op", &["pop", "renew", "give_back"]),
     (DELIVERIES_GIVEN_BACK, "reason", &["unsubscribed", "not_admitted", "fifo_head_lost", "unclaimed"]),
     (STORE_UNDECODABLE, "family", &["dlq_replays", "payloads"]),

@@ -128,6 +128,10 @@ pub(super) enum Restored {
         /// It was awaiting an ACK (a redelivery), not waiting for its attempt.
         was_handed_out: bool,
     },
+    /// Unsettled, but its broker lease lapsed while popgate was down: never handed out again here, the
+    /// sweeper's first pass gives it up to the broker, which redelivers it, unless it was settled meanwhile
+    /// elsewhere (another instance of a tier ACKs at the broker what this one handed out).
+    LeaseLapsed,
     /// The subscriber's ACK was stored: only the broker ACK is owed.
     AckPending,
     /// Owed to the DLQ.

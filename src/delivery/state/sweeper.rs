@@ -156,7 +156,11 @@ impl Deliveries {
     /// (never handed out or settled again) and filed, so the next sweep gives each back to the broker as
     /// soon as nobody acts on it, and the broker's orderly POP brings the group back in order.
     pub(super) async fn give_up_lease(&self, id: &str) {
-        tracing::warn!(delivery = %id, "Broker lease lapsed; the broker will redeliver the event.");
+        tracing::warn!(
+            delivery = %id,
+            "Broker lease lapsed; the broker redelivers the event, unless it was settled there meanwhile (by another \
+             instance of the tier while this one was down)."
+        );
         counter!(m::LEASES_LOST).increment(1);
         {
             let mut table = self.table.lock();
