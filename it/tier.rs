@@ -956,3 +956,103 @@ async fn over_mutual_tls_peers_settle_and_the_peer_port_refuses_plaintext_and_ot
     assert_eq!(plain.metric("popgate_tier_peers").await, 0.0, "it does not get in");
     assert!(first.metric(&refused("plaintext")).await > plain_before, "its attempt was refused and counted");
 }
+
+const TAKEN: &str = "popgate_tier_subscription_changes_total{way=\"received\",result=\"taken\"}";
+
+fn epoch_ms() -> i64 {
+    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("after 1970");
+    i64::try_from(since.as_millis()).expect("fits")
+}
+
+/// Publishes `data` tagged `tag` to `topic` through `instance`.
+async fn publish_tagged(instance: &Popgate, topic: &str, data: &str, tag: &str) {
+    let event = json!({"topic": topic, "data": data, "tags": tag});
+    let (status, answer) =
+        call(&Client::new(), &instance.base, reqwest::Method::POST, "/events/publish", APP.1, Some(event)).await;
+    assert_eq!(status, 200, "{answer}");
+}
+
+/// How long `delivery` was given to be ACKed, from `polled_at` (epoch ms) on.
+fn ack_time_ms(delivery: &Value, polled_at: i64) -> i64 {
+    delivery["ackDeadline"].as_i64().expect("an ACK deadline") - polled_at
+}
+
+/// Waits until `instance` has taken at least `count` subscription changes from its peers.
+async fn taken_at_least(instance: &Popgate, count: f64, what: &str) {
+    eventually(Duration::from_secs(20), what, || async { instance.metric(TAKEN).await >= count }).await;
+}
+
+/// One subscription for the whole tier (issue #48): subscriptions made through instance 0 (ACK timeout 2 s,
+/// 2 attempts, only messages tagged `keep`; one group on two topics) govern what instance 1 hands out, and
+/// instance 2, started after they were made, has them before it serves anyone: its delivery has the 2 s
+/// deadline, comes back once (attempt 2) and then goes to the DLQ, and a message tagged otherwise is never
+/// handed out. One unsubscribe, through instance 1, removes one on the other two: their next poll makes the
+/// default subscription (30 s to ACK, no filter). (Each instance reads a topic of its own: a POP an instance
+/// still has open at the broker when its poll ends may take the next message there.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscription_made_through_one_instance_governs_every_instance_and_one_unsubscribe_removes_it_everywhere() {
+    let cluster = shared_cluster();
+    let group = unique_topic("tier_gsub");
+    let topics = [unique_topic("tier_sub"), unique_topic("tier_sub")];
+    let peer_ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+    let configs: Vec<String> = (0..3).map(|n| peer_toml(n, peer_ports[n], &peer_ports, "", "")).collect();
+    let (first, second) = tokio::join!(
+        Popgate::start(&cluster.namesrv_addr, &configs[0]),
+        Popgate::start(&cluster.namesrv_addr, &configs[1]),
+    );
+    let client = Client::new();
+    for topic in &topics {
+        let subscription = json!({"group": group, "topic": topic, "filter": "keep", "ackTimeoutMs": 2000,
+            "maxAttempts": 2, "initialBackoffMs": 500, "maxBackoffMs": 500});
+        let (status, answer) =
+            call(&client, &first.base, reqwest::Method::POST, "/events/subscribe", APP.1, Some(subscription)).await;
+        assert_eq!(status, 200, "{answer}");
+    }
+    taken_at_least(&second, 2.0, "instance 1 to take the subscriptions made on instance 0").await;
+
+    // Instance 1: only the `keep` message, with 2 s to ACK it.
+    publish_tagged(&first, &topics[0], "dropped", "drop").await;
+    publish_tagged(&first, &topics[0], "kept-1", "keep").await;
+    let polled_at = epoch_ms();
+    let held = hand_out(&second, &group, &topics[0], 1).await;
+    assert_eq!(data_of(&held[0]), "kept-1");
+    assert!(ack_time_ms(&held[0], polled_at) <= 4_000, "the subscription's 2 s, not 30 s: {}", held[0]);
+    assert_acked_at(&second, &id_of(&held[0])).await;
+
+    // Instance 2, started now, has them before it serves anyone (taken at its first look-up of its peers).
+    let third = Popgate::start(&cluster.namesrv_addr, &configs[2]).await;
+    assert!(third.metric(TAKEN).await >= 2.0, "taken before it served");
+    publish_tagged(&first, &topics[1], "dropped", "drop").await;
+    publish_tagged(&first, &topics[1], "kept-2", "keep").await;
+    let polled_at = epoch_ms();
+    let held = hand_out(&third, &group, &topics[1], 1).await;
+    assert_eq!((data_of(&held[0]), &held[0]["attempt"]), ("kept-2".to_owned(), &json!(1)));
+    assert!(ack_time_ms(&held[0], polled_at) <= 4_000, "the subscription's 2 s: {}", held[0]);
+    // Not ACKed: back once after its 2 s (and 0.5 s backoff), then, its two attempts spent, to the DLQ.
+    let again = hand_out(&third, &group, &topics[1], 1).await;
+    assert_eq!((data_of(&again[0]), &again[0]["attempt"]), ("kept-2".to_owned(), &json!(2)));
+    let dlq = format!("popgate_dlq_messages_total{{group=\"{group}\"}}");
+    eventually(Duration::from_secs(20), "the DLQ write after two attempts", || async {
+        third.metric(&dlq).await >= 1.0
+    })
+    .await;
+    let after = handed_out_within(&third, &group, &topics[1], Duration::from_secs(2)).await;
+    assert_eq!(after, Vec::<Value>::new(), "nothing after the last attempt, and never the `drop` message");
+
+    // One unsubscribe, through instance 1, removes it on instances 0 and 2 too.
+    let (taken_first, taken_third) = (first.metric(TAKEN).await, third.metric(TAKEN).await);
+    let unsubscribe = json!({"group": group, "topic": topics[1]});
+    let (status, answer) =
+        call(&client, &second.base, reqwest::Method::POST, "/events/unsubscribe", APP.1, Some(unsubscribe)).await;
+    assert_eq!(status, 200, "{answer}");
+    taken_at_least(&first, taken_first + 1.0, "instance 0 to take the removal").await;
+    taken_at_least(&third, taken_third + 1.0, "instance 2 to take the removal").await;
+    for (instance, data) in [(&first, "after-0"), (&third, "after-2")] {
+        publish_tagged(&first, &topics[1], data, "other").await;
+        let polled_at = epoch_ms();
+        let held = hand_out(instance, &group, &topics[1], 1).await;
+        assert_eq!(data_of(&held[0]), data, "no filter any more");
+        assert!(ack_time_ms(&held[0], polled_at) >= 20_000, "the default 30 s: {}", held[0]);
+        assert_acked_at(instance, &id_of(&held[0])).await;
+    }
+}

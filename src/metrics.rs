@@ -116,6 +116,9 @@ pub const TIER_SETTLED_AT_BROKER: &str = "popgate_tier_settled_at_broker_total";
 pub const TIER_ACKS_LEARNED: &str = "popgate_tier_acks_learned_total";
 /// Counter: such ACKs dropped before their owner learned of them (more were owed than a peer keeps).
 pub const TIER_ACKS_UNTOLD: &str = "popgate_tier_acks_untold_total";
+/// Counter (`way`, `result`): changes of the tier's shared subscriptions, `way` = sent (to each peer: ok,
+/// unreachable; dropped: the queue to the peer link was full) or received (taken, older, refused).
+pub const TIER_SUBSCRIPTION_CHANGES: &str = "popgate_tier_subscription_changes_total";
 /// Gauge: the other instances of the tier this one knows an address of.
 pub const TIER_PEERS: &str = "popgate_tier_peers";
 /// Counter (`reason`): connections to a TLS peer link closed before they were served: `plaintext` (no TLS
@@ -372,6 +375,11 @@ fn register_zeroes() {
             metrics::counter!(TIER_SETTLED_AT_BROKER, "action" => action, "result" => result).increment(0);
         }
     }
+    for (way, results) in [("sent", ["ok", "unreachable", "dropped"]), ("received", ["taken", "older", "refused"])] {
+        for result in results {
+            metrics::counter!(TIER_SUBSCRIPTION_CHANGES, "way" => way, "result" => result).increment(0);
+        }
+    }
     metrics::counter!(TIER_ACKS_LEARNED, "result" => "acked").increment(0);
     metrics::counter!(TIER_ACKS_UNTOLD).increment(0);
     metrics::gauge!(TIER_PEERS).set(0.0);
@@ -477,6 +485,11 @@ fn describe_all() {
         TIER_ACKS_LEARNED,
         Unit::Count,
         "ACKs a peer made at the broker while this instance could not be reached, learned afterwards, by result."
+    );
+    describe_counter!(
+        TIER_SUBSCRIPTION_CHANGES,
+        Unit::Count,
+        "Changes of the tier's shared subscriptions sent to each peer or received from one, by result."
     );
     describe_counter!(
         TIER_ACKS_UNTOLD,

@@ -18,10 +18,11 @@ pub(crate) use crate::broker::message::{is_reserved_property, ClientWire, PROPER
 pub(crate) use crate::broker::transaction::{PROPERTY_PRODUCER_GROUP, PROPERTY_TRANSACTION_PREPARED};
 pub(crate) use crate::broker::{BrokerClient, SendReceipt};
 pub(crate) use crate::delivery::retry::RetryPolicy;
+pub(crate) use crate::delivery::shared::MAX_QUEUED_CHANGES;
 pub(crate) use crate::delivery::webhook::{signature, WebhookPush};
 pub(crate) use crate::delivery::{
-    content, instance_of, DeliveryError, Dispatched, Event, FilterType, NackOutcome, Subscriber, Subscription,
-    SubscriptionRequest, Target, MAX_POLL_BATCH, MAX_POLL_WAIT,
+    content, instance_of, Applied, DeliveryError, Dispatched, Event, FilterType, NackOutcome, SharedChange, SubVersion,
+    Subscriber, Subscription, SubscriptionRequest, Target, MAX_POLL_BATCH, MAX_POLL_WAIT,
 };
 pub(crate) use crate::transaction::{
     mark_half, CheckForwarder, Ended, Orphan, Resolution, State as RecordState, TransactionError, TransactionRecord,

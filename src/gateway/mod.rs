@@ -20,6 +20,7 @@ mod clients;
 mod publish;
 mod receive;
 mod settle;
+mod tier_state;
 mod transaction;
 
 use metrics::counter;
