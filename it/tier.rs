@@ -441,7 +441,9 @@ async fn an_ack_whose_owner_cannot_be_reached_is_made_at_the_broker_and_the_owne
     let cluster = shared_cluster();
     let (topic, group) = (unique_topic("tier_cut"), unique_topic("tier_gcut"));
     let (port_0, port_1, nobody) = (free_port(), free_port(), free_port());
-    let delivery = "ack_timeout_ms = 8000\nlease_ms = 4000";
+    // An 8 s lease: the ACK, right after the hand-out, reaches the broker well before the owner would renew it
+    // (with 4 s left), so it is answered as done.
+    let delivery = "ack_timeout_ms = 8000\nlease_ms = 8000";
     let (owner_toml, other_toml) =
         (peer_toml(0, port_0, &[port_1], delivery, ""), peer_toml(1, port_1, &[nobody], delivery, ""));
     let (owner, other) = tokio::join!(
@@ -461,8 +463,8 @@ async fn an_ack_whose_owner_cannot_be_reached_is_made_at_the_broker_and_the_owne
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     assert_eq!(owner.metric(LEARNED).await, 1.0, "the owner learned of the ACK from its peer");
-    // Past the ACK timeout (8 s) and the lease (4 s): neither popgate nor the broker hands it out again.
-    let again = handed_out_within(&owner, &group, &topic, Duration::from_secs(10)).await;
+    // Past the ACK timeout and the lease (8 s each): neither popgate nor the broker hands it out again.
+    let again = handed_out_within(&owner, &group, &topic, Duration::from_secs(12)).await;
     assert_eq!(again, Vec::<Value>::new());
     assert_eq!(forwarded(std::slice::from_ref(&other), "ack", "unreachable").await, 1.0);
 }
@@ -958,6 +960,7 @@ async fn over_mutual_tls_peers_settle_and_the_peer_port_refuses_plaintext_and_ot
 }
 
 const TAKEN: &str = "popgate_tier_subscription_changes_total{way=\"received\",result=\"taken\"}";
+const LEASES_KEPT: &str = "popgate_tier_leases_told_total{way=\"received\",result=\"kept\"}";
 
 fn epoch_ms() -> i64 {
     let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("after 1970");
@@ -1055,4 +1058,47 @@ async fn a_subscription_made_through_one_instance_governs_every_instance_and_one
         assert!(ack_time_ms(&held[0], polled_at) >= 20_000, "the default 30 s: {}", held[0]);
         assert_acked_at(instance, &id_of(&held[0])).await;
     }
+}
+
+/// A settlement answered as done is done (issue #48). The owner of two deliveries renews their broker leases
+/// (ChangeInvisibleTime: new handles, the ones the clients' handles carry are dead) and tells its peers, then is
+/// `kill -9`ed and kept down past the renewed lease. An ACK through a survivor right away is made with the
+/// renewed lease and answered as done; one made once that lease is due for renewal (the survivor cannot know
+/// whether the owner renewed it again) is made the same way and answered "unconfirmed" (202). Neither message
+/// comes back: not past the renewed lease, nor past the broker's revive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acks_through_survivors_after_the_owners_lease_renewal_land_and_nothing_comes_back() {
+    let cluster = shared_cluster();
+    let (topic, group) = (unique_topic("tier_renew"), unique_topic("tier_grenew"));
+    // A 16 s lease is renewed with 8 s left, and the renewed one is surely current for 8 - 1 s after that.
+    let instances = start_tier(&cluster.namesrv_addr, "ack_timeout_ms = 120000\nlease_ms = 16000").await;
+    for n in 0..2 {
+        let event = json!({"topic": topic, "data": format!("renewed-{n}")});
+        let (status, answer) =
+            call(&Client::new(), &instances[0].base, reqwest::Method::POST, "/events/publish", APP.1, Some(event))
+                .await;
+        assert_eq!(status, 200, "{answer}");
+    }
+    let held = hand_out(&instances[0], &group, &topic, 2).await;
+    eventually(Duration::from_secs(30), "the owner to renew both leases and tell its peers", || async {
+        instances[1].metric(LEASES_KEPT).await >= 2.0 && instances[2].metric(LEASES_KEPT).await >= 2.0
+    })
+    .await;
+    let renewed = Instant::now();
+    let [mut owner, second, third] = instances;
+    owner.kill9();
+
+    assert_acked_at(&second, &id_of(&held[0])).await;
+    // Past the point where the owner, had it lived, would have renewed the lease again (8 s after the renewal).
+    tokio::time::sleep(Duration::from_secs(9).saturating_sub(renewed.elapsed())).await;
+    let (status, answer) = ack_at(&third, &id_of(&held[1])).await;
+    assert_eq!((status, &answer["status"]), (202, &json!("unconfirmed")), "{answer}");
+
+    // The renewed lease ends 16 s after the renewal; the broker would put an unACKed message back some seconds
+    // later. Neither comes back.
+    let until = renewed + Duration::from_secs(36);
+    let again = handed_out_within(&second, &group, &topic, until.saturating_duration_since(Instant::now())).await;
+    assert_eq!(again, Vec::<Value>::new(), "an ACK answered as done is done");
+    let settled = "popgate_tier_settled_at_broker_total{action=\"ack\",result=\"unconfirmed\"}";
+    assert_eq!(third.metric(settled).await, 1.0);
 }

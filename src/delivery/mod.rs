@@ -39,6 +39,7 @@ pub mod subscriber;
 mod sweeper;
 #[cfg(test)]
 mod test_support;
+pub mod told_leases;
 mod untold;
 pub mod webhook;
 
@@ -312,6 +313,8 @@ pub struct Dispatcher {
     untold: untold::Untold,
     /// The versions of the subscriptions a tier shares, and their removals (see [`shared`]).
     shared: shared::Shared,
+    /// In a tier, the current broker leases of other instances' deliveries, as their owners told them.
+    told_leases: told_leases::ToldLeases,
 }
 
 impl Dispatcher {
@@ -351,6 +354,7 @@ impl Dispatcher {
             group_order,
             untold,
             shared,
+            told_leases: told_leases::ToldLeases::new(),
         });
         dispatcher.spawn(sweeper::run(deliveries.clone()));
         dispatcher.spawn(gauges::run(deliveries.clone()));

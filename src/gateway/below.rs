@@ -19,6 +19,7 @@ pub(crate) use crate::broker::transaction::{PROPERTY_PRODUCER_GROUP, PROPERTY_TR
 pub(crate) use crate::broker::{BrokerClient, SendReceipt};
 pub(crate) use crate::delivery::retry::RetryPolicy;
 pub(crate) use crate::delivery::shared::MAX_QUEUED_CHANGES;
+pub(crate) use crate::delivery::told_leases::{RenewedLease, MAX_QUEUED_RENEWALS};
 pub(crate) use crate::delivery::webhook::{signature, WebhookPush};
 pub(crate) use crate::delivery::{
     content, instance_of, Applied, DeliveryError, Dispatched, Event, FilterType, NackOutcome, SharedChange, SubVersion,

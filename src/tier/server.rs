@@ -167,6 +167,14 @@ impl Peer for PeerService {
         Ok(Response::new(pb::SubscriptionsReply { same: false, changes }))
     }
 
+    async fn leases(&self, request: Request<pb::LeasesRequest>) -> Result<Response<pb::LeasesReply>, Status> {
+        for_this_instance(self.verifier.check(&request, "leases"), "leases", "leases")?;
+        for told in request.into_inner().leases.into_iter().take(super::sharing::MAX_SET) {
+            self.deliveries.learn_lease(&told.delivery_id, told.lease);
+        }
+        Ok(Response::new(pb::LeasesReply {}))
+    }
+
     async fn end(&self, request: Request<pb::EndRequest>) -> Result<Response<pb::EndReply>, Status> {
         for_this_instance(self.verifier.check(&request, "end"), "end", "end")?;
         let request = request.into_inner();

@@ -1,12 +1,16 @@
 //! What the tier's instances keep in step over the peer link (issue #48, "a tier that acts as one"):
-//! **shared subscriptions** (`delivery::shared`): each change made on an instance is sent to every peer at
+//! - **Shared subscriptions** (`delivery::shared`): each change made on an instance is sent to every peer at
 //!   once (`Share`); at every look-up of its peers an instance sends each one the digest of its whole set and
 //!   takes theirs when it differs (`Subscriptions`), so a change a peer missed (down, unreachable, a full queue)
 //!   and the whole set, for an instance that starts or joins, arrive within `tier.refresh_secs`. Every change
 //!   carries its version and each instance keeps the latest, so the order they arrive in does not matter.
-//! Changes go through a bounded queue drained by one task, in batches: a flood of changes costs one call per
-//! peer per batch, and what does not fit is dropped and counted (it arrives with the next comparison of
-//! digests).
+//! - **Renewed leases** (`delivery::told_leases`): each lease an instance renews is sent to every peer at once
+//!   (`Leases`), so a peer that ACKs one of its deliveries while it cannot be reached ACKs with the live handle.
+//!
+//! Both go through bounded queues drained by one task each, in batches: a flood of changes costs one call per
+//! peer per batch, and what does not fit is dropped and counted (subscriptions then arrive with the next
+//! comparison of digests; a lease not told makes a peer's ACK answer "unconfirmed" once the lease it knows is
+//! due for renewal).
 
 use std::sync::{Arc, Weak};
 
@@ -17,11 +21,13 @@ use tonic::transport::Channel;
 use super::proto::{self as pb, peer_client::PeerClient};
 use super::signing::sign_request;
 use super::Tier;
-use crate::gateway::below::{Applied, SharedChange, SubVersion, Subscription, MAX_QUEUED_CHANGES};
+use crate::gateway::below::{
+    Applied, RenewedLease, SharedChange, SubVersion, Subscription, MAX_QUEUED_CHANGES, MAX_QUEUED_RENEWALS,
+};
 use crate::gateway::Deliveries;
 use crate::metrics as m;
 
-/// Most changes sent in one call.
+/// Most changes (or leases) sent in one call.
 const BATCH: usize = 500;
 /// Most changes a peer's whole set may hold (at most 10 000 subscriptions asked for and 10 000 remembered
 /// removals, `delivery::shared`): what more a message carries is left.
@@ -30,6 +36,8 @@ pub(super) const MAX_SET: usize = 20_000;
 const MAX_SUBSCRIPTION_BYTES: usize = 64 * 1024;
 /// The largest message a peer's answer may be (a whole set of subscriptions).
 pub(super) const MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
+/// Most renewed leases waiting to be told; past it, dropped and counted.
+const MAX_QUEUED_LEASES: usize = MAX_QUEUED_RENEWALS;
 
 /// A change as the peer link carries it.
 pub(super) fn to_wire(change: &SharedChange) -> Option<pb::SharedSubscription> {
@@ -91,13 +99,16 @@ async fn next_batch<T>(queue: &mut mpsc::Receiver<T>) -> Option<Vec<T>> {
 }
 
 impl Tier {
-    /// Starts telling the peers this instance's changes of shared subscriptions, for as long as the tier
-    /// lives. Outside a tier (no deliveries) nothing is told.
+    /// Starts telling the peers this instance's changes of shared subscriptions and its renewed leases, for as
+    /// long as the tier lives. Outside a tier (no deliveries) nothing is told.
     pub fn start_telling(self: &Arc<Tier>) {
         let Some(deliveries) = &self.deliveries else { return };
         let (changes, changes_queue) = mpsc::channel(MAX_QUEUED_CHANGES);
         deliveries.send_shared_changes_to(changes);
         tokio::spawn(share_changes(Arc::downgrade(self), changes_queue));
+        let (leases, leases_queue) = mpsc::channel(MAX_QUEUED_LEASES);
+        deliveries.send_renewals_to(leases);
+        tokio::spawn(tell_leases(Arc::downgrade(self), leases_queue));
     }
 
     /// The known peers and their links.
@@ -150,6 +161,31 @@ async fn share_changes(tier: Weak<Tier>, mut queue: mpsc::Receiver<SharedChange>
                 }
             };
             counter!(m::TIER_SUBSCRIPTION_CHANGES, "way" => "sent", "result" => result).increment(changes.len() as u64);
+        }
+    }
+}
+
+/// Sends each batch of renewed leases to every known peer.
+async fn tell_leases(tier: Weak<Tier>, mut queue: mpsc::Receiver<RenewedLease>) {
+    while let Some(batch) = next_batch(&mut queue).await {
+        let Some(tier) = tier.upgrade() else { return };
+        let leases: Vec<pb::RenewedLease> =
+            batch.into_iter().map(|(delivery_id, lease)| pb::RenewedLease { delivery_id, lease }).collect();
+        let sends = tier.peer_list().into_iter().map(|(peer, mut client)| {
+            let mut request = tonic::Request::new(pb::LeasesRequest { leases: leases.clone() });
+            request.set_timeout(tier.timeout());
+            sign_request(&mut request, &tier.secret, "leases", &peer);
+            async move { (peer, client.leases(request).await) }
+        });
+        for (peer, sent) in futures::future::join_all(sends).await {
+            let result = match sent {
+                Ok(_) => "ok",
+                Err(status) => {
+                    tracing::debug!(%peer, error = %status.message(), "Renewed leases could not be told to a peer.");
+                    "unreachable"
+                }
+            };
+            counter!(m::TIER_LEASES_TOLD, "way" => "sent", "result" => result).increment(leases.len() as u64);
         }
     }
 }

@@ -28,6 +28,7 @@ mod cluster;
 mod fake_cluster;
 mod hand_out;
 mod holds;
+mod lease_tells;
 #[cfg(test)]
 mod model;
 mod pop_side;
@@ -179,6 +180,8 @@ pub(super) struct Deliveries {
     /// In a tier, how long a subscription may go without a waiting consumer before what is due on it is given
     /// back to the broker (ms).
     give_back_unclaimed_ms: Option<i64>,
+    /// In a tier, where renewed leases go to be told to the peers (`lease_tells`).
+    renewal_outbox: Mutex<Option<tokio::sync::mpsc::Sender<(String, String)>>>,
 }
 
 // === construction, configuration, persistence ===
@@ -213,6 +216,7 @@ impl Deliveries {
             instance: String::new(),
             lease_seal: None,
             give_back_unclaimed_ms: None,
+            renewal_outbox: Mutex::new(None),
         }
     }
 
