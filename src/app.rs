@@ -168,6 +168,9 @@ pub async fn serve(
     let (owners, peer_server) = match peer_link {
         Some((listener, tls)) => {
             let tier = Tier::new(&config.tier, instance.clone(), Some(deliveries.clone()), tls.clone());
+            // Subscription changes and renewed leases are told to the peers from now on; the first look-up takes
+            // the tier's subscriptions before this instance serves anyone.
+            tier.start_telling();
             tier.look_up().await;
             tokio::spawn(Tier::keep_looking_up(Arc::downgrade(&tier)));
             let parts = PeerParts {

@@ -116,6 +116,12 @@ pub const TIER_SETTLED_AT_BROKER: &str = "popgate_tier_settled_at_broker_total";
 pub const TIER_ACKS_LEARNED: &str = "popgate_tier_acks_learned_total";
 /// Counter: such ACKs dropped before their owner learned of them (more were owed than a peer keeps).
 pub const TIER_ACKS_UNTOLD: &str = "popgate_tier_acks_untold_total";
+/// Counter (`way`, `result`): changes of the tier's shared subscriptions, `way` = sent (to each peer: ok,
+/// unreachable; dropped: the queue to the peer link was full) or received (taken, older, refused).
+pub const TIER_SUBSCRIPTION_CHANGES: &str = "popgate_tier_subscription_changes_total";
+/// Counter (`way`, `result`): renewed broker leases of held deliveries, `way` = sent (to each peer: ok,
+/// unreachable; dropped: the queue to the peer link was full) or received (kept, refused: not sealed by the tier).
+pub const TIER_LEASES_TOLD: &str = "popgate_tier_leases_told_total";
 /// Gauge: the other instances of the tier this one knows an address of.
 pub const TIER_PEERS: &str = "popgate_tier_peers";
 /// Counter (`reason`): connections to a TLS peer link closed before they were served: `plaintext` (no TLS
@@ -372,8 +378,18 @@ fn register_zeroes() {
         }
     }
     for action in ["ack", "nack"] {
-        for result in ["ok", "stale", "busy"] {
+        for result in ["ok", "stale", "busy", "unconfirmed"] {
             metrics::counter!(TIER_SETTLED_AT_BROKER, "action" => action, "result" => result).increment(0);
+        }
+    }
+    for (way, results) in [("sent", ["ok", "unreachable", "dropped"]), ("received", ["taken", "older", "refused"])] {
+        for result in results {
+            metrics::counter!(TIER_SUBSCRIPTION_CHANGES, "way" => way, "result" => result).increment(0);
+        }
+    }
+    for (way, results) in [("sent", ["ok", "unreachable", "dropped"]), ("received", ["kept", "refused", "refused"])] {
+        for result in results {
+            metrics::counter!(TIER_LEASES_TOLD, "way" => way, "result" => result).increment(0);
         }
     }
     metrics::counter!(TIER_ACKS_LEARNED, "result" => "acked").increment(0);
@@ -481,6 +497,16 @@ fn describe_all() {
         TIER_ACKS_LEARNED,
         Unit::Count,
         "ACKs a peer made at the broker while this instance could not be reached, learned afterwards, by result."
+    );
+    describe_counter!(
+        TIER_SUBSCRIPTION_CHANGES,
+        Unit::Count,
+        "Changes of the tier's shared subscriptions sent to each peer or received from one, by result."
+    );
+    describe_counter!(
+        TIER_LEASES_TOLD,
+        Unit::Count,
+        "Renewed broker leases of held deliveries told to each peer or received from one, by result."
     );
     describe_counter!(
         TIER_ACKS_UNTOLD,

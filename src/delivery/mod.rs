@@ -34,11 +34,13 @@ mod popper;
 pub mod record;
 pub mod recovery;
 pub mod retry;
+pub mod shared;
 mod state;
 pub mod subscriber;
 mod sweeper;
 #[cfg(test)]
 mod test_support;
+pub mod told_leases;
 mod untold;
 
 use std::sync::Arc;
@@ -50,7 +52,8 @@ use tokio::task::JoinHandle;
 /// writes the property it reads; the fronts reach it through here.
 pub use crate::broker::content;
 pub use lease::{split_lease, with_lease, Lease, LeaseSeal};
-pub use record::{Event, FilterType, Holder, Subscription, WebhookPush};
+pub use record::{Event, FilterType, Holder, SubVersion, Subscription, WebhookPush};
+pub use shared::{Applied, SharedChange};
 pub use state::{instance_of, new_delivery_id};
 pub use subscriber::Subscriber;
 
@@ -243,6 +246,9 @@ pub struct SubscriptionRequest {
     /// Made by a receive on its own rather than asked for (see [`Subscription::implicit`]). An existing
     /// subscription that was asked for stays so.
     pub implicit: bool,
+    /// A change another instance of the tier made, with its version: taken as it is and not told again
+    /// (`None`: a change made here, given a new version and told to the tier).
+    pub shared_version: Option<SubVersion>,
 }
 
 impl From<Subscription> for SubscriptionRequest {
@@ -258,6 +264,7 @@ impl From<Subscription> for SubscriptionRequest {
             ordered: Some(sub.ordered),
             push: sub.push,
             implicit: sub.implicit,
+            shared_version: None,
             group: sub.group,
             topic: sub.topic,
         }
@@ -312,6 +319,10 @@ pub struct Dispatcher {
     group_order: Arc<group_order::GroupOrder>,
     /// In a tier, the ACKs made at the broker for other instances that could not be reached, until they ask.
     untold: untold::Untold,
+    /// The versions of the subscriptions a tier shares, and their removals (see [`shared`]).
+    shared: shared::Shared,
+    /// In a tier, the current broker leases of other instances' deliveries, as their owners told them.
+    told_leases: told_leases::ToldLeases,
 }
 
 impl Dispatcher {
@@ -334,6 +345,7 @@ impl Dispatcher {
     ) -> Result<(Arc<Dispatcher>, RecoveryReport), DeliveryError> {
         let group_order = group_order::GroupOrder::new(broker.clone(), config.follow_group_config);
         let untold = untold::Untold::load(store.clone(), untold::MAX_UNTOLD).map_err(DeliveryError::Store)?;
+        let shared = shared::Shared::load(store.clone(), issuer.instance).map_err(DeliveryError::Store)?;
         let deliveries = Arc::new(
             Deliveries::new(store, broker, publisher, config)
                 .with_instance(issuer.instance, issuer.lease_seal)
@@ -346,6 +358,8 @@ impl Dispatcher {
             watcher: std::sync::OnceLock::new(),
             group_order,
             untold,
+            shared,
+            told_leases: told_leases::ToldLeases::new(),
         });
         dispatcher.spawn(sweeper::run(deliveries.clone()));
         dispatcher.spawn(gauges::run(deliveries.clone()));
@@ -410,11 +424,35 @@ impl Dispatcher {
     /// # Errors
     /// [`DeliveryError::Invalid`] naming a bad field; [`DeliveryError::Store`] when it cannot be stored.
     pub async fn subscribe(&self, request: SubscriptionRequest) -> Result<Subscription, DeliveryError> {
+        let _changing = self.shared.changing.lock().await;
+        self.subscribe_now(request).await
+    }
+
+    /// As [`Dispatcher::subscribe`], the caller holding the lock on shared changes. A subscription asked for
+    /// gets its version (the request's, when another instance made the change; else a new one, and the change
+    /// is told to the tier).
+    async fn subscribe_now(&self, request: SubscriptionRequest) -> Result<Subscription, DeliveryError> {
         let config = self.deliveries.config();
         validate_name("group", &request.group)?;
         validate_name("topic", &request.topic)?;
-        let implicit = request.implicit
-            && self.deliveries.subscription(&request.group, &request.topic).is_none_or(|existing| existing.implicit);
+        let existing = self.deliveries.subscription(&request.group, &request.topic);
+        let implicit = request.implicit && existing.as_ref().is_none_or(|existing| existing.implicit);
+        let key = Subscription::key_of(&request.group, &request.topic);
+        let told = request.shared_version.is_some();
+        if !implicit && existing.as_ref().is_none_or(|existing| existing.implicit) && self.asked_subscriptions_full() {
+            return Err(DeliveryError::Invalid(
+                "group",
+                format!(
+                    "popgate keeps at most {} subscriptions asked for; remove one first",
+                    shared::MAX_ASKED_SUBSCRIPTIONS
+                ),
+            ));
+        }
+        let version = (!implicit).then(|| {
+            request.shared_version.clone().unwrap_or_else(|| {
+                self.shared.next_version(&key, existing.as_ref().and_then(|existing| existing.version.as_ref()))
+            })
+        });
         let sub = Subscription {
             group: request.group,
             topic: request.topic,
@@ -427,6 +465,7 @@ impl Dispatcher {
             ordered: request.ordered.unwrap_or(false),
             push: request.push,
             implicit,
+            version,
         };
         if sub.filter.trim().is_empty() {
             let what = match sub.filter_type {
@@ -453,6 +492,13 @@ impl Dispatcher {
             self.spawn(popper::run(self.deliveries.clone(), sub.key(), stop));
         }
         self.tell_watcher(|watcher| watcher.subscribed(&sub));
+        if !implicit {
+            // Newer than any removal remembered (a local change's version is; a told one was checked).
+            self.shared.forget_removal(&key).await;
+            if !told {
+                self.shared.announce(SharedChange::Put(sub.clone()));
+            }
+        }
         Ok(sub)
     }
 
@@ -462,6 +508,28 @@ impl Dispatcher {
     /// # Errors
     /// [`DeliveryError::Unknown`] when there is no such subscription; [`DeliveryError::Store`].
     pub async fn unsubscribe(&self, group: &str, topic: &str) -> Result<(), DeliveryError> {
+        let _changing = self.shared.changing.lock().await;
+        let existing = self.deliveries.subscription(group, topic);
+        self.remove_now(group, topic).await?;
+        // Remembered and told to the tier, so every instance removes it and none brings it back.
+        let key = Subscription::key_of(group, topic);
+        let version = self.shared.next_version(&key, existing.and_then(|existing| existing.version).as_ref());
+        if let Err(error) = self.shared.remember_removal(&key, &version).await {
+            tracing::warn!(%error, group, topic, "Could not store a subscription's removal; peers may bring it back.");
+        }
+        let (group, topic) = (group.to_owned(), topic.to_owned());
+        self.shared.announce(SharedChange::Removed { group, topic, version });
+        Ok(())
+    }
+
+    /// Whether as many subscriptions are asked for as popgate keeps ([`shared::MAX_ASKED_SUBSCRIPTIONS`]).
+    fn asked_subscriptions_full(&self) -> bool {
+        self.subscriptions().iter().filter(|sub| !sub.implicit).count() >= shared::MAX_ASKED_SUBSCRIPTIONS
+    }
+
+    /// Removes a subscription here (the caller holds the lock on shared changes): as
+    /// [`Dispatcher::unsubscribe`], told to nobody.
+    async fn remove_now(&self, group: &str, topic: &str) -> Result<(), DeliveryError> {
         self.deliveries.remove_subscription(group, topic).await?;
         self.tell_watcher(|watcher| watcher.unsubscribed(&Subscription::key_of(group, topic)));
         Ok(())

@@ -133,6 +133,23 @@ pub struct Subscription {
     /// `POST /events/subscribe`: removed once idle (`delivery.idle_subscription_expiry_secs`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub implicit: bool,
+    /// Which change of the subscription this is, for a tier's instances to agree on one (the latest wins:
+    /// see `delivery::shared`). Set on every subscription asked for; `None` on implicit ones (never shared)
+    /// and on those stored before popgate versioned them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<SubVersion>,
+}
+
+/// A change's place in a tier's order of changes to one subscription: when it was made (epoch ms, on the
+/// instance that made it), then that instance's id to break a tie. Compared field by field, so every instance
+/// that sees the same two changes keeps the same one.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SubVersion {
+    /// When the change was made (epoch ms).
+    pub at_ms: i64,
+    /// The instance that made it.
+    pub instance: String,
 }
 
 /// The kind of a subscription's filter, as RocketMQ names it (`ExpressionType`).

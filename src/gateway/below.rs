@@ -16,9 +16,12 @@ pub(crate) use crate::broker::message::{is_reserved_property, ClientWire, PROPER
 pub(crate) use crate::broker::transaction::{PROPERTY_PRODUCER_GROUP, PROPERTY_TRANSACTION_PREPARED};
 pub(crate) use crate::broker::SendReceipt;
 pub(crate) use crate::delivery::retry::RetryPolicy;
+pub(crate) use crate::delivery::shared::MAX_QUEUED_CHANGES;
+pub(crate) use crate::delivery::told_leases::{RenewedLease, MAX_QUEUED_RENEWALS};
 pub(crate) use crate::delivery::{
-    content, instance_of, DeliveryError, Dispatched, Event, FilterType, NackOutcome, Subscriber, Subscription,
-    SubscriptionRequest, SubscriptionWatcher, Target, WebhookPush, MAX_POLL_BATCH, MAX_POLL_WAIT,
+    content, instance_of, Applied, DeliveryError, Dispatched, Event, FilterType, NackOutcome, SharedChange, SubVersion,
+    Subscriber, Subscription, SubscriptionRequest, SubscriptionWatcher, Target, WebhookPush, MAX_POLL_BATCH,
+    MAX_POLL_WAIT,
 };
 pub(crate) use crate::transaction::{
     mark_half, CheckForwarder, Ended, Orphan, Resolution, State as RecordState, TransactionError, TransactionRecord,

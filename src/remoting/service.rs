@@ -284,7 +284,7 @@ impl From<GatewayError> for Refusal {
             GatewayError::NotStored { .. } => {
                 Refusal::new(refused.broker_code().unwrap_or(codes::SYSTEM_ERROR), refused.to_string())
             }
-            GatewayError::Unavailable(why) => Refusal::new(codes::SYSTEM_ERROR, why),
+            GatewayError::Unavailable(why) | GatewayError::AckUnconfirmed(why) => Refusal::new(codes::SYSTEM_ERROR, why),
             GatewayError::MayNotSettle { refusal, .. } => Refusal::new(codes::NO_PERMISSION, refusal.to_string()),
             GatewayError::HandleOfAnotherGroup { owner, named } => Refusal::new(
                 codes::INVALID_PARAMETER,

@@ -28,6 +28,7 @@ mod cluster;
 mod fake_cluster;
 mod hand_out;
 mod holds;
+mod lease_tells;
 #[cfg(test)]
 mod model;
 mod pop_side;
@@ -183,6 +184,8 @@ pub(super) struct Deliveries {
     /// In a tier, how long a subscription may go without a waiting consumer before what is due on it is given
     /// back to the broker.
     give_back_unclaimed: Option<Duration>,
+    /// In a tier, where renewed leases go to be told to the peers (`lease_tells`).
+    renewal_outbox: Mutex<Option<tokio::sync::mpsc::Sender<(String, String)>>>,
 }
 
 // === construction, configuration, persistence ===
@@ -217,6 +220,7 @@ impl Deliveries {
             instance: String::new(),
             lease_seal: None,
             give_back_unclaimed: None,
+            renewal_outbox: Mutex::new(None),
         }
     }
 

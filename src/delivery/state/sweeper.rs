@@ -209,7 +209,10 @@ impl Deliveries {
             Owed::Renew(id) => self.renew(&id).await,
             Owed::GiveBack(id, reason) => {
                 if let Some(record) = self.tracked_record(&id) {
-                    self.give_back_at_broker(&record.group, &record.handle, reason).await;
+                    if let Some(handle) = self.give_back_at_broker(&record.group, &record.handle, reason).await {
+                        // The peers learn that the lease their ACKs would use ends now.
+                        self.tell_renewed(&DeliveryRecord { handle, ..record.clone() });
+                    }
                     self.retire(&id).await;
                     if reason == "fifo_head_lost" {
                         self.remember_stale(&id);
@@ -321,6 +324,8 @@ impl Deliveries {
                 }
                 let mut renewed = record;
                 renewed.handle = handle.clone();
+                // The peers learn the new handle: the old one, which the client's handle carries, is dead.
+                self.tell_renewed(&renewed);
                 if self.commit(renewed, OwedWork::NotFailed).await.is_err() {
                     // The old handle is dead whatever the store says: memory must hold the new one. After a
                     // crash the stored (dead) handle only means the broker redelivers: a duplicate, no loss.
