@@ -13,6 +13,7 @@ use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+use crate::harness::balancer::{Backend, Balancer};
 use crate::harness::direct::{Direct, DirectConsumer, StoredMessage};
 use crate::harness::popgate::Popgate;
 use crate::harness::remoting::RemotingClient;
@@ -51,6 +52,7 @@ on_every_remoting_client!(
     a_push_consumer_gets_every_message_and_one_it_asks_to_reconsume_later_comes_back_then_goes_to_the_dlq,
     an_orderly_push_consumer_gets_each_queue_in_order,
     broadcasting_consumers_each_get_every_message,
+    two_broadcasting_consumers_of_one_group_in_one_app_each_get_every_message_promptly,
     a_lite_pull_consumer_resumes_from_its_committed_offset_after_a_restart,
     messages_sent_over_remoting_reach_http_and_grpc_consumers_and_the_reverse,
     a_client_that_uses_tls_sends_and_consumes_through_popgate,
@@ -292,6 +294,168 @@ async fn broadcasting_consumers_each_get_every_message(client: RemotingClient) {
         got.sort();
         assert_eq!(got, ["b-0", "b-1", "b-2", "b-3", "b-4"], "each consumer gets every message: {result}");
     }
+}
+
+/// Two push consumers of one broadcasting group in one app (two `DefaultMQPushConsumer`s, each its own
+/// `instanceName`), with the client's default 30 s heartbeat, each get every message with none of their pulls
+/// refused, in each of [`BROADCASTING_ROUNDS`] fresh groups.
+///
+/// Seen before: popgate told each member of the group to rebalance when the other joined (a broker does not
+/// tell broadcasting members), the push came while the member was still sending its first heartbeats, the
+/// rebalance's heartbeat with the subscription's new version was skipped ("lock heartBeat, but failed"), and the
+/// broker refused the member's pulls as `SUBSCRIPTION_NOT_LATEST` until its next heartbeat: 1 to 3 s (4.9.x,
+/// most rounds), 29.9 s once.
+async fn two_broadcasting_consumers_of_one_group_in_one_app_each_get_every_message_promptly(client: RemotingClient) {
+    let cluster = shared_cluster();
+    let namesrv = format!("127.0.0.1:{}", free_port());
+    // Relayed pulls logged (debug): what each was answered.
+    let log_relays = ("RUST_LOG", "info,popgate::remoting=debug,rocketmq_client_rust=warn,rocketmq_transport=warn");
+    let remoting = format!("[remoting]\nlisten = \"{namesrv}\"\n");
+    let popgate = Popgate::start_with_env(&cluster.namesrv_addr, &remoting, &[log_relays]).await;
+    for round in 0..BROADCASTING_ROUNDS {
+        let topic = unique_topic("rm_bcast_app");
+        let group = unique_topic("rm_bcast_app_g");
+        create_topic(cluster, &topic).await;
+        // A consumer that starts before its topic's route is known rebalances only later (4.x: 20 s on).
+        route_known(&namesrv, &topic).await;
+        // The client's own heartbeat interval (30 s), so a refused subscription shows as the stall it is.
+        let consume = json!({"namesrv": namesrv, "pollNameServerIntervalMs": 1000, "topic": topic, "group": group,
+            "expect": 5, "broadcasting": true, "consumeFromWhere": "first", "instances": ["one", "two"],
+            "timeoutMs": 25_000});
+        let consumers = client.start_logging("push-consume", &consume);
+        let produce = json!({"topic": topic, "group": "rm_bcast_app_p", "count": 5, "bodyPrefix": "b"});
+        let sent = client.run("produce", &send_args(&namesrv, produce), DRIVER_TIMEOUT).await;
+        assert_eq!(sent["errors"], json!([]), "{sent}");
+        let (result, log) = consumers.finish_with_log(DRIVER_TIMEOUT).await;
+        // Should it fail: what the clients said of their heartbeats, rebalances and pulls.
+        let said: Vec<&str> = log
+            .lines()
+            .filter(|l| {
+                ["heartBeat", "Rebalance", "rebalance", "WARN", "Exception", "CODE:"].iter().any(|w| l.contains(w))
+            })
+            .take(60)
+            .collect();
+        let said = said.join("\n");
+        let refused: Vec<String> = popgate
+            .output()
+            .lines()
+            .filter(|line| line.contains("code=\"pull_message\"") && line.contains(&format!("\"{group}\"")))
+            .filter(|line| line.contains("answer=24 ") || line.contains("answer=25 "))
+            .map(str::to_owned)
+            .collect();
+        assert!(refused.is_empty(), "round {round}: no pull of theirs is refused:\n{}\n{said}", refused.join("\n"));
+        let each = result["consumers"].as_array().cloned().unwrap_or_default();
+        assert_eq!(each.len(), 2, "two consumers in the one app: {result}");
+        for consumer in each {
+            let mut got = bodies(&consumer, "received");
+            got.sort();
+            assert_eq!(
+                got,
+                ["b-0", "b-1", "b-2", "b-3", "b-4"],
+                "round {round}: each gets every message: {consumer}\n{said}"
+            );
+        }
+    }
+}
+
+/// A pull naming a newer subscription version than any heartbeat of its group brought (the client skipped the
+/// heartbeat that carried it) is refused by its broker as `SUBSCRIPTION_NOT_LATEST` until the client's next
+/// heartbeat, up to 30 s later, straight at the cluster; through popgate it is served (after a wait of 2 s for that
+/// heartbeat) with the group's subscription as popgate has it, as Apache's proxy relays every pull.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_whose_newer_subscription_version_never_came_is_served_with_the_groups_subscription() {
+    let cluster = shared_cluster();
+    let (_popgate, namesrv) = popgate_with_remoting(cluster, "").await;
+    let topic = unique_topic("rm_skipped_hb");
+    let group = unique_topic("rm_skipped_hb_g");
+    create_topic(cluster, &topic).await;
+    let mut member = TcpStream::connect(&namesrv).await.expect("connect");
+    // Subscription version 0, passed on to every master before the answer.
+    let registered = ask(&mut member, push_consumer_heartbeat("skipped@1", &group, &topic)).await.expect("answered");
+    assert_eq!(registered.code(), 0, "{:?}", registered.remark());
+    let mut pull = raw_pull(&group, &topic, "0", None);
+    pull.add_ext_field("subVersion", "5000");
+    let answer = ask(&mut member, pull).await.expect("answered");
+    assert_eq!(answer.code(), 19, "served (PULL_NOT_FOUND: the queue is empty), not refused: {:?}", answer.remark());
+}
+
+/// Waits until `topic`'s route is answered through popgate at `namesrv` (a new topic reaches the name server
+/// with its broker's next registration; popgate keeps an absence for a second).
+async fn route_known(namesrv: &str, topic: &str) {
+    eventually(Duration::from_secs(30), "the topic's route is known", || async {
+        let Ok(mut stream) = TcpStream::connect(namesrv).await else { return false };
+        let answer = ask(&mut stream, raw_request(105, &[("topic", topic)])).await;
+        answer.is_some_and(|answer| answer.code() == 0)
+    })
+    .await;
+}
+
+/// Fresh groups [`two_broadcasting_consumers_of_one_group_in_one_app_each_get_every_message_promptly`] starts in
+/// turn: before the fix, 3 rounds in 4 of a 4.9.x client had pulls refused.
+const BROADCASTING_ROUNDS: usize = 2;
+
+/// Apache's remoting e2e `NormalMessageTest.testConsumeNormalMessage` (client 4.9.3): a push consumer of a
+/// fresh group (from the last offset, the default; one tag) on a topic of 8 queues on each broker, and 10
+/// messages its app sends as soon as it started: every one consumed, in each of [`NEW_GROUP_ROUNDS`] fresh
+/// groups, under the two 4.9.x clients.
+///
+/// Seen before: 1 message of 10 never consumed. The consumer asked its offset in an empty queue (`QUERY_NOT_FOUND`),
+/// then the queue's end (`GET_MAX_OFFSET`), and the message stored between the two relayed answers was skipped
+/// (`popgate::remoting::relay::offset_of_a_new_group`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_push_consumer_gets_every_message_its_app_sends_as_it_starts() {
+    let cluster = shared_cluster();
+    let (_popgate, namesrv) = popgate_with_remoting(cluster, "").await;
+    let brokers: Vec<String> = cluster.brokers.iter().map(|b| format!("127.0.0.1:{}", b.port)).collect();
+    let direct = Direct::connect(&cluster.namesrv_addr).await;
+    for client in [RemotingClient::V4_9_3, RemotingClient::V4] {
+        for round in 0..NEW_GROUP_ROUNDS {
+            let topic = unique_topic("rm_new_group");
+            direct.create_topic_with_queues(&topic, 8, &brokers).await;
+            // As in the e2e suite, whose topics exist well before its consumers start.
+            route_known(&namesrv, &topic).await;
+            // The client's defaults, as the e2e suite has them (from the last offset, a route every 30 s).
+            let consume = json!({"namesrv": namesrv, "topic": topic, "group": unique_topic("rm_new_group_g"),
+                "consumeFromWhere": "last", "subExpression": "TagA", "expect": 10, "sendOnStart": 10,
+                "sendTag": "TagA", "timeoutMs": 30_000});
+            let result = client.run("push-consume", &consume, DRIVER_TIMEOUT).await;
+            let sent = result["sentOnStart"].as_array().cloned().unwrap_or_default();
+            assert!(sent.iter().all(|m| m["status"] == "SEND_OK"), "{} round {round}: {result}", client.0);
+            let mut got = bodies(&result, "received");
+            got.sort();
+            got.dedup();
+            let every: Vec<String> = (0..10).map(|i| format!("m-{i}")).collect();
+            assert_eq!(got, every, "{} round {round}: every message consumed; sent: {sent:?}", client.0);
+        }
+    }
+}
+
+/// Fresh groups per client of [`a_new_push_consumer_gets_every_message_its_app_sends_as_it_starts`].
+const NEW_GROUP_ROUNDS: usize = 3;
+
+/// A new group's offset query in an empty queue is answered with offset 0 (where every way to start starts in
+/// an empty queue), not "not found", which sends a consumer from the last offset to ask the queue's end next and
+/// skip what is stored in between; when the client asks for "not found" (`setZeroIfNotFound` false), it gets it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_groups_offset_in_an_empty_queue_is_its_start() {
+    let cluster = shared_cluster();
+    let (_popgate, namesrv) = popgate_with_remoting(cluster, "").await;
+    let topic = unique_topic("rm_new_offset");
+    create_topic(cluster, &topic).await;
+    let broker = cluster.brokers[0].name.clone();
+    let mut stream = TcpStream::connect(&namesrv).await.expect("connect");
+    let query = |queue: &str, extra: &[(&str, &str)]| {
+        let group = unique_topic("rm_new_offset_g");
+        let mut fields =
+            vec![("topic", topic.as_str()), ("queueId", queue), ("consumerGroup", &group), ("bname", &broker)];
+        fields.extend_from_slice(extra);
+        raw_request(14, &fields)
+    };
+    let answer = ask(&mut stream, query("0", &[])).await.expect("an answer");
+    assert_eq!(answer.code(), 0, "an empty queue: start at 0 ({:?})", answer.remark());
+    assert_eq!(answer.ext_fields().and_then(|f| f.get("offset")).map(|o| o.to_string()), Some("0".to_owned()));
+    let asked = ask(&mut stream, query("0", &[("setZeroIfNotFound", "false")])).await.expect("an answer");
+    assert_eq!(asked.code(), 22, "not found, as the client asked: {:?}", asked.remark());
 }
 
 async fn a_lite_pull_consumer_resumes_from_its_committed_offset_after_a_restart(client: RemotingClient) {
@@ -1707,4 +1871,53 @@ async fn the_size_limit_and_the_one_way_rule_hold_on_the_remoting_front_as_on_ht
         stored_bodies(cluster, &topic).await == ["confirmed"]
     })
     .await;
+}
+
+/// Apps on Apache's remoting client behind a TCP balancer (HAProxy, round robin, no stickiness) in front of two
+/// popgate instances, each advertising the balancer as every broker: a push consumer (client rebalance, pulls
+/// relayed) and producers each reach whichever instance the balancer picks, and the balancer closes each
+/// instance's connections in turn between batches of messages (a drained node): the clients connect again, to
+/// the other instance. Every message sent is consumed, under a 4.9.x and a 5.x client. (A client before 4.9.5
+/// is given a port per broker on the instance it asked, which a balancer in front does not balance.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producer_and_a_push_consumer_behind_a_tcp_balancer_lose_nothing_while_it_moves_their_connections() {
+    const BATCHES: usize = 3;
+    const PER_BATCH: usize = 8;
+    let cluster = shared_cluster();
+    let balancer_port = free_port();
+    let mut instances = Vec::new();
+    let mut backends = Vec::new();
+    for _ in 0..2 {
+        let listen = format!("127.0.0.1:{}", free_port());
+        let remoting = format!("[remoting]\nlisten = \"{listen}\"\nadvertised_addr = \"127.0.0.1:{balancer_port}\"\n");
+        let popgate = Popgate::start(&cluster.namesrv_addr, &remoting).await;
+        backends.push(Backend::of(&popgate, &listen));
+        instances.push(popgate);
+    }
+    let balancer = Balancer::tcp_on(balancer_port, &backends).await;
+    let namesrv = balancer.address.clone();
+    for client in [RemotingClient::V4, RemotingClient::V5] {
+        let topic = unique_topic("rm_lb");
+        create_topic(cluster, &topic).await;
+        let expected: Vec<String> =
+            (0..BATCHES * PER_BATCH).map(|i| format!("b{}-{}", i / PER_BATCH, i % PER_BATCH)).collect();
+        let consume = json!({"topic": topic, "group": unique_topic("rm_lb_g"), "expect": expected.len(),
+            "consumeFromWhere": "first", "timeoutMs": 90_000});
+        let consumer = client.start("push-consume", &args(&namesrv, consume));
+        for batch in 0..BATCHES {
+            let produce = json!({"topic": topic, "group": "rm_lb_p", "count": PER_BATCH,
+                "bodyPrefix": format!("b{batch}")});
+            let sent = client.run("produce", &send_args(&namesrv, produce), DRIVER_TIMEOUT).await;
+            assert_eq!(sent["errors"], json!([]), "{} batch {batch}: {sent}", client.0);
+            let cut = balancer.cut_connections_to(batch % instances.len()).await;
+            assert!(cut.is_empty(), "haproxy cut the connections: {cut}");
+        }
+        let result = consumer.finish(DRIVER_TIMEOUT).await;
+        let mut got = bodies(&result, "received");
+        got.sort();
+        got.dedup();
+        let mut expected = expected;
+        expected.sort();
+        assert_eq!(got, expected, "{}: every message consumed through the balancer: {result}", client.0);
+    }
 }

@@ -441,7 +441,9 @@ async fn an_ack_whose_owner_cannot_be_reached_is_made_at_the_broker_and_the_owne
     let cluster = shared_cluster();
     let (topic, group) = (unique_topic("tier_cut"), unique_topic("tier_gcut"));
     let (port_0, port_1, nobody) = (free_port(), free_port(), free_port());
-    let delivery = "ack_timeout_ms = 8000\nlease_ms = 4000";
+    // An 8 s lease: the ACK, right after the hand-out, reaches the broker well before the owner would renew it
+    // (with 4 s left), so it is answered as done.
+    let delivery = "ack_timeout_ms = 8000\nlease_ms = 8000";
     let (owner_toml, other_toml) =
         (peer_toml(0, port_0, &[port_1], delivery, ""), peer_toml(1, port_1, &[nobody], delivery, ""));
     let (owner, other) = tokio::join!(
@@ -461,8 +463,8 @@ async fn an_ack_whose_owner_cannot_be_reached_is_made_at_the_broker_and_the_owne
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     assert_eq!(owner.metric(LEARNED).await, 1.0, "the owner learned of the ACK from its peer");
-    // Past the ACK timeout (8 s) and the lease (4 s): neither popgate nor the broker hands it out again.
-    let again = handed_out_within(&owner, &group, &topic, Duration::from_secs(10)).await;
+    // Past the ACK timeout and the lease (8 s each): neither popgate nor the broker hands it out again.
+    let again = handed_out_within(&owner, &group, &topic, Duration::from_secs(12)).await;
     assert_eq!(again, Vec::<Value>::new());
     assert_eq!(forwarded(std::slice::from_ref(&other), "ack", "unreachable").await, 1.0);
 }
@@ -955,4 +957,148 @@ async fn over_mutual_tls_peers_settle_and_the_peer_port_refuses_plaintext_and_ot
     assert!(plain.output().contains("The peer link is plaintext"), "{}", plain.output());
     assert_eq!(plain.metric("popgate_tier_peers").await, 0.0, "it does not get in");
     assert!(first.metric(&refused("plaintext")).await > plain_before, "its attempt was refused and counted");
+}
+
+const TAKEN: &str = "popgate_tier_subscription_changes_total{way=\"received\",result=\"taken\"}";
+const LEASES_KEPT: &str = "popgate_tier_leases_told_total{way=\"received\",result=\"kept\"}";
+
+fn epoch_ms() -> i64 {
+    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("after 1970");
+    i64::try_from(since.as_millis()).expect("fits")
+}
+
+/// Publishes `data` tagged `tag` to `topic` through `instance`.
+async fn publish_tagged(instance: &Popgate, topic: &str, data: &str, tag: &str) {
+    let event = json!({"topic": topic, "data": data, "tags": tag});
+    let (status, answer) =
+        call(&Client::new(), &instance.base, reqwest::Method::POST, "/events/publish", APP.1, Some(event)).await;
+    assert_eq!(status, 200, "{answer}");
+}
+
+/// How long `delivery` was given to be ACKed, from `polled_at` (epoch ms) on.
+fn ack_time_ms(delivery: &Value, polled_at: i64) -> i64 {
+    delivery["ackDeadline"].as_i64().expect("an ACK deadline") - polled_at
+}
+
+/// Waits until `instance` has taken at least `count` subscription changes from its peers.
+async fn taken_at_least(instance: &Popgate, count: f64, what: &str) {
+    eventually(Duration::from_secs(20), what, || async { instance.metric(TAKEN).await >= count }).await;
+}
+
+/// One subscription for the whole tier (issue #48): subscriptions made through instance 0 (ACK timeout 2 s,
+/// 2 attempts, only messages tagged `keep`; one group on two topics) govern what instance 1 hands out, and
+/// instance 2, started after they were made, has them before it serves anyone: its delivery has the 2 s
+/// deadline, comes back once (attempt 2) and then goes to the DLQ, and a message tagged otherwise is never
+/// handed out. One unsubscribe, through instance 1, removes one on the other two: their next poll makes the
+/// default subscription (30 s to ACK, no filter). (Each instance reads a topic of its own: a POP an instance
+/// still has open at the broker when its poll ends may take the next message there.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscription_made_through_one_instance_governs_every_instance_and_one_unsubscribe_removes_it_everywhere() {
+    let cluster = shared_cluster();
+    let group = unique_topic("tier_gsub");
+    let topics = [unique_topic("tier_sub"), unique_topic("tier_sub")];
+    let peer_ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+    let configs: Vec<String> = (0..3).map(|n| peer_toml(n, peer_ports[n], &peer_ports, "", "")).collect();
+    let (first, second) = tokio::join!(
+        Popgate::start(&cluster.namesrv_addr, &configs[0]),
+        Popgate::start(&cluster.namesrv_addr, &configs[1]),
+    );
+    let client = Client::new();
+    for topic in &topics {
+        let subscription = json!({"group": group, "topic": topic, "filter": "keep", "ackTimeoutMs": 2000,
+            "maxAttempts": 2, "initialBackoffMs": 500, "maxBackoffMs": 500});
+        let (status, answer) =
+            call(&client, &first.base, reqwest::Method::POST, "/events/subscribe", APP.1, Some(subscription)).await;
+        assert_eq!(status, 200, "{answer}");
+    }
+    taken_at_least(&second, 2.0, "instance 1 to take the subscriptions made on instance 0").await;
+
+    // Instance 1: only the `keep` message, with 2 s to ACK it.
+    publish_tagged(&first, &topics[0], "dropped", "drop").await;
+    publish_tagged(&first, &topics[0], "kept-1", "keep").await;
+    let polled_at = epoch_ms();
+    let held = hand_out(&second, &group, &topics[0], 1).await;
+    assert_eq!(data_of(&held[0]), "kept-1");
+    assert!(ack_time_ms(&held[0], polled_at) <= 4_000, "the subscription's 2 s, not 30 s: {}", held[0]);
+    assert_acked_at(&second, &id_of(&held[0])).await;
+
+    // Instance 2, started now, has them before it serves anyone (taken at its first look-up of its peers).
+    let third = Popgate::start(&cluster.namesrv_addr, &configs[2]).await;
+    assert!(third.metric(TAKEN).await >= 2.0, "taken before it served");
+    publish_tagged(&first, &topics[1], "dropped", "drop").await;
+    publish_tagged(&first, &topics[1], "kept-2", "keep").await;
+    let polled_at = epoch_ms();
+    let held = hand_out(&third, &group, &topics[1], 1).await;
+    assert_eq!((data_of(&held[0]), &held[0]["attempt"]), ("kept-2".to_owned(), &json!(1)));
+    assert!(ack_time_ms(&held[0], polled_at) <= 4_000, "the subscription's 2 s: {}", held[0]);
+    // Not ACKed: back once after its 2 s (and 0.5 s backoff), then, its two attempts spent, to the DLQ.
+    let again = hand_out(&third, &group, &topics[1], 1).await;
+    assert_eq!((data_of(&again[0]), &again[0]["attempt"]), ("kept-2".to_owned(), &json!(2)));
+    let dlq = format!("popgate_dlq_messages_total{{group=\"{group}\"}}");
+    eventually(Duration::from_secs(20), "the DLQ write after two attempts", || async {
+        third.metric(&dlq).await >= 1.0
+    })
+    .await;
+    let after = handed_out_within(&third, &group, &topics[1], Duration::from_secs(2)).await;
+    assert_eq!(after, Vec::<Value>::new(), "nothing after the last attempt, and never the `drop` message");
+
+    // One unsubscribe, through instance 1, removes it on instances 0 and 2 too.
+    let (taken_first, taken_third) = (first.metric(TAKEN).await, third.metric(TAKEN).await);
+    let unsubscribe = json!({"group": group, "topic": topics[1]});
+    let (status, answer) =
+        call(&client, &second.base, reqwest::Method::POST, "/events/unsubscribe", APP.1, Some(unsubscribe)).await;
+    assert_eq!(status, 200, "{answer}");
+    taken_at_least(&first, taken_first + 1.0, "instance 0 to take the removal").await;
+    taken_at_least(&third, taken_third + 1.0, "instance 2 to take the removal").await;
+    for (instance, data) in [(&first, "after-0"), (&third, "after-2")] {
+        publish_tagged(&first, &topics[1], data, "other").await;
+        let polled_at = epoch_ms();
+        let held = hand_out(instance, &group, &topics[1], 1).await;
+        assert_eq!(data_of(&held[0]), data, "no filter any more");
+        assert!(ack_time_ms(&held[0], polled_at) >= 20_000, "the default 30 s: {}", held[0]);
+        assert_acked_at(instance, &id_of(&held[0])).await;
+    }
+}
+
+/// A settlement answered as done is done (issue #48). The owner of two deliveries renews their broker leases
+/// (ChangeInvisibleTime: new handles, the ones the clients' handles carry are dead) and tells its peers, then is
+/// `kill -9`ed and kept down past the renewed lease. An ACK through a survivor right away is made with the
+/// renewed lease and answered as done; one made once that lease is due for renewal (the survivor cannot know
+/// whether the owner renewed it again) is made the same way and answered "unconfirmed" (202). Neither message
+/// comes back: not past the renewed lease, nor past the broker's revive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acks_through_survivors_after_the_owners_lease_renewal_land_and_nothing_comes_back() {
+    let cluster = shared_cluster();
+    let (topic, group) = (unique_topic("tier_renew"), unique_topic("tier_grenew"));
+    // A 16 s lease is renewed with 8 s left, and the renewed one is surely current for 8 - 1 s after that.
+    let instances = start_tier(&cluster.namesrv_addr, "ack_timeout_ms = 120000\nlease_ms = 16000").await;
+    for n in 0..2 {
+        let event = json!({"topic": topic, "data": format!("renewed-{n}")});
+        let (status, answer) =
+            call(&Client::new(), &instances[0].base, reqwest::Method::POST, "/events/publish", APP.1, Some(event))
+                .await;
+        assert_eq!(status, 200, "{answer}");
+    }
+    let held = hand_out(&instances[0], &group, &topic, 2).await;
+    eventually(Duration::from_secs(30), "the owner to renew both leases and tell its peers", || async {
+        instances[1].metric(LEASES_KEPT).await >= 2.0 && instances[2].metric(LEASES_KEPT).await >= 2.0
+    })
+    .await;
+    let renewed = Instant::now();
+    let [mut owner, second, third] = instances;
+    owner.kill9();
+
+    assert_acked_at(&second, &id_of(&held[0])).await;
+    // Past the point where the owner, had it lived, would have renewed the lease again (8 s after the renewal).
+    tokio::time::sleep(Duration::from_secs(9).saturating_sub(renewed.elapsed())).await;
+    let (status, answer) = ack_at(&third, &id_of(&held[1])).await;
+    assert_eq!((status, &answer["status"]), (202, &json!("unconfirmed")), "{answer}");
+
+    // The renewed lease ends 16 s after the renewal; the broker would put an unACKed message back some seconds
+    // later. Neither comes back.
+    let until = renewed + Duration::from_secs(36);
+    let again = handed_out_within(&second, &group, &topic, until.saturating_duration_since(Instant::now())).await;
+    assert_eq!(again, Vec::<Value>::new(), "an ACK answered as done is done");
+    let settled = "popgate_tier_settled_at_broker_total{action=\"ack\",result=\"unconfirmed\"}";
+    assert_eq!(third.metric(settled).await, 1.0);
 }

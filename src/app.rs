@@ -12,11 +12,11 @@ use crate::api::guard::ConnectionLimits;
 use crate::api::listener::PlainListener;
 use crate::api::server::{serve as serve_http, ConnectionBounds};
 use crate::api::tls::{self, TlsError, TlsListener};
+use crate::api::webhook::{TargetPolicy, Webhooks};
 use crate::api::{self, AppState};
 use crate::auth::TokenTable;
 use crate::broker::{BrokerClient, BrokerError};
 use crate::config::Config;
-use crate::delivery::webhook::TargetPolicy;
 use crate::delivery::{DeliveryError, Dispatcher, Issuer, LeaseSeal};
 use crate::dlq::DlqAdmin;
 use crate::publish::dedup::DedupWindow;
@@ -118,13 +118,11 @@ pub async fn serve(
     }
     let publisher = Arc::new(publisher);
     let group_commit = (!sync_writes).then(|| Duration::from_millis(config.reliability.group_commit_interval_ms));
-    let webhook_targets = TargetPolicy::new(config.webhook.allowed_networks.clone());
     let (dispatcher, recovered) = Dispatcher::start(
         store.clone(),
         broker.clone(),
         publisher.clone(),
         config.delivery.clone(),
-        webhook_targets,
         group_commit,
         Issuer {
             instance: instance.as_str(),
@@ -139,6 +137,12 @@ pub async fn serve(
     .await?;
     // The fronts' one handle of the delivery core: reads checked, settlements through the gateway.
     let deliveries = crate::gateway::Deliveries::new(dispatcher.clone());
+    // Webhook push, the HTTP front's push transport beside SSE and WebSocket: a pusher per subscription with a
+    // `push`, started for each one recovered and as they change.
+    let webhooks = Webhooks::new(deliveries.clone(), TargetPolicy::new(config.webhook.allowed_networks.clone()));
+    if dispatcher.watch_subscriptions(webhooks.clone()).is_err() {
+        tracing::warn!("The delivery core already had a subscription watcher; webhook pushes are not started.");
+    }
     tracing::info!(?recovered, state_dir = %config.delivery.state_dir.display(), "Delivery state recovered.");
     let transactions = Transactions::start(store.clone(), broker.clone(), config.transactions.clone()).await?;
     // Registered before the gRPC front's producers: a check-back whose HTTP producer named a checker goes there.
@@ -164,6 +168,9 @@ pub async fn serve(
     let (owners, peer_server) = match peer_link {
         Some((listener, tls)) => {
             let tier = Tier::new(&config.tier, instance.clone(), Some(deliveries.clone()), tls.clone());
+            // Subscription changes and renewed leases are told to the peers from now on; the first look-up takes
+            // the tier's subscriptions before this instance serves anyone.
+            tier.start_telling();
             tier.look_up().await;
             tokio::spawn(Tier::keep_looking_up(Arc::downgrade(&tier)));
             let parts = PeerParts {
@@ -204,7 +211,7 @@ pub async fn serve(
         Some((listener, advertised, tls)) => {
             let parts = crate::remoting::Parts {
                 publisher: publisher.clone(),
-                broker: broker.clone(),
+                broker: crate::gateway::Relay::new(broker.clone()),
                 deliveries: deliveries.clone(),
                 tokens: tokens.clone(),
                 transactions: transactions.clone(),
@@ -229,6 +236,7 @@ pub async fn serve(
         transactions: transactions.clone(),
         metrics,
         owners,
+        webhooks,
     };
 
     let gauges = tokio::spawn(refresh_gauges(publisher.clone()));

@@ -62,7 +62,7 @@ pub const BROKER_ACK_REQUESTS: &str = "popgate_broker_ack_requests_total";
 pub const BROKER_ACK_FAILURES: &str = "popgate_broker_ack_failures_total";
 /// State-store writes that failed (disk full, I/O error): the seed's offsetWriteFailures.
 pub const OFFSET_WRITE_FAILURES: &str = "popgate_offset_write_failures_total";
-/// Records replayed at boot, by `outcome` (redispatched, ack_pending, dead_letter_pending, corrupt).
+/// Records replayed at boot, by `outcome` (redispatched, lease_lapsed, ack_pending, dead_letter_pending, corrupt).
 pub const RECOVERED_DELIVERIES: &str = "popgate_recovered_deliveries_total";
 /// Deliveries whose broker lease lapsed or could not be renewed: popgate gave them up to the broker.
 pub const LEASES_LOST: &str = "popgate_leases_lost_total";
@@ -116,6 +116,12 @@ pub const TIER_SETTLED_AT_BROKER: &str = "popgate_tier_settled_at_broker_total";
 pub const TIER_ACKS_LEARNED: &str = "popgate_tier_acks_learned_total";
 /// Counter: such ACKs dropped before their owner learned of them (more were owed than a peer keeps).
 pub const TIER_ACKS_UNTOLD: &str = "popgate_tier_acks_untold_total";
+/// Counter (`way`, `result`): changes of the tier's shared subscriptions, `way` = sent (to each peer: ok,
+/// unreachable; dropped: the queue to the peer link was full) or received (taken, older, refused).
+pub const TIER_SUBSCRIPTION_CHANGES: &str = "popgate_tier_subscription_changes_total";
+/// Counter (`way`, `result`): renewed broker leases of held deliveries, `way` = sent (to each peer: ok,
+/// unreachable; dropped: the queue to the peer link was full) or received (kept, refused: not sealed by the tier).
+pub const TIER_LEASES_TOLD: &str = "popgate_tier_leases_told_total";
 /// Gauge: the other instances of the tier this one knows an address of.
 pub const TIER_PEERS: &str = "popgate_tier_peers";
 /// Counter (`reason`): connections to a TLS peer link closed before they were served: `plaintext` (no TLS
@@ -256,10 +262,14 @@ const ZERO_SERIES: &[(&str, &str, &[&str])] = &[
     (REMOTING_ROUTE_ANSWERS, "source", &["cache", "name_server", "stale"]),
     (CLUSTER_ACL_READS, "result", &["ok", "failed"]),
     (WEBHOOK_TARGETS_REFUSED, "reason", &["literal", "dns"]),
-    (WEBHOOK_HEADERS_SKIPPED, "reason", &crate::delivery::webhook::headers::Skip::LABELS),
+    (WEBHOOK_HEADERS_SKIPPED, "reason", &crate::api::webhook::headers::Skip::LABELS),
     (ACKS, "result", &["acked", "repeated", "unknown", "stale", "superseded", "not_in_flight", "busy", "store_error"]),
     (REDELIVERIES, "reason", &["timeout", "nack", "push_failure", "recovery"]),
-    (RECOVERED_DELIVERIES, "outcome", &["redispatched", "ack_pending", "dead_letter_pending", "corrupt"]),
+    (
+        RECOVERED_DELIVERIES,
+        "outcome",
+        &["redispatched", "lease_lapsed", "ack_pending", "dead_letter_pending", "corrupt"],
+    ),
     (CONSUME_REQUEST_FAILURES, "op", &["pop", "renew", "give_back"]),
     (DELIVERIES_GIVEN_BACK, "reason", &["unsubscribed", "not_admitted", "fifo_head_lost", "unclaimed"]),
     (STORE_UNDECODABLE, "family", &["dlq_replays", "payloads"]),
@@ -368,8 +378,18 @@ fn register_zeroes() {
         }
     }
     for action in ["ack", "nack"] {
-        for result in ["ok", "stale", "busy"] {
+        for result in ["ok", "stale", "busy", "unconfirmed"] {
             metrics::counter!(TIER_SETTLED_AT_BROKER, "action" => action, "result" => result).increment(0);
+        }
+    }
+    for (way, results) in [("sent", ["ok", "unreachable", "dropped"]), ("received", ["taken", "older", "refused"])] {
+        for result in results {
+            metrics::counter!(TIER_SUBSCRIPTION_CHANGES, "way" => way, "result" => result).increment(0);
+        }
+    }
+    for (way, results) in [("sent", ["ok", "unreachable", "dropped"]), ("received", ["kept", "refused", "refused"])] {
+        for result in results {
+            metrics::counter!(TIER_LEASES_TOLD, "way" => way, "result" => result).increment(0);
         }
     }
     metrics::counter!(TIER_ACKS_LEARNED, "result" => "acked").increment(0);
@@ -477,6 +497,16 @@ fn describe_all() {
         TIER_ACKS_LEARNED,
         Unit::Count,
         "ACKs a peer made at the broker while this instance could not be reached, learned afterwards, by result."
+    );
+    describe_counter!(
+        TIER_SUBSCRIPTION_CHANGES,
+        Unit::Count,
+        "Changes of the tier's shared subscriptions sent to each peer or received from one, by result."
+    );
+    describe_counter!(
+        TIER_LEASES_TOLD,
+        Unit::Count,
+        "Renewed broker leases of held deliveries told to each peer or received from one, by result."
     );
     describe_counter!(
         TIER_ACKS_UNTOLD,

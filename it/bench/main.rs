@@ -587,6 +587,7 @@ async fn recovery(params: &Params, namesrv: &str) -> Value {
             ordered: false,
             push: None,
             implicit: false,
+            version: None,
         };
         // A blocking thread of its own: the store's async API is waited for in place.
         futures::executor::block_on(store.put(Family::Subscriptions, &sub.key(), &sub)).expect("subscription");

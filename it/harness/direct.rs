@@ -89,6 +89,12 @@ impl Direct {
         self.create_topic_as(config, broker_addrs).await;
     }
 
+    /// As [`Direct::create_topic`], with `queues` read and write queues on each broker.
+    pub async fn create_topic_with_queues(&self, topic: &str, queues: u32, broker_addrs: &[String]) {
+        let config = rocketmq_model::common::config::TopicConfig::with_queues(topic, queues, queues);
+        self.create_topic_as(config, broker_addrs).await;
+    }
+
     /// As [`Direct::create_topic`], typed for FIFO messages (`+message.type=FIFO`, as `mqadmin updateTopic -a`
     /// sets it): Apache's proxy refuses a message with a group on a topic of another type.
     pub async fn create_fifo_topic(&self, topic: &str, broker_addrs: &[String]) {

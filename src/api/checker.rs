@@ -25,9 +25,9 @@ use serde_json::json;
 use tokio::sync::Semaphore;
 
 use super::events::event_json;
+use super::webhook::signature;
 use crate::auth::Caller;
 use crate::config::CheckerConfig;
-use crate::gateway::below::signature;
 use crate::gateway::below::{CheckForwarder, Orphan, Resolution, Transactions};
 use crate::gateway::{EndRequest, Ending};
 use crate::metrics as m;

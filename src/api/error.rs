@@ -193,6 +193,8 @@ impl From<GatewayError> for ApiError {
                 ApiError::unavailable(said, serde_json::json!({ "attempts": attempts }))
             }
             GatewayError::Unavailable(why) => ApiError::unavailable(why, serde_json::json!({})),
+            // Accepted, not done: the ACK was made, but whether it lands cannot be known here.
+            GatewayError::AckUnconfirmed(why) => ApiError::delivery_status(StatusCode::ACCEPTED, "unconfirmed", why),
             GatewayError::Delivery(refusal) => ApiError::from(refusal),
             GatewayError::Transaction(refusal) => transaction_refusal(refusal),
         }

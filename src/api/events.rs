@@ -156,6 +156,9 @@ pub async fn subscribe(
         .filter_type
         .map(|t| FilterType::parse(&t).ok_or_else(|| ApiError::invalid_field("filterType", "must be TAG or SQL92")))
         .transpose()?;
+    if let Some(push) = &body.push {
+        super::webhook::validate(push, state.webhooks.targets()).map_err(ApiError::from)?;
+    }
     let sub = state
         .deliveries
         .subscribe(

@@ -31,6 +31,7 @@ mod push;
 pub mod server;
 pub mod tls;
 mod transactions;
+pub mod webhook;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -74,6 +75,8 @@ pub struct AppState {
     pub metrics: PrometheusHandle,
     /// The tier's other instances, when this one is in a tier.
     pub owners: Option<Arc<dyn crate::gateway::Owners>>,
+    /// The webhook pushers (and which addresses a webhook may reach).
+    pub webhooks: Arc<webhook::Webhooks>,
 }
 
 impl AppState {

@@ -22,7 +22,8 @@
 //! - [`popper`]: one demand-paced POP loop per subscription.
 //! - [`sweeper`]: the timer tick: timeouts, retries, lease renewal, owed broker ACKs and DLQ writes.
 //! - [`subscriber`]: a push subscriber's session (prefetch, write failures, disconnects).
-//! - [`webhook`]: pushing a subscription's deliveries to an HTTP endpoint (CloudEvents, HMAC-signed).
+//! - [`SubscriptionWatcher`]: what a push transport beside the core (the HTTP front's webhook pusher,
+//!   `api::webhook`) is told as subscriptions are made, changed and removed.
 //! - [`recovery`]: boot replay of the stored state. [`dlq`]: the dead-letter message. [`retry`]: the backoff.
 
 pub mod dlq;
@@ -33,15 +34,15 @@ mod popper;
 pub mod record;
 pub mod recovery;
 pub mod retry;
+pub mod shared;
 mod state;
 pub mod subscriber;
 mod sweeper;
 #[cfg(test)]
 mod test_support;
+pub mod told_leases;
 mod untold;
-pub mod webhook;
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -51,7 +52,8 @@ use tokio::task::JoinHandle;
 /// writes the property it reads; the fronts reach it through here.
 pub use crate::broker::content;
 pub use lease::{split_lease, with_lease, Lease, LeaseSeal};
-pub use record::{Event, FilterType, Holder, Subscription};
+pub use record::{Event, FilterType, Holder, SubVersion, Subscription, WebhookPush};
+pub use shared::{Applied, SharedChange};
 pub use state::{instance_of, new_delivery_id};
 pub use subscriber::Subscriber;
 
@@ -240,10 +242,13 @@ pub struct SubscriptionRequest {
     /// FIFO message groups (default false).
     pub ordered: Option<bool>,
     /// Push deliveries to a webhook.
-    pub push: Option<webhook::WebhookPush>,
+    pub push: Option<WebhookPush>,
     /// Made by a receive on its own rather than asked for (see [`Subscription::implicit`]). An existing
     /// subscription that was asked for stays so.
     pub implicit: bool,
+    /// A change another instance of the tier made, with its version: taken as it is and not told again
+    /// (`None`: a change made here, given a new version and told to the tier).
+    pub shared_version: Option<SubVersion>,
 }
 
 impl From<Subscription> for SubscriptionRequest {
@@ -259,6 +264,7 @@ impl From<Subscription> for SubscriptionRequest {
             ordered: Some(sub.ordered),
             push: sub.push,
             implicit: sub.implicit,
+            shared_version: None,
             group: sub.group,
             topic: sub.topic,
         }
@@ -291,20 +297,32 @@ pub struct InFlight {
     pub lease_deadline_ms: i64,
 }
 
+/// A push transport that runs beside the core's subscriptions (the HTTP front's webhook pusher): told of every
+/// subscription made or changed, and of each one kept at boot ([`Dispatcher::watch_subscriptions`]), of each one
+/// removed, and of the shutdown. Calls are made with no lock held and must not block.
+pub trait SubscriptionWatcher: Send + Sync {
+    /// `sub` was made or changed (or was kept when the watcher was set).
+    fn subscribed(&self, sub: &Subscription);
+    /// The subscription of key `key` was removed.
+    fn unsubscribed(&self, key: &str);
+    /// popgate is shutting down.
+    fn shut_down(&self);
+}
+
 /// The consume path's entry point, shared by every transport.
 pub struct Dispatcher {
     deliveries: Arc<Deliveries>,
     tasks: parking_lot::Mutex<Vec<JoinHandle<()>>>,
-    /// This dispatcher, for the webhook pushers it starts (they hold it as subscribers do).
-    me: std::sync::Weak<Dispatcher>,
-    /// Stop flags of the running webhook pushers, by subscription key.
-    webhooks: parking_lot::Mutex<std::collections::HashMap<String, Arc<AtomicBool>>>,
-    /// Which addresses webhooks may reach (`webhook.allowed_networks`): checked at subscribe and connect.
-    webhook_targets: Arc<webhook::TargetPolicy>,
+    /// The push transports that run beside subscriptions (the HTTP front's webhook pusher), told of each change.
+    watcher: std::sync::OnceLock<Arc<dyn SubscriptionWatcher>>,
     /// Which consumer groups the cluster makes orderly.
     group_order: Arc<group_order::GroupOrder>,
     /// In a tier, the ACKs made at the broker for other instances that could not be reached, until they ask.
     untold: untold::Untold,
+    /// The versions of the subscriptions a tier shares, and their removals (see [`shared`]).
+    shared: shared::Shared,
+    /// In a tier, the current broker leases of other instances' deliveries, as their owners told them.
+    told_leases: told_leases::ToldLeases,
 }
 
 impl Dispatcher {
@@ -315,33 +333,33 @@ impl Dispatcher {
     /// [`DeliveryError::Store`] when the store cannot be read.
     ///
     /// `group_commit` is the WAL sync interval when the store does not sync each write (async-flush profiles).
-    /// `webhook_targets` says which addresses webhook pushes may reach. `instance` is this instance's id, the
+    /// `instance` is this instance's id, the
     /// start of every delivery id it mints (empty: the ids name no instance).
     pub async fn start(
         store: Arc<StateStore>,
         broker: Arc<BrokerClient>,
         publisher: Arc<Publisher>,
         config: DeliveryConfig,
-        webhook_targets: webhook::TargetPolicy,
         group_commit: Option<Duration>,
         issuer: Issuer<'_>,
     ) -> Result<(Arc<Dispatcher>, RecoveryReport), DeliveryError> {
         let group_order = group_order::GroupOrder::new(broker.clone(), config.follow_group_config);
         let untold = untold::Untold::load(store.clone(), untold::MAX_UNTOLD).map_err(DeliveryError::Store)?;
+        let shared = shared::Shared::load(store.clone(), issuer.instance).map_err(DeliveryError::Store)?;
         let deliveries = Arc::new(
             Deliveries::new(store, broker, publisher, config)
                 .with_instance(issuer.instance, issuer.lease_seal)
                 .giving_back_unclaimed(issuer.give_back_unclaimed),
         );
         let (report, poppers) = recovery::recover(&deliveries).await?;
-        let dispatcher = Arc::new_cyclic(|me| Dispatcher {
+        let dispatcher = Arc::new(Dispatcher {
             deliveries: deliveries.clone(),
             tasks: parking_lot::Mutex::new(Vec::new()),
-            me: me.clone(),
-            webhooks: parking_lot::Mutex::new(std::collections::HashMap::new()),
-            webhook_targets: Arc::new(webhook_targets),
+            watcher: std::sync::OnceLock::new(),
             group_order,
             untold,
+            shared,
+            told_leases: told_leases::ToldLeases::new(),
         });
         dispatcher.spawn(sweeper::run(deliveries.clone()));
         dispatcher.spawn(gauges::run(deliveries.clone()));
@@ -350,9 +368,6 @@ impl Dispatcher {
         }
         for (key, stop) in poppers {
             dispatcher.spawn(popper::run(deliveries.clone(), key, stop));
-        }
-        for sub in dispatcher.subscriptions() {
-            dispatcher.restart_webhook(&sub);
         }
         Ok((dispatcher, report))
     }
@@ -382,17 +397,26 @@ impl Dispatcher {
         Ok(report)
     }
 
-    /// Stops the subscription's webhook pusher, if any, and starts one for its current `push` config.
-    fn restart_webhook(&self, sub: &Subscription) {
-        let key = sub.key();
-        if let Some(stop) = self.webhooks.lock().remove(&key) {
-            stop.store(true, Ordering::Relaxed);
+    /// Tells `watcher` of every subscription from now on, and at once of each one kept now (recovered at
+    /// boot). Set once; a second watcher is refused (returned).
+    ///
+    /// # Errors
+    /// The watcher, when one is set already.
+    pub fn watch_subscriptions(
+        &self,
+        watcher: Arc<dyn SubscriptionWatcher>,
+    ) -> Result<(), Arc<dyn SubscriptionWatcher>> {
+        self.watcher.set(watcher)?;
+        for sub in self.subscriptions() {
+            self.tell_watcher(|watcher| watcher.subscribed(&sub));
         }
-        let (Some(push), Some(me)) = (sub.push.clone(), self.me.upgrade()) else { return };
-        let stop = Arc::new(AtomicBool::new(false));
-        self.webhooks.lock().insert(key, stop.clone());
-        let targets = self.webhook_targets.clone();
-        self.spawn(webhook::run(me, sub.group.clone(), sub.topic.clone(), push, targets, stop));
+        Ok(())
+    }
+
+    fn tell_watcher(&self, tell: impl FnOnce(&dyn SubscriptionWatcher)) {
+        if let Some(watcher) = self.watcher.get() {
+            tell(watcher.as_ref());
+        }
     }
 
     /// Creates or updates a subscription (persisted) and starts its POP loop.
@@ -400,11 +424,35 @@ impl Dispatcher {
     /// # Errors
     /// [`DeliveryError::Invalid`] naming a bad field; [`DeliveryError::Store`] when it cannot be stored.
     pub async fn subscribe(&self, request: SubscriptionRequest) -> Result<Subscription, DeliveryError> {
+        let _changing = self.shared.changing.lock().await;
+        self.subscribe_now(request).await
+    }
+
+    /// As [`Dispatcher::subscribe`], the caller holding the lock on shared changes. A subscription asked for
+    /// gets its version (the request's, when another instance made the change; else a new one, and the change
+    /// is told to the tier).
+    async fn subscribe_now(&self, request: SubscriptionRequest) -> Result<Subscription, DeliveryError> {
         let config = self.deliveries.config();
         validate_name("group", &request.group)?;
         validate_name("topic", &request.topic)?;
-        let implicit = request.implicit
-            && self.deliveries.subscription(&request.group, &request.topic).is_none_or(|existing| existing.implicit);
+        let existing = self.deliveries.subscription(&request.group, &request.topic);
+        let implicit = request.implicit && existing.as_ref().is_none_or(|existing| existing.implicit);
+        let key = Subscription::key_of(&request.group, &request.topic);
+        let told = request.shared_version.is_some();
+        if !implicit && existing.as_ref().is_none_or(|existing| existing.implicit) && self.asked_subscriptions_full() {
+            return Err(DeliveryError::Invalid(
+                "group",
+                format!(
+                    "popgate keeps at most {} subscriptions asked for; remove one first",
+                    shared::MAX_ASKED_SUBSCRIPTIONS
+                ),
+            ));
+        }
+        let version = (!implicit).then(|| {
+            request.shared_version.clone().unwrap_or_else(|| {
+                self.shared.next_version(&key, existing.as_ref().and_then(|existing| existing.version.as_ref()))
+            })
+        });
         let sub = Subscription {
             group: request.group,
             topic: request.topic,
@@ -417,10 +465,8 @@ impl Dispatcher {
             ordered: request.ordered.unwrap_or(false),
             push: request.push,
             implicit,
+            version,
         };
-        if let Some(push) = &sub.push {
-            push.validate(&self.webhook_targets)?;
-        }
         if sub.filter.trim().is_empty() {
             let what = match sub.filter_type {
                 FilterType::Tag => "must be a tag expression such as `*` or `a || b`",
@@ -445,7 +491,14 @@ impl Dispatcher {
         if let Some(stop) = self.deliveries.put_subscription(sub.clone(), policy).await? {
             self.spawn(popper::run(self.deliveries.clone(), sub.key(), stop));
         }
-        self.restart_webhook(&sub);
+        self.tell_watcher(|watcher| watcher.subscribed(&sub));
+        if !implicit {
+            // Newer than any removal remembered (a local change's version is; a told one was checked).
+            self.shared.forget_removal(&key).await;
+            if !told {
+                self.shared.announce(SharedChange::Put(sub.clone()));
+            }
+        }
         Ok(sub)
     }
 
@@ -455,10 +508,30 @@ impl Dispatcher {
     /// # Errors
     /// [`DeliveryError::Unknown`] when there is no such subscription; [`DeliveryError::Store`].
     pub async fn unsubscribe(&self, group: &str, topic: &str) -> Result<(), DeliveryError> {
-        self.deliveries.remove_subscription(group, topic).await?;
-        if let Some(stop) = self.webhooks.lock().remove(&Subscription::key_of(group, topic)) {
-            stop.store(true, Ordering::Relaxed);
+        let _changing = self.shared.changing.lock().await;
+        let existing = self.deliveries.subscription(group, topic);
+        self.remove_now(group, topic).await?;
+        // Remembered and told to the tier, so every instance removes it and none brings it back.
+        let key = Subscription::key_of(group, topic);
+        let version = self.shared.next_version(&key, existing.and_then(|existing| existing.version).as_ref());
+        if let Err(error) = self.shared.remember_removal(&key, &version).await {
+            tracing::warn!(%error, group, topic, "Could not store a subscription's removal; peers may bring it back.");
         }
+        let (group, topic) = (group.to_owned(), topic.to_owned());
+        self.shared.announce(SharedChange::Removed { group, topic, version });
+        Ok(())
+    }
+
+    /// Whether as many subscriptions are asked for as popgate keeps ([`shared::MAX_ASKED_SUBSCRIPTIONS`]).
+    fn asked_subscriptions_full(&self) -> bool {
+        self.subscriptions().iter().filter(|sub| !sub.implicit).count() >= shared::MAX_ASKED_SUBSCRIPTIONS
+    }
+
+    /// Removes a subscription here (the caller holds the lock on shared changes): as
+    /// [`Dispatcher::unsubscribe`], told to nobody.
+    async fn remove_now(&self, group: &str, topic: &str) -> Result<(), DeliveryError> {
+        self.deliveries.remove_subscription(group, topic).await?;
+        self.tell_watcher(|watcher| watcher.unsubscribed(&Subscription::key_of(group, topic)));
         Ok(())
     }
 
@@ -803,9 +876,7 @@ impl Dispatcher {
     /// Stops every background task (POP loops, sweeper). In-flight state stays in the store.
     pub async fn shutdown(&self) {
         self.deliveries.shut_down();
-        for stop in self.webhooks.lock().values() {
-            stop.store(true, Ordering::Relaxed);
-        }
+        self.tell_watcher(|watcher| watcher.shut_down());
         let tasks: Vec<JoinHandle<()>> = self.tasks.lock().drain(..).collect();
         for task in tasks {
             let _ = tokio::time::timeout(Duration::from_secs(10), task).await;

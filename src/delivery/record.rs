@@ -128,11 +128,28 @@ pub struct Subscription {
     pub ordered: bool,
     /// Push every delivery to a webhook instead of waiting for subscribers to connect.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub push: Option<super::webhook::WebhookPush>,
+    pub push: Option<WebhookPush>,
     /// Created by a receive on its own (a long poll, a push stream, a gRPC receive), not by
     /// `POST /events/subscribe`: removed once idle (`delivery.idle_subscription_expiry_secs`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub implicit: bool,
+    /// Which change of the subscription this is, for a tier's instances to agree on one (the latest wins:
+    /// see `delivery::shared`). Set on every subscription asked for; `None` on implicit ones (never shared)
+    /// and on those stored before popgate versioned them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<SubVersion>,
+}
+
+/// A change's place in a tier's order of changes to one subscription: when it was made (epoch ms, on the
+/// instance that made it), then that instance's id to break a tie. Compared field by field, so every instance
+/// that sees the same two changes keeps the same one.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SubVersion {
+    /// When the change was made (epoch ms).
+    pub at_ms: i64,
+    /// The instance that made it.
+    pub instance: String,
 }
 
 /// The kind of a subscription's filter, as RocketMQ names it (`ExpressionType`).
@@ -194,4 +211,29 @@ mod tests {
         let round_trip: Holder = serde_json::from_str(&serde_json::to_string(&new).expect("encodes")).expect("decodes");
         assert_eq!(round_trip, new);
     }
+}
+
+/// Where and how a subscription's deliveries are pushed (the HTTP front's webhook pusher posts them; it checks
+/// the URL, the secret and the bounds when the subscription is made).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct WebhookPush {
+    /// `http` or `https` URL that receives each delivery.
+    pub url: String,
+    /// Key of the HMAC-SHA256 signature.
+    pub secret: String,
+    /// Timeout of one POST.
+    #[serde(default = "default_timeout_ms")]
+    pub timeout_ms: u64,
+    /// POSTs in flight at once.
+    #[serde(default = "default_concurrency")]
+    pub max_concurrency: usize,
+}
+
+fn default_timeout_ms() -> u64 {
+    10_000
+}
+
+fn default_concurrency() -> usize {
+    8
 }

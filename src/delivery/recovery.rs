@@ -12,8 +12,10 @@
 //! - **Dead-letter pending**: the DLQ write (then the broker ACK) is retried.
 //! - **Undecodable** (corrupt, or from an incompatible version): retired *without* any broker ACK and counted;
 //!   the broker's redelivery bounds it.
-//! - A record whose broker lease lapsed while popgate was down is given up by the sweeper's first pass: the
-//!   broker redelivers that message as a new delivery.
+//! - A record whose broker lease lapsed while popgate was down (awaiting ACK or ready) is never handed out
+//!   again: the sweeper's first pass gives it up, and the broker redelivers that message as a new delivery,
+//!   unless it was settled meanwhile elsewhere (in a tier, the survivors ACK at the broker what this instance
+//!   had handed out). Counted as `lease_lapsed`, not as dispatched again.
 //!
 //! The one thing recovery never does is pretend an absent client ACKed. Recovery is idempotent: records
 //! already tracked are skipped, so running it twice changes nothing.
@@ -37,6 +39,8 @@ pub struct RecoveryReport {
     pub subscriptions: usize,
     /// Deliveries dispatched again (their attempt kept).
     pub redispatched: usize,
+    /// Unsettled deliveries whose broker lease lapsed while popgate was down: given up to the broker.
+    pub lease_lapsed: usize,
     /// Deliveries whose ACK intent is replayed to the broker.
     pub ack_pending: usize,
     /// Deliveries owed to the DLQ.
@@ -96,6 +100,10 @@ fn restore_one(deliveries: &Deliveries, record: DeliveryRecord, report: &mut Rec
             }
             report.redispatched += 1;
             "redispatched"
+        }
+        Restored::LeaseLapsed => {
+            report.lease_lapsed += 1;
+            "lease_lapsed"
         }
         Restored::AckPending => {
             report.ack_pending += 1;
@@ -174,16 +182,22 @@ mod tests {
         }
     }
 
+    /// `record` with a broker lease that lapsed a minute ago.
+    fn lapsed_while_down(mut record: DeliveryRecord) -> DeliveryRecord {
+        record.handle.pop_time_ms = (Epoch::now() - Duration::from_secs(120)).as_millis();
+        record.handle.invisible_ms = 60_000;
+        record.handle.lease_until_ms = Epoch::now() - Duration::from_secs(60);
+        record
+    }
+
     /// A dispatcher over `store` with no reachable broker: recovery itself must not need one.
     async fn start_offline(store: StateStore) -> (Arc<Dispatcher>, RecoveryReport) {
         let (broker, publisher, config) = offline_parts().await;
-        let targets = crate::delivery::webhook::TargetPolicy::default();
         Dispatcher::start(
             Arc::new(store),
             broker,
             publisher,
             config,
-            targets,
             None,
             crate::delivery::Issuer { instance: "", lease_seal: None, give_back_unclaimed: None },
         )
@@ -275,6 +289,11 @@ mod tests {
             record("ready", Phase::Ready { due_ms: Epoch::from_millis(0) }, 2),
             record("acked", Phase::Acked, 1),
             record("dead", Phase::DeadLetter { reason: "r".into() }, 6),
+            lapsed_while_down(record(
+                "lapsed",
+                Phase::AwaitingAck { deadline_ms: Epoch::ZERO, dispatched_ms: Epoch::ZERO, holder: None },
+                1,
+            )),
         ];
         for r in &planted {
             store.put(Family::Deliveries, &r.id, r).await.expect("put");
@@ -287,6 +306,7 @@ mod tests {
             RecoveryReport {
                 subscriptions: 1,
                 redispatched: 2,
+                lease_lapsed: 1,
                 ack_pending: 1,
                 dead_letter_pending: 1,
                 corrupt: 1,
@@ -296,13 +316,13 @@ mod tests {
         assert_eq!(dispatcher.subscriptions(), vec![sub]);
 
         let again = dispatcher.recover_again().await.expect("second pass");
-        assert_eq!(again, RecoveryReport { skipped: 4, ..RecoveryReport::default() }, "a second pass changes nothing");
+        assert_eq!(again, RecoveryReport { skipped: 5, ..RecoveryReport::default() }, "a second pass changes nothing");
 
         // The redispatched deliveries keep their ids and attempt counters.
         let polled = dispatcher.poll("g", "t", 10, std::time::Duration::from_millis(500)).await.expect("poll");
         let mut seen: Vec<(String, u32)> = polled.iter().map(|d| (d.id.clone(), d.attempt)).collect();
         seen.sort();
-        assert_eq!(seen, vec![("awaiting".to_owned(), 3), ("ready".to_owned(), 2)]);
+        assert_eq!(seen, vec![("awaiting".to_owned(), 3), ("ready".to_owned(), 2)], "never the lapsed one");
         dispatcher.shutdown().await;
     }
 

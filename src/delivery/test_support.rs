@@ -41,6 +41,7 @@ pub(crate) fn subscription() -> Subscription {
         ordered: false,
         push: None,
         implicit: false,
+        version: None,
     }
 }
 

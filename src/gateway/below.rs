@@ -9,18 +9,19 @@
 //!   checked [`super::Reader`] and whose settlements go through [`super::Settling`].
 //! - [`Transactions`]: answering check-backs the broker sends a front's producers; ending goes through
 //!   [`super::Ending`].
-//! - [`BrokerClient`]: the remoting front relays a pull consumer's queue requests to their broker as they are,
-//!   each request code on the remoting front's explicit list (`remoting::relay::RELAYED`) with the permission
-//!   the gateway checks for it.
+//! - The broker client is not among them either: the remoting front relays what it does not serve itself
+//!   through [`super::Relay`], which can relay and nothing else.
 
 pub(crate) use crate::broker::message::{is_reserved_property, ClientWire, PROPERTY_UNIQ_KEY};
 pub(crate) use crate::broker::transaction::{PROPERTY_PRODUCER_GROUP, PROPERTY_TRANSACTION_PREPARED};
-pub(crate) use crate::broker::{BrokerClient, SendReceipt};
+pub(crate) use crate::broker::SendReceipt;
 pub(crate) use crate::delivery::retry::RetryPolicy;
-pub(crate) use crate::delivery::webhook::{signature, WebhookPush};
+pub(crate) use crate::delivery::shared::MAX_QUEUED_CHANGES;
+pub(crate) use crate::delivery::told_leases::{RenewedLease, MAX_QUEUED_RENEWALS};
 pub(crate) use crate::delivery::{
-    content, instance_of, DeliveryError, Dispatched, Event, FilterType, NackOutcome, Subscriber, Subscription,
-    SubscriptionRequest, Target, MAX_POLL_BATCH, MAX_POLL_WAIT,
+    content, instance_of, Applied, DeliveryError, Dispatched, Event, FilterType, NackOutcome, SharedChange, SubVersion,
+    Subscriber, Subscription, SubscriptionRequest, SubscriptionWatcher, Target, WebhookPush, MAX_POLL_BATCH,
+    MAX_POLL_WAIT,
 };
 pub(crate) use crate::transaction::{
     mark_half, CheckForwarder, Ended, Orphan, Resolution, State as RecordState, TransactionError, TransactionRecord,

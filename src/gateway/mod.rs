@@ -19,7 +19,9 @@ pub(crate) mod below;
 mod clients;
 mod publish;
 mod receive;
+mod relay;
 mod settle;
+mod tier_state;
 mod transaction;
 
 use metrics::counter;
@@ -33,6 +35,7 @@ use crate::transaction::TransactionError;
 pub use clients::{ClientIds, ClientOwners};
 pub use publish::{count_refused_publish, PublishRefused, PublishRequest, Publishing};
 pub use receive::{Deliveries, Reader, Receive, ReceiveRequest, ReceivingClient};
+pub use relay::Relay;
 pub use settle::{Owners, Settle, Settled, Settlement, Settling};
 pub use transaction::{EndOutcome, EndRequest, Ending};
 
@@ -103,6 +106,11 @@ pub enum GatewayError {
     /// Something popgate needs for the request is unavailable now (a topic's type, the state store).
     #[error("{0}")]
     Unavailable(String),
+    /// An ACK made at the broker without the instance that handed the delivery out (it cannot be reached),
+    /// with the latest lease this instance knows, which may no longer be the broker's current one: the ACK may
+    /// change nothing there, and the message may be delivered again. Not a plain success.
+    #[error("{0}")]
+    AckUnconfirmed(String),
     /// The caller may not settle this delivery: it may not read the delivery's topic as the delivery's group.
     #[error("may not settle delivery `{delivery}`: {refusal}")]
     MayNotSettle {
@@ -152,6 +160,7 @@ impl GatewayError {
             GatewayError::TakesNoTransactions { .. } | GatewayError::OneWayUnconfirmed => "bad_request",
             GatewayError::MessageTooLarge { .. } => "too_large",
             GatewayError::NotStored { .. } | GatewayError::Unavailable(_) => "unavailable",
+            GatewayError::AckUnconfirmed(_) => "unconfirmed",
         }
     }
 

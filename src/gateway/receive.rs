@@ -104,7 +104,7 @@ impl Receive {
 /// [`Deliveries::settling`], and a client's liveness and leaving are told here. No front names the core itself.
 #[derive(Clone)]
 pub struct Deliveries {
-    dispatcher: Arc<Dispatcher>,
+    pub(super) dispatcher: Arc<Dispatcher>,
 }
 
 impl Deliveries {

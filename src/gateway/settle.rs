@@ -17,6 +17,7 @@ use metrics::counter;
 use super::{may_consume, may_read, GatewayError};
 use crate::auth::Caller;
 use crate::clock::Epoch;
+use crate::delivery::told_leases::{renewal_due, CLOCK_MARGIN};
 use crate::delivery::{split_lease, DeliveryError, Dispatcher, NackOutcome, Target};
 use crate::metrics as m;
 
@@ -158,16 +159,22 @@ impl Settling<'_> {
         })
     }
 
-    /// Settles a delivery whose owner cannot be reached (`unreachable` says why), with the broker lease its
-    /// handle carries: an ACK is made at the broker and the owner told when it can be (so, back, it does not
-    /// hand the message out again); a NACK is left to the broker, whose lease runs out and redelivers it. The
-    /// caller's rights are checked on the lease's group and topic, as the owner would check them. What needs
-    /// the owner's record (a TERM, a new deadline, any settlement without a lease) is refused as unavailable.
+    /// Settles a delivery whose owner cannot be reached (`unreachable` says why), with the latest broker lease
+    /// this instance knows of it: the one its owner told at its last renewal, or the one the handle carries.
+    /// An ACK is made at the broker and the owner told when it can be (so, back, it does not hand the message
+    /// out again); a NACK is left to the broker, whose lease runs out and redelivers it. The caller's rights
+    /// are checked on the lease's group and topic, as the owner would check them. What needs the owner's
+    /// record (a TERM, a new deadline, any settlement without a lease) is refused as unavailable.
+    ///
+    /// An ACK is answered as done only when the broker answered it while that lease was surely the current
+    /// one: before its owner would renew it (half of it left, less [`CLOCK_MARGIN`] for the clocks). Past
+    /// that the owner may
+    /// have renewed it and not told this instance (it went down right after, or could not reach it), and an
+    /// ACK with a dead handle changes nothing at the broker: it is made all the same, and answered
+    /// [`GatewayError::AckUnconfirmed`].
     ///
     /// What weakens here: the owner fences stale holders, and without it an ACK of a hand-out that has since
-    /// been superseded cannot be told from the current one's; and the lease is the one at the hand-out, which
-    /// the owner's renewal (with half of it left) replaces, after which the broker ACK changes nothing and only
-    /// the owner's own ACK, once it learns of it, settles the message.
+    /// been superseded cannot be told from the current one's.
     async fn settle_without_owner(
         &self,
         owner: &str,
@@ -182,8 +189,10 @@ impl Settling<'_> {
             Settle::Nack { .. } => "nack",
             _ => return Err(unavailable()),
         };
-        let Some(lease) = settlement.lease.and_then(|token| self.dispatcher.open_lease(settlement.target.id, token))
-        else {
+        let id = settlement.target.id;
+        let sealed = settlement.lease.and_then(|token| self.dispatcher.open_lease(id, token));
+        // Only a delivery whose client holds a sealed lease: a told one alone does not authorize anything.
+        let Some(lease) = sealed.and_then(|sealed| self.dispatcher.latest_lease(id, Some(sealed))) else {
             return Err(unavailable());
         };
         if let Some(named) = settlement.group {
@@ -198,7 +207,11 @@ impl Settling<'_> {
                 due: lease.handle.lease_deadline(),
             })),
         };
+        // Judged once the broker answered: the ACK reached it before the owner could have renewed the lease.
+        let surely_current = Epoch::now() < renewal_due(&lease) - CLOCK_MARGIN;
+        let unconfirmed = matches!(action, Settle::Ack) && outcome.is_ok() && !surely_current;
         let result = match &outcome {
+            Ok(_) if unconfirmed => "unconfirmed",
             Ok(_) => "ok",
             Err(error) => error.code(),
         };
@@ -206,15 +219,23 @@ impl Settling<'_> {
         if outcome.is_ok() {
             tracing::warn!(
                 owner,
-                delivery = settlement.target.id,
+                delivery = id,
                 action = label,
+                unconfirmed,
                 "Settled at the broker without the instance that handed the delivery out (it cannot be reached)."
             );
             if let Settle::Ack = action {
                 // Told to the owner when it asks (kept in the store meanwhile), so that it does not hand the
-                // message out again.
+                // message out again, and ACKs it with its current lease if this one was not.
                 self.dispatcher.note_untold(owner, settlement.target).await;
             }
+        }
+        if unconfirmed {
+            return Err(GatewayError::AckUnconfirmed(format!(
+                "the delivery was handed out by instance `{owner}`, which cannot be reached now ({unreachable}); the \
+                 ACK was made at the broker with the last lease known here, which `{owner}` may have renewed since: \
+                 it may not land, and the message may be delivered again"
+            )));
         }
         outcome.map_err(|error: DeliveryError| error.into())
     }

@@ -68,7 +68,7 @@ pub fn refused(error: &GatewayError) -> Status {
                 "org.apache.rocketmq.proxy.common.ProxyException: TopicMessageType validate failed, the expected type is {topic_type}, but actual type is TRANSACTION"
             ),
         ),
-        GatewayError::NotStored { .. } | GatewayError::Unavailable(_) => {
+        GatewayError::NotStored { .. } | GatewayError::Unavailable(_) | GatewayError::AckUnconfirmed(_) => {
             status(Code::InternalServerError, error.to_string())
         }
         GatewayError::MayNotSettle { refusal, .. } => status(Code::Unauthorized, refusal.to_string()),

@@ -74,16 +74,29 @@ pub(super) struct ConsumerData {
     /// `CONSUME_PASSIVELY` (push consumers) or `CONSUME_ACTIVELY` (pull consumers).
     #[serde(default)]
     pub consume_type: String,
+    /// `CLUSTERING` (the members share the queues) or `BROADCASTING` (each member reads every queue).
+    #[serde(default)]
+    pub message_model: String,
     /// The topics the group reads (and its `%RETRY%` topic).
     #[serde(default)]
     pub subscription_data_set: Vec<SubscriptionData>,
 }
 
 /// One subscription of a consumer group in a heartbeat.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Clone, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub(super) struct SubscriptionData {
     pub topic: String,
+    /// The filter expression (`*`, `TagA || TagB`, an SQL92 condition).
+    #[serde(default)]
+    pub sub_string: String,
+    /// `TAG` or `SQL92`.
+    #[serde(default)]
+    pub expression_type: String,
+    /// When the client last changed the subscription (its clock, ms); its pulls name it, and a broker whose
+    /// copy is older refuses them (`SUBSCRIPTION_NOT_LATEST`).
+    #[serde(default)]
+    pub sub_version: i64,
 }
 
 /// A client's heartbeat as popgate passes it on to the brokers: kept with the client, so that a broker which lost
@@ -104,6 +117,23 @@ impl Registration {
         let body = request.body()?.clone();
         let digest: [u8; 32] = sha2::Sha256::digest(&body).into();
         Some(Registration { digest, version: request.version(), language: request.language(), body })
+    }
+
+    /// Whether this registration subscribes consumer group `group` to `topic` at subscription version `version`
+    /// or a later one.
+    pub fn subscribes_at_least(&self, group: &str, topic: &str, version: i64) -> bool {
+        self.subscription(group, topic).is_some_and(|subscription| subscription.sub_version >= version)
+    }
+
+    /// Consumer group `group`'s subscription to `topic` in this registration.
+    pub fn subscription(&self, group: &str, topic: &str) -> Option<SubscriptionData> {
+        let heartbeat = serde_json::from_slice::<Heartbeat>(&self.body).ok()?;
+        heartbeat
+            .consumer_data_set
+            .into_iter()
+            .filter(|consumer| consumer.group_name == group)
+            .flat_map(|consumer| consumer.subscription_data_set)
+            .find(|subscription| subscription.topic == topic)
     }
 
     /// A `HEART_BEAT` carrying this registration, as the client sent it.
@@ -142,7 +172,16 @@ struct Client {
     /// The heartbeat last passed on to the brokers, and when.
     forwarded: Option<(Registration, Instant)>,
     producer_groups: BTreeSet<String>,
-    consumer_groups: BTreeMap<String, Kind>,
+    consumer_groups: BTreeMap<String, Membership>,
+}
+
+/// A client's membership of one consumer group, as its heartbeat says.
+#[derive(Debug, Clone, Copy)]
+struct Membership {
+    kind: Kind,
+    /// A broadcasting member reads every queue whoever else is in the group: it is not told when the members
+    /// change (a broker does not tell it either), so no rebalance of its runs in the middle of its heartbeats.
+    broadcasting: bool,
 }
 
 impl Client {
@@ -162,7 +201,7 @@ impl Client {
     }
 
     fn kinds(&self) -> BTreeSet<Kind> {
-        let mut kinds: BTreeSet<Kind> = self.consumer_groups.values().copied().collect();
+        let mut kinds: BTreeSet<Kind> = self.consumer_groups.values().map(|m| m.kind).collect();
         if !self.producer_groups.is_empty() {
             kinds.insert(Kind::Producer);
         }
@@ -295,7 +334,7 @@ impl Clients {
                 .map(|c| {
                     let kind =
                         if c.consume_type == "CONSUME_ACTIVELY" { Kind::PullConsumer } else { Kind::PushConsumer };
-                    (c.group_name.clone(), kind)
+                    (c.group_name.clone(), Membership { kind, broadcasting: c.message_model == "BROADCASTING" })
                 })
                 .collect();
             let after: BTreeSet<String> = client.consumer_groups.keys().cloned().collect();
@@ -440,13 +479,20 @@ impl Clients {
     /// Tells every member of each of `groups` that its members changed: they rebalance at once (one-way,
     /// as a broker does). After a heartbeat, only once the brokers have its subscriptions and its answer is
     /// queued ([`super::relay::heartbeat`] says why).
+    ///
+    /// A broadcasting member is not told, as a broker does not tell it (`ConsumerManager` skips
+    /// `BROADCASTING` groups): its queues do not depend on the members, and the rebalance the push would start
+    /// gives its subscription a new version whose heartbeat the client skips when another of its heartbeats is
+    /// under way ("lock heartBeat, but failed"); the broker then refuses its pulls until its next heartbeat,
+    /// up to 30 s later (seen: two broadcasting consumers of one app, 29.9 s).
     pub fn tell_members(&self, groups: &[String]) {
         if groups.is_empty() {
             return;
         }
         let clients = self.clients.lock();
         for group in groups {
-            for (_, _, client) in clients.iter().filter(|(_, _, c)| c.consumer_groups.contains_key(group)) {
+            let told = |c: &Client| c.consumer_groups.get(group).is_some_and(|m| !m.broadcasting);
+            for (_, _, client) in clients.iter().filter(|(_, _, c)| told(c)) {
                 let mut push =
                     RemotingCommand::create_remoting_command(codes::NOTIFY_CONSUMER_IDS_CHANGED).mark_oneway_rpc();
                 push.add_ext_field("consumerGroup", group.as_str());
@@ -491,11 +537,15 @@ mod tests {
     }
 
     fn heartbeat(client_id: &str, consumer_groups: &[&str]) -> Heartbeat {
+        heartbeat_of(client_id, consumer_groups, "CLUSTERING")
+    }
+
+    fn heartbeat_of(client_id: &str, consumer_groups: &[&str], message_model: &str) -> Heartbeat {
         let body = serde_json::json!({
             "clientID": client_id,
             "producerDataSet": [{"groupName": "CLIENT_INNER_PRODUCER"}],
             "consumerDataSet": consumer_groups.iter().map(|g| serde_json::json!({
-                "groupName": g, "consumeType": "CONSUME_PASSIVELY", "messageModel": "CLUSTERING",
+                "groupName": g, "consumeType": "CONSUME_PASSIVELY", "messageModel": message_model,
                 "consumeFromWhere": "CONSUME_FROM_LAST_OFFSET", "subscriptionDataSet": [], "unitMode": false
             })).collect::<Vec<_>>(),
         });
@@ -539,6 +589,37 @@ mod tests {
         assert_eq!(notified(&mut first_queue), ["orders"], "and the others are told");
         clients.unregister("a@1", &anyone(), None, Some("orders")).expect("its own");
         assert!(clients.consumers_of("orders").is_empty());
+    }
+
+    #[test]
+    fn a_registration_tells_whether_it_carries_a_groups_subscription_at_a_version() {
+        let body = serde_json::json!({"clientID": "a@1", "consumerDataSet": [{"groupName": "g",
+            "subscriptionDataSet": [{"topic": "t", "subString": "*", "subVersion": 100}]}]});
+        let request =
+            RemotingCommand::create_remoting_command(codes::HEART_BEAT).set_body(body.to_string().into_bytes());
+        let registration = Registration::of(&request).expect("a body");
+        assert!(registration.subscribes_at_least("g", "t", 100));
+        assert!(registration.subscribes_at_least("g", "t", 99));
+        assert!(!registration.subscribes_at_least("g", "t", 101), "a pull of a later version");
+        assert!(!registration.subscribes_at_least("other", "t", 1));
+        assert!(!registration.subscribes_at_least("g", "u", 1));
+    }
+
+    #[tokio::test]
+    async fn broadcasting_members_are_not_told_when_their_group_gains_or_loses_one_as_a_broker_does_not() {
+        let clients = Clients::new(Duration::from_secs(120), 100, ClientOwners::default());
+        let (first, mut first_queue) = Connection::for_test(1);
+        let (second, mut second_queue) = Connection::for_test(2);
+        let joined =
+            clients.heartbeat(&first, &anyone(), &heartbeat_of("a@1", &["news"], "BROADCASTING")).expect("taken");
+        clients.tell_members(&joined);
+        let joined =
+            clients.heartbeat(&second, &anyone(), &heartbeat_of("b@2", &["news"], "BROADCASTING")).expect("taken");
+        clients.tell_members(&joined);
+        assert_eq!(clients.consumers_of("news"), ["a@1", "b@2"], "both are members");
+        clients.connection_closed(2);
+        assert!(notified(&mut first_queue).is_empty(), "a broadcasting member is never told");
+        assert!(notified(&mut second_queue).is_empty());
     }
 
     #[tokio::test(start_paused = true)]

@@ -42,7 +42,6 @@ use tokio::net::TcpListener;
 
 use crate::auth::TokenTable;
 use crate::config::Config;
-use crate::gateway::below::BrokerClient;
 use crate::gateway::below::Transactions;
 use crate::publish::Publisher;
 
@@ -50,8 +49,8 @@ use crate::publish::Publisher;
 pub struct Parts {
     /// The publish path.
     pub publisher: Arc<Publisher>,
-    /// The cluster connection, for the requests relayed to a broker or the name server as they are.
-    pub broker: Arc<BrokerClient>,
+    /// The cluster connection, for the requests relayed to a broker or the name server as they are (only).
+    pub broker: crate::gateway::Relay,
     /// The delivery core, for consumers that consume by POP.
     pub deliveries: crate::gateway::Deliveries,
     /// The tokens.

@@ -5,7 +5,8 @@
 //! would pass the group's heartbeats on again (one per member): members × queues heartbeats where one round
 //! does. Here the first refused pull of a group at a broker registers it; the pulls refused meanwhile wait for
 //! that and take its outcome, and so do those refused within [`FRESH_FOR`] after it (they were on their way
-//! when it landed).
+//! when it landed). Pulls refused for naming a newer subscription version than the broker's are registered by
+//! that version: an outcome of registering an older one does not cure them.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -33,9 +34,9 @@ struct Outcome {
 
 type Slot = Arc<tokio::sync::Mutex<Option<Outcome>>>;
 
-/// The recent re-registrations, by consumer group and broker address.
+/// The recent re-registrations, by consumer group, broker address and subscription version (0: any).
 pub(super) struct Reregistrations {
-    recent: Cache<(String, String), Slot>,
+    recent: Cache<(String, String, i64), Slot>,
 }
 
 impl Default for Reregistrations {
@@ -46,13 +47,14 @@ impl Default for Reregistrations {
 
 impl Reregistrations {
     /// Registers `group` again at `broker` with `register` (whether the broker took it), unless another refused
-    /// pull is doing so now or did within [`FRESH_FOR`]: then its outcome, counted as `coalesced`.
-    pub async fn once<F, Fut>(&self, group: &str, broker: &str, register: F) -> bool
+    /// pull is doing so now or did within [`FRESH_FOR`] for the same subscription `version` (0: any): then its
+    /// outcome, counted as `coalesced`.
+    pub async fn once<F, Fut>(&self, group: &str, broker: &str, version: i64, register: F) -> bool
     where
         F: FnOnce() -> Fut,
         Fut: Future<Output = bool>,
     {
-        let slot = self.recent.get_with((group.to_owned(), broker.to_owned()), Slot::default);
+        let slot = self.recent.get_with((group.to_owned(), broker.to_owned(), version), Slot::default);
         // Held while registering: the pulls refused meanwhile wait here for the outcome.
         let mut last = slot.lock().await;
         if let Some(outcome) = last.filter(|outcome| outcome.at.elapsed() < FRESH_FOR) {
@@ -83,7 +85,9 @@ mod tests {
         let burst: Vec<_> = (0..8)
             .map(|_| {
                 let (reregistrations, registered) = (reregistrations.clone(), registered.clone());
-                tokio::spawn(async move { reregistrations.once("g", "broker-a:10911", || register(registered)).await })
+                tokio::spawn(
+                    async move { reregistrations.once("g", "broker-a:10911", 0, || register(registered)).await },
+                )
             })
             .collect();
         for pull in burst {
@@ -91,11 +95,13 @@ mod tests {
         }
         assert_eq!(registered.load(Ordering::SeqCst), 1, "eight refused pulls, one re-registration");
 
-        assert!(reregistrations.once("g", "broker-b:10911", || register(registered.clone())).await);
+        assert!(reregistrations.once("g", "broker-b:10911", 0, || register(registered.clone())).await);
         assert_eq!(registered.load(Ordering::SeqCst), 2, "another broker is registered on its own");
+        assert!(reregistrations.once("g", "broker-b:10911", 7, || register(registered.clone())).await);
+        assert_eq!(registered.load(Ordering::SeqCst), 3, "and a newer subscription version on its own");
 
         tokio::time::sleep(FRESH_FOR).await;
-        assert!(reregistrations.once("g", "broker-a:10911", || register(registered.clone())).await);
-        assert_eq!(registered.load(Ordering::SeqCst), 3, "a later loss is registered again");
+        assert!(reregistrations.once("g", "broker-a:10911", 0, || register(registered.clone())).await);
+        assert_eq!(registered.load(Ordering::SeqCst), 4, "a later loss is registered again");
     }
 }

@@ -20,7 +20,6 @@ use super::reregistrations::Reregistrations;
 use super::{auth, pop, relay, route, send, transaction, Parts};
 use crate::auth::{Caller, TokenTable};
 use crate::config::Config;
-use crate::gateway::below::BrokerClient;
 use crate::gateway::below::DeliveryError;
 use crate::gateway::below::{TransactionError, Transactions};
 use crate::gateway::GatewayError;
@@ -30,7 +29,7 @@ use crate::publish::Publisher;
 /// The remoting front's shared state.
 pub(super) struct Front {
     pub publisher: Arc<Publisher>,
-    pub broker: Arc<BrokerClient>,
+    pub broker: crate::gateway::Relay,
     pub deliveries: crate::gateway::Deliveries,
     /// The tier's other instances, when this one is in a tier: deliveries they handed out are settled there.
     pub owners: Option<Arc<dyn crate::gateway::Owners>>,
@@ -285,7 +284,7 @@ impl From<GatewayError> for Refusal {
             GatewayError::NotStored { .. } => {
                 Refusal::new(refused.broker_code().unwrap_or(codes::SYSTEM_ERROR), refused.to_string())
             }
-            GatewayError::Unavailable(why) => Refusal::new(codes::SYSTEM_ERROR, why),
+            GatewayError::Unavailable(why) | GatewayError::AckUnconfirmed(why) => Refusal::new(codes::SYSTEM_ERROR, why),
             GatewayError::MayNotSettle { refusal, .. } => Refusal::new(codes::NO_PERMISSION, refusal.to_string()),
             GatewayError::HandleOfAnotherGroup { owner, named } => Refusal::new(
                 codes::INVALID_PARAMETER,

@@ -27,10 +27,13 @@ pub enum Family {
     /// In a tier, ACKs made at the broker for another instance's deliveries while it could not be reached,
     /// keyed by that instance and the delivery id, until it is told.
     UntoldAcks,
+    /// In a tier, subscriptions removed (by group and topic) and the version of the removal, so an instance
+    /// that still has one does not bring it back (`delivery::shared`).
+    RemovedSubscriptions,
 }
 
 impl Family {
-    const ALL: [Family; 7] = [
+    const ALL: [Family; 8] = [
         Family::Deliveries,
         Family::Subscriptions,
         Family::DlqReplays,
@@ -38,6 +41,7 @@ impl Family {
         Family::Published,
         Family::Transactions,
         Family::UntoldAcks,
+        Family::RemovedSubscriptions,
     ];
 
     /// The family's memtable size. Memtables count in popgate's RSS (two per family at most), so they are
@@ -51,7 +55,7 @@ impl Family {
             Family::Deliveries => 8 * 1024 * 1024,
             Family::Subscriptions | Family::DlqReplays | Family::Published | Family::Transactions => 4 * 1024 * 1024,
             // Written only while a peer cannot be reached.
-            Family::UntoldAcks => 1024 * 1024,
+            Family::UntoldAcks | Family::RemovedSubscriptions => 1024 * 1024,
         }
     }
 
@@ -64,6 +68,7 @@ impl Family {
             Family::Published => "published",
             Family::Transactions => "transactions",
             Family::UntoldAcks => "untold_acks",
+            Family::RemovedSubscriptions => "removed_subscriptions",
         }
     }
 }

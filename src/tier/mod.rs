@@ -20,6 +20,7 @@ mod identity;
 /// The peer link's generated messages, server and client (public for it/, which speaks the link raw).
 pub mod proto;
 pub mod server;
+mod sharing;
 mod signing;
 pub mod tls;
 mod wire;
@@ -98,7 +99,8 @@ impl Tier {
 
     /// Looks the peers up: every address of `tier.peers` and `tier.peer_dns`, each asked who it is (and told
     /// who asks: it answers with the ACKs it made at the broker for this instance meanwhile, which are applied
-    /// here). An address that does not answer is left out until the next look-up.
+    /// here), then for its shared subscriptions when they differ from this instance's (`sharing`). An address
+    /// that does not answer is left out until the next look-up.
     pub async fn look_up(&self) {
         let mut looked_up = self.looked_up.lock().await;
         let addresses = self.addresses().await;
@@ -117,12 +119,16 @@ impl Tier {
             }
         }
         gauge!(m::TIER_PEERS).set(found.len() as f64);
+        let peers: Vec<(String, PeerClient<Channel>)> =
+            found.iter().map(|(id, client)| (id.clone(), client.clone())).collect();
         *self.peers.lock() = found;
         // Only the addresses of this look-up keep a channel: a restarted pod comes back at a new address, and
         // the old one's channel would otherwise stay for good.
         self.channels.lock().retain(|address, _| addresses.binary_search(address).is_ok());
         *looked_up = Some(Instant::now());
         drop(looked_up);
+        // The tier's shared subscriptions, from each peer whose set differs (the whole set at the start).
+        self.sync_subscriptions(&peers).await;
         if let Some(deliveries) = &self.deliveries {
             let settling = deliveries.settling(None);
             for acked in acked_without_me {

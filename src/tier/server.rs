@@ -149,6 +149,32 @@ impl Peer for PeerService {
         Ok(Response::new(wire::reply(outcome)))
     }
 
+    async fn share(&self, request: Request<pb::ShareRequest>) -> Result<Response<pb::ShareReply>, Status> {
+        for_this_instance(self.verifier.check(&request, "share"), "share", "share")?;
+        super::sharing::apply_all(&self.deliveries, request.into_inner().changes).await;
+        Ok(Response::new(pb::ShareReply {}))
+    }
+
+    async fn subscriptions(
+        &self,
+        request: Request<pb::SubscriptionsRequest>,
+    ) -> Result<Response<pb::SubscriptionsReply>, Status> {
+        for_this_instance(self.verifier.check(&request, "subscriptions"), "subscriptions", "subscriptions")?;
+        if request.get_ref().digest == self.deliveries.shared_digest() {
+            return Ok(Response::new(pb::SubscriptionsReply { same: true, changes: Vec::new() }));
+        }
+        let changes = self.deliveries.shared_set().iter().filter_map(super::sharing::to_wire).collect();
+        Ok(Response::new(pb::SubscriptionsReply { same: false, changes }))
+    }
+
+    async fn leases(&self, request: Request<pb::LeasesRequest>) -> Result<Response<pb::LeasesReply>, Status> {
+        for_this_instance(self.verifier.check(&request, "leases"), "leases", "leases")?;
+        for told in request.into_inner().leases.into_iter().take(super::sharing::MAX_SET) {
+            self.deliveries.learn_lease(&told.delivery_id, told.lease);
+        }
+        Ok(Response::new(pb::LeasesReply {}))
+    }
+
     async fn end(&self, request: Request<pb::EndRequest>) -> Result<Response<pb::EndReply>, Status> {
         for_this_instance(self.verifier.check(&request, "end"), "end", "end")?;
         let request = request.into_inner();

@@ -28,6 +28,7 @@ mod cluster;
 mod fake_cluster;
 mod hand_out;
 mod holds;
+mod lease_tells;
 #[cfg(test)]
 mod model;
 mod pop_side;
@@ -128,6 +129,10 @@ pub(super) enum Restored {
         /// It was awaiting an ACK (a redelivery), not waiting for its attempt.
         was_handed_out: bool,
     },
+    /// Unsettled, but its broker lease lapsed while popgate was down: never handed out again here, the
+    /// sweeper's first pass gives it up to the broker, which redelivers it, unless it was settled meanwhile
+    /// elsewhere (another instance of a tier ACKs at the broker what this one handed out).
+    LeaseLapsed,
     /// The subscriber's ACK was stored: only the broker ACK is owed.
     AckPending,
     /// Owed to the DLQ.
@@ -179,6 +184,8 @@ pub(super) struct Deliveries {
     /// In a tier, how long a subscription may go without a waiting consumer before what is due on it is given
     /// back to the broker.
     give_back_unclaimed: Option<Duration>,
+    /// In a tier, where renewed leases go to be told to the peers (`lease_tells`).
+    renewal_outbox: Mutex<Option<tokio::sync::mpsc::Sender<(String, String)>>>,
 }
 
 // === construction, configuration, persistence ===
@@ -213,6 +220,7 @@ impl Deliveries {
             instance: String::new(),
             lease_seal: None,
             give_back_unclaimed: None,
+            renewal_outbox: Mutex::new(None),
         }
     }
 

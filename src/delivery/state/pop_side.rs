@@ -86,17 +86,22 @@ impl Deliveries {
     }
 
     /// Best effort: makes the message visible again at once (ChangeInvisibleTime to a second). If the
-    /// broker cannot be asked, the lease running out gives it back all the same.
+    /// broker cannot be asked, the lease running out gives it back all the same. Returns the handle the
+    /// broker gave (a second's lease), when it took the change.
     pub(super) async fn give_back_at_broker(
         &self,
         group: &str,
         handle: &crate::broker::consumer::ReceiptHandle,
         reason: &'static str,
-    ) {
+    ) -> Option<crate::broker::consumer::ReceiptHandle> {
         counter!(m::DELIVERIES_GIVEN_BACK, "reason" => reason).increment(1);
-        if let Err(error) = self.cluster.renew(group, handle, GIVE_BACK_INVISIBLE_MS).await {
-            counter!(m::CONSUME_REQUEST_FAILURES, "op" => "give_back").increment(1);
-            tracing::debug!(%error, "Giving a message back failed; its lease running out gives it back.");
+        match self.cluster.renew(group, handle, GIVE_BACK_INVISIBLE_MS).await {
+            Ok(given_back) => Some(given_back),
+            Err(error) => {
+                counter!(m::CONSUME_REQUEST_FAILURES, "op" => "give_back").increment(1);
+                tracing::debug!(%error, "Giving a message back failed; its lease running out gives it back.");
+                None
+            }
         }
     }
 }

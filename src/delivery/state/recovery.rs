@@ -12,7 +12,9 @@ impl Deliveries {
             return Restored::Skipped;
         }
         self.next_seq.fetch_max(record.seq + 1, Ordering::Relaxed);
+        let lapsed = record.handle.lease_deadline() <= Epoch::now();
         let outcome = match record.phase {
+            Phase::AwaitingAck { .. } | Phase::Ready { .. } if lapsed => Restored::LeaseLapsed,
             Phase::AwaitingAck { .. } => Restored::Redispatched { was_handed_out: true },
             Phase::Ready { .. } => Restored::Redispatched { was_handed_out: false },
             Phase::Acked => Restored::AckPending,

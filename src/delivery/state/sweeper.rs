@@ -156,7 +156,11 @@ impl Deliveries {
     /// (never handed out or settled again) and filed, so the next sweep gives each back to the broker as
     /// soon as nobody acts on it, and the broker's orderly POP brings the group back in order.
     pub(super) async fn give_up_lease(&self, id: &str) {
-        tracing::warn!(delivery = %id, "Broker lease lapsed; the broker will redeliver the event.");
+        tracing::warn!(
+            delivery = %id,
+            "Broker lease lapsed; the broker redelivers the event, unless it was settled there meanwhile (by another \
+             instance of the tier while this one was down)."
+        );
         counter!(m::LEASES_LOST).increment(1);
         {
             let mut table = self.table.lock();
@@ -205,7 +209,10 @@ impl Deliveries {
             Owed::Renew(id) => self.renew(&id).await,
             Owed::GiveBack(id, reason) => {
                 if let Some(record) = self.tracked_record(&id) {
-                    self.give_back_at_broker(&record.group, &record.handle, reason).await;
+                    if let Some(handle) = self.give_back_at_broker(&record.group, &record.handle, reason).await {
+                        // The peers learn that the lease their ACKs would use ends now.
+                        self.tell_renewed(&DeliveryRecord { handle, ..record.clone() });
+                    }
                     self.retire(&id).await;
                     if reason == "fifo_head_lost" {
                         self.remember_stale(&id);
@@ -317,6 +324,8 @@ impl Deliveries {
                 }
                 let mut renewed = record;
                 renewed.handle = handle.clone();
+                // The peers learn the new handle: the old one, which the client's handle carries, is dead.
+                self.tell_renewed(&renewed);
                 if self.commit(renewed, OwedWork::NotFailed).await.is_err() {
                     // The old handle is dead whatever the store says: memory must hold the new one. After a
                     // crash the stored (dead) handle only means the broker redelivers: a duplicate, no loss.

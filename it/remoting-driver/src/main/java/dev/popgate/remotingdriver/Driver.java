@@ -15,6 +15,7 @@ import java.nio.file.Path;
 import java.nio.file.Paths;
 import java.util.ArrayList;
 import java.util.Arrays;
+import java.util.Collections;
 import java.util.Comparator;
 import java.util.HashMap;
 import java.util.HashSet;
@@ -559,6 +560,11 @@ public final class Driver {
      * arrival order, each with its "delivery" number (per body) and the "result" the listener answered;
      * "consumedBodies" counts the bodies answered with success. `clientRebalance` false (5.x clients) makes the
      * consumer ask its queues of the broker and consume by POP when told to, with `popInvisibleTimeMs`.
+     * `instances` [names] starts one such consumer per name in this one process (each its own instanceName, so its
+     * own client instance, as an app with two consumers of a group has), waits for each to reach `expect`, and
+     * reports each in "consumers" (instanceName, clientId, timedOut, received, ...). `sendOnStart` N sends N
+     * messages "m-<i>" (with `sendTag`) from a producer of this process right after the consumers started, as
+     * Apache's e2e suite does; "sentOnStart" lists them (broker, queueId, queueOffset, sentAtMs).
      */
     private static Map<String, Object> pushConsume(Args a, long startMs) throws Exception {
         Common c = Common.parse(a);
@@ -583,86 +589,156 @@ public final class Driver {
         String offsetStoreDir = a.string("offsetStoreDir", null);
         boolean pop = !a.bool("clientRebalance", true);
         Long popInvisibleTimeMs = a.has("popInvisibleTimeMs") ? a.longValue("popInvisibleTimeMs", 60000) : null;
+        // Several consumers in this one process, one per name: each its own instanceName, so its own client instance.
+        List<String> instances = a.has("instances") ? a.list("instances") : null;
+        // Messages this process sends as soon as its consumers started, as an app (or Apache's e2e suite) does.
+        int sendOnStart = a.integer("sendOnStart", 0);
+        String sendTag = a.string("sendTag", null);
+        if (instances != null && (instances.isEmpty() || c.instanceName != null)) {
+            throw new BadArgs("instances names at least one consumer, and goes without instanceName");
+        }
         a.rejectUnknown();
         Path tempOffsets = broadcasting ? localOffsetStore(offsetStoreDir) : null;
 
         Map<String, Object> out = new LinkedHashMap<>();
         out.put("startMs", startMs);
-        Deliveries deliveries = new Deliveries(failTimes, failBodies);
-        DefaultMQPushConsumer consumer = new DefaultMQPushConsumer(group, c.hook, new AllocateMessageQueueAveragely());
-        c.apply(consumer);
-        consumer.subscribe(topic, subExpression);
-        consumer.setConsumeFromWhere(from);
-        if (consumeTimestamp != null) {
-            consumer.setConsumeTimestamp(consumeTimestamp);
-        }
-        if (broadcasting) {
-            setBroadcasting(consumer);
-        }
-        if (maxReconsumeTimes != null) {
-            consumer.setMaxReconsumeTimes(maxReconsumeTimes);
-        }
-        if (suspendMs != null) {
-            consumer.setSuspendCurrentQueueTimeMillis(suspendMs);
-        }
-        if (pullIntervalMs != null) {
-            consumer.setPullInterval(pullIntervalMs);
-        }
-        if (pullBatchSize != null) {
-            consumer.setPullBatchSize(pullBatchSize);
-        }
-        if (consumeBatchSize != null) {
-            consumer.setConsumeMessageBatchMaxSize(consumeBatchSize);
-        }
-        if (pop) {
-            // 5.x only: the consumer asks the broker for its queues (QUERY_ASSIGNMENT) and consumes by POP when
-            // the answer says so.
-            setter(consumer, "setClientRebalance", boolean.class).invoke(consumer, false);
-        }
-        if (popInvisibleTimeMs != null) {
-            setter(consumer, "setPopInvisibleTime", long.class).invoke(consumer, popInvisibleTimeMs);
-        }
-        // Shutdown waits (bounded) for listener calls in flight, so what they answered is what gets committed.
-        consumer.setAwaitTerminationMillisWhenShutdown(5000);
-        if (orderly) {
-            consumer.registerMessageListener((MessageListenerOrderly) (msgs, ctx) -> {
-                boolean fail = deliveries.record(msgs, ctx.getMessageQueue(), holdMs);
-                if (fail && suspendMs != null) {
-                    ctx.setSuspendCurrentQueueTimeMillis(suspendMs);
+        List<DefaultMQPushConsumer> consumers = new ArrayList<>();
+        List<Deliveries> deliveriesOf = new ArrayList<>();
+        for (String instance : instances == null ? Collections.singletonList(c.instanceName) : instances) {
+            Deliveries deliveries = new Deliveries(failTimes, failBodies);
+            DefaultMQPushConsumer consumer =
+                new DefaultMQPushConsumer(group, c.hook, new AllocateMessageQueueAveragely());
+            c.apply(consumer);
+            if (instance != null) {
+                consumer.setInstanceName(instance);
+            }
+            consumer.subscribe(topic, subExpression);
+            consumer.setConsumeFromWhere(from);
+            if (consumeTimestamp != null) {
+                consumer.setConsumeTimestamp(consumeTimestamp);
+            }
+            if (broadcasting) {
+                setBroadcasting(consumer);
+            }
+            if (maxReconsumeTimes != null) {
+                consumer.setMaxReconsumeTimes(maxReconsumeTimes);
+            }
+            if (suspendMs != null) {
+                consumer.setSuspendCurrentQueueTimeMillis(suspendMs);
+            }
+            if (pullIntervalMs != null) {
+                consumer.setPullInterval(pullIntervalMs);
+            }
+            if (pullBatchSize != null) {
+                consumer.setPullBatchSize(pullBatchSize);
+            }
+            if (consumeBatchSize != null) {
+                consumer.setConsumeMessageBatchMaxSize(consumeBatchSize);
+            }
+            if (pop) {
+                // 5.x only: the consumer asks the broker for its queues (QUERY_ASSIGNMENT) and consumes by POP when
+                // the answer says so.
+                setter(consumer, "setClientRebalance", boolean.class).invoke(consumer, false);
+            }
+            if (popInvisibleTimeMs != null) {
+                setter(consumer, "setPopInvisibleTime", long.class).invoke(consumer, popInvisibleTimeMs);
+            }
+            // Shutdown waits (bounded) for listener calls in flight, so what they answered is what gets committed.
+            consumer.setAwaitTerminationMillisWhenShutdown(5000);
+            if (orderly) {
+                consumer.registerMessageListener((MessageListenerOrderly) (msgs, ctx) -> {
+                    boolean fail = deliveries.record(msgs, ctx.getMessageQueue(), holdMs);
+                    if (fail && suspendMs != null) {
+                        ctx.setSuspendCurrentQueueTimeMillis(suspendMs);
+                    }
+                    return fail ? ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT : ConsumeOrderlyStatus.SUCCESS;
+                });
+            } else {
+                consumer.registerMessageListener((MessageListenerConcurrently) (msgs, ctx) -> {
+                    boolean fail = deliveries.record(msgs, ctx.getMessageQueue(), holdMs);
+                    if (fail && retryDelayLevel != null) {
+                        ctx.setDelayLevelWhenNextConsume(retryDelayLevel);
+                    }
+                    return fail ? ConsumeConcurrentlyStatus.RECONSUME_LATER : ConsumeConcurrentlyStatus.CONSUME_SUCCESS;
+                });
+            }
+            deliveries.failAnswer = orderly ? "SUSPEND_CURRENT_QUEUE_A_MOMENT" : "RECONSUME_LATER";
+            deliveries.okAnswer = orderly ? "SUCCESS" : "CONSUME_SUCCESS";
+            try {
+                consumer.start();
+            } catch (Throwable t) {
+                for (DefaultMQPushConsumer started : consumers) {
+                    shutdown(started::shutdown, 15000);
                 }
-                return fail ? ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT : ConsumeOrderlyStatus.SUCCESS;
-            });
-        } else {
-            consumer.registerMessageListener((MessageListenerConcurrently) (msgs, ctx) -> {
-                boolean fail = deliveries.record(msgs, ctx.getMessageQueue(), holdMs);
-                if (fail && retryDelayLevel != null) {
-                    ctx.setDelayLevelWhenNextConsume(retryDelayLevel);
-                }
-                return fail ? ConsumeConcurrentlyStatus.RECONSUME_LATER : ConsumeConcurrentlyStatus.CONSUME_SUCCESS;
-            });
+                deleteTree(tempOffsets);
+                return startupFailed(out, "push consumer", t);
+            }
+            consumers.add(consumer);
+            deliveriesOf.add(deliveries);
         }
-        deliveries.failAnswer = orderly ? "SUSPEND_CURRENT_QUEUE_A_MOMENT" : "RECONSUME_LATER";
-        deliveries.okAnswer = orderly ? "SUCCESS" : "CONSUME_SUCCESS";
-        try {
-            consumer.start();
-        } catch (Throwable t) {
-            deleteTree(tempOffsets);
-            return startupFailed(out, "push consumer", t);
+        if (sendOnStart > 0) {
+            out.put("sentOnStart", sendOnStart(c, topic, sendTag, sendOnStart));
         }
-        out.put("clientId", consumer.buildMQClientId());
-        out.put("messageModel", String.valueOf(consumer.getMessageModel()));
-        out.put("startedMs", System.currentTimeMillis());
+        // One consumer reports at the top level; several, each in "consumers".
+        List<Map<String, Object>> reports = new ArrayList<>();
+        for (DefaultMQPushConsumer consumer : consumers) {
+            Map<String, Object> report = instances == null ? out : new LinkedHashMap<>();
+            report.put("instanceName", consumer.getInstanceName());
+            report.put("clientId", consumer.buildMQClientId());
+            report.put("messageModel", String.valueOf(consumer.getMessageModel()));
+            report.put("startedMs", System.currentTimeMillis());
+            reports.add(report);
+        }
 
-        boolean reached = deliveries.await(expect, startMs + c.timeoutMs);
-        if (reached && settleMs > 0) {
+        boolean reachedAll = true;
+        for (int n = 0; n < consumers.size(); n++) {
+            boolean reached = deliveriesOf.get(n).await(expect, startMs + c.timeoutMs);
+            reports.get(n).put("timedOut", expect > 0 && !reached);
+            reachedAll &= reached;
+        }
+        if (reachedAll && settleMs > 0) {
             Thread.sleep(settleMs);
         }
-        out.put("timedOut", expect > 0 && !reached);
-        out.put("shutdownMs", shutdown(consumer::shutdown, 15000));
-        deliveries.report(out);
+        out.put("timedOut", expect > 0 && !reachedAll);
+        for (int n = 0; n < consumers.size(); n++) {
+            reports.get(n).put("shutdownMs", shutdown(consumers.get(n)::shutdown, 15000));
+            deliveriesOf.get(n).report(reports.get(n));
+        }
+        if (instances != null) {
+            out.put("consumers", reports);
+        }
         out.put("finishedMs", System.currentTimeMillis());
         deleteTree(tempOffsets);
         return out;
+    }
+
+    /** Sends `count` messages `m-<i>` (tag `tag` when given) from a producer of this process, one after another. */
+    private static List<Map<String, Object>> sendOnStart(Common c, String topic, String tag, int count)
+        throws Exception {
+        DefaultMQProducer producer = new DefaultMQProducer("driver_on_start_producer", c.hook);
+        c.apply(producer);
+        producer.setInstanceName("driver-on-start");
+        producer.setSendMsgTimeout(10000);
+        producer.start();
+        List<Map<String, Object>> sent = new ArrayList<>();
+        try {
+            for (int i = 0; i < count; i++) {
+                Message m = new Message(topic, tag, ("m-" + i).getBytes(StandardCharsets.UTF_8));
+                long t0 = System.currentTimeMillis();
+                try {
+                    SendResult r = producer.send(m);
+                    Map<String, Object> e = resultEntry(r);
+                    e.put("body", "m-" + i);
+                    e.put("sentAtMs", t0);
+                    sent.add(e);
+                } catch (Exception e) {
+                    sent.add(sendError(i, "m-" + i, e, t0));
+                }
+            }
+        } finally {
+            shutdown(producer::shutdown, 15000);
+        }
+        return sent;
     }
 
     /**

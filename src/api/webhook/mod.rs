@@ -24,73 +24,99 @@
 pub mod headers;
 pub mod target;
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use hmac::{Hmac, Mac};
 use metrics::counter;
-use serde::{Deserialize, Serialize};
+use parking_lot::Mutex;
 use sha2::Sha256;
 
-use super::Dispatcher;
-use super::{DeliveryError, Dispatched};
-use crate::broker::content;
+use crate::auth::Caller;
+use crate::gateway::below::{content, DeliveryError, Dispatched, Subscription, SubscriptionWatcher, WebhookPush};
+use crate::gateway::{Deliveries, GatewayError, Reader, Settlement};
 use crate::metrics as m;
 pub use target::TargetPolicy;
 
-/// Where and how a subscription's deliveries are pushed.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct WebhookPush {
-    /// `http` or `https` URL that receives each delivery.
-    pub url: String,
-    /// Key of the HMAC-SHA256 signature.
-    pub secret: String,
-    /// Timeout of one POST.
-    #[serde(default = "default_timeout_ms")]
-    pub timeout_ms: u64,
-    /// POSTs in flight at once.
-    #[serde(default = "default_concurrency")]
-    pub max_concurrency: usize,
+/// Checks a subscription's `push`: the URL (http/https with a host that `targets` permits, when it is an
+/// address), the secret and the bounds. A host name is checked at every connection instead, as it resolves then.
+///
+/// # Errors
+/// [`DeliveryError::Invalid`] naming the field.
+pub fn validate(push: &WebhookPush, targets: &TargetPolicy) -> Result<(), DeliveryError> {
+    let url =
+        reqwest::Url::parse(&push.url).map_err(|e| DeliveryError::Invalid("push.url", format!("not a URL: {e}")))?;
+    if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none() {
+        return Err(DeliveryError::Invalid("push.url", "must be an http or https URL with a host".into()));
+    }
+    targets.check_url(&url).map_err(|forbidden| {
+        DeliveryError::Invalid(
+            "push.url",
+            format!("{forbidden}; webhooks may only reach public addresses and webhook.allowed_networks"),
+        )
+    })?;
+    if push.secret.is_empty() {
+        return Err(DeliveryError::Invalid("push.secret", "must not be empty".into()));
+    }
+    if !(100..=300_000).contains(&push.timeout_ms) {
+        return Err(DeliveryError::Invalid("push.timeoutMs", "must be in 100..=300000".into()));
+    }
+    if !(1..=1024).contains(&push.max_concurrency) {
+        return Err(DeliveryError::Invalid("push.maxConcurrency", "must be in 1..=1024".into()));
+    }
+    Ok(())
 }
 
-fn default_timeout_ms() -> u64 {
-    10_000
+/// The webhook pushers, one per subscription with a `push`: started and stopped as the delivery core says its
+/// subscriptions change (and, at boot, for each one it recovered). One per subscription key, so the map is
+/// bounded by the subscriptions popgate keeps.
+pub struct Webhooks {
+    deliveries: Deliveries,
+    targets: Arc<TargetPolicy>,
+    running: Mutex<HashMap<String, Arc<AtomicBool>>>,
 }
 
-fn default_concurrency() -> usize {
-    8
+impl Webhooks {
+    /// Pushers over `deliveries`, connecting only where `targets` permits.
+    pub fn new(deliveries: Deliveries, targets: TargetPolicy) -> Arc<Webhooks> {
+        Arc::new(Webhooks { deliveries, targets: Arc::new(targets), running: Mutex::new(HashMap::new()) })
+    }
+
+    /// Which addresses a webhook may reach.
+    pub fn targets(&self) -> &TargetPolicy {
+        &self.targets
+    }
+
+    fn stop(&self, key: &str) {
+        if let Some(stop) = self.running.lock().remove(key) {
+            stop.store(true, Ordering::Relaxed);
+        }
+    }
 }
 
-impl WebhookPush {
-    /// Checks the URL (http/https with a host that `targets` permits, when it is an address), the secret
-    /// and the bounds. A host name is checked at every connection instead, as it resolves then.
-    ///
-    /// # Errors
-    /// [`DeliveryError::Invalid`] naming the field.
-    pub fn validate(&self, targets: &TargetPolicy) -> Result<(), DeliveryError> {
-        let url = reqwest::Url::parse(&self.url)
-            .map_err(|e| DeliveryError::Invalid("push.url", format!("not a URL: {e}")))?;
-        if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none() {
-            return Err(DeliveryError::Invalid("push.url", "must be an http or https URL with a host".into()));
+impl SubscriptionWatcher for Webhooks {
+    /// Stops the subscription's pusher, if any, and starts one for its current `push`.
+    fn subscribed(&self, sub: &Subscription) {
+        let key = sub.key();
+        self.stop(&key);
+        let Some(push) = sub.push.clone() else { return };
+        let stop = Arc::new(AtomicBool::new(false));
+        self.running.lock().insert(key, stop.clone());
+        let pusher =
+            run(self.deliveries.clone(), sub.group.clone(), sub.topic.clone(), push, self.targets.clone(), stop);
+        tokio::spawn(pusher);
+    }
+
+    fn unsubscribed(&self, key: &str) {
+        self.stop(key);
+    }
+
+    fn shut_down(&self) {
+        for stop in self.running.lock().values() {
+            stop.store(true, Ordering::Relaxed);
         }
-        targets.check_url(&url).map_err(|forbidden| {
-            DeliveryError::Invalid(
-                "push.url",
-                format!("{forbidden}; webhooks may only reach public addresses and webhook.allowed_networks"),
-            )
-        })?;
-        if self.secret.is_empty() {
-            return Err(DeliveryError::Invalid("push.secret", "must not be empty".into()));
-        }
-        if !(100..=300_000).contains(&self.timeout_ms) {
-            return Err(DeliveryError::Invalid("push.timeoutMs", "must be in 100..=300000".into()));
-        }
-        if !(1..=1024).contains(&self.max_concurrency) {
-            return Err(DeliveryError::Invalid("push.maxConcurrency", "must be in 1..=1024".into()));
-        }
-        Ok(())
     }
 }
 
@@ -106,9 +132,11 @@ pub fn signature(secret: &str, timestamp: u64, delivery_id: &str, body: &[u8]) -
     format!("sha256={}", hex::encode(mac.finalize().into_bytes()))
 }
 
-/// Pushes one subscription's deliveries until `stop` is set. Every connection goes through `targets`.
-pub async fn run(
-    dispatcher: Arc<Dispatcher>,
+/// Pushes one subscription's deliveries until `stop` is set. Every connection goes through `targets`. The
+/// pusher reads and settles through the gateway as every front does; it acts for the subscription, whose
+/// maker's rights were checked when it was made, so it holds no token of its own.
+async fn run(
+    deliveries: Deliveries,
     group: String,
     topic: String,
     push: WebhookPush,
@@ -122,14 +150,20 @@ pub async fn run(
             return;
         }
     };
-    let mut subscriber = match dispatcher.attach(&group, &topic, Some(push.max_concurrency), "webhook").await {
+    let caller = Caller::unrestricted();
+    let attached = match Reader::check(&caller, &group, &topic) {
+        Ok(reader) => deliveries.attach(&reader, Some(push.max_concurrency), "webhook").await,
+        Err(refused) => Err(refused),
+    };
+    let mut subscriber = match attached {
         Ok(subscriber) => subscriber,
         Err(error) => {
             tracing::error!(%error, %group, %topic, "Cannot attach the webhook pusher.");
             return;
         }
     };
-    let pusher = Arc::new(Pusher { client, dispatcher, push, targets, warned_of_skips: AtomicBool::new(false) });
+    let pusher =
+        Arc::new(Pusher { client, deliveries, caller, push, targets, warned_of_skips: AtomicBool::new(false) });
     while !stop.load(Ordering::Relaxed) {
         let batch = match subscriber.next(Duration::from_secs(1)).await {
             Ok(batch) => batch,
@@ -161,7 +195,8 @@ fn client(push: &WebhookPush, targets: Arc<TargetPolicy>) -> reqwest::Result<req
 /// One subscription's pusher: what every delivery's POST needs.
 struct Pusher {
     client: reqwest::Client,
-    dispatcher: Arc<Dispatcher>,
+    deliveries: Deliveries,
+    caller: Caller,
     push: WebhookPush,
     targets: Arc<TargetPolicy>,
     /// Whether skipped `ce_*` properties were logged at warn level yet (once per pusher; then debug).
@@ -171,13 +206,14 @@ struct Pusher {
 impl Pusher {
     /// POSTs one delivery and settles it from the answer.
     async fn deliver(self: Arc<Self>, delivery: Dispatched) {
-        let dispatcher = &self.dispatcher;
-        let settled = match self.post(&delivery).await {
-            Outcome::Accepted => dispatcher.ack(&delivery.id).await,
-            Outcome::RetryAfter(delay) => dispatcher.nack(&delivery.id, Some(delay)).await.map(|_| ()),
+        let settling = self.deliveries.settling(None);
+        let settlement = Settlement::of(&delivery.id, None, None);
+        let settled: Result<(), GatewayError> = match self.post(&delivery).await {
+            Outcome::Accepted => settling.ack(&self.caller, settlement).await,
+            Outcome::RetryAfter(delay) => settling.nack(&self.caller, settlement, Some(delay)).await.map(|_| ()),
             Outcome::Failed(reason) => {
                 tracing::info!(delivery = %delivery.id, %reason, "Webhook delivery attempt failed.");
-                dispatcher.nack(&delivery.id, None).await.map(|_| ())
+                settling.nack(&self.caller, settlement, None).await.map(|_| ())
             }
         };
         if let Err(error) = settled {
@@ -298,13 +334,16 @@ mod tests {
 
     #[test]
     fn only_http_and_https_urls_with_a_host_are_accepted() {
-        assert!(push("http://93.184.215.14:9000/hook").validate(&public_only()).is_ok());
-        assert!(push("https://example.invalid/hook").validate(&public_only()).is_ok());
+        assert!(validate(&push("http://93.184.215.14:9000/hook"), &public_only()).is_ok());
+        assert!(validate(&push("https://example.invalid/hook"), &public_only()).is_ok());
         for bad in ["ftp://h/x", "file:///etc/passwd", "not a url", "http://"] {
-            assert!(matches!(push(bad).validate(&public_only()), Err(DeliveryError::Invalid("push.url", _))), "{bad}");
+            assert!(
+                matches!(validate(&push(bad), &public_only()), Err(DeliveryError::Invalid("push.url", _))),
+                "{bad}"
+            );
         }
         let no_secret = WebhookPush { secret: String::new(), ..push("http://h/x") };
-        assert!(matches!(no_secret.validate(&public_only()), Err(DeliveryError::Invalid("push.secret", _))));
+        assert!(matches!(validate(&no_secret, &public_only()), Err(DeliveryError::Invalid("push.secret", _))));
     }
 
     #[test]
@@ -319,7 +358,7 @@ mod tests {
             "http://0.0.0.0:8080/hook",
             "http://2130706433/hook",
         ] {
-            match push(internal).validate(&public_only()) {
+            match validate(&push(internal), &public_only()) {
                 Err(DeliveryError::Invalid("push.url", message)) => {
                     assert!(message.contains("webhook.allowed_networks"), "{internal}: {message}");
                 }
@@ -327,8 +366,8 @@ mod tests {
             }
         }
         let loopback = TargetPolicy::new(vec!["127.0.0.0/8".parse().expect("net")]);
-        assert!(push("http://127.0.0.1:9000/hook").validate(&loopback).is_ok());
-        assert!(push("http://[::1]/hook").validate(&loopback).is_err(), "only what is listed");
+        assert!(validate(&push("http://127.0.0.1:9000/hook"), &loopback).is_ok());
+        assert!(validate(&push("http://[::1]/hook"), &loopback).is_err(), "only what is listed");
     }
 
     #[test]

@@ -86,7 +86,7 @@ pub struct CloudEventHeaders {
 
 /// Maps an event's properties to its CloudEvents headers. `data_type` is the `content-type` when the producer
 /// gave no `datacontenttype` (or no media type): what the body holds, by
-/// [`crate::broker::content::HttpData::media_type`].
+/// [`crate::gateway::below::content::HttpData::media_type`].
 pub fn cloudevent_headers(
     properties: &BTreeMap<String, String>,
     topic: &str,
