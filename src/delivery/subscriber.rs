@@ -18,8 +18,9 @@ use std::time::Duration;
 
 use metrics::gauge;
 
+use super::dispatcher::Demand;
 use super::state::Deliveries;
-use super::{DeliveryError, Demand, Dispatched, HandOut};
+use super::{DeliveryError, Dispatched, HandOut};
 use crate::metrics as m;
 
 /// How long a subscriber waits after the state store refused a hand-out before it asks again: the store
