@@ -51,30 +51,37 @@
 //! below the gateway only through `gateway::below`, and `config` imports no other module. Unit tests below read
 //! the sources and fail on an arrow that runs back up.
 
+//! # Visibility
+//!
+//! `pub(crate)` by default: a module is `pub` only where the binary (`main.rs`), the it/ tests or the bench
+//! name something in it (the protos of the gRPC front and the peer link, the store and a delivery record for
+//! the boot benchmark, the broker client for the direct-path baseline, the config and the CLI); inside a
+//! `pub(crate)` module an item's `pub` reaches no further than the crate.
+
 #![recursion_limit = "256"]
 #![forbid(unsafe_code)]
 #![deny(rust_2018_idioms)]
 
 pub mod api;
-pub mod app;
-pub mod auth;
+pub(crate) mod app;
+pub(crate) mod auth;
 pub mod broker;
 pub mod cli;
 pub mod clock;
 pub mod config;
 pub mod delivery;
 pub mod dlq;
-pub mod gateway;
+pub(crate) mod gateway;
 pub mod grpc;
-pub mod metrics;
+pub(crate) mod metrics;
 mod opening;
-pub mod publish;
-pub mod reliability;
-pub mod remoting;
+pub(crate) mod publish;
+pub(crate) mod reliability;
+pub(crate) mod remoting;
 pub mod store;
 pub mod tier;
-pub mod tls;
-pub mod transaction;
+pub(crate) mod tls;
+pub(crate) mod transaction;
 
 pub use app::{serve, AppError};
 pub use config::Config;

@@ -157,13 +157,6 @@ pub enum MaybeTls {
     Tls(Box<TlsStream<TcpStream>>),
 }
 
-impl MaybeTls {
-    /// Whether the connection is TLS.
-    pub fn is_tls(&self) -> bool {
-        matches!(self, MaybeTls::Tls(_))
-    }
-}
-
 /// What a gRPC server (the gRPC front, the peer link) knows of the connection: its addresses.
 impl Connected for MaybeTls {
     type ConnectInfo = TcpConnectInfo;

@@ -36,19 +36,14 @@ pub fn rejected(reason: &'static str, error: ApiError) -> ApiError {
     error
 }
 
-/// The request id of this request (from `X-Request-Id`, or made up), available to handlers.
-#[derive(Debug, Clone)]
-pub struct RequestId(pub String);
-
 /// Gives every request an id, runs it inside a span that carries the id, and answers with the id.
-pub async fn request_id(mut request: Request, next: Next) -> Response {
+pub(crate) async fn request_id(request: Request, next: Next) -> Response {
     let id = request
         .headers()
         .get(REQUEST_ID_HEADER)
         .and_then(|v| v.to_str().ok())
         .filter(|v| !v.is_empty() && v.len() <= MAX_REQUEST_ID_LEN && v.bytes().all(|b| b.is_ascii_graphic()))
         .map_or_else(new_request_id, str::to_owned);
-    request.extensions_mut().insert(RequestId(id.clone()));
     let span = tracing::info_span!(
         "request",
         request_id = %id,
@@ -219,7 +214,7 @@ pub async fn authenticate(State(tokens): State<Arc<TokenTable>>, mut request: Re
     };
     let peer = request.extensions().get::<ConnectInfo<PeerAddr>>().map(|info| info.0 .0.ip());
     let caller = match peer {
-        Some(ip) => caller.from_address(ip),
+        Some(ip) => caller.with_address(ip),
         None => caller,
     };
     tracing::Span::current().record("caller", caller.name.as_str());

@@ -19,19 +19,19 @@
 //! and `/admin` routes, whose body is then read in within its time. [`server`] serves the connections.
 
 mod admin;
-pub mod checker;
+pub(crate) mod checker;
 mod error;
-pub mod events;
-pub mod guard;
+pub(crate) mod events;
+pub(crate) mod guard;
 mod health;
-pub mod listener;
+pub(crate) mod listener;
 mod openapi;
 mod publish;
 mod push;
-pub mod server;
-pub mod tls;
+pub(crate) mod server;
+pub(crate) mod tls;
 mod transactions;
-pub mod webhook;
+pub(crate) mod webhook;
 
 use std::sync::Arc;
 use std::time::Duration;

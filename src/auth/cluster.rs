@@ -245,8 +245,8 @@ mod tests {
         let users = ClusterUsers::from_metadata(&metadata()).expect("a broker's answers");
         let (secret, alice) = users.get("alice").expect("alice");
         assert_eq!(secret, b"alicepw");
-        let inside = alice.clone().from_address("192.168.0.7".parse().expect("an address"));
-        let outside = alice.clone().from_address("10.1.1.1".parse().expect("an address"));
+        let inside = alice.clone().with_address("192.168.0.7".parse().expect("an address"));
+        let outside = alice.clone().with_address("10.1.1.1".parse().expect("an address"));
         assert!(inside.may(Action::Publish("orders")));
         assert!(!outside.may(Action::Subscribe("orders")), "the entry is limited to 192.168.0.0/24");
         assert!(alice.may(Action::Consume("billing-eu")));

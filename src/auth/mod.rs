@@ -99,7 +99,7 @@ impl Caller {
     /// The same caller, its request come from `ip` (an IPv4 address mapped into IPv6 counts as IPv4). A grant
     /// limited to source networks applies only to callers whose address is known and inside one of them.
     #[must_use]
-    pub fn from_address(mut self, ip: IpAddr) -> Caller {
+    pub(crate) fn with_address(mut self, ip: IpAddr) -> Caller {
         self.source_ip = Some(ip.to_canonical());
         self
     }
@@ -416,8 +416,6 @@ impl Pattern {
     }
 }
 
-pub use crate::config::names::is_valid_pattern;
-
 /// How many calls of one kind (long polls, streams, …) each token may have open at once.
 #[derive(Debug)]
 pub struct TokenBudget {
@@ -544,11 +542,11 @@ mod tests {
         let outside: IpAddr = "192.168.0.1".parse().expect("an address");
         let local: IpAddr = "127.0.0.1".parse().expect("an address");
         assert!(!caller.may(Action::Publish("orders")), "no address known: a network entry does not apply");
-        assert!(caller.clone().from_address(inside).may(Action::Publish("orders")));
-        assert!(caller.clone().from_address(mapped).may(Action::Publish("orders")));
-        assert!(!caller.clone().from_address(outside).may(Action::Publish("orders")));
-        assert!(caller.clone().from_address(outside).may(Action::Publish("audit")));
-        assert!(!caller.from_address(local).may(Action::Publish("audit")), "the literal deny from 127.0.0.1 wins");
+        assert!(caller.clone().with_address(inside).may(Action::Publish("orders")));
+        assert!(caller.clone().with_address(mapped).may(Action::Publish("orders")));
+        assert!(!caller.clone().with_address(outside).may(Action::Publish("orders")));
+        assert!(caller.clone().with_address(outside).may(Action::Publish("audit")));
+        assert!(!caller.with_address(local).may(Action::Publish("audit")), "the literal deny from 127.0.0.1 wins");
     }
 
     #[test]
@@ -627,6 +625,7 @@ mod tests {
 
     #[test]
     fn pattern_syntax() {
+        use crate::config::names::is_valid_pattern;
         assert!(is_valid_pattern("orders-*") && is_valid_pattern("*") && is_valid_pattern("%DLQ%g"));
         assert!(!is_valid_pattern("") && !is_valid_pattern("orders.*") && !is_valid_pattern("a b"));
     }

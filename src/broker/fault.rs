@@ -65,11 +65,6 @@ impl FaultTable {
         }
     }
 
-    /// Whether fault avoidance is switched on (`sendLatencyFaultEnable`).
-    pub fn enabled(&self) -> bool {
-        self.enabled
-    }
-
     /// How long a send of this latency isolates its broker: the entry of the largest step it reaches.
     pub fn isolation_for_latency(&self, latency: Duration) -> Duration {
         self.latency_max

@@ -12,19 +12,19 @@
 //! - [`content`]: what a message's body holds (`POPGATE_CONTENT_TYPE`), and the one rule for how HTTP hands it back.
 //! - [`transaction`]: half messages' END_TRANSACTION, and a topic's message type.
 
-pub mod admin;
+pub(crate) mod admin;
 pub mod client;
 pub mod consumer;
-pub mod content;
+pub(crate) mod content;
 mod error;
 #[cfg(test)]
 mod fake_peer;
-pub mod fault;
-pub mod message;
-pub mod pull;
-pub mod relay;
-pub mod stats;
-pub mod transaction;
+pub(crate) mod fault;
+pub(crate) mod message;
+pub(crate) mod pull;
+pub(crate) mod relay;
+pub(crate) mod stats;
+pub(crate) mod transaction;
 
 pub use client::{BrokerClient, BrokerError, BrokerRoute, SendReceipt, StoreStatus, TopicRoute};
 pub use message::OutgoingMessage;

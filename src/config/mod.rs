@@ -13,8 +13,8 @@
 //! Field names carry their unit (`_ms`, `_secs`, `_bytes`); the accessors that return [`Duration`](std::time::Duration) convert at
 //! the edge.
 
-pub mod bounds;
-pub mod names;
+pub(crate) mod bounds;
+pub(crate) mod names;
 mod validate;
 
 // Each section's structs live in a file of their concern; they are re-exported here, so every type is still

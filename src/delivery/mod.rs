@@ -27,21 +27,21 @@
 //! - [`recovery`]: boot replay of the stored state. [`dlq`]: the dead-letter message. [`retry`]: the backoff.
 
 mod dispatcher;
-pub mod dlq;
+pub(crate) mod dlq;
 mod gauges;
 mod group_order;
 mod lease;
 mod popper;
 pub mod record;
-pub mod recovery;
-pub mod retry;
-pub mod shared;
+pub(crate) mod recovery;
+pub(crate) mod retry;
+pub(crate) mod shared;
 mod state;
-pub mod subscriber;
+pub(crate) mod subscriber;
 mod sweeper;
 #[cfg(test)]
 mod test_support;
-pub mod told_leases;
+pub(crate) mod told_leases;
 mod untold;
 
 use std::sync::Arc;
@@ -51,7 +51,7 @@ use tokio::task::JoinHandle;
 
 /// How an event's data is handed back over HTTP: the rule lives beside the message type, as the publish path
 /// writes the property it reads; the fronts reach it through here.
-pub use crate::broker::content;
+pub(crate) use crate::broker::content;
 pub use dispatcher::Dispatcher;
 pub use lease::{split_lease, with_lease, Lease, LeaseSeal};
 pub use record::{Event, FilterType, Holder, SubVersion, Subscription, WebhookPush};

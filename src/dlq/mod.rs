@@ -17,11 +17,11 @@
 //!
 //! - [`browse`]: paging through a DLQ with a cursor. [`replay`]: the paced replay.
 
-pub mod browse;
-pub mod replay;
+pub(crate) mod browse;
+pub(crate) mod replay;
 
-pub use browse::{BrowseRequest, BrowsedMessage, Page};
-pub use replay::{ReplayOutcome, ReplayRequest};
+pub(crate) use browse::BrowseRequest;
+pub(crate) use replay::ReplayRequest;
 
 use std::collections::HashSet;
 use std::sync::Arc;

@@ -172,11 +172,6 @@ impl<T> ClientIds<T> {
     pub fn len(&self) -> usize {
         self.entries.len()
     }
-
-    /// Whether no id is kept.
-    pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
-    }
 }
 
 fn taken(id: &str) -> GatewayError {
@@ -225,7 +220,7 @@ mod tests {
         grpc.claim("app@1", &alice, || ()).expect("alice's gRPC client");
         let refused = remoting.claim("app@1", &mallory, || ()).expect_err("another token, another front");
         assert!(matches!(refused, GatewayError::ClientIdTaken(_)), "{refused}");
-        assert!(remoting.is_empty(), "the refusal kept nothing");
+        assert_eq!(remoting.len(), 0, "the refusal kept nothing");
         remoting.claim("app@1", &alice, || ()).expect("alice on the other front");
         assert_eq!(owners.len(), 1);
 

@@ -17,8 +17,8 @@ pub mod topic_type;
 
 // The message a front builds and hands to [`Publisher::publish`], with the property names fronts set.
 pub use crate::broker::message::{
-    is_reserved_property, is_valid_name, PROPERTY_SHARDING_KEY as MESSAGE_GROUP_PROPERTY,
-    PROPERTY_TIMER_DELIVER_MS as DELIVER_AT_PROPERTY, PROPERTY_UNIQ_KEY as MESSAGE_ID_PROPERTY,
+    is_valid_name, PROPERTY_SHARDING_KEY as MESSAGE_GROUP_PROPERTY, PROPERTY_TIMER_DELIVER_MS as DELIVER_AT_PROPERTY,
+    PROPERTY_UNIQ_KEY as MESSAGE_ID_PROPERTY,
 };
 pub use crate::broker::{OutgoingMessage, SendReceipt, TopicRoute};
 pub use message_group::group_queue;

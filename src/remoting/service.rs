@@ -132,7 +132,7 @@ impl Front {
         if request.code() == codes::GET_ROUTEINFO_BY_TOPIC {
             return Ok(Admitted::NameServerQuery);
         }
-        auth::caller(&self.tokens, request).map(|caller| Admitted::Caller(caller.from_address(source)))
+        auth::caller(&self.tokens, request).map(|caller| Admitted::Caller(caller.with_address(source)))
     }
 
     /// Whether `caller` may have `request` relayed to a broker (see [`relay::permission`]).

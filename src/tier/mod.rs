@@ -19,7 +19,7 @@
 mod identity;
 /// The peer link's generated messages, server and client (public for it/, which speaks the link raw).
 pub mod proto;
-pub mod server;
+pub(crate) mod server;
 mod sharing;
 mod signing;
 pub mod tls;

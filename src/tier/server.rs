@@ -92,7 +92,7 @@ fn caller_of(tokens: &TokenTable, name: &str, source_ip: &str) -> Result<Option<
     };
     let Some(caller) = tokens.caller_named(name) else { return Ok(None) };
     Ok(Some(match source {
-        Some(ip) => caller.from_address(ip),
+        Some(ip) => caller.with_address(ip),
         None => caller,
     }))
 }

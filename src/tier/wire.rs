@@ -328,7 +328,7 @@ mod tests {
 
     #[test]
     fn a_request_carries_the_settlement_and_action_as_asked() {
-        let caller = Caller::of_test_token("app", "*", "*").from_address("10.1.2.3".parse().expect("ip"));
+        let caller = Caller::of_test_token("app", "*", "*").with_address("10.1.2.3".parse().expect("ip"));
         let settlement =
             Settlement { target: Target { id: "popgate-1~ab", handout: Some(4) }, group: Some("g"), lease: None };
         for action in [

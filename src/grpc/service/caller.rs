@@ -20,7 +20,7 @@ impl Front {
     pub(super) fn caller<T>(&self, request: &Request<T>) -> Result<Caller, pb::Status> {
         let caller = self.signer(request.metadata())?;
         Ok(match request.remote_addr() {
-            Some(peer) => caller.from_address(peer.ip()),
+            Some(peer) => caller.with_address(peer.ip()),
             None => caller,
         })
     }
