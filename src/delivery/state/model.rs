@@ -30,7 +30,7 @@ use crate::clock::Epoch;
 use crate::delivery::record::{DeliveryRecord, Phase, Subscription};
 use crate::delivery::retry::RetryPolicy;
 use crate::delivery::test_support::{offline_parts, subscription};
-use crate::delivery::{DeliveryError, HandOut};
+use crate::delivery::{DeliveryError, HandOut, Holder, Target};
 use crate::store::{Family, StateStore};
 
 /// One step of a run.
@@ -71,6 +71,25 @@ enum Step {
     TimePasses,
     /// popgate is killed and restarts on the same store.
     Crash,
+    /// gRPC client `client` receives up to `max` deliveries: held as its own, auto-renewed, not yet written.
+    HandOutHeld {
+        max: usize,
+        client: u8,
+    },
+    /// Client `client` took in every response it was sent: what it holds is stored as written.
+    Written {
+        client: u8,
+    },
+    /// The live clients' keep-alive: what they hold, written and auto-renewed, gets a new deadline.
+    KeepHeld,
+    /// A settlement reaches popgate forwarded by a peer, naming the hand-out it was for (`stale`: an earlier
+    /// hand-out's, which must be refused and change nothing).
+    AckForwarded {
+        pick: usize,
+        stale: bool,
+    },
+    /// The subscription is removed and made again: what was unsettled goes back to the broker.
+    Resubscribe,
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -85,6 +104,11 @@ fn step() -> impl Strategy<Value = Step> {
         1 => any::<bool>().prop_map(|up| Step::Broker { up }),
         2 => Just(Step::TimePasses),
         1 => Just(Step::Crash),
+        2 => (1..4usize, 0..2u8).prop_map(|(max, client)| Step::HandOutHeld { max, client }),
+        1 => (0..2u8).prop_map(|client| Step::Written { client }),
+        1 => Just(Step::KeepHeld),
+        2 => (any::<usize>(), any::<bool>()).prop_map(|(pick, stale)| Step::AckForwarded { pick, stale }),
+        1 => Just(Step::Resubscribe),
     ]
 }
 
@@ -99,6 +123,8 @@ struct Run {
     held: Vec<String>,
     /// The hand-out (a number, and whether it was a FIFO batch) each delivery was last handed out in.
     hand_outs: HashMap<String, (u64, bool)>,
+    /// The hand-out number each held delivery was last handed out as, and the gRPC client holding it (if one).
+    handout_of: HashMap<String, (u32, Option<u8>)>,
     /// Deliveries whose lease was given up: never settleable again.
     given_up: HashSet<String>,
     /// Every event the broker handed out (by event id), and the ones it must hand out again (lease lost).
@@ -160,6 +186,7 @@ impl Run {
             sub,
             held: Vec::new(),
             hand_outs: HashMap::new(),
+            handout_of: HashMap::new(),
             given_up: HashSet::new(),
             events: HashSet::new(),
             redeliveries: Vec::new(),
@@ -240,38 +267,33 @@ impl Run {
                 let admitted = self.d().admit(&self.sub.key(), batch).await;
                 prop_assert!(matches!(admitted, Admission::Admitted), "the store takes the admission");
             }
-            Step::HandOut { max, batch } => {
-                let to = HandOut { transport: "poll", ack_timeout: None, holder: None, fifo_batch: *batch };
-                let before = self.fifo_groups();
-                let handed = self.d().hand_out(&self.sub.key(), *max, &to, None).await;
-                let handed = handed.map_err(|e| TestCaseError::fail(format!("hand-out failed: {e}")))?;
-                // What it took of each message group: the group's first unsettled deliveries, of a group nobody held.
-                let mut taken: BTreeMap<String, Vec<u64>> = BTreeMap::new();
-                for delivery in &handed {
-                    if let (Some(group), Some(record)) =
-                        (delivery.event.message_group.clone(), self.d().tracked_record(&delivery.id))
-                    {
-                        taken.entry(group).or_default().push(record.seq);
-                    }
-                }
-                for (group, mut seqs) in taken {
-                    seqs.sort_unstable();
-                    let (unsettled, held) = before.get(&group).cloned().unwrap_or_default();
-                    prop_assert!(!held, "group {group} was handed out while another hand-out held it");
-                    prop_assert_eq!(
-                        &unsettled[..seqs.len().min(unsettled.len())],
-                        &seqs[..],
-                        "group {}: its first",
-                        group
-                    );
-                }
-                let hand_out = self.next_event.fetch_add(1, Ordering::Relaxed);
-                for delivery in handed {
-                    prop_assert!(!self.held.contains(&delivery.id), "{} handed out twice", delivery.id);
-                    prop_assert!(!self.given_up.contains(&delivery.id), "{} handed out after its lease", delivery.id);
-                    self.hand_outs.insert(delivery.id.clone(), (hand_out, *batch));
-                    self.held.push(delivery.id);
-                }
+            Step::HandOut { max, batch } => self.hand_out(*max, *batch, None).await?,
+            Step::HandOutHeld { max, client } => self.hand_out(*max, false, Some(*client)).await?,
+            Step::Written { client } => {
+                let handed: Vec<(String, u32)> = self
+                    .held
+                    .iter()
+                    .filter_map(|id| match self.handout_of.get(id) {
+                        Some((handout, Some(holder))) if holder == client => Some((id.clone(), *handout)),
+                        _ => None,
+                    })
+                    .collect();
+                let _ = self.d().mark_written(&handed).await;
+            }
+            Step::KeepHeld => {
+                let clients: HashSet<String> = (0..2u8).map(holder_id).collect();
+                let _ = self.d().keep_held(&clients, Duration::from_secs(60), Duration::from_secs(3_600)).await;
+            }
+            Step::AckForwarded { pick, stale } => self.ack_forwarded(*pick, *stale).await?,
+            Step::Resubscribe => {
+                let sub = self.sub.clone();
+                let _ = self.d().remove_subscription(&sub.group, &sub.topic).await;
+                self.sweep_and_perform().await;
+                self.d().put_subscription(sub, RetryPolicy::SEED_DEFAULT).await.expect("subscribe");
+                // What was given back left the table: the broker hands it out again (noted as vanished).
+                let gone: Vec<String> =
+                    self.held.iter().filter(|id| self.d().tracked_record(id).is_none()).cloned().collect();
+                self.held.retain(|id| !gone.contains(id));
             }
             Step::Ack { pick } => self.settle(*pick, Settle::Ack).await?,
             Step::Nack { pick } => self.settle(*pick, Settle::Nack).await?,
@@ -348,10 +370,70 @@ impl Run {
                 crate::delivery::recovery::recover(self.d())
                     .await
                     .map_err(|e| TestCaseError::fail(format!("recovery failed: {e}")))?;
-                // HTTP hand-outs are dispatched again after a restart: the subscriber may still ACK, but the
-                // model lets go of them (a redelivery of the same id is then expected).
-                self.held.clear();
+                // HTTP hand-outs (and what a gRPC client never took in) are dispatched again after a restart: the
+                // subscriber may still ACK, but the model lets go of them (a redelivery of the same id is then
+                // expected). What a gRPC client took in stays with it, and it settles it.
+                let kept_by_client = |record: Option<DeliveryRecord>| matches!(record.map(|r| r.phase), Some(Phase::AwaitingAck { holder: Some(holder), .. }) if holder.written);
+                let held = std::mem::take(&mut self.held);
+                self.held = held.into_iter().filter(|id| kept_by_client(self.d().tracked_record(id))).collect();
             }
+        }
+        Ok(())
+    }
+
+    /// A subscriber asks for up to `max` deliveries, as a FIFO batch (`batch`) or heads only; a gRPC client
+    /// (`client`) holds what it gets as its own, auto-renewed.
+    async fn hand_out(&mut self, max: usize, batch: bool, client: Option<u8>) -> Result<(), TestCaseError> {
+        let holder = client.map(|c| Holder { client_id: holder_id(c), auto_renew: true, written: false });
+        let to = HandOut { transport: "poll", ack_timeout: None, holder, fifo_batch: batch };
+        let before = self.fifo_groups();
+        let handed = self.d().hand_out(&self.sub.key(), max, &to, None).await;
+        let handed = handed.map_err(|e| TestCaseError::fail(format!("hand-out failed: {e}")))?;
+        // What it took of each message group: the group's first unsettled deliveries, of a group nobody held.
+        let mut taken: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+        for delivery in &handed {
+            if let (Some(group), Some(record)) =
+                (delivery.event.message_group.clone(), self.d().tracked_record(&delivery.id))
+            {
+                taken.entry(group).or_default().push(record.seq);
+            }
+        }
+        for (group, mut seqs) in taken {
+            seqs.sort_unstable();
+            let (unsettled, held) = before.get(&group).cloned().unwrap_or_default();
+            prop_assert!(!held, "group {group} was handed out while another hand-out held it");
+            prop_assert_eq!(&unsettled[..seqs.len().min(unsettled.len())], &seqs[..], "group {}: its first", group);
+        }
+        let hand_out = self.next_event.fetch_add(1, Ordering::Relaxed);
+        for delivery in handed {
+            prop_assert!(!self.held.contains(&delivery.id), "{} handed out twice", delivery.id);
+            prop_assert!(!self.given_up.contains(&delivery.id), "{} handed out after its lease", delivery.id);
+            self.hand_outs.insert(delivery.id.clone(), (hand_out, batch));
+            self.handout_of.insert(delivery.id.clone(), (delivery.handout, client));
+            self.held.push(delivery.id);
+        }
+        Ok(())
+    }
+
+    /// An ACK forwarded by a peer, naming the hand-out: the current one settles as an ACK does; an earlier one
+    /// (`stale`) is refused and changes nothing.
+    async fn ack_forwarded(&mut self, pick: usize, stale: bool) -> Result<(), TestCaseError> {
+        let Some(id) = self.pick(pick) else { return Ok(()) };
+        let Some(&(handout, _)) = self.handout_of.get(&id) else { return Ok(()) };
+        if stale {
+            if handout < 2 {
+                return Ok(());
+            }
+            let before = self.d().tracked_record(&id);
+            let answer = self.d().ack(Target { id: &id, handout: Some(handout - 1) }).await;
+            prop_assert!(answer.is_err(), "an earlier hand-out's ACK of {id} was taken");
+            prop_assert_eq!(self.d().tracked_record(&id), before, "a refused ACK changed {}", id);
+            return Ok(());
+        }
+        match self.d().ack(Target { id: &id, handout: Some(handout) }).await {
+            Ok(()) | Err(DeliveryError::Stale) => self.held.retain(|held| *held != id),
+            Err(DeliveryError::Store(_)) => {}
+            Err(other) => return Err(TestCaseError::fail(format!("forwarded ACK of held {id} refused: {other}"))),
         }
         Ok(())
     }
@@ -478,6 +560,11 @@ impl Run {
         }
         Ok(())
     }
+}
+
+/// How a gRPC client is named as a holder.
+fn holder_id(client: u8) -> String {
+    format!("model-client-{client}")
 }
 
 #[derive(Debug, Clone, Copy)]
