@@ -29,7 +29,8 @@
 //! - [`auth`]: bearer tokens and what each may do.
 //! - [`gateway`]: the decisions every front makes the same way (what a caller may do, and what it does).
 //! - [`dlq`]: browsing and replaying dead-lettered events (the admin plane's DLQ).
-//! - [`api`]: the HTTP routes and the one error type they answer with.
+//! - [`api`]: the HTTP routes and the one error type they answer with, and the HTTP push transports (SSE,
+//!   WebSocket, webhook push).
 //! - [`grpc`]: the RocketMQ 5 gRPC front (`MessagingService`), for apps on the official 5.x SDKs.
 //! - [`remoting`]: the RocketMQ remoting front, for apps on the remoting Java client (4.x style).
 //! - [`tier`]: several instances as one tier: each instance's id, and the peer link over which any instance

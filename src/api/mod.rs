@@ -5,6 +5,7 @@
 //! POST /events/subscribe, /events/unsubscribe            manage subscriptions (see [`events`])
 //! GET  /events/poll                                      long-poll deliveries
 //! GET  /events/stream, /events/ws                        push deliveries over SSE or WebSocket (see [`push`])
+//! (a subscription's `push`)                              push deliveries to a webhook (see [`webhook`])
 //! POST /events/ack, /events/nack, /events/term           settle deliveries
 //! POST /events/transactions/{id}, GET the same            end a transactional publish, or read it (see [`transactions`])
 //! GET  /healthz                                          the process is up
