@@ -50,11 +50,6 @@ impl Epoch {
     pub fn until(self, later: Epoch) -> Duration {
         later.since(self)
     }
-
-    /// Whether this time has come on popgate's clock.
-    pub fn has_passed(self) -> bool {
-        self <= Epoch::now()
-    }
 }
 
 /// `time + delay`, saturating: delays reach the core from clients (a NACK's `delayMs`, a gRPC invisible
