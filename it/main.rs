@@ -21,6 +21,7 @@ mod grpc;
 mod grpc_raw;
 mod harness;
 mod hostile;
+mod lease;
 mod metrics;
 mod ordered;
 mod publish;

@@ -66,6 +66,12 @@ pub const OFFSET_WRITE_FAILURES: &str = "popgate_offset_write_failures_total";
 pub const RECOVERED_DELIVERIES: &str = "popgate_recovered_deliveries_total";
 /// Deliveries whose broker lease lapsed or could not be renewed: popgate gave them up to the broker.
 pub const LEASES_LOST: &str = "popgate_leases_lost_total";
+/// Counter: broker leases renewed (ChangeInvisibleTime) of held deliveries; with `delivery.lease_renewals_per_sec`
+/// the broker requests that holding deliveries costs.
+pub const LEASE_RENEWALS: &str = "popgate_lease_renewals_total";
+/// Gauge: the broker lease (ms) popgate asks for now, from what it holds: about how long the deliveries of an
+/// instance lost now would take to come back through the broker.
+pub const LEASE_ASKED_MS: &str = "popgate_lease_asked_ms";
 /// Failed broker requests of the consume path, by `op` (pop, renew, give_back).
 pub const CONSUME_REQUEST_FAILURES: &str = "popgate_consume_request_failures_total";
 /// Counter: popped messages without a readable receipt handle (`POP_CK`); the broker redelivers them.
@@ -320,6 +326,7 @@ const ZERO_COUNTERS: &[&str] = &[
     BROKER_ACK_FAILURES,
     OFFSET_WRITE_FAILURES,
     LEASES_LOST,
+    LEASE_RENEWALS,
     SUBSCRIPTION_FILTER_CONFLICTS,
     SUBSCRIPTIONS_EXPIRED,
     TLS_HANDSHAKE_FAILURES,
@@ -572,6 +579,8 @@ fn describe_all() {
     describe_counter!(OFFSET_WRITE_FAILURES, Unit::Count, "Failed state-store writes (disk full, I/O error).");
     describe_counter!(RECOVERED_DELIVERIES, Unit::Count, "Records replayed at boot, by outcome.");
     describe_counter!(LEASES_LOST, Unit::Count, "Deliveries given back to the broker because their lease lapsed.");
+    describe_counter!(LEASE_RENEWALS, Unit::Count, "Broker leases of held deliveries renewed (ChangeInvisibleTime).");
+    describe_gauge!(LEASE_ASKED_MS, "The broker lease (ms) a POP or renewal asks for now, from what is held.");
     describe_counter!(
         CONSUME_REQUEST_FAILURES,
         Unit::Count,

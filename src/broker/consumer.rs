@@ -164,6 +164,12 @@ impl ReceiptHandle {
             Epoch::from_millis(self.pop_time_ms.saturating_add(self.invisible_ms))
         }
     }
+
+    /// Half of the invisible time this lease was granted: a held delivery's lease is renewed once less than
+    /// this is left, which leaves the other half for renewals that fail and are retried.
+    pub fn half_lease(&self) -> Duration {
+        Duration::from_millis(u64::try_from(self.invisible_ms / 2).unwrap_or(0))
+    }
 }
 
 /// The end of a lease granted for `invisible_ms` by a request sent at `sent_at` (popgate's clock).

@@ -30,9 +30,20 @@ pub struct DeliveryConfig {
     pub max_backoff_ms: u64,
     /// Each delay is scaled by a random factor in `1 ± jitter_ratio`, to spread retry storms.
     pub jitter_ratio: f64,
-    /// How long the broker keeps a popped message invisible; popgate renews it (ChangeInvisibleTime) ahead of
-    /// expiry while it still owns the delivery, so after a crash the broker redelivers within about this time.
+    /// The shortest broker lease: how long the broker keeps a popped message invisible while this instance holds
+    /// few deliveries. popgate renews a lease (ChangeInvisibleTime) when half of it is left while it still owns
+    /// the delivery, so an instance lost for good gives its deliveries back through the broker within about
+    /// this time. Holding more, popgate asks for longer leases (see `lease_renewals_per_sec`).
     pub lease_ms: u64,
+    /// The longest broker lease popgate asks for: the bound on how long the deliveries of an instance lost for
+    /// good (never restarted with its state) take to come back through the broker. At most 12 h, the longest
+    /// invisible time Apache's proxy lets a client ask for.
+    pub max_lease_ms: u64,
+    /// The broker lease renewals a second one instance plans for. Every held delivery is renewed once per half
+    /// lease (the broker has no batch form), so with more than `lease_renewals_per_sec × lease_ms / 2` held each
+    /// new lease is lengthened to `2 × held / lease_renewals_per_sec` (at most `max_lease_ms`), keeping the
+    /// renewals near this rate however many are held.
+    pub lease_renewals_per_sec: u32,
     /// Largest POP batch (the broker's limit is 32).
     pub pop_batch: u32,
     /// How long one POP may wait at the broker for a message.
@@ -73,6 +84,8 @@ impl Default for DeliveryConfig {
             max_backoff_ms: 16_000,
             jitter_ratio: 0.2,
             lease_ms: 60_000,
+            max_lease_ms: 3_600_000,
+            lease_renewals_per_sec: 1_000,
             pop_batch: 16,
             pop_poll_ms: 5_000,
             prefetch: 32,

@@ -4,6 +4,8 @@ use super::{Config, MAX_RETRY_TIMES_WHEN_SEND_FAILED};
 
 /// RocketMQ's POP refuses batches larger than 32 (`maxMsgNums`).
 const MAX_POP_BATCH: u32 = 32;
+/// The longest broker lease: 12 h, the longest invisible time Apache's proxy lets a client ask for.
+const MAX_BROKER_LEASE_MS: u64 = 12 * 3600 * 1000;
 
 /// Every problem in `config`, one line each, naming the key. Empty when the configuration is usable.
 pub(super) fn problems(config: &Config) -> Vec<String> {
@@ -71,6 +73,12 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
     }
     check((0.0..1.0).contains(&delivery.jitter_ratio), "delivery.jitter_ratio", "must be in [0, 1)");
     check(delivery.lease_ms >= 1_000, "delivery.lease_ms", "must be >= 1000");
+    check(
+        (delivery.lease_ms..=MAX_BROKER_LEASE_MS).contains(&delivery.max_lease_ms),
+        "delivery.max_lease_ms",
+        &format!("must be in delivery.lease_ms..={MAX_BROKER_LEASE_MS} (12 h)"),
+    );
+    check(delivery.lease_renewals_per_sec >= 1, "delivery.lease_renewals_per_sec", "must be >= 1");
     check(delivery.idle_subscription_expiry_secs >= 1, "delivery.idle_subscription_expiry_secs", "must be >= 1");
     check(
         (1..=MAX_POP_BATCH).contains(&delivery.pop_batch),

@@ -31,6 +31,7 @@ pub(crate) mod dlq;
 mod gauges;
 mod group_order;
 mod lease;
+mod lease_plan;
 mod popper;
 pub mod record;
 pub(crate) mod recovery;

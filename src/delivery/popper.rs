@@ -86,7 +86,7 @@ pub(super) async fn run(deliveries: Arc<Deliveries>, key: String, stop: Arc<Atom
             filter: &sub.filter,
             filter_type: sub.filter_type.as_str(),
             max: u32::try_from(plan.wanted).unwrap_or(u32::MAX).clamp(1, config.pop_batch),
-            invisible_ms: config.lease_ms,
+            invisible_ms: deliveries.lease_ms_to_ask(),
             poll_ms: config.pop_poll_ms,
             orderly: sub.ordered,
         };

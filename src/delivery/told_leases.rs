@@ -52,11 +52,10 @@ fn newer(a: &Lease, b: &Lease) -> bool {
 }
 
 /// When the owner renews `lease` (on its clock): once less than half of it is left, as its sweeper
-/// does (`delivery.lease_ms` / 2; the lease's invisible time is `delivery.lease_ms`). Before that the handle
-/// it carries is the broker's current one, whatever happened to the owner.
+/// does ([`ReceiptHandle::half_lease`]). Before that the handle it carries is the broker's current one,
+/// whatever happened to the owner.
 pub fn renewal_due(lease: &Lease) -> Epoch {
-    let handle = &lease.handle;
-    handle.lease_deadline() - Duration::from_millis(u64::try_from(handle.invisible_ms / 2).unwrap_or(0))
+    lease.handle.lease_deadline() - lease.handle.half_lease()
 }
 
 impl Dispatcher {

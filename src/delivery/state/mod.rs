@@ -51,6 +51,7 @@ use tokio::sync::Notify;
 use self::cluster::{BrokerCluster, Cluster};
 use self::table::{ActiveSubscription, Id, Table, Tracked};
 use super::lease::{Lease, LeaseSeal};
+use super::lease_plan::LeasePlan;
 use super::record::{DeliveryRecord, Holder, Phase, Subscription};
 use super::retry::{NextStep, RetryPolicy};
 use super::{DeliveryError, Dispatched, HandOut, InFlight, NackOutcome, Target};
@@ -171,6 +172,8 @@ pub(super) struct Deliveries {
     /// Broker ACKs, lease renewals, DLQ writes.
     cluster: Arc<dyn Cluster>,
     config: DeliveryConfig,
+    /// How long a broker lease to ask for, from how much is held (see `delivery::lease_plan`).
+    lease_plan: LeasePlan,
     /// The bells of each subscription, rung when its deliveries become ready or are settled, or its demand
     /// changes. Per subscription, so a change wakes only the waiters it concerns.
     bells: Mutex<HashMap<String, Arc<Bells>>>,
@@ -213,6 +216,7 @@ impl Deliveries {
             store,
             broker,
             cluster,
+            lease_plan: LeasePlan::new(&config),
             config,
             bells: Mutex::new(HashMap::new()),
             next_seq: AtomicU64::new(1),
@@ -254,6 +258,19 @@ impl Deliveries {
             tracing::warn!(group = %lease.group, %why, "A broker ACK for an absent owner failed.");
             DeliveryError::Busy
         })
+    }
+
+    /// The broker lease (invisible time) a POP asks for now, from how much this instance holds.
+    pub(super) fn lease_ms_to_ask(&self) -> u64 {
+        let held = self.table.lock().deliveries.len();
+        self.lease_ms_for(held)
+    }
+
+    /// The broker lease a POP or a renewal asks for while `held` deliveries are held (shown as a gauge).
+    fn lease_ms_for(&self, held: usize) -> u64 {
+        let lease_ms = self.lease_plan.lease_ms(held);
+        gauge!(m::LEASE_ASKED_MS).set(lease_ms as f64);
+        lease_ms
     }
 
     pub(super) fn config(&self) -> &DeliveryConfig {

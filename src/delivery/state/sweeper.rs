@@ -30,7 +30,6 @@ impl Deliveries {
     /// One sweeper tick over the deliveries filed as due: queues what is ready, spends the attempt of what
     /// missed its ACK deadline, gives up what lost its lease, and returns the broker work that is owed.
     pub(in crate::delivery) async fn sweep(&self, now: Epoch) -> Vec<Owed> {
-        let half_lease = Duration::from_millis(self.config.lease_ms / 2);
         let mut owed = Vec::new();
         let mut broker_acks = Vec::new();
         let mut expired = Vec::new();
@@ -58,6 +57,7 @@ impl Deliveries {
                 let key = tracked.key();
                 let subscribed = table.subs.contains_key(&key);
                 let lease_deadline = tracked.record.handle.lease_deadline();
+                let half_lease = tracked.record.handle.half_lease();
                 if tracked.unsettled() && !subscribed {
                     tracked.claimed = true;
                     owed.push(Owed::GiveBack(id, "unsubscribed"));
@@ -299,11 +299,12 @@ impl Deliveries {
 
     /// Extends the lease. The new handle is stored before it is relied on; the old one is dead either way.
     pub(super) async fn renew(&self, id: &str) {
-        let half_lease = Duration::from_millis(self.config.lease_ms / 2);
-        let record = {
+        let (record, lease_ms) = {
             let mut table = self.table.lock();
             let now = Epoch::now();
+            let held = table.deliveries.len();
             let Some(tracked) = table.deliveries.get_mut(id) else { return };
+            let half_lease = tracked.record.handle.half_lease();
             if tracked.claimed {
                 // Another task has it; the sweeper gets it back when that claim ends.
                 return;
@@ -315,10 +316,11 @@ impl Deliveries {
                 return;
             }
             tracked.claimed = true;
-            tracked.record.clone()
+            (tracked.record.clone(), self.lease_ms_for(held))
         };
-        match self.cluster.renew(&record.group, &record.handle, self.config.lease_ms).await {
+        match self.cluster.renew(&record.group, &record.handle, lease_ms).await {
             Ok(handle) => {
+                counter!(m::LEASE_RENEWALS).increment(1);
                 if let Some(tracked) = self.table.lock().deliveries.get_mut(id) {
                     tracked.renew_failures = 0;
                 }
