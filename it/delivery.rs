@@ -6,6 +6,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+use popgate::delivery::record::DeliveryRecord;
+use popgate::store::{Family, StateStore};
+
 use crate::harness::direct::{Direct, DirectConsumer};
 use crate::harness::popgate::{data, id, Popgate};
 use crate::harness::rocketmq::{Cluster, ClusterSpec};
@@ -291,6 +294,82 @@ async fn kill9_keeps_attempts_and_ids_finishes_acks_and_retires_corrupt_records(
         store.list::<Value>(popgate::store::Family::Deliveries).expect("list")
     };
     assert!(store_listing.records.is_empty() && store_listing.undecodable.is_empty(), "every record retired");
+}
+
+/// The stored delivery records, each with whether it is in the JSON form of earlier versions.
+fn stored_records(state_dir: &std::path::Path) -> HashMap<String, (DeliveryRecord, bool)> {
+    stored_records_of(&StateStore::open(state_dir, true).expect("open the stopped store"))
+}
+
+fn stored_records_of(store: &StateStore) -> HashMap<String, (DeliveryRecord, bool)> {
+    let mut records = HashMap::new();
+    store
+        .scan(Family::Deliveries, |_, value| {
+            let record = DeliveryRecord::decode(value).expect("every record decodes");
+            records.insert(record.id.to_string(), (record, DeliveryRecord::is_legacy_json(value)));
+        })
+        .expect("scan");
+    records
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_of_json_records_from_an_earlier_version_is_recovered_and_each_record_rewritten_at_its_first_change() {
+    let cluster = shared_cluster();
+    // A lease long enough that no renewal rewrites a record during the test.
+    let mut popgate = Popgate::start(&cluster.namesrv_addr, "[delivery]\nlease_ms = 120000\npop_poll_ms = 500\n").await;
+    let (topic, group) = (unique_topic("legacy"), unique_topic("g_legacy"));
+    subscribe(&popgate, json!({"group": group, "topic": topic, "ackTimeoutMs": 60000})).await;
+    publish_all(&popgate, &topic, &["first", "second", "parked"]).await;
+    let handed = popgate.poll_until(&group, &topic, 3, Duration::from_secs(30)).await;
+    let by_data: HashMap<String, String> = handed.iter().map(|d| (data(d), id(d))).collect();
+    assert_eq!(by_data.len(), 3);
+    // Parked for an hour: nothing changes its record while the test runs.
+    let parked = json!({"deliveryId": by_data["parked"], "delayMs": 3_600_000});
+    assert_eq!(popgate.post_json("/events/nack", &parked).await.0, 200);
+
+    // The store as the popgate before the compact form wrote it: every record JSON.
+    popgate.kill9();
+    {
+        let store = StateStore::open(&popgate.state_dir, true).expect("open the crashed store");
+        for (id, (record, legacy)) in stored_records_of(&store) {
+            assert!(!legacy, "this version writes the compact form");
+            store.put(Family::Deliveries, &id, &record).await.expect("rewrite as JSON");
+        }
+    }
+    assert!(stored_records(&popgate.state_dir).values().all(|(_, legacy)| *legacy), "planted as JSON");
+
+    popgate.restart().await;
+    assert_eq!(popgate.metric("popgate_recovered_deliveries_total{outcome=\"redispatched\"}").await, 3.0);
+    let again = popgate.poll_until(&group, &topic, 2, Duration::from_secs(10)).await;
+    let mut seen: Vec<(String, String, i64)> =
+        again.iter().map(|d| (data(d), id(d), d["attempt"].as_i64().unwrap_or(0))).collect();
+    seen.sort();
+    let expected = |name: &str| (name.to_owned(), by_data[name].clone(), 1);
+    assert_eq!(seen, vec![expected("first"), expected("second")], "same ids, attempt kept; the parked one waits");
+
+    // Handing them out again was their first change: rewritten in the compact form. The parked one, never
+    // changed since, is still JSON: nothing rewrites the store in bulk.
+    popgate.kill9();
+    let stored = stored_records(&popgate.state_dir);
+    assert_eq!(stored.len(), 3);
+    assert!(!stored[&by_data["first"]].1 && !stored[&by_data["second"]].1, "rewritten compact");
+    assert!(stored[&by_data["parked"]].1, "untouched, still JSON");
+
+    // Recovered from the mixed store, the two complete.
+    popgate.restart().await;
+    let last = popgate.poll_until(&group, &topic, 2, Duration::from_secs(10)).await;
+    assert_eq!(last.len(), 2, "{last:?}");
+    for delivery in &last {
+        let (status, answer) = popgate.ack(&id(delivery)).await;
+        assert_eq!((status, answer["status"].as_str()), (200, Some("acked")), "{answer}");
+    }
+    eventually(Duration::from_secs(10), "the two broker ACKs made and their records retired", || async {
+        popgate.metric("popgate_pending_deliveries").await == 1.0
+    })
+    .await;
+    popgate.kill9();
+    let stored = stored_records(&popgate.state_dir);
+    assert_eq!(stored.keys().collect::<Vec<_>>(), vec![&by_data["parked"]], "only the parked one is left");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -16,7 +16,8 @@
 //!
 //! A tier's forwarded ACK against a local one (`tier.rs`, issue #35).
 //! Parameters (environment): `BENCH_SIZE` (bytes, 1024), `BENCH_PRODUCERS` (8), `BENCH_SUBSCRIBERS` (4),
-//! `BENCH_SECS` (per phase, 15), `BENCH_IN_FLIGHT` (100000), `BENCH_RECOVERY_RECORDS` (1000000).
+//! `BENCH_SECS` (per phase, 15), `BENCH_IN_FLIGHT` (100000), `BENCH_RECOVERY_RECORDS` (1000000),
+//! `BENCH_RECOVERY_FORMAT` (`compact`, or `json`: the records as earlier versions stored them).
 
 #[path = "../harness/mod.rs"]
 #[allow(dead_code)]
@@ -572,6 +573,9 @@ async fn recovery(params: &Params, namesrv: &str) -> Value {
     let state = dir.path().join("state");
     let m = params.recovery_records;
     let size = params.size;
+    // `BENCH_RECOVERY_FORMAT=json`: the records in the JSON form popgate wrote before its compact one (a store
+    // from an earlier version), to compare the two boots with one build.
+    let legacy_json = std::env::var("BENCH_RECOVERY_FORMAT").is_ok_and(|format| format == "json");
     let state_for_writer = state.clone();
     let write_secs = tokio::task::spawn_blocking(move || {
         let started = Instant::now();
@@ -598,7 +602,10 @@ async fn recovery(params: &Params, namesrv: &str) -> Value {
             .unwrap_or(0);
         for chunk in (0..m).collect::<Vec<_>>().chunks(10_000) {
             let records: Vec<DeliveryRecord> = chunk.iter().map(|i| planted_record(*i, now_ms)).collect();
-            let encoded: Vec<Vec<u8>> = records.iter().map(|r| serde_json::to_vec(r).expect("encode")).collect();
+            let encoded: Vec<Vec<u8>> = records
+                .iter()
+                .map(|r| if legacy_json { serde_json::to_vec(r).expect("encode") } else { r.encode() })
+                .collect();
             let mut changes: Vec<Change<'_>> =
                 records.iter().zip(encoded).map(|(r, v)| Change::Put(Family::Deliveries, &r.id, v)).collect();
             changes.extend(records.iter().map(|r| Change::Put(Family::Payloads, &r.id, body(size).into_bytes())));
@@ -631,6 +638,7 @@ async fn recovery(params: &Params, namesrv: &str) -> Value {
     drop(empty);
     json!({
         "records": m,
+        "format": if legacy_json { "json" } else { "compact" },
         "recordsRecovered": recovered,
         "storeWriteSecs": (write_secs * 10.0).round() / 10.0,
         "storeBytes": store_bytes,

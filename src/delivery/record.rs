@@ -1,8 +1,11 @@
 //! What popgate stores about one in-flight delivery, and the subscription it belongs to.
 //!
 //! A record is written before the event is handed to anyone, and rewritten at every phase change
-//! ("write the new state, then act"), so boot recovery can replay from it. Its JSON form is what the state
-//! store holds.
+//! ("write the new state, then act"), so boot recovery can replay from it. The state store holds its compact
+//! binary form ([`DeliveryRecord::encode`], see `binary`); records stored by earlier versions are JSON (the
+//! serde form below), still read, and rewritten in the compact form at their next change.
+
+mod binary;
 
 use std::sync::Arc;
 
@@ -10,6 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::clock::Epoch;
 
+pub use self::binary::DecodeError;
 pub use crate::broker::consumer::{PoppedEvent as Event, ReceiptHandle};
 
 /// Where a delivery stands.

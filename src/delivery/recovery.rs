@@ -71,15 +71,37 @@ pub(super) async fn recover(deliveries: &Deliveries) -> Result<(RecoveryReport, 
         }
     }
 
-    // Restored one by one as the store is read: the records are never all decoded at once. The store's read
-    // guard is held meanwhile, so an undecodable record is only noted here and discarded afterwards.
+    // Restored one by one as the store is read: the records are never all decoded at once, and each is decoded
+    // from the store's own buffer. The store's read guard is held meanwhile, so an undecodable record is only
+    // noted here and discarded afterwards. The metrics are counted once at the end: a million counter look-ups
+    // would be a noticeable part of the boot.
     let mut undecodable = Vec::new();
-    deliveries.store().for_each::<DeliveryRecord>(Family::Deliveries, |key, record| match record {
-        Some(record) => restore_one(deliveries, record, &mut report),
-        None => undecodable.push(key),
+    let (mut legacy, mut redelivered) = (0usize, 0u64);
+    deliveries.store().scan(Family::Deliveries, |key, value| match DeliveryRecord::decode(value) {
+        Ok(record) => {
+            legacy += usize::from(DeliveryRecord::is_legacy_json(value));
+            redelivered += u64::from(restore_one(deliveries, record, &mut report));
+        }
+        Err(error) => undecodable.push((String::from_utf8_lossy(key).into_owned(), error)),
     })?;
-    for key in &undecodable {
-        tracing::warn!(record = %key, "Undecodable delivery record retired without a broker ACK.");
+    deliveries.publish_pending_gauge();
+    counter!(m::REDELIVERIES, "reason" => "recovery").increment(redelivered);
+    for (outcome, count) in [
+        ("redispatched", report.redispatched),
+        ("lease_lapsed", report.lease_lapsed),
+        ("ack_pending", report.ack_pending),
+        ("dead_letter_pending", report.dead_letter_pending),
+    ] {
+        counter!(m::RECOVERED_DELIVERIES, "outcome" => outcome).increment(count as u64);
+    }
+    if legacy > 0 {
+        tracing::info!(
+            legacy,
+            "Delivery records in the JSON form of earlier versions read; each is rewritten at its next change."
+        );
+    }
+    for (key, error) in &undecodable {
+        tracing::warn!(record = %key, %error, "Undecodable delivery record retired without a broker ACK.");
         deliveries.discard_undecodable(key).await;
         counter!(m::RECOVERED_DELIVERIES, "outcome" => "corrupt").increment(1);
         report.corrupt += 1;
@@ -87,34 +109,20 @@ pub(super) async fn recover(deliveries: &Deliveries) -> Result<(RecoveryReport, 
     Ok((report, poppers))
 }
 
-/// Tracks one stored record again and counts what became of it.
-fn restore_one(deliveries: &Deliveries, record: DeliveryRecord, report: &mut RecoveryReport) {
-    let outcome = match deliveries.restore(record) {
-        Restored::Skipped => {
-            report.skipped += 1;
-            return;
-        }
+/// Tracks one stored record again and counts what became of it; true when it had been handed out and is
+/// dispatched again (a redelivery).
+fn restore_one(deliveries: &Deliveries, record: DeliveryRecord, report: &mut RecoveryReport) -> bool {
+    match deliveries.restore(record) {
+        Restored::Skipped => report.skipped += 1,
         Restored::Redispatched { was_handed_out } => {
-            if was_handed_out {
-                counter!(m::REDELIVERIES, "reason" => "recovery").increment(1);
-            }
             report.redispatched += 1;
-            "redispatched"
+            return was_handed_out;
         }
-        Restored::LeaseLapsed => {
-            report.lease_lapsed += 1;
-            "lease_lapsed"
-        }
-        Restored::AckPending => {
-            report.ack_pending += 1;
-            "ack_pending"
-        }
-        Restored::DeadLetterPending => {
-            report.dead_letter_pending += 1;
-            "dead_letter_pending"
-        }
-    };
-    counter!(m::RECOVERED_DELIVERIES, "outcome" => outcome).increment(1);
+        Restored::LeaseLapsed => report.lease_lapsed += 1,
+        Restored::AckPending => report.ack_pending += 1,
+        Restored::DeadLetterPending => report.dead_letter_pending += 1,
+    }
+    false
 }
 
 /// The subscription's policy, falling back to the configured defaults if the stored values are unusable.
@@ -191,10 +199,10 @@ mod tests {
     }
 
     /// A dispatcher over `store` with no reachable broker: recovery itself must not need one.
-    async fn start_offline(store: StateStore) -> (Arc<Dispatcher>, RecoveryReport) {
+    async fn start_offline(store: impl Into<Arc<StateStore>>) -> (Arc<Dispatcher>, RecoveryReport) {
         let (broker, publisher, config) = offline_parts().await;
         Dispatcher::start(
-            Arc::new(store),
+            store.into(),
             broker,
             publisher,
             config,
@@ -323,6 +331,35 @@ mod tests {
         let mut seen: Vec<(String, u32)> = polled.iter().map(|d| (d.id.clone(), d.attempt)).collect();
         seen.sort();
         assert_eq!(seen, vec![("awaiting".to_owned(), 3), ("ready".to_owned(), 2)], "never the lapsed one");
+        dispatcher.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn a_json_record_of_an_earlier_version_is_rewritten_compact_at_its_first_change_and_not_before() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Arc::new(StateStore::open(dir.path(), true).expect("open"));
+        let sub = subscription();
+        store.put(Family::Subscriptions, &sub.key(), &sub).await.expect("put sub");
+        let due = record("due", Phase::Ready { due_ms: Epoch::ZERO }, 2);
+        let later = record("later", Phase::Ready { due_ms: Epoch::now() + Duration::from_secs(3_600) }, 2);
+        for r in [&due, &later] {
+            // `put` writes JSON: the form every earlier popgate stored.
+            store.put(Family::Deliveries, &r.id, r).await.expect("put");
+        }
+        let stored = |id: &str| store.get_raw_many(Family::Deliveries, &[id]).expect("read").remove(0).expect("kept");
+
+        let (dispatcher, report) = start_offline(store.clone()).await;
+        assert_eq!(report.redispatched, 2);
+        assert!(DeliveryRecord::is_legacy_json(&stored("due")), "recovery itself rewrites nothing");
+        let polled = dispatcher.poll("g", "t", 10, Duration::from_millis(300)).await.expect("poll");
+        assert_eq!(polled.iter().map(|d| (d.id.as_str(), d.attempt)).collect::<Vec<_>>(), vec![("due", 2)]);
+
+        let handed = stored("due");
+        assert_eq!(handed[0], 0x01, "handing it out rewrote it in the compact form");
+        let decoded = DeliveryRecord::decode(&handed).expect("decodes");
+        assert!(matches!(decoded.phase, Phase::AwaitingAck { .. }) && decoded.attempt == 2, "{decoded:?}");
+        assert_eq!(DeliveryRecord::decode(&stored("later")).expect("decodes"), later, "untouched: still JSON");
+        assert!(DeliveryRecord::is_legacy_json(&stored("later")));
         dispatcher.shutdown().await;
     }
 

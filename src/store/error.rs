@@ -26,9 +26,9 @@ pub enum StoreError {
     Decode {
         /// The record's key.
         key: String,
-        /// Why it does not decode.
+        /// Why it does not decode (each family's owner has its own format).
         #[source]
-        source: serde_json::Error,
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
     /// The database is closed after a failure and could not be reopened yet.
     #[error("state store unavailable until it can be reopened")]

@@ -53,7 +53,12 @@ impl FakeCluster {
         }
         let store = self.store.lock().clone();
         let stored = store
-            .map(|store| store.list::<DeliveryRecord>(Family::Deliveries).map(|l| l.records).unwrap_or_default())
+            .map(|store| {
+                store
+                    .list_with(Family::Deliveries, |bytes| DeliveryRecord::decode(bytes).ok())
+                    .map(|l| l.records)
+                    .unwrap_or_default()
+            })
             .unwrap_or_default();
         let record = stored.into_iter().map(|(_, r)| r).find(|r| r.handle.extra_info == handle.extra_info);
         let allowed = match &record {

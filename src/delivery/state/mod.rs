@@ -328,18 +328,18 @@ impl Deliveries {
     }
 
     /// The one way delivery state reaches the store: every change of the batch, or none.
+    /// Records are written in their current (compact) form whatever form they were read in, so a record an
+    /// earlier version stored as JSON is rewritten at its first change.
     async fn persist(&self, records: &[&DeliveryRecord]) -> Result<(), StoreError> {
-        let encoded = records.iter().map(serde_json::to_vec).collect::<Result<Vec<_>, _>>()?;
         let changes: Vec<Change<'_>> =
-            records.iter().zip(encoded).map(|(r, value)| Change::Put(Family::Deliveries, &r.id, value)).collect();
+            records.iter().map(|r| Change::Put(Family::Deliveries, &r.id, r.encode())).collect();
         self.store.apply(&changes).await
     }
 
     /// Stores newly admitted records and, apart, their bodies, in one atomic batch.
     async fn persist_admitted(&self, records: &[DeliveryRecord], bodies: &[Vec<u8>]) -> Result<(), StoreError> {
-        let encoded = records.iter().map(serde_json::to_vec).collect::<Result<Vec<_>, _>>()?;
         let mut changes: Vec<Change<'_>> =
-            records.iter().zip(encoded).map(|(r, value)| Change::Put(Family::Deliveries, &r.id, value)).collect();
+            records.iter().map(|r| Change::Put(Family::Deliveries, &r.id, r.encode())).collect();
         changes.extend(records.iter().zip(bodies).map(|(r, body)| Change::Put(Family::Payloads, &r.id, body.clone())));
         self.store.apply(&changes).await
     }

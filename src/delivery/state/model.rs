@@ -502,7 +502,7 @@ impl Run {
         let stored: HashSet<String> = self
             .d()
             .store
-            .list::<DeliveryRecord>(Family::Deliveries)
+            .list_with(Family::Deliveries, |bytes| DeliveryRecord::decode(bytes).ok())
             .map(|l| l.records.into_iter().map(|(id, _)| id).collect())
             .unwrap_or_default();
         for id in table.deliveries.keys() {

@@ -30,8 +30,13 @@ impl Deliveries {
             _ => false,
         };
         table.insert(tracked);
-        Self::set_pending_gauge(&table);
         outcome
+    }
+
+    /// Sets the pending-deliveries gauge once recovery has restored every record (not once per record: a
+    /// million gauge look-ups would be a noticeable part of the boot).
+    pub(in crate::delivery) fn publish_pending_gauge(&self) {
+        Self::set_pending_gauge(&self.table.lock());
     }
 
     /// Removes a stored record that no longer decodes, without any broker ACK.

@@ -293,7 +293,11 @@ async fn an_auto_renewed_hand_out_is_renewed_only_once_its_client_took_it_in() {
     assert_eq!(deliveries.mark_written(std::slice::from_ref(&this)).await.ok(), Some(1));
     assert_eq!(deliveries.mark_written(&[this]).await.ok(), Some(0), "marked once");
     assert_eq!(deliveries.keep_held(&clients, hold, max).await.ok(), Some(1), "renewed once written");
-    let stored: DeliveryRecord = deliveries.store().get(Family::Deliveries, &handed.id).expect("read").expect("kept");
+    let stored: DeliveryRecord = deliveries
+        .store()
+        .get_with(Family::Deliveries, &handed.id, DeliveryRecord::decode)
+        .expect("read")
+        .expect("kept");
     assert!(
         matches!(stored.phase, Phase::AwaitingAck { holder: Some(Holder { written: true, .. }), .. }),
         "the mark is stored: {:?}",
@@ -327,7 +331,8 @@ async fn a_body_is_stored_apart_kept_out_of_memory_and_read_back_at_hand_out() {
     let id = deliveries.table.lock().deliveries.keys().next().cloned().expect("tracked");
     let in_memory = deliveries.tracked_record(&id).expect("record");
     assert!(in_memory.body_apart && in_memory.event.body.is_empty(), "memory holds no body");
-    let stored: DeliveryRecord = deliveries.store.get(Family::Deliveries, &id).expect("read").expect("stored");
+    let stored: DeliveryRecord =
+        deliveries.store.get_with(Family::Deliveries, &id, DeliveryRecord::decode).expect("read").expect("stored");
     assert!(stored.event.body.is_empty(), "nor does the stored record");
 
     let to = HandOut { transport: "poll", ack_timeout: None, holder: None, fifo_batch: false };
