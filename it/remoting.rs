@@ -434,28 +434,49 @@ async fn a_new_push_consumer_gets_every_message_its_app_sends_as_it_starts() {
 const NEW_GROUP_ROUNDS: usize = 3;
 
 /// A new group's offset query in an empty queue is answered with offset 0 (where every way to start starts in
-/// an empty queue), not "not found", which sends a consumer from the last offset to ask the queue's end next and
-/// skip what is stored in between; when the client asks for "not found" (`setZeroIfNotFound` false), it gets it.
+/// an empty queue) when a member of the group subscribes to the topic (a push consumer: its rebalance would take
+/// "not found" to mean "ask the queue's end next", and skip what is stored in between); when the client asks for
+/// "not found" (`setZeroIfNotFound` false), it gets it. A group that subscribes to nothing here (a
+/// `DefaultMQPullConsumer`, which hands the answer to its app: -1 for "not found"), or that never sent a
+/// heartbeat, gets the broker's "not found", as straight at the broker: Apache's e2e `PullOrderParamTest` pulls
+/// every queue whose offset is not -1 for 30 s, and told 0 for its 7 empty queues it outlasted its 60 s wait.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_new_groups_offset_in_an_empty_queue_is_its_start() {
+async fn a_new_groups_offset_in_an_empty_queue_is_its_start_for_a_subscriber_and_not_found_for_a_pull_consumer() {
+    const QUERY_NOT_FOUND: i32 = 22;
     let cluster = shared_cluster();
     let (_popgate, namesrv) = popgate_with_remoting(cluster, "").await;
     let topic = unique_topic("rm_new_offset");
     create_topic(cluster, &topic).await;
     let broker = cluster.brokers[0].name.clone();
     let mut stream = TcpStream::connect(&namesrv).await.expect("connect");
-    let query = |queue: &str, extra: &[(&str, &str)]| {
-        let group = unique_topic("rm_new_offset_g");
+    let query = |group: &str, extra: &[(&str, &str)]| {
         let mut fields =
-            vec![("topic", topic.as_str()), ("queueId", queue), ("consumerGroup", &group), ("bname", &broker)];
+            vec![("topic", topic.as_str()), ("queueId", "0"), ("consumerGroup", group), ("bname", &broker)];
         fields.extend_from_slice(extra);
         raw_request(14, &fields)
     };
-    let answer = ask(&mut stream, query("0", &[])).await.expect("an answer");
-    assert_eq!(answer.code(), 0, "an empty queue: start at 0 ({:?})", answer.remark());
+
+    let push_group = unique_topic("rm_new_offset_push");
+    let heartbeat = push_consumer_heartbeat("raw@new_offset_push", &push_group, &topic);
+    assert_eq!(ask(&mut stream, heartbeat).await.expect("answered").code(), 0);
+    let answer = ask(&mut stream, query(&push_group, &[])).await.expect("an answer");
+    assert_eq!(answer.code(), 0, "a push consumer, an empty queue: start at 0 ({:?})", answer.remark());
     assert_eq!(answer.ext_fields().and_then(|f| f.get("offset")).map(|o| o.to_string()), Some("0".to_owned()));
-    let asked = ask(&mut stream, query("0", &[("setZeroIfNotFound", "false")])).await.expect("an answer");
-    assert_eq!(asked.code(), 22, "not found, as the client asked: {:?}", asked.remark());
+    let asked = ask(&mut stream, query(&push_group, &[("setZeroIfNotFound", "false")])).await.expect("an answer");
+    assert_eq!(asked.code(), QUERY_NOT_FOUND, "not found, as the client asked: {:?}", asked.remark());
+
+    // As a 4.9.3 and 5.4.0 `DefaultMQPullConsumer` heartbeats: its group, no subscription.
+    let pull_group = unique_topic("rm_new_offset_pull");
+    let body = json!({"clientID": "raw@new_offset_pull", "producerDataSet": [], "consumerDataSet": [{"groupName":
+        pull_group, "consumeType": "CONSUME_ACTIVELY", "messageModel": "CLUSTERING", "consumeFromWhere":
+        "CONSUME_FROM_LAST_OFFSET", "subscriptionDataSet": [], "unitMode": false}]});
+    let heartbeat = RemotingCommand::create_remoting_command(34).set_body(body.to_string().into_bytes());
+    assert_eq!(ask(&mut stream, heartbeat).await.expect("answered").code(), 0);
+    let answer = ask(&mut stream, query(&pull_group, &[])).await.expect("an answer");
+    assert_eq!(answer.code(), QUERY_NOT_FOUND, "a pull consumer gets the broker's answer: {:?}", answer.ext_fields());
+
+    let unknown = ask(&mut stream, query(&unique_topic("rm_new_offset_none"), &[])).await.expect("an answer");
+    assert_eq!(unknown.code(), QUERY_NOT_FOUND, "no heartbeat: the broker's answer: {:?}", unknown.ext_fields());
 }
 
 async fn a_lite_pull_consumer_resumes_from_its_committed_offset_after_a_restart(client: RemotingClient) {

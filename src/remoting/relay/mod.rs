@@ -298,7 +298,7 @@ async fn relayed(front: &Front, request: &RemotingCommand) -> Relayed {
             relayed = relay_counted(front, label, &addr, &with_subscription, timeout).await;
         }
     }
-    if no_offset_yet(request, &relayed) {
+    if no_offset_yet(front, request, &relayed) {
         relayed = offset_of_a_new_group(front, request, &broker_name, &addr, relayed).await;
     }
     // At debug: what a consumer asked of which broker and what it was told (offsets, chiefly).
