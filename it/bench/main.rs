@@ -14,7 +14,8 @@
 //! `cargo bench --bench popgate-bench` runs the full measurement. `cargo test --all-targets` runs this binary
 //! without `--bench`: a smoke run of a few seconds that only checks every phase works and loses nothing.
 //!
-//! A tier's forwarded ACK against a local one (`tier.rs`, issue #35).
+//! A tier's forwarded ACK against a local one (`tier.rs`, issue #35). The remoting front against the same
+//! remoting Java client straight at the cluster and through Apache's proxy (`remoting.rs`, issue #49).
 //! Parameters (environment): `BENCH_SIZE` (bytes, 1024), `BENCH_PRODUCERS` (8), `BENCH_SUBSCRIBERS` (4),
 //! `BENCH_SECS` (per phase, 15), `BENCH_IN_FLIGHT` (100000), `BENCH_RECOVERY_RECORDS` (1000000).
 
@@ -25,6 +26,7 @@ mod harness;
 mod apache_proxy;
 mod churn;
 mod fan_in;
+mod remoting;
 mod tier;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -699,6 +701,7 @@ fn print_table(report: &Value) {
     println!("tier (ACK forwarded to the instance that handed the delivery out / ACK at it): {}", report["tier"]);
     apache_proxy::print_table(&report["againstApacheProxy"]);
     churn::print_table(&report["churn"]);
+    remoting::print_table(&report["remoting"]);
 }
 
 fn main() {
@@ -747,6 +750,7 @@ fn main() {
         }
         churn::check_smoke(&report["churn"]);
         tier::check_smoke(&report["tier"]);
+        remoting::check_smoke(&report["remoting"]);
         println!("popgate-bench: smoke run passed (run `cargo bench --bench popgate-bench` for figures)");
     }
 }
@@ -764,7 +768,8 @@ async fn bench(params: Params) -> Value {
     // `BENCH_ONLY=state` skips the throughput runs (for iterating on memory and recovery); `BENCH_ONLY=sdk` runs
     // only the comparison with Apache's proxy, `BENCH_ONLY=fanin` only the fan-in, `BENCH_ONLY=churn` only the
     // soak with clients coming and going, `BENCH_ONLY=throughput` only the runs against the direct client (for
-    // before/after figures of one change).
+    // before/after figures of one change), `BENCH_ONLY=remoting` only the remoting front against the cluster and
+    // Apache's proxy.
     let only = std::env::var("BENCH_ONLY").unwrap_or_default();
     if only == "churn" {
         let churn = churn::churn(&params, &namesrv, [&topics[9], &topics[10]], true).await;
@@ -774,6 +779,10 @@ async fn bench(params: Params) -> Value {
         drop((direct, admin, cluster));
         let sdk = against_apache_proxy(&params).await;
         return json!({"parameters": {"full": params.full}, "runs": [], "againstApacheProxy": sdk});
+    }
+    if only == "remoting" {
+        let remoting = remoting::remoting(&params, &cluster).await;
+        return json!({"parameters": {"full": params.full}, "runs": [], "remoting": remoting});
     }
     if only == "tier" {
         let tier = tier::tier(&params, &namesrv, &topics[11]).await;
@@ -845,6 +854,7 @@ async fn bench(params: Params) -> Value {
     let churn = churn::churn(&params, &namesrv, [&topics[9], &topics[10]], false).await;
     let tier = tier::tier(&params, &namesrv, &topics[11]).await;
     println!("tier: {tier}");
+    let remoting = remoting::remoting(&params, &cluster).await;
     // Its own brokers: stop these first so they take no CPU from it.
     drop((direct, admin, cluster));
     let sdk = against_apache_proxy(&params).await;
@@ -861,6 +871,7 @@ async fn bench(params: Params) -> Value {
         "fanIn": fan_in,
         "churn": churn,
         "tier": tier,
+        "remoting": remoting,
         "againstApacheProxy": sdk,
     })
 }
