@@ -48,14 +48,16 @@ import org.apache.rocketmq.common.message.MessageExt;
  * keeps a reference, so each send gets a copy of it: 1 KiB, next to a network round trip).
  *
  * <p>Body: the header of {@link dev.popgate.driver.LoadStats} then 'x' padding, exactly `size` bytes. The consumer
- * starts from the first offset on the (fresh) topic, so nothing sent before its first rebalance is skipped; it is
- * started `warmupSeconds` before the first send so that its rebalance and first pulls are not in the latencies.
+ * starts from the first offset on the (fresh) topic, so nothing sent before its first rebalance is skipped; sends
+ * start `warmupSeconds` after its first rebalance gave it queues ("assignedMs"), so that neither that rebalance nor
+ * its first pulls are in the latencies.
  *
  * <p>Counts: "consumed" is unique sequence numbers (the listener returned CONSUME_SUCCESS), a repeat is a "duplicate";
  * "lost" = sent - consumed (a send that failed on the client but was stored can make it negative).
  */
 final class Load {
     private static final int MAX_FIRST_ERRORS = 5;
+    private static final long ASSIGNMENT_WAIT_MS = 30_000;
 
     // ---- arguments
     private final Driver.Common common;
@@ -130,6 +132,7 @@ final class Load {
             return Driver.startupFailed(out, "push consumer", t);
         }
         out.put("startupMs", System.currentTimeMillis() - started);
+        out.put("assignedMs", awaitAssignment(consumer));
         Thread.sleep((long) (warmupSeconds * 1000));
 
         long sendStart = System.nanoTime();
@@ -234,6 +237,23 @@ final class Load {
         });
         consumer.start();
         return consumer;
+    }
+
+    /**
+     * Waits (at most ASSIGNMENT_WAIT_MS) until the consumer's first rebalance gave it queues, so that sends do not
+     * start against a consumer still asking for its route and its share: on a loaded machine that took seconds, which
+     * would be counted as end-to-end latency (and, longer than drainSeconds, as loss). Returns how long it took, or
+     * -1 if it got no queue in time (the run goes on: its result shows what that cost).
+     */
+    private static long awaitAssignment(DefaultMQPushConsumer consumer) throws InterruptedException {
+        long t0 = System.currentTimeMillis();
+        while (consumer.getDefaultMQPushConsumerImpl().getRebalanceImpl().getProcessQueueTable().isEmpty()) {
+            if (System.currentTimeMillis() - t0 > ASSIGNMENT_WAIT_MS) {
+                return -1;
+            }
+            Thread.sleep(20);
+        }
+        return System.currentTimeMillis() - t0;
     }
 
     /** Counts one consumed message: unique, duplicate or foreign; a unique one adds an end-to-end sample. */
