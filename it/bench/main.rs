@@ -14,7 +14,9 @@
 //! `cargo bench --bench popgate-bench` runs the full measurement. `cargo test --all-targets` runs this binary
 //! without `--bench`: a smoke run of a few seconds that only checks every phase works and loses nothing.
 //!
-//! A tier's forwarded ACK against a local one (`tier.rs`, issue #35).
+//! A tier's forwarded ACK against a local one (`tier.rs`, issue #35). The remoting front against the same
+//! remoting Java client straight at the cluster and through Apache's proxy (`remoting.rs`), and how popgate's
+//! cost per message grows with groups and subscribers (`scale.rs`, issue #49).
 //! Parameters (environment): `BENCH_SIZE` (bytes, 1024), `BENCH_PRODUCERS` (8), `BENCH_SUBSCRIBERS` (4),
 //! `BENCH_SECS` (per phase, 15), `BENCH_IN_FLIGHT` (100000), `BENCH_RECOVERY_RECORDS` (1000000),
 //! `BENCH_RECOVERY_FORMAT` (`compact`, or `json`: the records as earlier versions stored them).
@@ -26,6 +28,8 @@ mod harness;
 mod apache_proxy;
 mod churn;
 mod fan_in;
+mod remoting;
+mod scale;
 mod tier;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -342,7 +346,7 @@ async fn popgate_run(
         let query = format!("group={group}&topic={topic}");
         consumers.push(tokio::spawn(async move {
             match transport {
-                Transport::LongPoll => long_poll_subscriber(&http, &base, &query, &sample).await,
+                Transport::LongPoll => long_poll_subscriber(&http, &base, &query, 1_000, &sample).await,
                 Transport::Sse => sse_subscriber(&http, &base, &query, &sample).await,
             }
         }));
@@ -380,9 +384,10 @@ async fn batch_ack(http: &reqwest::Client, base: &str, ids: Vec<String>, sample:
     sample.acked(ok as u64);
 }
 
-async fn long_poll_subscriber(http: &reqwest::Client, base: &str, query: &str, sample: &Sample) {
+/// Polls `max=32` at a time, waiting up to `wait_ms` for each, and ACKs each batch with one request.
+async fn long_poll_subscriber(http: &reqwest::Client, base: &str, query: &str, wait_ms: u64, sample: &Sample) {
     while !consumers_done(sample) {
-        let resp = http.get(format!("{base}/events/poll?{query}&max=32&waitMs=1000")).send().await;
+        let resp = http.get(format!("{base}/events/poll?{query}&max=32&waitMs={wait_ms}")).send().await;
         let Ok(resp) = resp else { continue };
         let answer: Value = resp.json().await.unwrap_or(Value::Null);
         let mut ids = Vec::new();
@@ -708,6 +713,8 @@ fn print_table(report: &Value) {
     println!("tier (ACK forwarded to the instance that handed the delivery out / ACK at it): {}", report["tier"]);
     apache_proxy::print_table(&report["againstApacheProxy"]);
     churn::print_table(&report["churn"]);
+    remoting::print_table(&report["remoting"]);
+    scale::print_table(&report["scale"]);
 }
 
 fn main() {
@@ -758,6 +765,8 @@ fn main() {
         }
         churn::check_smoke(&report["churn"]);
         tier::check_smoke(&report["tier"]);
+        remoting::check_smoke(&report["remoting"]);
+        scale::check_smoke(&report["scale"]);
         println!("popgate-bench: smoke run passed (run `cargo bench --bench popgate-bench` for figures)");
     }
 }
@@ -775,7 +784,8 @@ async fn bench(params: Params) -> Value {
     // `BENCH_ONLY=state` skips the throughput runs (for iterating on memory and recovery); `BENCH_ONLY=sdk` runs
     // only the comparison with Apache's proxy, `BENCH_ONLY=fanin` only the fan-in, `BENCH_ONLY=churn` only the
     // soak with clients coming and going, `BENCH_ONLY=throughput` only the runs against the direct client (for
-    // before/after figures of one change).
+    // before/after figures of one change), `BENCH_ONLY=remoting` only the remoting front against the cluster and
+    // Apache's proxy, `BENCH_ONLY=scale` only how cost grows with groups and subscribers.
     let only = std::env::var("BENCH_ONLY").unwrap_or_default();
     if only == "churn" {
         let churn = churn::churn(&params, &namesrv, [&topics[9], &topics[10]], true).await;
@@ -785,6 +795,14 @@ async fn bench(params: Params) -> Value {
         drop((direct, admin, cluster));
         let sdk = against_apache_proxy(&params).await;
         return json!({"parameters": {"full": params.full}, "runs": [], "againstApacheProxy": sdk});
+    }
+    if only == "remoting" {
+        let remoting = remoting::remoting(&params, &cluster).await;
+        return json!({"parameters": {"full": params.full}, "runs": [], "remoting": remoting});
+    }
+    if only == "scale" {
+        let scale = scale::scale(&params, &namesrv, &addrs).await;
+        return json!({"parameters": {"full": params.full}, "runs": [], "scale": scale});
     }
     if only == "tier" {
         let tier = tier::tier(&params, &namesrv, &topics[11]).await;
@@ -856,6 +874,8 @@ async fn bench(params: Params) -> Value {
     let churn = churn::churn(&params, &namesrv, [&topics[9], &topics[10]], false).await;
     let tier = tier::tier(&params, &namesrv, &topics[11]).await;
     println!("tier: {tier}");
+    let remoting = remoting::remoting(&params, &cluster).await;
+    let scale = scale::scale(&params, &namesrv, &addrs).await;
     // Its own brokers: stop these first so they take no CPU from it.
     drop((direct, admin, cluster));
     let sdk = against_apache_proxy(&params).await;
@@ -872,6 +892,8 @@ async fn bench(params: Params) -> Value {
         "fanIn": fan_in,
         "churn": churn,
         "tier": tier,
+        "remoting": remoting,
+        "scale": scale,
         "againstApacheProxy": sdk,
     })
 }

@@ -57,6 +57,13 @@ impl RemotingClient {
         Scenario::start_jar(self.driver_jar(), &format!("rocketmq-client {}", self.0), &DRIVER_JVM, scenario, args)
     }
 
+    /// As [`RemotingClient::start`], in a JVM with the options `jvm` (a load program wants the optimising
+    /// compiler and a heap that never limits it).
+    #[allow(dead_code)] // only the benchmark uses it
+    pub fn start_in(self, jvm: &[&str], scenario: &str, args: &Value) -> Scenario {
+        Scenario::start_jar(self.driver_jar(), &format!("rocketmq-client {}", self.0), jvm, scenario, args)
+    }
+
     /// As [`RemotingClient::start`], with the client logging at info (on stderr, see
     /// [`Scenario::finish_with_log`]): its rebalances, heartbeats and what failed in them.
     pub fn start_logging(self, scenario: &str, args: &Value) -> Scenario {

@@ -179,10 +179,12 @@ impl Broker {
 /// Apache's own RocketMQ 5 gRPC proxy (`rocketmq-proxy` of the broker's version, cluster mode) in front of a
 /// [`Cluster`]: what the benchmark compares popgate's gRPC front with, and what `it/apache_parity.rs` checks
 /// popgate's choices against. Killed on drop.
-#[allow(dead_code)] // `pid` only the benchmark uses
+#[allow(dead_code)] // `pid` and `remoting` only the benchmark uses
 pub struct ApacheProxy {
     /// `127.0.0.1:port` of its gRPC endpoint (TLS and plaintext on one port, like popgate's).
     pub endpoint: String,
+    /// `127.0.0.1:port` of its remoting port, which a remoting client (5.x) is given as its name server.
+    pub remoting: String,
     process: JavaProcess,
     lib: PathBuf,
     /// Its config file (`-pc`).
@@ -198,20 +200,26 @@ impl ApacheProxy {
     pub fn start(cluster: &Cluster) -> ApacheProxy {
         let lib = jar_dir("proxy-jars");
         let home = tempfile::Builder::new().prefix("popgate-apache-proxy-").tempdir().expect("tempdir");
-        let grpc_port = free_port();
+        let (grpc_port, remoting_port) = (free_port(), free_port());
         let conf = home.path().join("rmq-proxy.json");
         let settings = serde_json::json!({
             "rocketMQClusterName": CLUSTER_NAME,
             "namesrvAddr": cluster.namesrv_addr,
             "proxyMode": "cluster",
             "grpcServerPort": grpc_port,
-            "remotingListenPort": free_port(),
+            "remotingListenPort": remoting_port,
         });
         fs::write(&conf, settings.to_string()).expect("proxy conf");
         let conf = conf.to_string_lossy();
         let process = Self::spawn(&lib, home.path(), &conf);
-        let proxy =
-            ApacheProxy { endpoint: format!("127.0.0.1:{grpc_port}"), process, lib, args: conf.into_owned(), home };
+        let proxy = ApacheProxy {
+            endpoint: format!("127.0.0.1:{grpc_port}"),
+            remoting: format!("127.0.0.1:{remoting_port}"),
+            process,
+            lib,
+            args: conf.into_owned(),
+            home,
+        };
         proxy.wait_started(1);
         proxy
     }

@@ -70,6 +70,7 @@ import org.apache.rocketmq.remoting.RPCHook;
  *   java -jar popgate-remoting-driver.jar push-consume '{"namesrv":"127.0.0.1:9876","group":"G","topic":"T","expect":3}'
  *   java -jar popgate-remoting-driver.jar lite-pull    '{"namesrv":"127.0.0.1:9876","group":"G","topic":"T","expect":3}'
  *   java -jar popgate-remoting-driver.jar transact     '{"namesrv":"127.0.0.1:9876","topic":"T","resolution":"commit"}'
+ *   java -jar popgate-remoting-driver.jar load         '{"namesrv":"127.0.0.1:9876","group":"G","topic":"T","seconds":15}'
  * </pre>
  *
  * Arguments may also be given as key=value words instead of one JSON object; unknown arguments are an error. Exit
@@ -83,7 +84,7 @@ import org.apache.rocketmq.remoting.RPCHook;
  * port - 2) is always off.
  */
 public final class Driver {
-    private static final String SCENARIOS = "<produce|push-consume|lite-pull|transact>";
+    private static final String SCENARIOS = "<produce|push-consume|lite-pull|transact|load>";
 
     private Driver() {
     }
@@ -125,6 +126,9 @@ public final class Driver {
                     break;
                 case "transact":
                     result = transact(args, startMs);
+                    break;
+                case "load":
+                    result = Load.run(args, startMs);
                     break;
                 default:
                     finish(error("unknown scenario '" + scenario + "'; expected " + SCENARIOS, null), 2);
