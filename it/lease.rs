@@ -94,7 +94,7 @@ async fn a_lost_instance_gives_back_what_it_held_within_its_lease_which_grows_wi
     let planned_ms = 2_000 * held as u64;
     eventually(Duration::from_secs(30), "every held delivery renewed on the longer lease", || async {
         popgate.metric("popgate_lease_renewals_total").await >= held as f64
-            && popgate.metric("popgate_lease_asked_ms").await == planned_ms as f64
+            && popgate.metric("popgate_lease_asked_seconds").await * 1000.0 == planned_ms as f64
     })
     .await;
     let (_, view) = popgate.get_json(&format!("/admin/deliveries?group={group}")).await;

@@ -69,9 +69,9 @@ pub const LEASES_LOST: &str = "popgate_leases_lost_total";
 /// Counter: broker leases renewed (ChangeInvisibleTime) of held deliveries; with `delivery.lease_renewals_per_sec`
 /// the broker requests that holding deliveries costs.
 pub const LEASE_RENEWALS: &str = "popgate_lease_renewals_total";
-/// Gauge: the broker lease (ms) popgate asks for now, from what it holds: about how long the deliveries of an
-/// instance lost now would take to come back through the broker.
-pub const LEASE_ASKED_MS: &str = "popgate_lease_asked_ms";
+/// Gauge: the broker lease (seconds) popgate asks for now, from what it holds: about how long the deliveries of
+/// an instance lost now would take to come back through the broker.
+pub const LEASE_ASKED: &str = "popgate_lease_asked_seconds";
 /// Failed broker requests of the consume path, by `op` (pop, renew, give_back).
 pub const CONSUME_REQUEST_FAILURES: &str = "popgate_consume_request_failures_total";
 /// Counter: popped messages without a readable receipt handle (`POP_CK`); the broker redelivers them.
@@ -580,7 +580,7 @@ fn describe_all() {
     describe_counter!(RECOVERED_DELIVERIES, Unit::Count, "Records replayed at boot, by outcome.");
     describe_counter!(LEASES_LOST, Unit::Count, "Deliveries given back to the broker because their lease lapsed.");
     describe_counter!(LEASE_RENEWALS, Unit::Count, "Broker leases of held deliveries renewed (ChangeInvisibleTime).");
-    describe_gauge!(LEASE_ASKED_MS, "The broker lease (ms) a POP or renewal asks for now, from what is held.");
+    describe_gauge!(LEASE_ASKED, Unit::Seconds, "The broker lease a POP or renewal asks for now, from what is held.");
     describe_counter!(
         CONSUME_REQUEST_FAILURES,
         Unit::Count,

@@ -522,7 +522,7 @@ async fn in_flight_rss(params: &Params, namesrv: &str, direct: &DirectPath, topi
         "holdSecs": hold.as_secs(),
         "cpuPercentWhileRenewingLeases": renewal_cpu_pct.round(),
         "brokerRenewalsPerSecWhileHeld": renewals_per_sec.round(),
-        "leaseAskedMs": popgate.metric("popgate_lease_asked_ms").await,
+        "leaseAskedSecs": popgate.metric("popgate_lease_asked_seconds").await,
         "rssKibAfterRenewals": popgate.rss_kib(),
         "leasesLost": popgate.metric("popgate_leases_lost_total").await,
     })

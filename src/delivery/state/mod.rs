@@ -269,7 +269,7 @@ impl Deliveries {
     /// The broker lease a POP or a renewal asks for while `held` deliveries are held (shown as a gauge).
     fn lease_ms_for(&self, held: usize) -> u64 {
         let lease_ms = self.lease_plan.lease_ms(held);
-        gauge!(m::LEASE_ASKED_MS).set(lease_ms as f64);
+        gauge!(m::LEASE_ASKED).set(lease_ms as f64 / 1000.0);
         lease_ms
     }
 
