@@ -9,6 +9,7 @@ import java.util.List;
 import java.util.Map;
 import java.util.concurrent.atomic.LongAccumulator;
 import java.util.concurrent.atomic.LongAdder;
+import java.util.concurrent.locks.LockSupport;
 
 /**
  * What the drivers' `load` scenarios share (the gRPC driver's over the SDK, the remoting driver's over the remoting
@@ -34,6 +35,14 @@ public final class LoadStats {
     // ---------------------------------------------------------------------------------------------- body header
 
     /** Writes "run:seq:nanos:" at the front of body (the rest stays as it is: padding, or stale digits). */
+    /** Parks the calling thread until System.nanoTime() reaches deadlineNanos (a paced sender's next slot). */
+    public static void sleepUntil(long deadlineNanos) {
+        long wait;
+        while ((wait = deadlineNanos - System.nanoTime()) > 0) {
+            LockSupport.parkNanos(wait);
+        }
+    }
+
     public static void writeHeader(byte[] body, long run, long seq, long nanos) {
         int p = writeLong(body, 0, run);
         body[p++] = ':';

@@ -6,6 +6,7 @@ import static dev.popgate.driver.LoadStats.number;
 import static dev.popgate.driver.LoadStats.parseHeader;
 import static dev.popgate.driver.LoadStats.positive;
 import static dev.popgate.driver.LoadStats.round;
+import static dev.popgate.driver.LoadStats.sleepUntil;
 import static dev.popgate.driver.LoadStats.writeHeader;
 
 import dev.popgate.driver.Args;
@@ -215,13 +216,6 @@ final class Load {
                 sendErrors.increment();
                 noteError("send", t);
             }
-        }
-    }
-
-    private static void sleepUntil(long deadlineNanos) {
-        long wait;
-        while ((wait = deadlineNanos - System.nanoTime()) > 0) {
-            LockSupport.parkNanos(wait);
         }
     }
 
