@@ -10,7 +10,7 @@ use popgate::delivery::record::DeliveryRecord;
 use popgate::store::{Family, StateStore};
 
 use crate::harness::direct::{Direct, DirectConsumer};
-use crate::harness::popgate::{data, id, Popgate};
+use crate::harness::popgate::{data, id, subscribe, Popgate};
 use crate::harness::rocketmq::{Cluster, ClusterSpec};
 use crate::harness::unique_topic;
 use crate::harness::{eventually, Tmpfs};
@@ -21,11 +21,6 @@ const FAST_LEASE: &str = "[delivery]\nlease_ms = 4000\npop_poll_ms = 1000\n";
 
 async fn publish_all(popgate: &Popgate, topic: &str, bodies: &[&str]) {
     popgate.publish_bodies(topic, bodies).await;
-}
-
-async fn subscribe(popgate: &Popgate, body: Value) {
-    let (status, answer) = popgate.post_json("/events/subscribe", &body).await;
-    assert_eq!(status, 200, "{answer}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,15 +7,10 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::harness::direct::{Direct, DirectConsumer};
-use crate::harness::popgate::{data, id, Popgate};
+use crate::harness::popgate::{data, id, subscribe, Popgate};
 use crate::harness::rocketmq::{Cluster, ClusterSpec};
 use crate::harness::{eventually, unique_topic, Tmpfs};
 use crate::publish::shared_cluster;
-
-async fn subscribe(popgate: &Popgate, body: Value) {
-    let (status, answer) = popgate.post_json("/events/subscribe", &body).await;
-    assert_eq!(status, 200, "{answer}");
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unsubscribe_racing_a_pop_strands_nothing_and_a_resubscribe_gets_the_event() {

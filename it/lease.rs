@@ -5,17 +5,12 @@
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Value};
+use serde_json::json;
 
 use crate::harness::direct::DirectConsumer;
-use crate::harness::popgate::{data, id, Popgate};
+use crate::harness::popgate::{data, id, subscribe, Popgate};
 use crate::harness::{eventually, unique_topic};
 use crate::publish::shared_cluster;
-
-async fn subscribe(popgate: &Popgate, body: Value) {
-    let (status, answer) = popgate.post_json("/events/subscribe", &body).await;
-    assert_eq!(status, 200, "{answer}");
-}
 
 /// A delivery nobody ACKs is handed out again by popgate, attempt after attempt, past several ACK timeouts and
 /// several broker leases: its lease is renewed all along, so the broker never hands the message out again (which

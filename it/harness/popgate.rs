@@ -458,3 +458,9 @@ pub fn proc_status_kib(pid: u32, field: &str) -> u64 {
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .unwrap_or(0)
 }
+
+/// `POST /events/subscribe` with `body`, which must be taken (200).
+pub async fn subscribe(popgate: &Popgate, body: Value) {
+    let (status, answer) = popgate.post_json("/events/subscribe", &body).await;
+    assert_eq!(status, 200, "{answer}");
+}
