@@ -516,3 +516,56 @@ async fn a_tag_filter_delivers_only_matching_events() {
     }
     assert!(popgate.poll(&group, &topic, 4, 3_000).await.is_empty(), "events outside the filter are never delivered");
 }
+
+/// Each subscription with a waiting subscriber holds a POP long poll at every broker of its topic, and one
+/// instance of the RocketMQ client crate carries at most 512 requests at once. popgate spreads its long polls
+/// over as many client instances as they need: with 600 subscriptions none is refused and every group gets the
+/// message. (Before, the POPs past 512 were refused at once, again every second, and sends beside them timed
+/// out: issue #49's scale phase.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_subscriptions_than_one_client_instance_carries_long_polls_each_get_every_message() {
+    use futures::StreamExt;
+    const GROUPS: usize = 600;
+    let cluster = shared_cluster();
+    let limits = format!("[server]\nmax_waiters_per_token = {}\n", GROUPS + 16);
+    let popgate = Popgate::start(&cluster.namesrv_addr, &limits).await;
+    let topic = unique_topic("many_subs");
+    crate::grpc::create_topic(cluster, &topic).await;
+    let groups: Vec<String> = (0..GROUPS).map(|n| format!("{topic}_g{n}")).collect();
+    futures::stream::iter(&groups)
+        .for_each_concurrent(32, |group| subscribe(&popgate, json!({"group": group, "topic": topic})))
+        .await;
+
+    // Every group's subscriber waits, each on a connection of its own.
+    let http = reqwest::Client::builder().pool_max_idle_per_host(GROUPS + 16).build().expect("http client");
+    let waiting: Vec<_> = groups
+        .iter()
+        .map(|group| {
+            let url = format!("{}/events/poll?group={group}&topic={topic}&max=1&waitMs=60000", popgate.base);
+            let http = http.clone();
+            tokio::spawn(async move {
+                let answer = http.get(url).send().await.expect("poll");
+                assert_eq!(answer.status(), 200);
+                answer.json::<Value>().await.expect("JSON")["deliveries"].as_array().cloned().unwrap_or_default()
+            })
+        })
+        .collect();
+    // Longer than one POP long poll (`delivery.pop_poll_ms`, 5 s): every POP was placed, and a refused one
+    // would have been counted and tried again.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let published = Instant::now();
+    let (status, answer) = popgate.publish(&json!({"topic": topic, "data": "to-all"})).await;
+    assert_eq!(status, 200, "{answer}");
+    println!("publish beside {GROUPS} long polls answered in {:?}", published.elapsed());
+
+    let mut received = 0;
+    for (group, waited) in groups.iter().zip(waiting) {
+        let deliveries = waited.await.expect("a subscriber's task");
+        assert_eq!(deliveries.iter().map(data).collect::<Vec<_>>(), ["to-all"], "group {group}");
+        assert_eq!(popgate.ack(&id(&deliveries[0])).await.0, 200);
+        received += 1;
+    }
+    println!("{received} groups got the message in {:?}", published.elapsed());
+    let refused = popgate.metric("popgate_consume_request_failures_total{op=\"pop\"}").await;
+    assert_eq!(refused, 0.0, "no POP failed");
+}

@@ -3,7 +3,7 @@
 //! server, and by raw frames for what the client never sends. Each test checks what the client saw and what
 //! the brokers hold, read straight from them.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
 use bytes::BytesMut;
@@ -1686,6 +1686,52 @@ async fn a_relayed_pull_popgate_gives_up_on_does_not_fail_the_other_clients_pull
     assert_eq!(failed, 1.0, "only the pull that outlasted popgate's deadline failed");
     let registered_again = popgate.metric(r#"popgate_remoting_reregistrations_total{result="ok"}"#).await;
     assert_eq!(registered_again, 0.0, "the broker kept the group's registration: the connection stayed open");
+}
+
+/// A 4.x app's push consumers keep a pull held at the broker for every queue they consume, and popgate relays
+/// each on a client instance of its own use, of which one carries at most 512 requests at once. More held
+/// pulls than that are spread over more instances: every one is held and answered by the broker (before, the
+/// pulls past 512 were refused at once as "queue saturated").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_held_pulls_than_one_client_instance_carries_are_each_held_and_answered_by_the_broker() {
+    const HELD: usize = 600;
+    let cluster = shared_cluster();
+    let (popgate, namesrv) = popgate_with_remoting(cluster, "").await;
+    let topic = unique_topic("rm_many_held");
+    let group = unique_topic("rm_many_held_g");
+    create_topic(cluster, &topic).await;
+    let mut registering = TcpStream::connect(&namesrv).await.expect("connect");
+    let registered = ask(&mut registering, consumer_heartbeat("many@1", &group, &topic)).await.expect("answered");
+    assert_eq!(registered.code(), 0, "{:?}", registered.remark());
+    // Each client's pull on a connection of its own, held 5 s at the broker on an empty queue.
+    let pulls = (0..HELD).map(|n| {
+        let (namesrv, request) = (namesrv.clone(), raw_pull(&group, &topic, &(n % 4).to_string(), Some("5000")));
+        async move {
+            let mut stream = TcpStream::connect(&namesrv).await.expect("connect");
+            let asked = std::time::Instant::now();
+            send(&mut stream, request).await;
+            let answer = read_answer_within(&mut stream, Duration::from_secs(60)).await;
+            (answer.map(|a| (a.code(), a.remark().map(ToString::to_string))), asked.elapsed())
+        }
+    });
+    let answers = futures::future::join_all(pulls).await;
+    let mut codes: BTreeMap<i32, usize> = BTreeMap::new();
+    let mut refusals = BTreeSet::new();
+    let mut held = 0;
+    for (answer, took) in &answers {
+        let (code, remark) = answer.clone().expect("every pull answered");
+        *codes.entry(code).or_default() += 1;
+        if [19, 20].contains(&code) {
+            held += usize::from(*took >= Duration::from_secs(4));
+        } else {
+            refusals.insert(format!("{code}: {remark:?}"));
+        }
+    }
+    println!("{HELD} held pulls at once: codes {codes:?}; {held} held 4 s or more");
+    // PULL_NOT_FOUND (19) or PULL_RETRY_IMMEDIATELY (20): the broker's own answer once the hold ended.
+    assert!(refusals.is_empty(), "every pull answered by the broker, none refused: {refusals:?}");
+    let failed = popgate.metric(r#"popgate_remoting_relays_total{code="pull_message",result="unreachable"}"#).await;
+    assert_eq!(failed, 0.0, "no relay failed");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

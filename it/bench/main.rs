@@ -263,7 +263,7 @@ impl DirectPath {
         for _ in 0..params.subscribers {
             let (client, sample, topic, group) = (self.client.clone(), sample.clone(), topic.to_owned(), group.clone());
             consumers.push(tokio::spawn(async move {
-                let handle = client.dedicated_handle().expect("handle");
+                let handle = client.dedicated_handle().await.expect("handle");
                 while !consumers_done(&sample) {
                     let Ok(route) = client.route(&topic).await else { continue };
                     for broker in route.readable() {
@@ -277,7 +277,7 @@ impl DirectPath {
                             poll_ms: 1_000,
                             orderly: false,
                         };
-                        let popped = client.pop(&handle, broker, &request).await.unwrap_or_default();
+                        let popped = client.pop(handle.handle(), broker, &request).await.unwrap_or_default();
                         for p in &popped {
                             sample.received(&p.event.body);
                         }
@@ -286,7 +286,7 @@ impl DirectPath {
                         sample.acked(ok as u64);
                     }
                 }
-                handle.shutdown_owned().await;
+                drop(handle);
             }));
         }
         let producer = self.producer.clone();

@@ -268,7 +268,7 @@ impl DirectConsumer {
     /// [`DirectConsumer::drain`] with the broker's orderly POP (for a group popgate consumed orderly).
     pub async fn drain_as(&self, group: &str, topic: &str, window: std::time::Duration, orderly: bool) -> Vec<String> {
         let deadline = std::time::Instant::now() + window;
-        let handle = self.client.dedicated_handle().expect("handle");
+        let handle = self.client.dedicated_handle().await.expect("handle");
         let mut bodies = Vec::new();
         while std::time::Instant::now() < deadline {
             let Ok(route) = self.client.route(topic).await else { continue };
@@ -283,13 +283,13 @@ impl DirectConsumer {
                     poll_ms: 1_000,
                     orderly,
                 };
-                for popped in self.client.pop(&handle, broker, &request).await.unwrap_or_default() {
+                for popped in self.client.pop(handle.handle(), broker, &request).await.unwrap_or_default() {
                     self.client.ack(group, &popped.handle).await.expect("direct ack");
                     bodies.push(String::from_utf8_lossy(&popped.event.body).into_owned());
                 }
             }
         }
-        handle.shutdown_owned().await;
+        drop(handle);
         bodies
     }
 }

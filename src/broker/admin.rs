@@ -54,6 +54,8 @@ impl BrokerClient {
     async fn cluster_info(&self) -> Result<ClusterInfo, BrokerError> {
         let timeout = self.request_timeout();
         self.pooled()
+            .await?
+            .handle()
             .broker_cluster_info(timeout.as_millis() as u64)
             .await
             .map_err(|e| BrokerError::from_client(e, timeout))

@@ -209,17 +209,6 @@ pub struct PopRequest<'a> {
 }
 
 impl BrokerClient {
-    /// A handle of its own for a caller whose requests are slow (a long-polling POP), so it never waits
-    /// behind the shared pool or makes others wait. It is a handle on the POP client instance: its requests
-    /// travel on the POP connections, never on those of sends, ACKs and renewals (see [`super::client`]).
-    /// The caller shuts it down (`shutdown_owned`) when done.
-    ///
-    /// # Errors
-    /// [`BrokerError::Client`] when the handle cannot be made.
-    pub fn dedicated_handle(&self) -> Result<ClientInstanceHandle, BrokerError> {
-        self.new_pop_handle()
-    }
-
     /// POPs up to `request.max` messages from `broker`, across all its queues (retry queue included).
     /// "No message" is an empty list, not an error.
     ///
@@ -286,6 +275,8 @@ impl BrokerClient {
         metrics::counter!(crate::metrics::BROKER_ACK_REQUESTS, "kind" => "single").increment(1);
         let result = self
             .pooled()
+            .await?
+            .handle()
             .ack_message(&(&*handle.broker_addr).into(), header, timeout.as_millis() as u64)
             .await
             .map_err(|e| BrokerError::from_client(e, timeout))?;
@@ -321,8 +312,12 @@ impl BrokerClient {
             Some(async move {
                 metrics::counter!(crate::metrics::BROKER_ACK_REQUESTS, "kind" => "batch").increment(1);
                 let command = RemotingCommand::new_request(RequestCode::BatchAckMessage, batch_ack_body(&request.body));
-                let answer = self
-                    .pooled()
+                let lease = match self.pooled().await {
+                    Ok(lease) => lease,
+                    Err(error) => return (request.entry_indexes, Err(error)),
+                };
+                let answer = lease
+                    .handle()
                     .invoke_remoting(&(&*addr).into(), command, timeout.as_millis() as u64)
                     .await
                     .map(|response| {
@@ -374,6 +369,8 @@ impl BrokerClient {
         let sent_at = Epoch::now();
         let result = self
             .pooled()
+            .await?
+            .handle()
             .change_invisible_time(
                 &(&*handle.broker_name).into(),
                 &(&*handle.broker_addr).into(),

@@ -123,6 +123,8 @@ impl BrokerClient {
         let request = RemotingCommand::create_request_command(RequestCode::PullMessage, header);
         let mut response = self
             .pooled()
+            .await?
+            .handle()
             .invoke_remoting(&CheetahString::from(addr), request, timeout.as_millis() as u64)
             .await
             .map_err(|e| BrokerError::from_client(e, timeout))?;

@@ -2,12 +2,13 @@
 //! remoting front's consumer requests (pulls, offsets, queue locks, send-backs), which the broker that owns
 //! the queue must answer itself, as Apache's proxy relays them.
 //!
-//! Relayed requests travel on a client instance of their own (`popgate-relay`): a PULL may be held at the
-//! broker for up to its suspend time (15 s by the Java client's default), and on the request pool's
-//! connections a held request would delay sends and ACKs (see [`super::client`]). The crate runs one call at
-//! a time per handle, so relays check a handle out of a pool that grows with the relays in flight.
+//! Relayed requests travel on client instances of their own (`popgate-relay`, then `popgate-relay-1`, … as
+//! relays in flight outgrow one instance: see `client::spread`): a PULL may be held at the broker for up to its
+//! suspend time (15 s by the Java client's default), and on the request pool's connections a held request
+//! would delay sends and ACKs (see [`super::client`]). The crate runs one call at a time per handle, so each
+//! relay checks a handle out for its own time.
 //!
-//! Every relayed request of every client shares that instance's one connection per broker, so a relay that
+//! Every relayed request of many clients shares an instance's one connection per broker, so a relay that
 //! times out must not close it: popgate keeps the deadline itself and gives the crate a later one (the crate
 //! retires a connection on which a request timed out, failing every other client's held pull on it, and the
 //! broker then forgets every group registered over it). A relay given up on is cancelled in the crate; the
@@ -17,24 +18,14 @@
 use std::time::Duration;
 
 use cheetah_string::CheetahString;
-use parking_lot::Mutex;
-use rocketmq_client_rust::ClientInstanceHandle;
 use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
 
 use super::client::{BrokerClient, BrokerError};
 
-/// The client instance relayed requests travel on.
+/// The first client instance relayed requests travel on.
 pub(super) const RELAY_INSTANCE: &str = "popgate-relay";
-/// Idle handles kept for the next relays; more may exist while more relays are in flight.
-const IDLE_HANDLES_KEPT: usize = 64;
 /// How much later than popgate's own deadline the crate's is: far enough that popgate always gives up first.
 const CRATE_DEADLINE_SLACK: Duration = Duration::from_secs(30);
-
-/// Handles on the relay instance not in use now.
-#[derive(Default)]
-pub(crate) struct RelayHandles {
-    idle: Mutex<Vec<ClientInstanceHandle>>,
-}
 
 impl BrokerClient {
     /// Sends `request` (a client's command: code, header fields, body, version) to `addr` and returns the
@@ -49,7 +40,7 @@ impl BrokerClient {
         request: &RemotingCommand,
         timeout: Duration,
     ) -> Result<RemotingCommand, BrokerError> {
-        let lease = self.check_out_relay_handle()?;
+        let lease = self.relay_handle().await?;
         let outgoing = copy_of_request(request);
         let crate_timeout_ms = u64::try_from((timeout + CRATE_DEADLINE_SLACK).as_millis()).unwrap_or(u64::MAX);
         // Dropping the crate's call at popgate's deadline cancels its pending request and leaves the shared
@@ -79,46 +70,6 @@ impl BrokerClient {
             }
         }
         Err(last)
-    }
-
-    fn check_out_relay_handle(&self) -> Result<RelayLease<'_>, BrokerError> {
-        let handle = match self.relay_handles().idle.lock().pop() {
-            Some(handle) => handle,
-            None => self.instance_handle(RELAY_INSTANCE)?,
-        };
-        Ok(RelayLease { handles: self.relay_handles(), handle: Some(handle) })
-    }
-}
-
-/// A relay handle checked out for one relay, given back when the relay ends, however it ends (a relay whose
-/// caller went away is dropped mid-call).
-struct RelayLease<'a> {
-    handles: &'a RelayHandles,
-    handle: Option<ClientInstanceHandle>,
-}
-
-impl RelayLease<'_> {
-    fn handle(&self) -> &ClientInstanceHandle {
-        self.handle.as_ref().expect("a lease holds its handle until dropped")
-    }
-}
-
-impl Drop for RelayLease<'_> {
-    fn drop(&mut self) {
-        let Some(handle) = self.handle.take() else { return };
-        {
-            let mut idle = self.handles.idle.lock();
-            if idle.len() < IDLE_HANDLES_KEPT {
-                idle.push(handle);
-                return;
-            }
-        }
-        // One more than the pool keeps gives its lease on the instance back (a handle merely dropped leaves the
-        // instance's lease count raised for good, and the crate warns of each); the instance itself stays up
-        // while popgate's own handle on it lives.
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move { handle.shutdown_owned().await });
-        }
     }
 }
 

@@ -125,6 +125,8 @@ impl BrokerClient {
         let timeout = self.request_timeout();
         let response = self
             .pooled()
+            .await?
+            .handle()
             .invoke_remoting(&CheetahString::from(addr), request, timeout.as_millis() as u64)
             .await
             .map_err(|e| BrokerError::from_client(e, timeout))?;

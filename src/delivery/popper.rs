@@ -15,9 +15,9 @@ use std::time::Duration;
 
 use futures::stream::{FuturesUnordered, StreamExt};
 use metrics::counter;
-use rocketmq_client_rust::ClientInstanceHandle;
 
 use super::state::{Admission, Deliveries};
+use crate::broker::client::SpreadHandle;
 use crate::broker::consumer::{PopRequest, Popped};
 use crate::broker::BrokerError;
 use crate::clock::Epoch;
@@ -33,7 +33,8 @@ const IDLE_WAIT: Duration = Duration::from_secs(1);
 
 /// Runs until `stop` is set, the subscription disappears or popgate shuts down.
 pub(super) async fn run(deliveries: Arc<Deliveries>, key: String, stop: Arc<AtomicBool>) {
-    let mut handles: HashMap<String, ClientInstanceHandle> = HashMap::new();
+    // One handle per broker, each on a POP client instance with room; given back when the loop ends.
+    let mut handles: HashMap<String, SpreadHandle> = HashMap::new();
     // Messages popped but not yet recorded (the store refused the write): admitted again before anything newer
     // is popped, while their lease lasts. Dropping them would let newer messages of their FIFO group overtake
     // them (the broker redelivers a dropped message only when its lease lapses).
@@ -71,7 +72,7 @@ pub(super) async fn run(deliveries: Arc<Deliveries>, key: String, stop: Arc<Atom
         let brokers: Vec<_> = route.readable().cloned().collect();
         for broker in &brokers {
             if !handles.contains_key(&broker.name) {
-                match deliveries.broker().dedicated_handle() {
+                match deliveries.broker().dedicated_handle().await {
                     Ok(handle) => {
                         handles.insert(broker.name.clone(), handle);
                     }
@@ -95,7 +96,7 @@ pub(super) async fn run(deliveries: Arc<Deliveries>, key: String, stop: Arc<Atom
         let mut rounds: FuturesUnordered<_> = brokers
             .iter()
             .filter_map(|b| handles.get(&b.name).map(|h| (b, h)))
-            .map(|(broker, handle)| deliveries.broker().pop(handle, broker, &request))
+            .map(|(broker, handle)| deliveries.broker().pop(handle.handle(), broker, &request))
             .collect();
         let mut failed = false;
         let mut filter_refused = None;
@@ -134,9 +135,6 @@ pub(super) async fn run(deliveries: Arc<Deliveries>, key: String, stop: Arc<Atom
     }
     // What could not be recorded goes back to the broker rather than waiting out its lease.
     deliveries.give_back_popped(&group, unadmitted, "not_admitted").await;
-    for handle in handles.values() {
-        handle.shutdown_owned().await;
-    }
 }
 
 /// Admits `popped`; false (and the messages added to `unadmitted`) when the store refused them. Messages of a

@@ -5,8 +5,10 @@
 //! popgate's own route, with no hidden retry and no hidden route logic. Routes come from the name server and
 //! are cached for `broker.route_ttl_ms`.
 //!
-//! Requests go through a small pool of client handles on one client instance: the crate runs the calls of
-//! one handle one at a time, so the pool is what lets concurrent publishes proceed in parallel.
+//! The crate runs the calls of one handle one at a time, so every request checks a handle out for its own
+//! time (`pooled`): none waits behind another's, and a send's timeout is the broker's time alone. Requests
+//! travel on the request client instance, and on more of them when over 400 are in flight at once (see
+//! `spread`: the crate refuses a 513th request in flight on one instance).
 //!
 //! POP long-polls run on a second client instance, so they travel on connections of their own. The crate
 //! keeps one connection per broker address and client instance, shared by every handle of the instance. A
@@ -24,6 +26,7 @@
 
 mod route;
 mod send;
+mod spread;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -41,17 +44,17 @@ pub(super) use route::brokers_with_master;
 use route::{route_cache, CachedRoute};
 pub use route::{BrokerRoute, TopicRoute};
 pub use send::{SendReceipt, StoreStatus};
+use spread::InstanceSpread;
+pub use spread::SpreadHandle;
 
 /// The topic whose route a producer borrows for a topic the broker will auto-create.
 const AUTO_CREATE_TOPIC_KEY: &str = "TBW102";
 /// Managed-domain id shared by popgate's client handles.
 const CLIENT_DOMAIN: u64 = 7;
-/// The client instance of the request pool (routes, sends, ACKs, renewals, admin, PULL).
+/// The client instance of requests (routes, sends, ACKs, renewals, admin, PULL).
 const REQUEST_INSTANCE: &str = "popgate";
-/// The client instance of the POP long-polls ([`BrokerClient::dedicated_handle`]): connections of their own.
+/// The client instances of the POP long-polls ([`BrokerClient::dedicated_handle`]): connections of their own.
 const POP_INSTANCE: &str = "popgate-pop";
-/// Handles in the request pool: how many broker requests can be in flight at once.
-const HANDLE_POOL_SIZE: usize = 32;
 /// Queues a broker gives a topic it auto-creates from `TBW102`.
 const DEFAULT_TOPIC_QUEUE_NUMS: i32 = 4;
 
@@ -59,14 +62,12 @@ const DEFAULT_TOPIC_QUEUE_NUMS: i32 = 4;
 pub struct BrokerClient {
     config: BrokerConfig,
     producer_group: String,
-    /// Handles on one started client instance; requests take them round-robin.
-    handles: Vec<ClientInstanceHandle>,
-    /// A handle on the started POP instance, held so the instance lives while no POP loop holds one.
-    pop_instance: ClientInstanceHandle,
-    /// A handle on the started relay instance (the remoting front's relayed requests), and its idle handles.
-    relay_instance: ClientInstanceHandle,
-    relay_handles: super::relay::RelayHandles,
-    next_handle: std::sync::atomic::AtomicUsize,
+    /// The request instances (sends, ACKs, renewals, routes, admin, PULL): a handle per request in flight.
+    requests: InstanceSpread,
+    /// The POP long polls' instances, each carrying at most [`spread::CALLERS_PER_INSTANCE`] of them.
+    pops: InstanceSpread,
+    /// The instances of the remoting front's relayed requests (a 4.x consumer's pull waits up to 30 s).
+    relays: InstanceSpread,
     runtime: Arc<ClientRuntime>,
     /// Signs every request with `broker.access_key`, when one is given.
     signer: Option<Arc<ClientRpcHook>>,
@@ -89,35 +90,32 @@ impl BrokerClient {
         let (owner, runtime) = start_client_runtime()?;
         // One hook for every instance: the crate tells instances apart by it, so each handle must share it.
         let signer = signer(config);
-        let handles = (0..HANDLE_POOL_SIZE)
-            .map(|_| Self::handle(&runtime, config, &signer, REQUEST_INSTANCE))
-            .collect::<Result<Vec<_>, _>>()?;
-        // All handles share one client instance: starting it once starts it for all.
-        handles[0].start().await.map_err(|e| BrokerError::Client(e.to_string()))?;
-        let pop_instance = Self::handle(&runtime, config, &signer, POP_INSTANCE)?;
-        pop_instance.start().await.map_err(|e| BrokerError::Client(e.to_string()))?;
-        let relay_instance = Self::handle(&runtime, config, &signer, super::relay::RELAY_INSTANCE)?;
-        relay_instance.start().await.map_err(|e| BrokerError::Client(e.to_string()))?;
-        Ok(BrokerClient {
+        let client = BrokerClient {
             config: config.clone(),
             producer_group: producer_group.to_owned(),
-            handles,
-            pop_instance,
-            relay_instance,
-            relay_handles: super::relay::RelayHandles::default(),
-            next_handle: std::sync::atomic::AtomicUsize::new(0),
+            requests: InstanceSpread::new(REQUEST_INSTANCE),
+            pops: InstanceSpread::new(POP_INSTANCE),
+            relays: InstanceSpread::new(super::relay::RELAY_INSTANCE),
             runtime,
             signer,
             routes: route_cache(config.route_ttl()),
             exact_routes: route_cache(config.route_ttl()),
             _owner: owner,
-        })
+        };
+        // The first instance of each use starts now: a client that cannot start fails here, not at its first
+        // request.
+        drop(client.requests.check_out(&client).await?);
+        drop(client.pops.check_out(&client).await?);
+        drop(client.relays.check_out(&client).await?);
+        Ok(client)
     }
 
-    /// The next handle of the pool.
-    pub(crate) fn pooled(&self) -> &ClientInstanceHandle {
-        let index = self.next_handle.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % self.handles.len();
-        &self.handles[index]
+    /// A handle for one request, on a request instance with room; dropping it gives it back.
+    ///
+    /// # Errors
+    /// [`BrokerError::Client`] when a new instance was needed and could not start.
+    pub(crate) async fn pooled(&self) -> Result<SpreadHandle, BrokerError> {
+        self.requests.check_out(self).await
     }
 
     /// The timeout of one request that is not a send.
@@ -130,9 +128,20 @@ impl BrokerClient {
         self.config.namesrv_addrs()
     }
 
-    /// A new handle on the (started) POP client instance, whose connections carry nothing but POPs.
-    pub(crate) fn new_pop_handle(&self) -> Result<ClientInstanceHandle, BrokerError> {
-        Self::handle(&self.runtime, &self.config, &self.signer, POP_INSTANCE)
+    /// A handle of its own for a caller whose requests are slow (a long-polling POP), so it never waits
+    /// behind the shared pool or makes others wait. It is a handle on a POP client instance with room: its
+    /// requests travel on the POP connections, never on those of sends, ACKs and renewals. Dropping it gives it
+    /// back.
+    ///
+    /// # Errors
+    /// [`BrokerError::Client`] when the handle cannot be made.
+    pub async fn dedicated_handle(&self) -> Result<SpreadHandle, BrokerError> {
+        self.pops.check_out(self).await
+    }
+
+    /// A handle on a relay client instance with room, for one relayed request.
+    pub(super) async fn relay_handle(&self) -> Result<SpreadHandle, BrokerError> {
+        self.relays.check_out(self).await
     }
 
     /// A handle on the client instance named `instance`: the crate gives every handle of one instance the
@@ -178,11 +187,6 @@ impl BrokerClient {
         self.runtime.clone()
     }
 
-    /// The relay instance's idle handles.
-    pub(super) fn relay_handles(&self) -> &super::relay::RelayHandles {
-        &self.relay_handles
-    }
-
     /// The domain popgate's client instances live in.
     pub(super) fn client_domain(&self) -> u64 {
         CLIENT_DOMAIN
@@ -190,11 +194,9 @@ impl BrokerClient {
 
     /// Stops the client instance (background route refresh, heartbeats) before the runtime goes.
     pub async fn shutdown(self) {
-        for handle in &self.handles {
-            handle.shutdown_owned().await;
-        }
-        self.pop_instance.shutdown_owned().await;
-        self.relay_instance.shutdown_owned().await;
+        self.requests.shutdown().await;
+        self.pops.shutdown().await;
+        self.relays.shutdown().await;
         self.runtime.shutdown().await;
     }
 }
@@ -274,7 +276,7 @@ mod tests {
         let peer = FakePeer::start().await;
         peer.ignore_pops();
         let client = Arc::new(client(20_000).await);
-        let handle = client.dedicated_handle().expect("POP handle");
+        let handle = client.dedicated_handle().await.expect("POP handle");
         let broker = BrokerRoute { name: "b".into(), addr: peer.addr.clone(), write_queues: 1, read_queues: 1 };
         let request = PopRequest {
             group: "g",
@@ -295,12 +297,12 @@ mod tests {
                 client.broker_config(&addr).await
             })
         };
-        let popped = client.pop(&handle, &broker, &request).await;
+        let popped = client.pop(handle.handle(), &broker, &request).await;
         assert!(matches!(popped, Err(BrokerError::Timeout(_))), "{popped:?}");
         let answered = beside.await.expect("join");
         assert!(answered.is_ok(), "the request beside the POP was answered: {answered:?}");
         assert_eq!(peer.accepted(), 2, "one connection for the POP, one for the request pool");
-        handle.shutdown_owned().await;
+        drop(handle);
         if let Ok(client) = Arc::try_unwrap(client) {
             client.shutdown().await;
         }

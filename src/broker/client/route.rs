@@ -116,6 +116,8 @@ impl BrokerClient {
     pub async fn existing_route(&self, topic: &str) -> Result<Option<TopicRoute>, BrokerError> {
         let data = self
             .pooled()
+            .await?
+            .handle()
             .topic_route(topic, self.config.request_timeout_ms)
             .await
             .map_err(|e| BrokerError::from_client(e, self.config.request_timeout()))?;

@@ -110,10 +110,12 @@ impl BrokerClient {
     ) -> Result<SendReceipt, BrokerError> {
         let (request, message_id) = self.send_request(message, queue_id);
         let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
+        // A handle of its own: the send's time is the broker's, never a wait behind another request.
+        let lease = self.pooled().await?;
         let response = tokio::time::timeout(
             // The crate enforces the timeout too; this outer bound only guards against a hang inside it.
             timeout + Duration::from_millis(500),
-            self.pooled().invoke_remoting(&CheetahString::from(broker.addr.as_str()), request, timeout_ms),
+            lease.handle().invoke_remoting(&CheetahString::from(broker.addr.as_str()), request, timeout_ms),
         )
         .await
         .map_err(|_| BrokerError::Timeout(timeout))?
