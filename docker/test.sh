@@ -23,4 +23,11 @@ it/go-driver/build.sh >/dev/null
 docker/rocketmq/rocketmq.sh proxy-jars >/dev/null
 cargo fmt --check
 cargo clippy --all-targets --locked -- -D warnings
-cargo test --all-targets --locked -- --test-threads="${TEST_THREADS:-4}"
+test_output="$(mktemp)"
+if ! cargo test --all-targets --locked -- --test-threads="${TEST_THREADS:-4}" 2>&1 | tee "$test_output"; then
+  # CI keeps only the end of the output, where popgate's logs of the last failed test fill the view: each
+  # failure's panic message is repeated here, last.
+  echo "=== the failures' panic messages (repeated from above) ==="
+  grep -A6 "panicked at" "$test_output" | cut -c1-800
+  exit 101
+fi
