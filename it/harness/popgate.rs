@@ -103,7 +103,7 @@ impl Popgate {
         );
         fs::write(&config_path, merge_sections(&with_webhook_default(&with_auth_default(&config))))
             .expect("write config");
-        let run = Command::new(env!("CARGO_BIN_EXE_popgate"))
+        let run = Command::new(popgate_binary())
             .args(["serve", "--config"])
             .arg(&config_path)
             .envs(env.iter().copied())
@@ -329,11 +329,17 @@ impl Drop for Popgate {
     }
 }
 
+/// The popgate binary the tests and the bench run: this build's, or `POPGATE_BIN` (the bench's before/after
+/// figures of a change run one bench build against two popgate binaries).
+fn popgate_binary() -> PathBuf {
+    std::env::var_os("POPGATE_BIN").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_popgate")), PathBuf::from)
+}
+
 /// Spawns the binary with `env` added; output is appended to `log` (and `log.err`), so a restart keeps the
 /// earlier output.
 fn spawn(config_path: &std::path::Path, log: &std::path::Path, env: &[(String, String)]) -> Child {
     let append = |path: PathBuf| fs::OpenOptions::new().create(true).append(true).open(path).expect("log file");
-    Command::new(env!("CARGO_BIN_EXE_popgate"))
+    Command::new(popgate_binary())
         .args(["serve", "--config"])
         .arg(config_path)
         // IT_RUST_LOG replaces the filter when a run needs more (the crate's transport at debug, say).
