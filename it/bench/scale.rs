@@ -303,8 +303,13 @@ fn svg(rows: &[Value], rate: f64) -> String {
          (HTTP long-poll, {rate:.0} msgs/s offered)</text>\n",
         w / 2.0
     );
-    let max_cpu = delivered.iter().map(|r| num(&r["cpuUsPerMsg"])).fold(1.0, f64::max) * 1.1;
-    let max_p99 = delivered.iter().map(|r| num(&r["endToEndLatencyMs"]["p99"])).fold(1.0, f64::max) * 1.1;
+    // Both y axes are log10 from 1 to the same power of ten (at or above the largest value of either), so a
+    // point two decades up (10 000 groups) does not flatten the others onto the axis.
+    let largest = delivered
+        .iter()
+        .flat_map(|r| [num(&r["cpuUsPerMsg"]), num(&r["endToEndLatencyMs"]["p99"])])
+        .fold(10.0, f64::max);
+    let decades = largest.log10().ceil();
     for (panel, (by_groups, title)) in
         [(true, "active groups (1 subscriber each, a topic each)"), (false, "subscribers per group (1 group)")]
             .into_iter()
@@ -316,7 +321,7 @@ fn svg(rows: &[Value], rate: f64) -> String {
         let max_x = 10f64.powf(points.iter().map(|p| p.0).fold(10.0, f64::max).log10().ceil());
         // log10 x from 1 to the largest point.
         let sx = |x: f64| x0 + x.max(1.0).log10() / max_x.log10() * pw;
-        let sy = |v: f64, max: f64| y0 + ph - v / max * ph;
+        let sy = |v: f64| y0 + ph - v.max(1.0).log10() / decades * ph;
         out.push_str(&format!(
             "<rect x=\"{x0}\" y=\"{y0}\" width=\"{pw}\" height=\"{ph}\" fill=\"none\" stroke=\"#999\"/>\n\
              <text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{title}</text>\n",
@@ -336,25 +341,22 @@ fn svg(rows: &[Value], rate: f64) -> String {
             ));
             tick *= 10.0;
         }
-        // y ticks: five steps on each axis.
-        for step in 0..=5 {
-            let f = step as f64 / 5.0;
-            let y = y0 + ph - f * ph;
+        // y ticks at every power of ten, the same on both axes.
+        for decade in 0..=decades as i32 {
+            let (y, label) = (sy(10f64.powi(decade)), 10f64.powi(decade));
             out.push_str(&format!(
-                "<text x=\"{}\" y=\"{}\" text-anchor=\"end\" fill=\"#1f77b4\">{:.0}</text>\
-                 <text x=\"{}\" y=\"{}\" fill=\"#d62728\">{:.1}</text>\n",
+                "<text x=\"{}\" y=\"{}\" text-anchor=\"end\" fill=\"#1f77b4\">{label:.0}</text>\
+                 <text x=\"{}\" y=\"{}\" fill=\"#d62728\">{label:.0}</text>\n",
                 x0 - 6.0,
                 y + 4.0,
-                f * max_cpu,
                 x0 + pw + 6.0,
                 y + 4.0,
-                f * max_p99
             ));
         }
         out.push_str(&format!(
             "<text x=\"{}\" y=\"{}\" fill=\"#1f77b4\" transform=\"rotate(-90 {} {})\" text-anchor=\"middle\">\
-             CPU per message (µs)</text>\n<text x=\"{}\" y=\"{}\" fill=\"#d62728\" transform=\"rotate(90 {} {})\" \
-             text-anchor=\"middle\">end-to-end p99 (ms)</text>\n",
+             CPU per message (µs, log)</text>\n<text x=\"{}\" y=\"{}\" fill=\"#d62728\" transform=\"rotate(90 {} {})\" \
+             text-anchor=\"middle\">end-to-end p99 (ms, log)</text>\n",
             x0 - 45.0,
             y0 + ph / 2.0,
             x0 - 45.0,
@@ -364,9 +366,9 @@ fn svg(rows: &[Value], rate: f64) -> String {
             x0 + pw + 45.0,
             y0 + ph / 2.0
         ));
-        for (color, value, max) in [("#1f77b4", 1usize, max_cpu), ("#d62728", 2usize, max_p99)] {
+        for (color, value) in [("#1f77b4", 1usize), ("#d62728", 2usize)] {
             let pick = |p: &(f64, f64, f64)| if value == 1 { p.1 } else { p.2 };
-            let path: Vec<String> = points.iter().map(|p| format!("{:.1},{:.1}", sx(p.0), sy(pick(p), max))).collect();
+            let path: Vec<String> = points.iter().map(|p| format!("{:.1},{:.1}", sx(p.0), sy(pick(p)))).collect();
             out.push_str(&format!(
                 "<polyline points=\"{}\" fill=\"none\" stroke=\"{color}\" stroke-width=\"2\"/>\n",
                 path.join(" ")
@@ -375,7 +377,7 @@ fn svg(rows: &[Value], rate: f64) -> String {
                 out.push_str(&format!(
                     "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"3.5\" fill=\"{color}\"/>\n",
                     sx(p.0),
-                    sy(pick(p), max)
+                    sy(pick(p))
                 ));
             }
         }
