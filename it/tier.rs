@@ -28,6 +28,8 @@ use crate::transaction::{create_transaction_topic, stored_bodies};
 /// The app whose events the tier delivers, and another app that reaches for them.
 pub(crate) const APP: (&str, &str) = ("tier-app", "tier-app-secret-0123456789");
 const OTHER: (&str, &str) = ("tier-other", "tier-other-secret-0123456789");
+/// The token the tests read the admin API with.
+const ADMIN: (&str, &str) = ("tier-admin", "tier-admin-secret-0123456789");
 pub(crate) const SECRET: &str = "tier-secret-it-0123456789";
 const EVENTS: usize = 30;
 
@@ -41,11 +43,14 @@ pub(crate) fn peer_toml(n: usize, port: u16, peer_ports: &[u16], delivery: &str,
          refresh_secs = 1\n{tier_lines}\n\
          [auth]\nenabled = true\n\n\
          [[auth.tokens]]\nname = \"{}\"\ntoken = \"{}\"\npublish = [\"tier_*\"]\nconsume = [\"tier_g*\"]\n\n\
-         [[auth.tokens]]\nname = \"{}\"\ntoken = \"{}\"\npublish = [\"other_*\"]\nconsume = [\"other_g*\"]\n",
+         [[auth.tokens]]\nname = \"{}\"\ntoken = \"{}\"\npublish = [\"other_*\"]\nconsume = [\"other_g*\"]\n\n\
+         [[auth.tokens]]\nname = \"{}\"\ntoken = \"{}\"\nadmin = true\n",
         APP.0,
         APP.1,
         OTHER.0,
         OTHER.1,
+        ADMIN.0,
+        ADMIN.1,
         peers = peers.join(", "),
     )
 }
@@ -674,6 +679,26 @@ async fn rocketmq_clients_settle_through_a_tcp_balancer_that_moves_their_connect
         client.start("push-consume", &signed(pop)),
     ));
 
+    // Every gRPC consumer has started (and received once, which subscribes its group) before the balancer moves
+    // connections: the SDK fails its start when its telemetry stream is cut while it waits for its settings,
+    // which on a loaded machine (six JVMs starting on two cores) took 11 s in a clean-clone run. An app would
+    // start it again; here it would end the test before anything was measured.
+    let grpc_groups: Vec<String> =
+        consumers.iter().filter(|(what, ..)| what.starts_with("gRPC")).map(|(_, group, _)| group.clone()).collect();
+    eventually(Duration::from_secs(120), "every gRPC consumer started and subscribed", || async {
+        let mut subscribed = BTreeSet::new();
+        for instance in &instances {
+            let view = admin_view(instance, "/admin/subscriptions").await;
+            for subscription in view["subscriptions"].as_array().into_iter().flatten() {
+                if let Some((group, _)) = subscription["id"].as_str().and_then(|id| id.split_once(':')) {
+                    subscribed.insert(group.to_owned());
+                }
+            }
+        }
+        grpc_groups.iter().all(|group| subscribed.contains(group))
+    })
+    .await;
+
     // A steady stream of messages while the balancer moves connections, one instance's at a time; it goes on
     // moving them a while after the last message, while the last ones are being settled.
     let publisher = Client::new();
@@ -775,13 +800,20 @@ fn strings(list: &Value) -> BTreeSet<String> {
 }
 
 /// Waits until no instance holds a delivery of `group` (an ACK made and answered at the broker retires it).
+/// `GET path` of `instance`'s admin API, as the admin token; the answer must be 200.
+async fn admin_view(instance: &Popgate, path: &str) -> Value {
+    let (status, view) = call(&Client::new(), &instance.base, reqwest::Method::GET, path, ADMIN.1, None).await;
+    assert_eq!(status, 200, "{path}: {view}");
+    view
+}
+
 async fn nothing_in_flight(instances: &[Popgate], group: &str, what: &str) {
     let mut held = Value::Null;
     let settled = tokio::time::timeout(Duration::from_secs(20), async {
         loop {
             let mut all = Vec::new();
             for instance in instances {
-                let (_, view) = instance.get_json(&format!("/admin/deliveries?group={group}")).await;
+                let view = admin_view(instance, &format!("/admin/deliveries?group={group}")).await;
                 all.extend(view["deliveries"].as_array().cloned().unwrap_or_default());
             }
             if all.is_empty() {
