@@ -10,7 +10,7 @@
 //! travel on the request client instance, and on more of them when over 400 are in flight at once (see
 //! `spread`: the crate refuses a 513th request in flight on one instance).
 //!
-//! POP long-polls run on a second client instance, so they travel on connections of their own. The crate
+//! POP long-polls run on client instances of their own, so they never share a connection with requests. The crate
 //! keeps one connection per broker address and client instance, shared by every handle of the instance. A
 //! request that times out once written (or while being written) makes the crate close that connection, and
 //! the next request opens a new one, so a connection whose answers stopped is never used again; but every
@@ -144,42 +144,31 @@ impl BrokerClient {
         self.relays.check_out(self).await
     }
 
-    /// A handle on the client instance named `instance`: the crate gives every handle of one instance the
-    /// same instance, and so the same connections.
-    fn handle(
-        runtime: &ClientRuntime,
-        config: &BrokerConfig,
-        signer: &Option<Arc<ClientRpcHook>>,
-        instance: &str,
-    ) -> Result<ClientInstanceHandle, BrokerError> {
-        let client_config = Self::config_for(config, instance);
-        ClientInstanceHandle::get_or_create(runtime, CLIENT_DOMAIN, client_config, signer.clone())
-            .map_err(|e| BrokerError::Client(e.to_string()))
-    }
-
     /// What signs popgate's requests to the brokers, when it is given credentials (the one every instance of
     /// popgate's has: a client of the crate's own that joins one must bring the same).
     pub(super) fn signer(&self) -> Option<Arc<ClientRpcHook>> {
         self.signer.clone()
     }
 
-    /// The client config of client instance `instance` (before the crate adds its domain to the name).
-    fn config_for(config: &BrokerConfig, instance: &str) -> ClientConfig {
+    /// A handle on client instance `instance` of popgate's client runtime (created when new): the crate gives
+    /// every handle of one instance the same instance, and so the same connections.
+    pub(super) fn instance_handle(&self, instance: &str) -> Result<ClientInstanceHandle, BrokerError> {
+        ClientInstanceHandle::get_or_create(
+            &self.runtime,
+            CLIENT_DOMAIN,
+            self.client_config(instance),
+            self.signer.clone(),
+        )
+        .map_err(|e| BrokerError::Client(e.to_string()))
+    }
+
+    /// The client config of instance `instance` (before the crate adds its domain to the name), also for a
+    /// client of the crate's own (a producer) that must join that instance.
+    pub(super) fn client_config(&self, instance: &str) -> ClientConfig {
         let mut client_config = ClientConfig::new();
-        client_config.set_namesrv_addr(CheetahString::from(config.namesrv_addr.as_str()));
+        client_config.set_namesrv_addr(CheetahString::from(self.config.namesrv_addr.as_str()));
         client_config.set_instance_name(CheetahString::from(instance));
         client_config
-    }
-
-    /// A handle on client instance `instance` of popgate's client runtime (created when new).
-    pub(super) fn instance_handle(&self, instance: &str) -> Result<ClientInstanceHandle, BrokerError> {
-        Self::handle(&self.runtime, &self.config, &self.signer, instance)
-    }
-
-    /// The client config of instance `instance`, for a client of the crate's own (a producer) that must
-    /// join that instance.
-    pub(super) fn client_config(&self, instance: &str) -> ClientConfig {
-        Self::config_for(&self.config, instance)
     }
 
     /// The client runtime, for a client of the crate's own.

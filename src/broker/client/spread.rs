@@ -1,4 +1,4 @@
-//! Client instances of one use (POP long polls, relayed requests), each given at most
+//! Client instances of one use (requests, POP long polls, relayed requests), each given at most
 //! [`CALLERS_PER_INSTANCE`] callers at once.
 //!
 //! The crate bounds the requests in flight on one client instance (512 pending, across all its connections)
