@@ -369,10 +369,8 @@ async fn a_pull_whose_newer_subscription_version_never_came_is_served_with_the_g
     let topic = unique_topic("rm_skipped_hb");
     let group = unique_topic("rm_skipped_hb_g");
     create_topic(cluster, &topic).await;
-    let mut member = TcpStream::connect(&namesrv).await.expect("connect");
     // Subscription version 0, passed on to every master before the answer.
-    let registered = ask(&mut member, push_consumer_heartbeat("skipped@1", &group, &topic)).await.expect("answered");
-    assert_eq!(registered.code(), 0, "{:?}", registered.remark());
+    let mut member = registered_member(&namesrv, push_consumer_heartbeat("skipped@1", &group, &topic)).await;
     let mut pull = raw_pull(&group, &topic, "0", None);
     pull.add_ext_field("subVersion", "5000");
     let answer = ask(&mut member, pull).await.expect("answered");
@@ -1307,6 +1305,29 @@ fn heartbeat_of(client_id: &str, group: &str, topic: &str, consume_type: &str) -
 
 /// A `PULL_MESSAGE` of `group` from queue `queue_id` of `topic` at broker-a, from offset 0, for one message;
 /// with `suspend_ms`, held by the broker that long until a message comes (`FLAG_SUSPEND`).
+/// A connection to `namesrv` (popgate's remoting port) on which `heartbeat` was answered `SUCCESS`: a
+/// registered member of its group while the connection stays open.
+async fn registered_member(namesrv: &str, heartbeat: RemotingCommand) -> TcpStream {
+    let mut member = TcpStream::connect(namesrv).await.expect("connect");
+    let registered = ask(&mut member, heartbeat).await.expect("answered");
+    assert_eq!(registered.code(), 0, "{:?}", registered.remark());
+    member
+}
+
+/// Sends `request` on a new connection to `addr`, as a client of its own, and waits at most `within`: the
+/// answer (none in time: `None`) and how long it took.
+async fn ask_on_a_connection_of_its_own(
+    addr: String,
+    request: RemotingCommand,
+    within: Duration,
+) -> (Option<RemotingCommand>, Duration) {
+    let mut stream = TcpStream::connect(&addr).await.expect("connect");
+    let asked = std::time::Instant::now();
+    send(&mut stream, request).await;
+    let answer = read_answer_within(&mut stream, within).await;
+    (answer, asked.elapsed())
+}
+
 pub(crate) fn raw_pull(group: &str, topic: &str, queue_id: &str, suspend_ms: Option<&str>) -> RemotingCommand {
     let (sys_flag, suspend_ms) = match suspend_ms {
         Some(held_for) => ("2", held_for),
@@ -1588,9 +1609,7 @@ async fn a_burst_of_pulls_refused_after_the_broker_forgot_their_group_registers_
     let topic = unique_topic("rm_burst");
     let group = unique_topic("rm_burst_g");
     create_topic(&cluster, &topic).await;
-    let mut member = TcpStream::connect(&namesrv).await.expect("connect");
-    let registered = ask(&mut member, consumer_heartbeat("burst@1", &group, &topic)).await.expect("answered");
-    assert_eq!(registered.code(), 0, "{:?}", registered.remark());
+    let _member = registered_member(&namesrv, consumer_heartbeat("burst@1", &group, &topic)).await;
     let pull_request = |group: &str, queue_id: usize| raw_pull(group, &topic, &queue_id.to_string(), None);
     let pull = |group: &str, queue_id: usize| {
         let request = pull_request(group, queue_id);
@@ -1647,26 +1666,17 @@ async fn a_relayed_pull_popgate_gives_up_on_does_not_fail_the_other_clients_pull
     let topic = unique_topic("rm_held");
     let group = unique_topic("rm_held_g");
     create_topic(cluster, &topic).await;
-    let mut registering = TcpStream::connect(&namesrv).await.expect("connect");
-    let registered = ask(&mut registering, consumer_heartbeat("held@1", &group, &topic)).await.expect("answered");
-    assert_eq!(registered.code(), 0, "{:?}", registered.remark());
+    let _member = registered_member(&namesrv, consumer_heartbeat("held@1", &group, &topic)).await;
     // The broker holds each pull until a message comes or it times out.
     let held_pull = |queue_id: &str, suspend_ms: &str| raw_pull(&group, &topic, queue_id, Some(suspend_ms));
-    let pull_on_own_connection = |request: RemotingCommand| {
-        let namesrv = namesrv.clone();
-        async move {
-            let mut stream = TcpStream::connect(&namesrv).await.expect("connect");
-            let asked = std::time::Instant::now();
-            send(&mut stream, request).await;
-            let answer = read_answer_within(&mut stream, Duration::from_secs(90)).await.expect("answered");
-            (answer, asked.elapsed())
-        }
-    };
-    let outlasting = tokio::spawn(pull_on_own_connection(held_pull("0", "60000")));
+    let within = Duration::from_secs(90);
+    let outlasting = tokio::spawn(ask_on_a_connection_of_its_own(namesrv.clone(), held_pull("0", "60000"), within));
     // Another client's pull, held at the broker (15 s, as the Java client asks) when the first one is given up on.
     tokio::time::sleep(Duration::from_secs(25)).await;
-    let (other, other_took) = pull_on_own_connection(held_pull("1", "15000")).await;
+    let (other, other_took) = ask_on_a_connection_of_its_own(namesrv.clone(), held_pull("1", "15000"), within).await;
+    let other = other.expect("answered");
     let (given_up, given_up_took) = outlasting.await.expect("the outlasting pull's task");
+    let given_up = given_up.expect("answered");
     println!(
         "outlasting pull: code {} after {given_up_took:?} ({:?}); the other: code {} after {other_took:?} ({:?})",
         given_up.code(),
@@ -1700,21 +1710,17 @@ async fn more_held_pulls_than_one_client_instance_carries_are_each_held_and_answ
     let topic = unique_topic("rm_many_held");
     let group = unique_topic("rm_many_held_g");
     create_topic(cluster, &topic).await;
-    let mut registering = TcpStream::connect(&namesrv).await.expect("connect");
-    let registered = ask(&mut registering, consumer_heartbeat("many@1", &group, &topic)).await.expect("answered");
-    assert_eq!(registered.code(), 0, "{:?}", registered.remark());
+    let _member = registered_member(&namesrv, consumer_heartbeat("many@1", &group, &topic)).await;
     // Each client's pull on a connection of its own, held 5 s at the broker on an empty queue.
     let pulls = (0..HELD).map(|n| {
-        let (namesrv, request) = (namesrv.clone(), raw_pull(&group, &topic, &(n % 4).to_string(), Some("5000")));
-        async move {
-            let mut stream = TcpStream::connect(&namesrv).await.expect("connect");
-            let asked = std::time::Instant::now();
-            send(&mut stream, request).await;
-            let answer = read_answer_within(&mut stream, Duration::from_secs(60)).await;
-            (answer.map(|a| (a.code(), a.remark().map(ToString::to_string))), asked.elapsed())
-        }
+        let request = raw_pull(&group, &topic, &(n % 4).to_string(), Some("5000"));
+        ask_on_a_connection_of_its_own(namesrv.clone(), request, Duration::from_secs(60))
     });
-    let answers = futures::future::join_all(pulls).await;
+    let answers: Vec<_> = futures::future::join_all(pulls)
+        .await
+        .into_iter()
+        .map(|(answer, took)| (answer.map(|a| (a.code(), a.remark().map(ToString::to_string))), took))
+        .collect();
     let mut codes: BTreeMap<i32, usize> = BTreeMap::new();
     let mut refusals = BTreeSet::new();
     let mut held = 0;
