@@ -328,7 +328,7 @@ async fn bind_grpc(config: &Config) -> Result<Option<(TcpListener, Arc<rustls::S
     let Some(addr) = config.grpc.listen_addr() else { return Ok(None) };
     let cert_and_key = config.grpc.tls_cert_path.as_deref().zip(config.grpc.tls_key_path.as_deref());
     let tls = crate::grpc::tls_config(cert_and_key)?;
-    let listener = TcpListener::bind(addr).await?;
+    let listener = crate::listen::bind(addr).await?;
     let bound = listener.local_addr()?;
     tracing::info!(addr = %bound, "popgate gRPC listening on {bound} (TLS and plaintext)");
     Ok(Some((listener, tls)))
@@ -342,7 +342,7 @@ async fn bind_peer_link(config: &Config) -> Result<Option<(TcpListener, Option<A
         return Ok(None);
     }
     let tls = PeerTls::load(tier)?;
-    let listener = TcpListener::bind(tier.listen.as_str()).await?;
+    let listener = crate::listen::bind(tier.listen.as_str()).await?;
     let bound = listener.local_addr()?;
     let security = if tls.is_some() { "mutual TLS" } else { "plaintext" };
     tracing::info!(addr = %bound, "popgate peer link listening on {bound} ({security})");
@@ -362,7 +362,7 @@ async fn bind_remoting(config: &Config) -> Result<Option<(TcpListener, String, A
     let Some(addr) = config.remoting.listen_addr() else { return Ok(None) };
     let cert_and_key = config.remoting.tls_cert_path.as_deref().zip(config.remoting.tls_key_path.as_deref());
     let tls = crate::tls::server_config(cert_and_key, &[])?;
-    let listener = TcpListener::bind(addr).await?;
+    let listener = crate::listen::bind(addr).await?;
     let bound = listener.local_addr()?;
     let advertised = config.remoting.advertised(bound);
     tracing::info!(addr = %bound, %advertised, "popgate remoting listening on {bound} (TLS and plaintext; clients are given {advertised})");

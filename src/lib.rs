@@ -39,6 +39,7 @@
 //! - [`metrics`]: every metric's name, help text and buckets.
 //! - [`clock`]: popgate's one clock ([`clock::Epoch`]: every deadline, lease and expiry) and the only reading of
 //!   the wall clock.
+//! - [`listen`]: every port's listening socket (its accept queue's length).
 //! - `opening`: how long a connection to an HTTP/2 port (gRPC, the peer link) may take to open.
 //! - [`cli`]: the operator CLI's client of the admin API.
 //! - [`app`]: wiring and the serve loop; `main.rs` only parses the CLI and waits for a signal.
@@ -47,7 +48,7 @@
 //!
 //! Arrows run down only: `app` → the fronts (`api`, `grpc`, `remoting`, the peer link in `tier`; and `cli`) →
 //! `gateway` → `delivery`, `transaction`, `publish`, `dlq`, `auth`, `reliability` → `broker`, `store` → `config`;
-//! `metrics` and `clock` are leaves anyone may use. In particular `publish` knows nothing of HTTP, a front holds the delivery
+//! `metrics`, `clock` and `listen` are leaves anyone may use. In particular `publish` knows nothing of HTTP, a front holds the delivery
 //! core only as `gateway::Deliveries` (reads start from a checked `gateway::Reader`) and names what else lies
 //! below the gateway only through `gateway::below`, and `config` imports no other module. Unit tests below read
 //! the sources and fail on an arrow that runs back up.
@@ -74,6 +75,7 @@ pub mod delivery;
 pub mod dlq;
 pub(crate) mod gateway;
 pub mod grpc;
+pub mod listen;
 pub(crate) mod metrics;
 mod opening;
 pub(crate) mod publish;

@@ -217,7 +217,7 @@ fn serve(path: Option<PathBuf>) -> ExitCode {
         }
     };
     runtime.block_on(async move {
-        let listener = match tokio::net::TcpListener::bind(config.server.listen).await {
+        let listener = match popgate::listen::bind(config.server.listen).await {
             Ok(listener) => listener,
             Err(error) => {
                 eprintln!("popgate: cannot listen on {}: {error}", config.server.listen);

@@ -80,12 +80,12 @@ async fn bind(front: &Front, broker: &str) -> Result<TcpListener, String> {
     let listen = front.config.remoting.listen_addr().ok_or("the remoting front has no listen address")?;
     if let Some(port) = front.config.remoting.broker_ports.get(broker) {
         let addr = SocketAddr::new(listen.ip(), *port);
-        return TcpListener::bind(addr)
+        return crate::listen::bind(addr)
             .await
             .map_err(|e| format!("could not listen on {addr} for broker {broker}: {e}"));
     }
     if let Some(port) = remembered(front).get(broker) {
-        match TcpListener::bind(SocketAddr::new(listen.ip(), *port)).await {
+        match crate::listen::bind(SocketAddr::new(listen.ip(), *port)).await {
             Ok(listener) => return Ok(listener),
             Err(why) => {
                 tracing::warn!(broker, port, %why, "A broker's former remoting port is taken; it gets a new one.")
@@ -93,7 +93,7 @@ async fn bind(front: &Front, broker: &str) -> Result<TcpListener, String> {
         }
     }
     let addr = SocketAddr::new(listen.ip(), 0);
-    TcpListener::bind(addr).await.map_err(|e| format!("could not listen on {addr} for broker {broker}: {e}"))
+    crate::listen::bind(addr).await.map_err(|e| format!("could not listen on {addr} for broker {broker}: {e}"))
 }
 
 fn remembered_path(front: &Front) -> std::path::PathBuf {
