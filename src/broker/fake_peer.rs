@@ -1,7 +1,7 @@
 //! A remoting peer for unit tests of the broker connection: it accepts TCP connections on 127.0.0.1, counts
 //! them, and answers every request with `SUCCESS` (after a set delay). Told to go silent, it goes on reading
 //! but answers nothing, as a hung broker whose kernel still takes the bytes; told to ignore POPs, it answers
-//! everything but POPs.
+//! everything but POPs; told to hang up once, it answers the next request and resets its connection.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -18,6 +18,7 @@ use tokio::sync::Mutex;
 struct Switches {
     silent: AtomicBool,
     ignore_pops: AtomicBool,
+    hang_up_once: AtomicBool,
     delay_ms: AtomicU64,
     accepted: AtomicUsize,
 }
@@ -55,6 +56,11 @@ impl FakePeer {
         self.switches.ignore_pops.store(true, Ordering::SeqCst);
     }
 
+    /// Answer the next request, then reset its connection (a cut, a crashed broker).
+    pub fn hang_up_once(&self) {
+        self.switches.hang_up_once.store(true, Ordering::SeqCst);
+    }
+
     /// Answer each request this long after it arrived.
     pub fn set_delay(&self, delay: Duration) {
         self.switches.delay_ms.store(u64::try_from(delay.as_millis()).unwrap_or(u64::MAX), Ordering::SeqCst);
@@ -67,6 +73,8 @@ impl FakePeer {
 }
 
 async fn serve(socket: tokio::net::TcpStream, switches: Arc<Switches>) {
+    // Closed with a reset, as by `ss -K` or a crashed broker's kernel: the client learns it at once.
+    let _ = socket.set_zero_linger();
     let (mut reader, writer) = socket.into_split();
     let writer = Arc::new(Mutex::new(writer));
     let mut buffer = BytesMut::with_capacity(64 * 1024);
@@ -85,6 +93,11 @@ async fn serve(socket: tokio::net::TcpStream, switches: Arc<Switches>) {
                     return;
                 }
                 let delay = Duration::from_millis(switches.delay_ms.load(Ordering::SeqCst));
+                if switches.hang_up_once.swap(false, Ordering::SeqCst) {
+                    tokio::time::sleep(delay).await;
+                    let _ = writer.lock().await.write_all(&frame).await;
+                    return;
+                }
                 let writer = writer.clone();
                 tokio::spawn(async move {
                     tokio::time::sleep(delay).await;

@@ -18,7 +18,7 @@ pub mod consumer;
 pub(crate) mod content;
 mod error;
 #[cfg(test)]
-mod fake_peer;
+pub(crate) mod fake_peer;
 pub(crate) mod fault;
 pub(crate) mod message;
 pub(crate) mod pull;

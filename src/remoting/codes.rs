@@ -82,6 +82,13 @@ pub(super) const SERVED: &[(i32, &str)] = &[
     (CHANGE_MESSAGE_INVISIBLETIME, "change_message_invisibletime"),
 ];
 
+/// Whether a request of code `code` may reach its broker twice without effect beyond the first: everything
+/// the front relays reads or sets a state (a pull, an offset, a lock) but a send-back and a transaction's end,
+/// each of which stores a message again when repeated.
+pub(super) fn repeat_is_harmless(code: i32) -> bool {
+    code != CONSUMER_SEND_MSG_BACK && code != END_TRANSACTION
+}
+
 /// The label of request code `code` in the front's metrics; `other` for a code it does not serve.
 pub(super) fn request_label(code: i32) -> &'static str {
     SERVED.iter().find(|(served, _)| *served == code).map_or("other", |(_, label)| label)

@@ -321,7 +321,12 @@ async fn relay_counted(
     request: &RemotingCommand,
     timeout: Duration,
 ) -> Relayed {
-    match front.broker.relay(addr, request, timeout).await {
+    let relayed = if codes::repeat_is_harmless(request.code()) {
+        front.broker.relay_repeatable(addr, request, timeout).await
+    } else {
+        front.broker.relay(addr, request, timeout).await
+    };
+    match relayed {
         Ok(answer) => {
             counter!(m::REMOTING_RELAYS, "code" => label, "result" => "ok").increment(1);
             Relayed { command: answer_from(answer), by: AnsweredBy::Broker }
