@@ -569,3 +569,67 @@ async fn more_subscriptions_than_one_client_instance_carries_long_polls_each_get
     let refused = popgate.metric("popgate_consume_request_failures_total{op=\"pop\"}").await;
     assert_eq!(refused, 0.0, "no POP failed");
 }
+
+/// Issue #49: each subscription with a waiting subscriber keeps a POP waiting at every broker of its topic, and
+/// an empty POP ends after its wait and starts again. With more POPs waiting than `pop_polls_per_sec ×
+/// pop_poll_ms / 1000` each waits `waiting / pop_polls_per_sec` seconds (`delivery::pop_wait`), so an idle
+/// instance's empty POPs stay near the planned rate: 30 groups, `pop_poll_ms` 1 s and 3 planned a second, where
+/// the fixed 1 s wait made 30 a second and more (one per group and broker). A message still ends the POPs at once,
+/// and shutdown abandons the POPs waiting instead of waiting them out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_waiting_pops_wait_longer_yet_a_message_ends_them_at_once_and_shutdown_does_not_wait_for_them() {
+    const GROUPS: usize = 30;
+    let cluster = shared_cluster();
+    let mut popgate =
+        Popgate::start(&cluster.namesrv_addr, "[delivery]\npop_poll_ms = 1000\npop_polls_per_sec = 3\n").await;
+    let topic = unique_topic("long_pops");
+    crate::grpc::create_topic(cluster, &topic).await;
+    let groups: Vec<String> = (0..GROUPS).map(|n| format!("{topic}_g{n}")).collect();
+    for group in &groups {
+        subscribe(&popgate, json!({"group": group, "topic": topic})).await;
+    }
+    let wait_for_one = |group: &String| {
+        let url = format!("{}/events/poll?group={group}&topic={topic}&max=1&waitMs=60000", popgate.base);
+        // `None` when popgate went away meanwhile (the last wait, cut by the shutdown).
+        tokio::spawn(async move {
+            let answer = reqwest::get(url).await.ok()?;
+            assert_eq!(answer.status(), 200);
+            answer.json::<Value>().await.ok()?["deliveries"].as_array().cloned()
+        })
+    };
+    let waiting: Vec<_> = groups.iter().map(wait_for_one).collect();
+    // Every group's POPs placed, and those made before all were waiting (shorter waits) started again.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let wait = popgate.metric("popgate_pop_wait_seconds").await;
+    assert!(wait >= 10.0, "30 groups' POPs at 3 a second wait 10 s or more (one per broker): {wait} s");
+    let empty = || popgate.metric(r#"popgate_pops_total{result="empty"}"#);
+    let before = empty().await;
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let empty_in_10s = empty().await - before;
+    println!("POPs wait {wait} s; {empty_in_10s} came back empty in 10 s");
+    assert!(empty_in_10s <= 45.0, "about 3 empty POPs a second, not one per group and broker: {empty_in_10s}");
+
+    let published = Instant::now();
+    let (status, answer) = popgate.publish(&json!({"topic": topic, "data": "to-all"})).await;
+    assert_eq!(status, 200, "{answer}");
+    for (group, waited) in groups.iter().zip(waiting) {
+        let deliveries = waited.await.expect("a subscriber's task").expect("answered");
+        assert_eq!(deliveries.iter().map(data).collect::<Vec<_>>(), ["to-all"], "group {group}");
+        assert_eq!(popgate.ack(&id(&deliveries[0])).await.0, 200);
+    }
+    let took = published.elapsed();
+    println!("every group got the message {took:?} after its publish");
+    assert!(took < Duration::from_secs(5), "the message ended the long POPs: {took:?}");
+
+    let _waiting_again: Vec<_> = groups.iter().map(wait_for_one).collect();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let stopping = Instant::now();
+    popgate.signal("TERM");
+    assert_eq!(popgate.wait_exit(Duration::from_secs(15)).await, Some(0), "popgate exits on its own");
+    println!("popgate stopped {:?} after SIGTERM with its POPs waiting", stopping.elapsed());
+    assert!(
+        stopping.elapsed() < Duration::from_secs(10),
+        "shutdown did not wait the POPs out: {:?}",
+        stopping.elapsed()
+    );
+}

@@ -72,6 +72,10 @@ pub const LEASE_RENEWALS: &str = "popgate_lease_renewals_total";
 /// Gauge: the broker lease (seconds) popgate asks for now, from what it holds: about how long the deliveries of
 /// an instance lost now would take to come back through the broker.
 pub const LEASE_ASKED: &str = "popgate_lease_asked_seconds";
+/// Counter: POPs answered by a broker, by `result` (`messages`, `empty`: the POP waited out its wait).
+pub const POPS: &str = "popgate_pops_total";
+/// Gauge: how long a POP waits at the broker now, from how many wait (`delivery::pop_wait`).
+pub const POP_WAIT: &str = "popgate_pop_wait_seconds";
 /// Failed broker requests of the consume path, by `op` (pop, renew, give_back).
 pub const CONSUME_REQUEST_FAILURES: &str = "popgate_consume_request_failures_total";
 /// Counter: popped messages without a readable receipt handle (`POP_CK`); the broker redelivers them.
@@ -581,6 +585,8 @@ fn describe_all() {
     describe_counter!(LEASES_LOST, Unit::Count, "Deliveries given back to the broker because their lease lapsed.");
     describe_counter!(LEASE_RENEWALS, Unit::Count, "Broker leases of held deliveries renewed (ChangeInvisibleTime).");
     describe_gauge!(LEASE_ASKED, Unit::Seconds, "The broker lease a POP or renewal asks for now, from what is held.");
+    describe_counter!(POPS, Unit::Count, "POPs answered by a broker, by result (messages, empty).");
+    describe_gauge!(POP_WAIT, Unit::Seconds, "How long a POP waits at the broker now, from how many POPs wait.");
     describe_counter!(
         CONSUME_REQUEST_FAILURES,
         Unit::Count,

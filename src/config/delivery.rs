@@ -46,8 +46,13 @@ pub struct DeliveryConfig {
     pub lease_renewals_per_sec: u32,
     /// Largest POP batch (the broker's limit is 32).
     pub pop_batch: u32,
-    /// How long one POP may wait at the broker for a message.
+    /// How long one POP may wait at the broker for a message, with few POPs waiting (see `pop_polls_per_sec`).
     pub pop_poll_ms: u64,
+    /// The POPs a second that come back empty one idle instance plans for. Each subscription keeps one POP
+    /// waiting at each broker of its topic, so with more than `pop_polls_per_sec × pop_poll_ms / 1000` waiting
+    /// each POP waits longer, `waiting / pop_polls_per_sec` seconds (at most 60 s), keeping an idle instance's
+    /// POPs near this rate however many subscriptions it serves. A message still ends a POP as it arrives.
+    pub pop_polls_per_sec: u32,
     /// Default per-subscriber prefetch of push transports: at most this many unACKed deliveries in flight to
     /// one SSE or WebSocket subscriber (`?prefetch=` may lower or raise it up to 1024).
     pub prefetch: usize,
@@ -88,6 +93,7 @@ impl Default for DeliveryConfig {
             lease_renewals_per_sec: 1_000,
             pop_batch: 16,
             pop_poll_ms: 5_000,
+            pop_polls_per_sec: 200,
             prefetch: 32,
             redeliver_on_disconnect: false,
             max_in_flight: 100_000,

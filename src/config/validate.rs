@@ -86,6 +86,7 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
         &format!("must be in 1..={MAX_POP_BATCH} (the broker's POP limit)"),
     );
     check(delivery.pop_poll_ms > 0, "delivery.pop_poll_ms", "must be > 0");
+    check(delivery.pop_polls_per_sec >= 1, "delivery.pop_polls_per_sec", "must be >= 1");
     check(
         super::bounds::PREFETCH.contains(&delivery.prefetch),
         "delivery.prefetch",

@@ -32,6 +32,7 @@ mod gauges;
 mod group_order;
 mod lease;
 mod lease_plan;
+mod pop_wait;
 mod popper;
 pub mod record;
 pub(crate) mod recovery;

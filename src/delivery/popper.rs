@@ -81,6 +81,7 @@ pub(super) async fn run(deliveries: Arc<Deliveries>, key: String, stop: Arc<Atom
             }
         }
         let config = deliveries.config();
+        let waiting = deliveries.pops_waiting(brokers.len());
         let request = PopRequest {
             group: &sub.group,
             topic: &sub.topic,
@@ -88,7 +89,7 @@ pub(super) async fn run(deliveries: Arc<Deliveries>, key: String, stop: Arc<Atom
             filter_type: sub.filter_type.as_str(),
             max: u32::try_from(plan.wanted).unwrap_or(u32::MAX).clamp(1, config.pop_batch),
             invisible_ms: deliveries.lease_ms_to_ask(),
-            poll_ms: config.pop_poll_ms,
+            poll_ms: waiting.wait_ms,
             orderly: sub.ordered,
         };
         // Each broker's answer is admitted as it comes: a message one broker has at once does not wait for
@@ -101,9 +102,18 @@ pub(super) async fn run(deliveries: Arc<Deliveries>, key: String, stop: Arc<Atom
         let mut failed = false;
         let mut filter_refused = None;
         tracing::debug!(topic = %sub.topic, brokers = brokers.len(), wanted = plan.wanted, "POP round.");
-        while let Some(result) = rounds.next().await {
+        loop {
+            // At shutdown a POP waiting at a broker is abandoned (it may wait a minute): what the broker hands
+            // out to it meanwhile comes back after its lease.
+            let result = tokio::select! {
+                result = rounds.next() => result,
+                () = deliveries.shutdown_asked() => break,
+            };
+            let Some(result) = result else { break };
             match result {
                 Ok(popped) => {
+                    let result = if popped.is_empty() { "empty" } else { "messages" };
+                    counter!(m::POPS, "result" => result).increment(1);
                     if !admit(&deliveries, &key, &sub.group, popped, &mut unadmitted).await {
                         failed = true;
                     }
@@ -122,6 +132,7 @@ pub(super) async fn run(deliveries: Arc<Deliveries>, key: String, stop: Arc<Atom
                 }
             }
         }
+        drop(waiting);
         // The broker could not compile the filter (an SQL92 syntax error): receivers are told, not left waiting.
         // A round without failures clears it (the filter was changed to one the broker takes).
         match filter_refused {

@@ -39,19 +39,20 @@ mod sweeper;
 mod table;
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use metrics::{counter, gauge, histogram};
 use parking_lot::Mutex;
 use rand::RngCore;
-use tokio::sync::Notify;
+use tokio::sync::{watch, Notify};
 
 use self::cluster::{BrokerCluster, Cluster};
 use self::table::{ActiveSubscription, Id, Table, Tracked};
 use super::lease::{Lease, LeaseSeal};
 use super::lease_plan::LeasePlan;
+use super::pop_wait::PopWaitPlan;
 use super::record::{DeliveryRecord, Holder, Phase, Subscription};
 use super::retry::{NextStep, RetryPolicy};
 use super::{DeliveryError, Dispatched, HandOut, InFlight, NackOutcome, Target};
@@ -163,6 +164,20 @@ impl Bells {
     }
 }
 
+/// POPs counted as waiting at the brokers while this lives (see [`Deliveries::pops_waiting`]).
+pub(super) struct PopsWaiting {
+    waiting: Arc<AtomicUsize>,
+    count: usize,
+    /// How long each of them waits.
+    pub(super) wait_ms: u64,
+}
+
+impl Drop for PopsWaiting {
+    fn drop(&mut self) {
+        self.waiting.fetch_sub(self.count, Ordering::Relaxed);
+    }
+}
+
 /// The owner of every in-flight delivery and every active subscription.
 pub(super) struct Deliveries {
     table: Mutex<Table>,
@@ -174,12 +189,17 @@ pub(super) struct Deliveries {
     config: DeliveryConfig,
     /// How long a broker lease to ask for, from how much is held (see `delivery::lease_plan`).
     lease_plan: LeasePlan,
+    /// How long a POP waits at the broker, from how many wait (see `delivery::pop_wait`).
+    pop_wait_plan: PopWaitPlan,
+    /// The POPs waiting at the brokers now, of every POP loop.
+    pops_waiting: Arc<AtomicUsize>,
     /// The bells of each subscription, rung when its deliveries become ready or are settled, or its demand
     /// changes. Per subscription, so a change wakes only the waiters it concerns.
     bells: Mutex<HashMap<String, Arc<Bells>>>,
     /// The next admission sequence number (see [`DeliveryRecord::seq`]).
     next_seq: AtomicU64,
-    shutting_down: AtomicBool,
+    /// `true` once popgate shuts down: the POP loops stop, a POP waiting at a broker is abandoned.
+    shutting_down: watch::Sender<bool>,
     /// This instance's id, the start of every delivery id it mints (empty: ids name no instance).
     instance: String,
     /// Seals each hand-out's broker lease into its handles, in a tier (see `delivery::lease`).
@@ -217,10 +237,12 @@ impl Deliveries {
             broker,
             cluster,
             lease_plan: LeasePlan::new(&config),
+            pop_wait_plan: PopWaitPlan::new(&config),
+            pops_waiting: Arc::default(),
             config,
             bells: Mutex::new(HashMap::new()),
             next_seq: AtomicU64::new(1),
-            shutting_down: AtomicBool::new(false),
+            shutting_down: watch::Sender::new(false),
             instance: String::new(),
             lease_seal: None,
             give_back_unclaimed: None,
@@ -273,6 +295,15 @@ impl Deliveries {
         lease_ms
     }
 
+    /// `count` POPs about to wait at the brokers, counted until the returned guard is dropped, and how long
+    /// each is to wait (shown as a gauge).
+    pub(super) fn pops_waiting(&self, count: usize) -> PopsWaiting {
+        let waiting = self.pops_waiting.fetch_add(count, Ordering::Relaxed) + count;
+        let wait_ms = self.pop_wait_plan.wait_ms(waiting);
+        gauge!(m::POP_WAIT).set(wait_ms as f64 / 1000.0);
+        PopsWaiting { waiting: self.pops_waiting.clone(), count, wait_ms }
+    }
+
     pub(super) fn config(&self) -> &DeliveryConfig {
         &self.config
     }
@@ -317,11 +348,16 @@ impl Deliveries {
     }
 
     pub(super) fn is_shutting_down(&self) -> bool {
-        self.shutting_down.load(Ordering::Relaxed)
+        *self.shutting_down.borrow()
+    }
+
+    /// Resolves once popgate shuts down.
+    pub(super) async fn shutdown_asked(&self) {
+        let _ = self.shutting_down.subscribe().wait_for(|stopping| *stopping).await;
     }
 
     pub(super) fn shut_down(&self) {
-        self.shutting_down.store(true, Ordering::Relaxed);
+        self.shutting_down.send_replace(true);
         for bells in self.bells.lock().values() {
             bells.wake_everyone();
         }
