@@ -91,7 +91,7 @@ impl Default for DeliveryConfig {
             lease_ms: 60_000,
             max_lease_ms: 3_600_000,
             lease_renewals_per_sec: 1_000,
-            pop_batch: 16,
+            pop_batch: 32,
             pop_poll_ms: 5_000,
             pop_polls_per_sec: 200,
             prefetch: 32,
