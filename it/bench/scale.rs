@@ -10,7 +10,8 @@
 //!
 //! Every subscriber is connected and long-polling before the load starts; the publisher then sends
 //! `BENCH_SCALE_RATE` msgs/s in all (500) for `BENCH_SECS`, round-robin over the point's topics. Printed per point:
-//! how long its topics took to create, popgate's CPU while everyone waits and nothing is sent, then under the load
+//! how long its topics took to create, popgate's CPU while everyone waits and nothing is sent (read over 5 s, from
+//! `3 + subscribers / 2 000` s after the long polls start, or from `BENCH_SCALE_SETTLE_SECS`), then under the load
 //! its CPU per message (publish + hand-out + ACK), end-to-end p50 / p99, msgs/s and what was not ACKed. The table
 //! goes into the JSON (`scale`) and is drawn as an SVG (`<target>/tmp/popgate-scale.svg`, `BENCH_SCALE_SVG`).
 
@@ -117,6 +118,9 @@ async fn point(
     }
     // Every long poll parked (a connection each) before the idle CPU is read and the load starts.
     let settle = Duration::from_secs_f64(if params.full { 3.0 + connections as f64 / 2_000.0 } else { 0.5 });
+    // `BENCH_SCALE_SETTLE_SECS` waits longer, to tell popgate's start-up of many POP loops from its idle cost.
+    let settle =
+        std::env::var("BENCH_SCALE_SETTLE_SECS").ok().and_then(|s| s.parse().ok()).map_or(settle, Duration::from_secs);
     tokio::time::sleep(settle).await;
     let idle = Duration::from_secs(if params.full { 5 } else { 1 });
     let before = cpu_time(popgate.pid());
