@@ -570,6 +570,44 @@ async fn more_subscriptions_than_one_client_instance_carries_long_polls_each_get
     assert_eq!(refused, 0.0, "no POP failed");
 }
 
+/// Each broker of a topic is popped on its own: a broker whose POP brought a message is popped again at once,
+/// not once the POP waiting at the other broker ends. With POPs waiting 20 s (`pop_poll_ms`), five messages of
+/// one message group (so one queue, at one broker of the two) published one after another, each once the one
+/// before was received and ACKed, each arrive within 3 s. (Popped in rounds, each message after the first
+/// waited for the other broker's POP to end: up to 20 s.) The subscription is not ordered: a plain POP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_whose_pop_brought_a_message_is_popped_again_without_waiting_for_the_other_brokers() {
+    let cluster = shared_cluster();
+    let popgate = Popgate::start(&cluster.namesrv_addr, "[delivery]\npop_poll_ms = 20000\n").await;
+    let topic = unique_topic("per_broker_pops");
+    let group = format!("{topic}_g");
+    let addrs: Vec<String> = cluster.brokers.iter().map(|b| format!("127.0.0.1:{}", b.port)).collect();
+    assert!(addrs.len() >= 2, "a topic on two brokers");
+    // FIFO-typed: a message with a group is refused on a normal topic, as Apache's proxy refuses it.
+    Direct::connect(&cluster.namesrv_addr).await.create_fifo_topic(&topic, &addrs).await;
+    subscribe(&popgate, json!({"group": group, "topic": topic})).await;
+    let mut brokers = Vec::new();
+    for n in 0..5 {
+        let url = format!("{}/events/poll?group={group}&topic={topic}&max=1&waitMs=30000", popgate.base);
+        let waiting = tokio::spawn(async move { reqwest::get(url).await.expect("poll").json::<Value>().await });
+        // The poll's demand is in, and the POPs it started wait at both brokers.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let published = Instant::now();
+        let message = json!({"topic": topic, "data": format!("m{n}"), "messageGroup": "one"});
+        let (status, answer) = popgate.publish(&message).await;
+        assert_eq!(status, 200, "{answer}");
+        brokers.push(answer["broker"].as_str().unwrap_or_default().to_owned());
+        let got = waiting.await.expect("task").expect("JSON");
+        let took = published.elapsed();
+        let deliveries = got["deliveries"].as_array().cloned().unwrap_or_default();
+        assert_eq!(deliveries.iter().map(data).collect::<Vec<_>>(), [format!("m{n}")], "message {n}: {got}");
+        assert!(took < Duration::from_secs(3), "message {n} (broker {}) came {took:?} after its publish", brokers[n]);
+        assert_eq!(popgate.ack(&id(&deliveries[0])).await.0, 200);
+    }
+    println!("five messages, each within 3 s of its publish, at brokers {brokers:?}");
+    assert!(brokers.windows(2).all(|pair| pair[0] == pair[1]), "one message group, one broker: {brokers:?}");
+}
+
 /// Issue #49: each subscription with a waiting subscriber keeps a POP waiting at every broker of its topic, and
 /// an empty POP ends after its wait and starts again. With more POPs waiting than `pop_polls_per_sec ×
 /// pop_poll_ms / 1000` each waits `waiting / pop_polls_per_sec` seconds (`delivery::pop_wait`), so an idle
