@@ -117,10 +117,11 @@ async fn point(
         tasks.push(tokio::spawn(async move { long_poll_subscriber(&http, &base, &query, WAIT_MS, &sample).await }));
     }
     // Every long poll parked (a connection each) before the idle CPU is read and the load starts.
-    let settle = Duration::from_secs_f64(if params.full { 3.0 + connections as f64 / 2_000.0 } else { 0.5 });
     // `BENCH_SCALE_SETTLE_SECS` waits longer, to tell popgate's start-up of many POP loops from its idle cost.
-    let settle =
-        std::env::var("BENCH_SCALE_SETTLE_SECS").ok().and_then(|s| s.parse().ok()).map_or(settle, Duration::from_secs);
+    let settle = Duration::from_secs_f64(env_or(
+        "BENCH_SCALE_SETTLE_SECS",
+        if params.full { 3.0 + connections as f64 / 2_000.0 } else { 0.5 },
+    ));
     tokio::time::sleep(settle).await;
     let idle = Duration::from_secs(if params.full { 5 } else { 1 });
     let before = cpu_time(popgate.pid());

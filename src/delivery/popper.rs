@@ -168,7 +168,7 @@ async fn pop_one(
     handle: SpreadHandle,
     max: u32,
 ) -> PopOutcome {
-    let waiting = deliveries.pops_waiting(1);
+    let waiting = deliveries.pop_waiting();
     let request = PopRequest {
         group: &sub.group,
         topic: &sub.topic,

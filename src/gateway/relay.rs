@@ -43,11 +43,11 @@ impl Relay {
     }
 
     /// [`Relay::relay`] for a request whose repeat is harmless (a pull, an offset, a lock), asked again (twice
-    /// at most, after [`REPEAT_PAUSES`]) when the broker could not be reached. A connection closed under popgate (a cut, a broker restart) fails
-    /// the request that meets it before the client crate learns it is closed, and the next request opens a new
-    /// one. Straight at the cluster the client's own connection would have been cut and it would ask again;
-    /// here its connection to popgate is well, so popgate asks again (seen in CI: the first pull after a cut
-    /// was answered "connection failed").
+    /// at most, after [`REPEAT_PAUSES`]) when the broker could not be reached. A connection closed under popgate
+    /// (a cut, a broker restart) fails the request that meets it before the client crate learns it is closed, and
+    /// the next request opens a new one. Straight at the cluster the client's own connection would have been cut
+    /// and it would ask again; here its connection to popgate is well, so popgate asks again (seen in CI: the
+    /// first pull after a cut was answered "connection failed").
     ///
     /// # Errors
     /// [`BrokerError`] when the last attempt fails too, or one does not answer in time.

@@ -164,17 +164,16 @@ impl Bells {
     }
 }
 
-/// POPs counted as waiting at the brokers while this lives (see [`Deliveries::pops_waiting`]).
-pub(super) struct PopsWaiting {
+/// A POP counted as waiting at a broker while this lives (see [`Deliveries::pop_waiting`]).
+pub(super) struct PopWaiting {
     waiting: Arc<AtomicUsize>,
-    count: usize,
-    /// How long each of them waits.
+    /// How long it waits.
     pub(super) wait_ms: u64,
 }
 
-impl Drop for PopsWaiting {
+impl Drop for PopWaiting {
     fn drop(&mut self) {
-        self.waiting.fetch_sub(self.count, Ordering::Relaxed);
+        self.waiting.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -295,13 +294,13 @@ impl Deliveries {
         lease_ms
     }
 
-    /// `count` POPs about to wait at the brokers, counted until the returned guard is dropped, and how long
-    /// each is to wait (shown as a gauge).
-    pub(super) fn pops_waiting(&self, count: usize) -> PopsWaiting {
-        let waiting = self.pops_waiting.fetch_add(count, Ordering::Relaxed) + count;
+    /// A POP about to wait at a broker, counted until the returned guard is dropped, and how long it is to
+    /// wait (shown as a gauge).
+    pub(super) fn pop_waiting(&self) -> PopWaiting {
+        let waiting = self.pops_waiting.fetch_add(1, Ordering::Relaxed) + 1;
         let wait_ms = self.pop_wait_plan.wait_ms(waiting);
         gauge!(m::POP_WAIT).set(wait_ms as f64 / 1000.0);
-        PopsWaiting { waiting: self.pops_waiting.clone(), count, wait_ms }
+        PopWaiting { waiting: self.pops_waiting.clone(), wait_ms }
     }
 
     pub(super) fn config(&self) -> &DeliveryConfig {
