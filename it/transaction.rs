@@ -45,15 +45,6 @@ pub(crate) async fn stored_bodies(cluster: &Cluster, topic: &str) -> Vec<String>
     bodies
 }
 
-/// Waits (at most `timeout`) for `path` to exist.
-async fn wait_for_file(path: &std::path::Path, timeout: Duration) {
-    let deadline = Instant::now() + timeout;
-    while !path.exists() {
-        assert!(Instant::now() < deadline, "{} never appeared", path.display());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 async fn a_committed_message_is_stored_once_after_its_commit_and_a_rolled_back_one_never(sdk: Sdk) {
     let cluster = shared_cluster();
     let popgate = Popgate::start(&cluster.namesrv_addr, "").await;
@@ -65,8 +56,7 @@ async fn a_committed_message_is_stored_once_after_its_commit_and_a_rolled_back_o
     // The checker does not know: a message that comes through was committed by the SDK's commit().
     let commit = json!({"topic": topic, "prefix": "kept", "resolution": "commit", "checker": "unknown",
         "endAfterMs": 3000, "readyFile": ready});
-    let producer = sdk.start("transact", &args(&popgate, commit));
-    wait_for_file(&ready, DRIVER_TIMEOUT).await;
+    let producer = sdk.start("transact", &args(&popgate, commit)).once_file_exists(&ready, DRIVER_TIMEOUT).await;
     assert_eq!(stored_bodies(cluster, &topic).await, Vec::<String>::new(), "nothing is visible before the commit");
     let result = producer.finish(DRIVER_TIMEOUT).await;
     assert_eq!(result["errors"], json!([]), "{result}");
@@ -103,8 +93,7 @@ async fn a_commit_after_popgate_was_killed_between_send_and_commit_lands_at_once
     // know (a check-back in between ends nothing), so only the SDK's own commit can store the message.
     let commit = json!({"topic": topic, "prefix": "survives", "resolution": "commit", "checker": "unknown",
         "endAfterMs": 20000, "readyFile": ready});
-    let producer = sdk.start("transact", &args(&popgate, commit));
-    wait_for_file(&ready, DRIVER_TIMEOUT).await;
+    let producer = sdk.start("transact", &args(&popgate, commit)).once_file_exists(&ready, DRIVER_TIMEOUT).await;
     popgate.restart().await;
     let result = producer.finish(DRIVER_TIMEOUT).await;
     assert_eq!(result["errors"], json!([]), "{result}");
@@ -258,8 +247,7 @@ async fn a_commit_while_the_broker_is_stopped_is_owed_and_lands_once_after_it_co
     // The broker is SIGSTOPped after the send and before the SDK's commit (8 s after the send).
     let commit = json!({"topic": topic, "prefix": "owed", "resolution": "commit", "checker": "unknown",
         "endAfterMs": 8000, "readyFile": ready});
-    let producer = sdk.start("transact", &args(&popgate, commit));
-    wait_for_file(&ready, DRIVER_TIMEOUT).await;
+    let producer = sdk.start("transact", &args(&popgate, commit)).once_file_exists(&ready, DRIVER_TIMEOUT).await;
     cluster.pause_broker("broker-a");
     let result = producer.finish(DRIVER_TIMEOUT).await;
     assert_eq!(result["errors"], json!([]), "{result}");
@@ -293,8 +281,7 @@ async fn a_commit_after_apaches_proxy_was_killed_between_send_and_commit_fails_a
     let commit = json!({"endpoint": proxy.endpoint, "topic": topic, "prefix": "lost", "resolution": "commit",
         "checker": "unknown", "readyFile": ready, "endWhenFile": restarted, "retryUnavailableMs": 30000,
         "stayMs": 5000});
-    let producer = Sdk::NEWEST.start("transact", &commit);
-    wait_for_file(&ready, DRIVER_TIMEOUT).await;
+    let producer = Sdk::NEWEST.start("transact", &commit).once_file_exists(&ready, DRIVER_TIMEOUT).await;
     let restart_started = Instant::now();
     tokio::task::block_in_place(|| proxy.kill9_and_restart());
     let restart_took = restart_started.elapsed();

@@ -101,6 +101,24 @@ impl Scenario {
         Scenario { child: Some(child), what: format!("{scenario} on {client} {args}") }
     }
 
+    /// Waits (at most `timeout`) for the driver to create `path` (the file a scenario names `readyFile` or
+    /// `startedFile`), and hands the still-running scenario back. A driver that ends first fails the test with
+    /// its own result and log, not with a missing file.
+    pub async fn once_file_exists(mut self, path: &std::path::Path, timeout: Duration) -> Scenario {
+        let deadline = std::time::Instant::now() + timeout;
+        while !path.exists() {
+            let ended = self.child.as_mut().is_some_and(|child| matches!(child.try_wait(), Ok(Some(_))));
+            if ended {
+                let what = self.what.clone();
+                let result = self.finish(Duration::from_secs(10)).await;
+                panic!("the driver ({what}) ended without creating {}: {result}", path.display());
+            }
+            assert!(std::time::Instant::now() < deadline, "{} never appeared ({})", path.display(), self.what);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        self
+    }
+
     /// Waits (at most `timeout`) for the scenario's JSON result, which must not be an error. Panics with the
     /// driver's stderr otherwise.
     pub async fn finish(self, timeout: Duration) -> Value {

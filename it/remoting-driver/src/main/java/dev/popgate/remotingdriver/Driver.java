@@ -568,7 +568,8 @@ public final class Driver {
      * own client instance, as an app with two consumers of a group has), waits for each to reach `expect`, and
      * reports each in "consumers" (instanceName, clientId, timedOut, received, ...). `sendOnStart` N sends N
      * messages "m-<i>" (with `sendTag`) from a producer of this process right after the consumers started, as
-     * Apache's e2e suite does; "sentOnStart" lists them (broker, queueId, queueOffset, sentAtMs).
+     * Apache's e2e suite does; "sentOnStart" lists them (broker, queueId, queueOffset, sentAtMs). A file named by
+     * `startedFile` is created once every consumer's start() returned, for a test that must not disturb a start.
      */
     private static Map<String, Object> pushConsume(Args a, long startMs) throws Exception {
         Common c = Common.parse(a);
@@ -598,6 +599,7 @@ public final class Driver {
         // Messages this process sends as soon as its consumers started, as an app (or Apache's e2e suite) does.
         int sendOnStart = a.integer("sendOnStart", 0);
         String sendTag = a.string("sendTag", null);
+        String startedFile = a.string("startedFile", null);
         if (instances != null && (instances.isEmpty() || c.instanceName != null)) {
             throw new BadArgs("instances names at least one consumer, and goes without instanceName");
         }
@@ -679,6 +681,9 @@ public final class Driver {
             }
             consumers.add(consumer);
             deliveriesOf.add(deliveries);
+        }
+        if (startedFile != null) {
+            java.nio.file.Files.write(java.nio.file.Paths.get(startedFile), new byte[0]);
         }
         if (sendOnStart > 0) {
             out.put("sentOnStart", sendOnStart(c, topic, sendTag, sendOnStart));
