@@ -357,3 +357,120 @@ async fn a_publish_repeated_under_its_idempotency_key_or_cloudevent_id_is_stored
     assert_eq!(bodies, ["a", "b", "paid"], "each message stored once");
     assert_eq!(popgate.metric("popgate_publish_deduplicated_total").await, 1.0, "since the restart");
 }
+
+/// A batch publish (a JSON array body; CloudEvents' batched mode) is one broker request: every message stored
+/// in one queue at consecutive offsets, each with its own id, tag, keys and properties, a message group's batch
+/// in that group's queue, and each message delivered to a subscriber on its own. What a batch cannot hold is
+/// refused naming its element and field, counted, and nothing of it is stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_is_stored_whole_in_one_queue_and_each_message_is_delivered_on_its_own() {
+    const SENT: usize = 12;
+    let cluster = shared_cluster();
+    let config = "[publish]\nmax_batch_messages = 20\nmax_message_bytes = 4096\n";
+    let popgate = Popgate::start(&cluster.namesrv_addr, config).await;
+    let (topic, group) = (unique_topic("pub_batch"), unique_topic("pub_batch_g"));
+    let batch: Vec<Value> = (0..SENT)
+        .map(|i| {
+            json!({"topic": topic, "data": format!("b-{i}"), "tags": if i % 2 == 0 { "even" } else { "odd" },
+                "keys": [format!("k-{i}")], "properties": {"n": i.to_string()}})
+        })
+        .collect();
+    let (status, answer) = popgate.publish(&Value::Array(batch)).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!((answer["status"].as_str(), answer["attempts"].as_u64()), (Some("SEND_OK"), Some(1)), "{answer}");
+    let messages = answer["messages"].as_array().cloned().unwrap_or_default();
+    assert_eq!(messages.len(), SENT, "{answer}");
+    let first_offset = messages[0]["queueOffset"].as_u64().expect("an offset");
+    let ids: Vec<&str> = messages.iter().map(|m| m["messageId"].as_str().unwrap_or_default()).collect();
+    for (i, message) in messages.iter().enumerate() {
+        assert_eq!(message["queueOffset"].as_u64(), Some(first_offset + i as u64), "consecutive: {answer}");
+        assert!(!ids[i].is_empty() && !ids[..i].contains(&ids[i]), "ids are distinct: {answer}");
+    }
+
+    let direct = Direct::connect(&cluster.namesrv_addr).await;
+    let stored = direct.read_all(&topic).await;
+    assert_eq!(stored.len(), SENT, "every message stored once");
+    for (i, m) in stored.iter().enumerate() {
+        let place = (Some(m.broker.as_str()), i64::from(m.queue_id));
+        assert_eq!(place, (answer["broker"].as_str(), answer["queueId"].as_i64().unwrap_or(-1)), "one queue");
+        assert_eq!(String::from_utf8_lossy(&m.body), format!("b-{i}"), "in the order sent");
+        assert_eq!(m.property("UNIQ_KEY"), Some(ids[i]));
+        assert_eq!(m.property("TAGS"), Some(if i % 2 == 0 { "even" } else { "odd" }));
+        assert_eq!(m.property("KEYS"), Some(format!("k-{i}").as_str()));
+        assert_eq!(m.property("n"), Some(i.to_string().as_str()));
+    }
+    let deliveries = popgate.poll_until(&group, &topic, SENT, Duration::from_secs(30)).await;
+    let mut delivered: Vec<(String, String)> = deliveries
+        .iter()
+        .map(|d| (d["event"]["id"].as_str().unwrap_or_default().to_owned(), d["event"]["data"].to_string()))
+        .collect();
+    delivered.sort();
+    let mut expected: Vec<(String, String)> =
+        ids.iter().enumerate().map(|(i, id)| ((*id).to_owned(), json!(format!("b-{i}")).to_string())).collect();
+    expected.sort();
+    assert_eq!(delivered, expected, "each message delivered on its own, under its id");
+
+    // A message group's batch goes to that group's queue, as one message of the group does.
+    let (status, single) = popgate.publish(&json!({"topic": topic, "data": "one", "messageGroup": "order-7"})).await;
+    assert_eq!(status, 200, "{single}");
+    let grouped = json!([{"topic": topic, "data": "g-0", "messageGroup": "order-7"},
+        {"topic": topic, "data": "g-1", "messageGroup": "order-7"}]);
+    let (status, answer) = popgate.publish(&grouped).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!((&answer["broker"], &answer["queueId"]), (&single["broker"], &single["queueId"]), "{answer}");
+    let single_offset = single["queueOffset"].as_u64().unwrap_or_default();
+    assert_eq!(answer["messages"][0]["queueOffset"].as_u64(), Some(single_offset + 1), "{answer}");
+
+    // CloudEvents' batched mode: each event a structured one, its attributes its message's properties.
+    let ce_topic = unique_topic("pub_batch_ce");
+    let events = json!([
+        {"specversion": "1.0", "id": "e-1", "source": "/shop", "type": "order.created", "data": {"n": 1}},
+        {"specversion": "1.0", "id": "e-2", "source": "/shop", "type": "order.paid", "data": "paid"}]);
+    let resp = reqwest::Client::new()
+        .post(format!("{}/events/publish?topic={ce_topic}", popgate.base))
+        .header("content-type", "application/cloudevents-batch+json")
+        .body(events.to_string())
+        .send()
+        .await
+        .expect("request");
+    let (status, answer) = status_and_json(resp).await;
+    assert_eq!((status, answer["messages"].as_array().map(Vec::len)), (200, Some(2)), "{answer}");
+    let stored = direct.read_all(&ce_topic).await;
+    let types: Vec<Option<&str>> = stored.iter().map(|m| m.property("ce_type")).collect();
+    assert_eq!(types, [Some("order.created"), Some("order.paid")]);
+    assert_eq!(stored[1].property("KEYS"), Some("e-2"), "the event id is the message key");
+
+    let refused_topic = unique_topic("pub_batch_bad");
+    let ok = |data: &str| json!({"topic": refused_topic, "data": data});
+    let too_many: Vec<Value> = (0..21).map(|i| ok(&format!("m-{i}"))).collect();
+    let cases: Vec<(Value, u16, Option<&str>)> = vec![
+        (json!([]), 400, None),
+        (json!([ok("a"), {"topic": topic, "data": "b"}]), 400, Some("[1].topic")),
+        (json!([ok("a"), {"topic": refused_topic, "data": "b", "delayMs": 1000}]), 400, Some("[1].delayMs")),
+        (json!([{"topic": refused_topic, "data": "a", "transaction": true}]), 400, Some("[0].transaction")),
+        (json!([{"topic": refused_topic, "data": "a", "messageGroup": "g1"}, ok("b")]), 400, Some("[1].messageGroup")),
+        (json!([ok("a"), "text"]), 400, Some("[1]")),
+        (json!([ok("a"), {"topic": refused_topic}]), 400, Some("[1].data")),
+        (json!([ok("a"), {"topic": refused_topic, "data": "b", "tags": 7}]), 400, Some("[1].tags")),
+        (Value::Array(too_many), 400, Some("[20]")),
+        (Value::Array((0..5).map(|_| ok(&"x".repeat(1000))).collect()), 413, Some("data")),
+    ];
+    let bad_before = popgate.metric("popgate_publish_requests_total{result=\"bad_request\",transport=\"http\"}").await;
+    for (body, code, field) in &cases {
+        let (status, answer) = popgate.publish(body).await;
+        assert_eq!(status, *code, "{body} -> {answer}");
+        assert_eq!(answer["error"]["field"].as_str(), *field, "{body} -> {answer}");
+    }
+    let client = reqwest::Client::new();
+    let url = format!("{}/events/publish", popgate.base);
+    let keyed = client.post(&url).header("idempotency-key", "k").json(&json!([ok("a")])).send().await.expect("req");
+    let (status, answer) = status_and_json(keyed).await;
+    assert_eq!((status, answer["error"]["field"].as_str()), (400, Some("Idempotency-Key")), "{answer}");
+    let half = client.post(format!("{url}?transaction=true")).json(&json!([ok("a")])).send().await.expect("req");
+    let (status, answer) = status_and_json(half).await;
+    assert_eq!((status, answer["error"]["field"].as_str()), (400, Some("transaction")), "{answer}");
+    let bad = popgate.metric("popgate_publish_requests_total{result=\"bad_request\",transport=\"http\"}").await;
+    assert!(bad - bad_before >= 11.0, "every refused batch is counted: {}", bad - bad_before);
+    direct.create_topic(&refused_topic, &broker_addrs(cluster)).await;
+    assert!(direct.read_all(&refused_topic).await.is_empty(), "nothing of a refused batch is stored");
+}

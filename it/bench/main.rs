@@ -59,6 +59,9 @@ struct Params {
     secs: f64,
     in_flight: usize,
     recovery_records: usize,
+    /// Messages per publish request in the throughput phase (`BENCH_PUBLISH_BATCH`): one, or a batch publish
+    /// (popgate: a JSON array body; direct: the client's `send_batch`).
+    publish_batch: usize,
 }
 
 impl Params {
@@ -72,6 +75,7 @@ impl Params {
                 secs: env_or("BENCH_SECS", 15.0),
                 in_flight: env_or("BENCH_IN_FLIGHT", 100_000),
                 recovery_records: env_or("BENCH_RECOVERY_RECORDS", 1_000_000),
+                publish_batch: env_or("BENCH_PUBLISH_BATCH", 1_usize).max(1),
             }
         } else {
             Params {
@@ -82,6 +86,7 @@ impl Params {
                 secs: 1.5,
                 in_flight: 1_000,
                 recovery_records: 5_000,
+                publish_batch: env_or("BENCH_PUBLISH_BATCH", 1_usize).max(1),
             }
         }
     }
@@ -185,9 +190,9 @@ fn cpu_time(pid: u32) -> Duration {
 /// Rate limit per producer (msgs/s), or none.
 type Rate = Option<f64>;
 
-async fn run_producers<F, Fut>(params: &Params, sample: Arc<Sample>, rate: Rate, secs: f64, send: F)
+async fn run_producers<F, Fut>(params: &Params, sample: Arc<Sample>, rate: Rate, secs: f64, batch: usize, send: F)
 where
-    F: Fn(String) -> Fut + Clone + Send + 'static,
+    F: Fn(Vec<String>) -> Fut + Clone + Send + 'static,
     Fut: std::future::Future<Output = bool> + Send,
 {
     let deadline = tokio::time::Instant::now() + Duration::from_secs_f64(secs);
@@ -198,14 +203,15 @@ where
             let mut next = tokio::time::Instant::now();
             while tokio::time::Instant::now() < deadline {
                 let started = micros();
-                if send(body(size)).await {
-                    sample.sent.fetch_add(1, Ordering::Relaxed);
+                // One publish request of `batch` messages: one latency sample, `batch` messages sent.
+                if send((0..batch).map(|_| body(size)).collect()).await {
+                    sample.sent.fetch_add(batch as u64, Ordering::Relaxed);
                     sample.publish_us.lock().push(micros() - started);
                 } else {
                     sample.publish_failures.fetch_add(1, Ordering::Relaxed);
                 }
                 if let Some(rate) = rate {
-                    next += Duration::from_secs_f64(1.0 / rate);
+                    next += Duration::from_secs_f64(batch as f64 / rate);
                     tokio::time::sleep_until(next).await;
                 }
             }
@@ -291,14 +297,17 @@ impl DirectPath {
         }
         let producer = self.producer.clone();
         let topic_owned = topic.to_owned();
-        let send = move |text: String| {
+        let send = move |texts: Vec<String>| {
             let (producer, topic) = (producer.clone(), topic_owned.clone());
             async move {
-                let message = message(topic, text.as_bytes());
-                producer.send(message).await.is_ok_and(|r| r.is_some())
+                let mut messages: Vec<_> = texts.iter().map(|text| message(topic.as_str(), text.as_bytes())).collect();
+                match messages.len() {
+                    1 => producer.send(messages.remove(0)).await.is_ok_and(|r| r.is_some()),
+                    _ => producer.send_batch(messages).await.is_ok(),
+                }
             }
         };
-        run_producers(params, sample.clone(), rate, secs, send).await;
+        run_producers(params, sample.clone(), rate, secs, params.publish_batch, send).await;
         for c in consumers {
             let _ = c.await;
         }
@@ -352,15 +361,17 @@ async fn popgate_run(
         }));
     }
     let (base, topic_owned) = (popgate.base.clone(), topic.to_owned());
-    let send = move |text: String| {
+    let send = move |texts: Vec<String>| {
         let (http, base, topic) = (http.clone(), base.clone(), topic_owned.clone());
         async move {
-            let resp =
-                http.post(format!("{base}/events/publish")).json(&json!({"topic": topic, "data": text})).send().await;
+            let mut events: Vec<Value> = texts.into_iter().map(|text| json!({"topic": topic, "data": text})).collect();
+            // One message as popgate's single publish; several as one batch publish (a JSON array).
+            let body = if events.len() == 1 { events.remove(0) } else { Value::Array(events) };
+            let resp = http.post(format!("{base}/events/publish")).json(&body).send().await;
             resp.is_ok_and(|r| r.status().as_u16() == 200)
         }
     };
-    run_producers(params, sample.clone(), rate, secs, send).await;
+    run_producers(params, sample.clone(), rate, secs, params.publish_batch, send).await;
     for c in consumers {
         let _ = c.await;
     }
@@ -883,6 +894,7 @@ async fn bench(params: Params) -> Value {
     json!({
         "parameters": {"messageBytes": params.size, "producers": params.producers, "subscribers": params.subscribers,
             "secsPerRun": params.secs, "inFlight": params.in_flight, "recoveryRecords": params.recovery_records,
+            "publishBatch": params.publish_batch,
             "full": params.full, "build": if cfg!(debug_assertions) { "debug" } else { "release" }},
         "runs": [a, lp, sse],
         "ratios": {"longPoll": ratios(&lp, &a), "sse": ratios(&sse, &a)},

@@ -136,11 +136,12 @@ async fn point(
     // What the first failed publish was answered (or why it got no answer), for the report.
     let first_failure = Arc::new(parking_lot::Mutex::new(None::<String>));
     let failure = first_failure.clone();
-    let send = move |text: String| {
+    let send = move |texts: Vec<String>| {
         let (http, base, topics, next) = (publisher.clone(), base.clone(), topics_shared.clone(), next.clone());
         let failure = failure.clone();
         async move {
             let topic = &topics[next.fetch_add(1, Ordering::Relaxed) % topics.len()];
+            let text = texts.concat();
             let resp =
                 http.post(format!("{base}/events/publish")).json(&json!({"topic": topic, "data": text})).send().await;
             let why = match resp {
@@ -153,7 +154,7 @@ async fn point(
         }
     };
     let per_producer = rate / params.producers.max(1) as f64;
-    run_producers(params, sample.clone(), Some(per_producer), params.secs, send).await;
+    run_producers(params, sample.clone(), Some(per_producer), params.secs, 1, send).await;
     while !consumers_done(&sample) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

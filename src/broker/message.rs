@@ -36,8 +36,9 @@ pub struct OutgoingMessage {
     pub keys: Vec<String>,
     /// Properties: the user's, plus system ones popgate sets (delay, message group).
     pub properties: BTreeMap<String, String>,
-    /// What a RocketMQ remoting client set on the message itself, passed to the broker as is; `None` for the
-    /// messages popgate makes (HTTP, gRPC, DLQ).
+    /// What a RocketMQ remoting client set on the message itself, passed to the broker as is; for a batch
+    /// popgate made (`client::batch_message`), what the Java client sets on one; `None` for the other messages
+    /// popgate makes (HTTP, gRPC, DLQ).
     pub wire: Option<ClientWire>,
 }
 

@@ -26,5 +26,5 @@ pub(crate) mod relay;
 pub(crate) mod stats;
 pub(crate) mod transaction;
 
-pub use client::{BrokerClient, BrokerError, BrokerRoute, SendReceipt, StoreStatus, TopicRoute};
+pub use client::{batch_message, BrokerClient, BrokerError, BrokerRoute, SendReceipt, StoreStatus, TopicRoute};
 pub use message::OutgoingMessage;

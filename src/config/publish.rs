@@ -13,6 +13,9 @@ pub const MAX_RETRY_TIMES_WHEN_SEND_FAILED: u32 = 3;
 pub const DEFAULT_SEND_TIMEOUT_MS: u64 = 3_000;
 /// The broker's default `maxMessageSize` (4 MiB).
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
+/// Most messages in one batch publish: a bound on what one request makes popgate hold and encode (a batch of
+/// 1 KiB messages reaches the broker's 4 MiB first).
+pub const DEFAULT_MAX_BATCH_MESSAGES: usize = 1_000;
 /// MQFaultStrategy's latency steps (ms): a send slower than step *i* isolates the broker for `NOT_AVAILABLE[i]`.
 pub const DEFAULT_LATENCY_MAX_MS: [u64; 7] = [50, 100, 550, 1_000, 2_000, 3_000, 15_000];
 /// MQFaultStrategy's isolation periods (ms) for each latency step.
@@ -34,6 +37,9 @@ pub struct PublishConfig {
     pub max_message_bytes: usize,
     /// What a message may carry (every front): Apache's proxy's limits by default.
     pub limits: MessageLimits,
+    /// Most messages in one batch publish (an HTTP array body); the batch's body as a whole is bounded by
+    /// `max_message_bytes`, as the broker bounds it.
+    pub max_batch_messages: usize,
     /// How long a keyed send is remembered, so its repeat is answered with the first receipt (0 switches the
     /// de-duplication window off).
     pub dedup_window_secs: u64,
@@ -77,6 +83,7 @@ impl Default for PublishConfig {
             send_timeout_ms: DEFAULT_SEND_TIMEOUT_MS,
             max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
             limits: MessageLimits::default(),
+            max_batch_messages: DEFAULT_MAX_BATCH_MESSAGES,
             dedup_window_secs: 600,
             check_topic_message_type: true,
         }

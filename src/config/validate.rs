@@ -41,6 +41,7 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
     );
     check(publish.send_timeout_ms > 0, "publish.send_timeout_ms", "must be > 0");
     check(publish.max_message_bytes > 0, "publish.max_message_bytes", "must be > 0");
+    check(publish.max_batch_messages > 0, "publish.max_batch_messages", "must be > 0");
     check(publish.dedup_window_secs <= 7 * 24 * 3600, "publish.dedup_window_secs", "must be at most 604800 (7 days)");
 
     let fault = &config.fault_avoidance;

@@ -102,6 +102,15 @@ impl WithinLimits {
         &self.0
     }
 
+    /// One message made of several, each within the limits, by `join` (a batch: publishing judges its size
+    /// as a whole); `None` when `join` makes none.
+    pub fn joined(
+        parts: Vec<WithinLimits>,
+        join: impl FnOnce(Vec<OutgoingMessage>) -> Option<OutgoingMessage>,
+    ) -> Option<WithinLimits> {
+        join(parts.into_iter().map(|part| part.0).collect()).map(WithinLimits)
+    }
+
     /// Sets what popgate itself adds to the message, which the limits are not for.
     pub fn amend(&mut self, set_by_popgate: impl FnOnce(&mut OutgoingMessage)) {
         set_by_popgate(&mut self.0);

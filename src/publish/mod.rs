@@ -25,6 +25,7 @@ pub use message_group::group_queue;
 pub use topic_type::TopicMessageType;
 
 use dedup::{Claim, DedupWindow};
+use limits::WithinLimits;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -317,6 +318,19 @@ impl Publisher {
     /// What went wrong when none of its brokers answered.
     pub async fn topic_message_type(&self, topic: &str, route: &TopicRoute) -> Result<TopicMessageType, String> {
         self.topic_types.of(&self.broker, topic, route).await.map_err(|e| e.to_string())
+    }
+
+    /// `messages` (of one topic, with one message group or none, checked by the front) as one batch message
+    /// (`broker::batch_message`), and each message's id in order; `None` for no messages.
+    pub fn batch(&self, messages: Vec<WithinLimits>) -> Option<(WithinLimits, Vec<String>)> {
+        let mut ids = Vec::new();
+        let batch = WithinLimits::joined(messages, |messages| {
+            crate::broker::batch_message(&messages, self.broker.producer_group()).map(|(batch, batch_ids)| {
+                ids = batch_ids;
+                batch
+            })
+        })?;
+        Some((batch, ids))
     }
 
     /// The largest message body popgate sends (`publish.max_message_bytes`; a batch's body as a whole).

@@ -43,7 +43,7 @@ use crate::config::BrokerConfig;
 pub(super) use route::brokers_with_master;
 use route::{route_cache, CachedRoute};
 pub use route::{BrokerRoute, TopicRoute};
-pub use send::{SendReceipt, StoreStatus};
+pub use send::{batch_message, SendReceipt, StoreStatus};
 use spread::InstanceSpread;
 pub use spread::SpreadHandle;
 
@@ -81,6 +81,11 @@ pub struct BrokerClient {
 }
 
 impl BrokerClient {
+    /// The producer group popgate's own sends go under.
+    pub fn producer_group(&self) -> &str {
+        &self.producer_group
+    }
+
     /// Starts the client runtime and a client instance. Does not require a reachable broker: readiness is
     /// reported separately ([`BrokerClient::ping`]).
     ///

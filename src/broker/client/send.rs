@@ -8,15 +8,18 @@ use std::time::Duration;
 
 use cheetah_string::CheetahString;
 use rocketmq_model::common::message::message_client_id_setter::MessageClientIDSetter;
+use rocketmq_model::common::message::message_single::Message;
 use rocketmq_model::common::sys_flag::message_sys_flag::MessageSysFlag;
 use rocketmq_protocol::code::request_code::RequestCode;
-use rocketmq_protocol::common::message::message_decoder::{decode_message_id, message_properties_to_string};
+use rocketmq_protocol::common::message::message_decoder::{
+    decode_message_id, encode_message_into, message_properties_to_string,
+};
 use rocketmq_protocol::protocol::header::message_operation_header::send_message_request_header::SendMessageRequestHeader;
 use rocketmq_protocol::protocol::header::message_operation_header::send_message_request_header_v2::SendMessageRequestHeaderV2;
 use rocketmq_protocol::protocol::remoting_command::RemotingCommand;
 
 use super::{BrokerClient, AUTO_CREATE_TOPIC_KEY, DEFAULT_TOPIC_QUEUE_NUMS};
-use crate::broker::message::{ClientWire, OutgoingMessage};
+use crate::broker::message::{ClientWire, OutgoingMessage, PROPERTY_SHARDING_KEY, PROPERTY_UNIQ_KEY};
 use crate::broker::{BrokerError, BrokerRoute};
 use crate::clock::Epoch;
 
@@ -154,21 +157,7 @@ impl BrokerClient {
         if let Some(wire) = &message.wire {
             return client_send_request(message, wire, queue_id);
         }
-        // A message that must keep an id it already has (a DLQ replay) carries it; all others get a new one.
-        let message_id = message
-            .properties
-            .get(crate::broker::message::PROPERTY_UNIQ_KEY)
-            .cloned()
-            .unwrap_or_else(MessageClientIDSetter::create_uniq_id);
-        let mut properties = crate_properties(&message.properties);
-        properties.insert("UNIQ_KEY".into(), message_id.as_str().into());
-        properties.insert("WAIT".into(), "true".into());
-        if let Some(tags) = &message.tags {
-            properties.insert("TAGS".into(), tags.as_str().into());
-        }
-        if !message.keys.is_empty() {
-            properties.insert("KEYS".into(), message.keys.join(" ").into());
-        }
+        let (message_id, properties) = sent_properties(message);
         // A half message names its producer group (the one its transaction is checked back with) in the header
         // too, and carries the prepared flag, as RocketMQ's transactional producer sends it.
         let half_group = message
@@ -199,11 +188,63 @@ impl BrokerClient {
     }
 }
 
+/// The id a message popgate made is sent with, and its properties as sent: the app's and popgate's, its id
+/// (`UNIQ_KEY`), tag and keys, and `WAIT`. A message that must keep an id it already has (a DLQ replay)
+/// carries it; all others get a new one.
+fn sent_properties(message: &OutgoingMessage) -> (String, HashMap<CheetahString, CheetahString>) {
+    let message_id =
+        message.properties.get(PROPERTY_UNIQ_KEY).cloned().unwrap_or_else(MessageClientIDSetter::create_uniq_id);
+    let mut properties = crate_properties(&message.properties);
+    properties.insert("UNIQ_KEY".into(), message_id.as_str().into());
+    properties.insert("WAIT".into(), "true".into());
+    if let Some(tags) = &message.tags {
+        properties.insert("TAGS".into(), tags.as_str().into());
+    }
+    if !message.keys.is_empty() {
+        properties.insert("KEYS".into(), message.keys.join(" ").into());
+    }
+    (message_id, properties)
+}
+
+/// Messages popgate made, all of `messages[0]`'s topic, as one batch message: sent as one
+/// `SEND_BATCH_MESSAGE` under `producer_group`, its body each message encoded as RocketMQ's `MessageBatch`
+/// encodes it, with its own id, tag, keys and properties (as the Java client's `send(Collection)` makes a
+/// batch). The broker appends a batch to one queue at once, the messages at consecutive offsets from the one it
+/// answers, or stores none of it. The batch keeps the first message's message group, by which a publish places
+/// it. Returns the batch and each message's id, in order; `None` for no messages.
+pub fn batch_message(messages: &[OutgoingMessage], producer_group: &str) -> Option<(OutgoingMessage, Vec<String>)> {
+    let first = messages.first()?;
+    let mut body = bytes::BytesMut::new();
+    let mut ids = Vec::with_capacity(messages.len());
+    for message in messages {
+        let (id, properties) = sent_properties(message);
+        let mut encoded = Message::builder().topic(message.topic.as_str()).body(message.body.clone()).build_unchecked();
+        encoded.set_properties(properties);
+        encode_message_into(&encoded, &mut body);
+        ids.push(id);
+    }
+    let mut batch = OutgoingMessage::new(first.topic.clone(), body.freeze());
+    batch.properties.insert("WAIT".to_owned(), "true".to_owned());
+    batch.properties.insert(PROPERTY_UNIQ_KEY.to_owned(), MessageClientIDSetter::create_uniq_id());
+    if let Some(group) = first.properties.get(PROPERTY_SHARDING_KEY) {
+        batch.properties.insert(PROPERTY_SHARDING_KEY.to_owned(), group.clone());
+    }
+    batch.wire = Some(ClientWire {
+        producer_group: producer_group.to_owned(),
+        born_timestamp: Epoch::now().as_millis(),
+        reconsume_times: Some(0),
+        unit_mode: Some(false),
+        batch: true,
+        ..ClientWire::default()
+    });
+    Some((batch, ids))
+}
+
 /// A remoting client's message, sent as the client sent it but to `queue_id`: its header fields, its
 /// properties as they are (no `WAIT` or id added), a batch as one `SEND_BATCH_MESSAGE`. The id is the client's
 /// `UNIQ_KEY` (empty for a batch, whose messages carry their own).
 fn client_send_request(message: &OutgoingMessage, wire: &ClientWire, queue_id: i32) -> (RemotingCommand, String) {
-    let message_id = message.properties.get(crate::broker::message::PROPERTY_UNIQ_KEY).cloned().unwrap_or_default();
+    let message_id = message.properties.get(PROPERTY_UNIQ_KEY).cloned().unwrap_or_default();
     let properties = crate_properties(&message.properties);
     let header = SendMessageRequestHeader {
         producer_group: wire.producer_group.as_str().into(),

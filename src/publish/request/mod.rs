@@ -131,6 +131,107 @@ pub fn parse(
     Ok(PublishRequest { message, transaction })
 }
 
+/// The content type of a batch of structured-mode CloudEvents (the CloudEvents HTTP binding's batched mode).
+const CLOUDEVENTS_BATCH_JSON: &str = "application/cloudevents-batch+json";
+
+/// Whether the request publishes a batch: CloudEvents' batched content type, or a popgate JSON body that is an
+/// array.
+pub fn is_batch(headers: &HeaderMap, body: &Bytes) -> bool {
+    let content_type = header_str(headers, "content-type").unwrap_or_default().to_ascii_lowercase();
+    if content_type.starts_with(CLOUDEVENTS_BATCH_JSON) {
+        return true;
+    }
+    let json = content_type.is_empty() || content_type.starts_with("application/json");
+    json && !headers.contains_key("ce-specversion") && body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'[')
+}
+
+/// Parses a batch publish ([`is_batch`]): a JSON array whose every element is what one publish's body would be
+/// (popgate JSON, or a structured CloudEvent under CloudEvents' batched content type), at most `max_messages`.
+/// A field at fault is named by its element: `[2].data`. What a batch cannot hold is refused: a transactional or
+/// delayed message (the broker stores a batch at once, and delays none of it), another topic than the first
+/// message's, or another message group than the first's (a batch goes to one queue).
+///
+/// # Errors
+/// [`RequestError`] for an empty or malformed array, or the first element at fault.
+pub fn parse_batch(
+    headers: &HeaderMap,
+    topic_param: Option<&str>,
+    body: &Bytes,
+    limits: &MessageLimits,
+    max_messages: usize,
+) -> Result<Vec<WithinLimits>, RequestError> {
+    let cloudevents =
+        header_str(headers, "content-type").is_some_and(|t| t.to_ascii_lowercase().starts_with(CLOUDEVENTS_BATCH_JSON));
+    let elements = match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Array(elements)) => elements,
+        Ok(_) => return Err(RequestError::malformed_body("a batch body must be a JSON array")),
+        Err(e) => return Err(RequestError::malformed_body(format!("the body is not valid JSON: {e}"))),
+    };
+    if elements.is_empty() {
+        return Err(RequestError::malformed_body("the batch is empty: give at least one message"));
+    }
+    if elements.len() > max_messages {
+        return Err(RequestError::invalid_field(
+            &format!("[{max_messages}]"),
+            format!("a batch holds at most {max_messages} messages (publish.max_batch_messages)"),
+        ));
+    }
+    let mut batch: Vec<WithinLimits> = Vec::with_capacity(elements.len());
+    for (index, element) in elements.iter().enumerate() {
+        let in_element = |error: RequestError| match error {
+            RequestError::InvalidField { field, message } => {
+                RequestError::InvalidField { field: format!("[{index}].{field}"), message }
+            }
+            RequestError::MalformedBody(message) => RequestError::InvalidField { field: format!("[{index}]"), message },
+        };
+        let message = batch_element(element, cloudevents, topic_param, limits).map_err(in_element)?;
+        if let Some(first) = batch.first() {
+            fits_batch_of(message.message(), first.message()).map_err(in_element)?;
+        }
+        batch.push(message);
+    }
+    Ok(batch)
+}
+
+/// One element of a batch, as one publish's body, within the limits.
+fn batch_element(
+    element: &Value,
+    cloudevent: bool,
+    topic_param: Option<&str>,
+    limits: &MessageLimits,
+) -> Result<WithinLimits, RequestError> {
+    let Value::Object(map) = element else {
+        return Err(RequestError::malformed_body("each message of a batch is a JSON object"));
+    };
+    let message = if cloudevent {
+        parse_cloudevent_structured(topic_param, map)?
+    } else {
+        if let Some(field) = ["transaction", "producerGroup"].into_iter().find(|f| map.contains_key(*f)) {
+            return Err(RequestError::invalid_field(field, "a batch cannot hold a transactional message"));
+        }
+        parse_popgate_json(topic_param, map)?
+    };
+    if message.properties.contains_key(PROPERTY_TIMER_DELIVER_MS) {
+        return Err(RequestError::invalid_field("delayMs", "a batch cannot hold a delayed message"));
+    }
+    limits.admit(message).map_err(|broken| RequestError::invalid_field(field_of(broken.part), broken.message))
+}
+
+/// A batch goes to one topic and one queue: a message must have the first's topic and message group.
+fn fits_batch_of(message: &OutgoingMessage, first: &OutgoingMessage) -> Result<(), RequestError> {
+    if message.topic != first.topic {
+        return Err(RequestError::invalid_field("topic", format!("a batch goes to one topic, `{}`", first.topic)));
+    }
+    let group = |m: &OutgoingMessage| m.properties.get(PROPERTY_SHARDING_KEY).cloned();
+    if group(message) != group(first) {
+        return Err(RequestError::invalid_field(
+            "messageGroup",
+            "a batch goes to one queue: every message has the first's message group, or none has one",
+        ));
+    }
+    Ok(())
+}
+
 /// `?transaction=`: `true` or `false`.
 fn parse_flag(text: &str) -> Result<bool, RequestError> {
     text.parse().map_err(|_| RequestError::invalid_field("transaction", "must be true or false"))

@@ -253,3 +253,54 @@ proptest::proptest! {
         let _ = json_request(&body, (None, None));
     }
 }
+
+fn batch(content_type: &str, body: &str, max: usize) -> Result<Vec<WithinLimits>, RequestError> {
+    parse_batch(
+        &headers(&[("content-type", content_type)]),
+        None,
+        &Bytes::from(body.to_owned()),
+        &MessageLimits::default(),
+        max,
+    )
+}
+
+#[test]
+fn an_array_body_or_cloudevents_batched_mode_is_a_batch_and_nothing_else_is() {
+    let is = |pairs: &[(&str, &str)], body: &str| is_batch(&headers(pairs), &Bytes::from(body.to_owned()));
+    assert!(is(&[("content-type", "application/json")], " \n[{}]"));
+    assert!(is(&[], "[]"));
+    assert!(is(&[("content-type", "application/cloudevents-batch+json; charset=utf-8")], "{}"));
+    assert!(!is(&[("content-type", "application/json")], "{\"data\": [1]}"));
+    assert!(!is(&[("content-type", "application/cloudevents+json")], "[{}]"));
+    assert!(!is(&[("content-type", "text/plain"), ("ce-specversion", "1.0")], "[1]"), "binary mode: the data");
+}
+
+#[test]
+fn a_batch_names_the_element_at_fault_and_refuses_what_one_queue_cannot_hold() {
+    let ok = batch("application/json", r#"[{"topic":"t","data":"a"},{"topic":"t","data":"b","tags":"x"}]"#, 10);
+    let ok = ok.expect("a valid batch");
+    assert_eq!(ok.len(), 2);
+    assert_eq!(ok[1].message().tags.as_deref(), Some("x"));
+    let field = |body: &str, max| batch("application/json", body, max).expect_err("refused").field().map(str::to_owned);
+    assert_eq!(field("[]", 10), None, "an empty batch is a malformed body");
+    assert_eq!(field(r#"{"topic":"t","data":"a"}"#, 10), None, "an object is no batch");
+    assert_eq!(field(r#"[{"topic":"t","data":"a"},{"topic":"u","data":"b"}]"#, 10).as_deref(), Some("[1].topic"));
+    assert_eq!(field(r#"[{"topic":"t","data":"a"},{"topic":"t"}]"#, 10).as_deref(), Some("[1].data"));
+    assert_eq!(field(r#"[{"topic":"t","data":"a","delayMs":5}]"#, 10).as_deref(), Some("[0].delayMs"));
+    assert_eq!(field(r#"[{"topic":"t","data":"a","producerGroup":"p"}]"#, 10).as_deref(), Some("[0].producerGroup"));
+    assert_eq!(
+        field(r#"[{"topic":"t","data":"a"},{"topic":"t","data":"b","messageGroup":"g"}]"#, 10).as_deref(),
+        Some("[1].messageGroup")
+    );
+    assert_eq!(field(r#"[{"topic":"t","data":"a"},7]"#, 10).as_deref(), Some("[1]"));
+    assert_eq!(field(r#"[{"topic":"t","data":"a"},{"topic":"t","data":"b"}]"#, 1).as_deref(), Some("[1]"));
+    let events = r#"[{"specversion":"1.0","id":"1","source":"s","type":"t","data":"x"},{"specversion":"1.0","source":"s","type":"t","data":"y"}]"#;
+    let refused = parse_batch(
+        &headers(&[("content-type", "application/cloudevents-batch+json")]),
+        Some("t"),
+        &Bytes::from(events),
+        &MessageLimits::default(),
+        10,
+    );
+    assert_eq!(refused.expect_err("no id").field(), Some("[1].id"));
+}
