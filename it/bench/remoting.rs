@@ -35,6 +35,8 @@ struct Path {
     name: &'static str,
     namesrv: String,
     pid: Option<u32>,
+    /// popgate's HTTP base, whose metrics count the remoting requests each message took.
+    metrics: Option<String>,
 }
 
 /// Runs the phase on `cluster` and returns, per client version, its runs and ratios.
@@ -57,9 +59,10 @@ pub async fn remoting(params: &Params, cluster: &Cluster) -> Value {
     let proxy = tokio::task::block_in_place(|| ApacheProxy::start(cluster));
     let listen = format!("127.0.0.1:{}", free_port());
     let popgate = Popgate::start(&cluster.namesrv_addr, &format!("[remoting]\nlisten = \"{listen}\"\n")).await;
-    let direct = Path { name: "direct", namesrv: cluster.namesrv_addr.clone(), pid: None };
-    let through_popgate = Path { name: "popgate", namesrv: listen, pid: Some(popgate.pid()) };
-    let apache = Path { name: "apache-proxy", namesrv: proxy.remoting.clone(), pid: Some(proxy.pid()) };
+    let direct = Path { name: "direct", namesrv: cluster.namesrv_addr.clone(), pid: None, metrics: None };
+    let through_popgate =
+        Path { name: "popgate", namesrv: listen, pid: Some(popgate.pid()), metrics: Some(popgate.base.clone()) };
+    let apache = Path { name: "apache-proxy", namesrv: proxy.remoting.clone(), pid: Some(proxy.pid()), metrics: None };
 
     let paths_of = |client: RemotingClient| -> Vec<&Path> {
         if client == RemotingClient::V4 {
@@ -137,6 +140,7 @@ async fn load(params: &Params, client: RemotingClient, path: &Path, topic: &str,
         "timeoutMs": ((params.secs + 60.0) * 1000.0) as u64,
     });
     let cpu_before = path.pid.map(cpu_time);
+    let requests_before = requests_by_code(path).await;
     // The optimising compiler and a heap that never limits the load program: it must not be the bottleneck.
     let scenario = client.start_in(&["-Xms512m", "-Xmx512m"], "load", &args);
     let result = scenario.finish(Duration::from_secs_f64(params.secs + 120.0)).await;
@@ -147,6 +151,14 @@ async fn load(params: &Params, client: RemotingClient, path: &Path, topic: &str,
         }
         _ => Value::Null,
     };
+    // Every request the client made of popgate per message consumed, by request code: the hops a message costs.
+    let requests_per_msg: serde_json::Map<String, Value> = requests_by_code(path)
+        .await
+        .into_iter()
+        .map(|(code, after)| (code.clone(), after - requests_before.get(&code).copied().unwrap_or(0.0)))
+        .filter(|(_, made)| *made > 0.0)
+        .map(|(code, made)| (code, json!((made / consumed.max(1) as f64 * 1000.0).round() / 1000.0)))
+        .collect();
     json!({
         "client": client.0,
         "path": path.name,
@@ -161,6 +173,7 @@ async fn load(params: &Params, client: RemotingClient, path: &Path, topic: &str,
         "sendLatencyMs": result["sendLatencyMs"],
         "endToEndLatencyMs": result["endToEndLatencyMs"],
         "frontCpuUsPerMsg": cpu_us_per_msg,
+        "frontRequestsPerMsg": Value::Object(requests_per_msg),
         // The high-water mark since the front started: warm-up and earlier runs included.
         "frontPeakRssMib": path.pid.map(|pid| proc_status_kib(pid, "VmHWM:") / 1024),
         "firstErrors": result["firstErrors"],
@@ -168,6 +181,25 @@ async fn load(params: &Params, client: RemotingClient, path: &Path, topic: &str,
         "consumerAssignedMs": result["assignedMs"],
         "driverCloseMs": result["closeMs"],
     })
+}
+
+/// popgate's remoting requests answered so far, by request code (`popgate_remoting_requests_total`, every
+/// result); empty for a path that is not popgate.
+async fn requests_by_code(path: &Path) -> std::collections::BTreeMap<String, f64> {
+    let mut by_code = std::collections::BTreeMap::new();
+    let Some(base) = &path.metrics else { return by_code };
+    let Ok(text) = reqwest::get(format!("{base}/metrics")).await.and_then(|r| r.error_for_status()) else {
+        return by_code;
+    };
+    let text = text.text().await.unwrap_or_default();
+    for line in text.lines().filter(|l| l.starts_with("popgate_remoting_requests_total{")) {
+        let code = line.split("code=\"").nth(1).and_then(|rest| rest.split('"').next());
+        let value = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
+        if let (Some(code), Some(value)) = (code, value) {
+            *by_code.entry(code.to_owned()).or_insert(0.0) += value;
+        }
+    }
+    by_code
 }
 
 /// popgate against direct (throughput at full speed, p99 added at the capped rate, or at full speed in the smoke
