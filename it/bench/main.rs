@@ -639,9 +639,24 @@ async fn recovery(params: &Params, namesrv: &str) -> Value {
         m + 1_000,
         m + 1_000
     );
+    // `BENCH_PERF=<dir>`: a CPU profile of the whole machine during the boot (`perf record -a`; popgate's pid is
+    // not known before it starts), for `perf report --comm popgate -i <dir>/boot-<pid>.perf`.
+    let profiler = std::env::var("BENCH_PERF").ok().and_then(|dir| {
+        std::process::Command::new("perf")
+            .args(["record", "-F", "999", "-a", "-g", "-o"])
+            .arg(std::path::Path::new(&dir).join(format!("boot-{}.perf", std::process::id())))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .ok()
+    });
     let started = Instant::now();
     let popgate = Popgate::start(namesrv, &extra).await;
     let boot_secs = started.elapsed().as_secs_f64();
+    if let Some(mut perf) = profiler {
+        let _ = std::process::Command::new("kill").arg("-INT").arg(perf.id().to_string()).status();
+        let _ = perf.wait();
+    }
     let recovered = popgate.metric("popgate_recovered_deliveries_total{outcome=\"redispatched\"}").await;
     let rss_kib = popgate.rss_kib();
     let cpu_before = cpu_time(popgate.pid());
