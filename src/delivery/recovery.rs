@@ -85,14 +85,15 @@ pub(super) async fn recover(deliveries: &Deliveries) -> Result<(RecoveryReport, 
     // part of the boot.
     let mut undecodable = Vec::new();
     let mut legacy = 0usize;
-    let (scanned, (restored, redelivered)) = std::thread::scope(|scope| {
+    let restored_into = &mut report;
+    let (scanned, redelivered) = std::thread::scope(|scope| {
         let (decoded, to_restore) = std::sync::mpsc::sync_channel::<Vec<DeliveryRecord>>(RESTORE_BATCHES_AHEAD);
-        let restorer = scope.spawn(|| {
-            let (mut restored, mut redelivered) = (RecoveryReport::default(), 0u64);
+        let restorer = scope.spawn(move || {
+            let mut redelivered = 0u64;
             for record in to_restore.into_iter().flatten() {
-                redelivered += u64::from(restore_one(deliveries, record, &mut restored));
+                redelivered += u64::from(restore_one(deliveries, record, restored_into));
             }
-            (restored, redelivered)
+            redelivered
         });
         let mut batch = Vec::with_capacity(RESTORE_BATCH);
         let scanned = deliveries.store().scan(Family::Deliveries, |key, value| match DeliveryRecord::decode(value) {
@@ -108,15 +109,10 @@ pub(super) async fn recover(deliveries: &Deliveries) -> Result<(RecoveryReport, 
         });
         let _ = decoded.send(batch);
         drop(decoded);
-        let restored = restorer.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-        (scanned, restored)
+        let redelivered = restorer.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        (scanned, redelivered)
     });
     scanned?;
-    report.redispatched += restored.redispatched;
-    report.lease_lapsed += restored.lease_lapsed;
-    report.ack_pending += restored.ack_pending;
-    report.dead_letter_pending += restored.dead_letter_pending;
-    report.skipped += restored.skipped;
     deliveries.publish_pending_gauge();
     counter!(m::REDELIVERIES, "reason" => "recovery").increment(redelivered);
     for (outcome, count) in [
