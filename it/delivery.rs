@@ -460,6 +460,40 @@ async fn a_broker_restart_with_deliveries_in_flight_loses_nothing_and_the_dlq_wr
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_pops_at_a_down_broker_back_off_with_jitter_and_popping_resumes_when_it_is_back() {
+    let mut cluster = Cluster::start(&ClusterSpec::brokers(&["broker-a"]));
+    let popgate = Popgate::start(&cluster.namesrv_addr, "[delivery]\npop_poll_ms = 1000\n").await;
+    let (topic, group) = (unique_topic("popbackoff"), unique_topic("g_popbackoff"));
+    subscribe(&popgate, json!({"group": group, "topic": topic})).await;
+    publish_all(&popgate, &topic, &["before"]).await;
+    let first = popgate.poll_until(&group, &topic, 1, Duration::from_secs(30)).await;
+    assert_eq!(popgate.ack(&id(&first[0])).await.0, 200);
+
+    cluster.kill_broker("broker-a");
+    let pop_failures = "popgate_consume_request_failures_total{op=\"pop\"}";
+    let before = popgate.metric(pop_failures).await;
+    // A subscriber keeps asking while the broker is down, so the POP loop keeps wanting to POP.
+    let down = Duration::from_secs(16);
+    let started = Instant::now();
+    while started.elapsed() < down {
+        assert!(popgate.poll(&group, &topic, 1, 1_000).await.is_empty());
+    }
+    let failed = popgate.metric(pop_failures).await - before;
+    // After the n-th failure in a row the broker is asked again in 1, 2, 4, 4 ... s (±20 %): about six POPs in
+    // 16 s. A fixed 1 s pause asked it about sixteen times.
+    eprintln!("POPs failed while the broker was down for {down:?}: {failed}");
+    assert!((2.0..=8.0).contains(&failed), "POPs failed in {down:?}: {failed}");
+
+    cluster.restart_broker("broker-a");
+    eventually(Duration::from_secs(60), "a publish is stored again", || async {
+        popgate.post_json("/events/publish", &json!({"topic": topic, "data": "after"})).await.0 == 200
+    })
+    .await;
+    let after = popgate.poll_until(&group, &topic, 1, Duration::from_secs(30)).await;
+    assert_eq!(after.iter().map(data).collect::<Vec<_>>(), vec!["after".to_owned()]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_state_disk_dispatches_and_acks_nothing_then_delivery_resumes() {
     let cluster = shared_cluster();
     let disk = Tmpfs::mount(16 * 1024);

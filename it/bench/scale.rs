@@ -10,8 +10,9 @@
 //!
 //! Every subscriber is connected and long-polling before the load starts; the publisher then sends
 //! `BENCH_SCALE_RATE` msgs/s in all (500) for `BENCH_SECS`, round-robin over the point's topics. Printed per point:
-//! how long its topics took to create, popgate's CPU while everyone waits and nothing is sent (read over 5 s, from
-//! `3 + subscribers / 2 000` s after the long polls start, or from `BENCH_SCALE_SETTLE_SECS`), then under the load
+//! how long its topics and groups took to create (both made at the broker first, as an operator makes them),
+//! popgate's CPU while everyone waits and nothing is sent (read over 5 s, from `3 + subscribers / 2 000` s after
+//! the long polls start, or from `BENCH_SCALE_SETTLE_SECS`), then under the load
 //! its CPU per message (publish + hand-out + ACK), end-to-end p50 / p99, msgs/s and what was not ACKed. The table
 //! goes into the JSON (`scale`) and is drawn as an SVG (`<target>/tmp/popgate-scale.svg`, `BENCH_SCALE_SVG`).
 
@@ -26,8 +27,8 @@ use crate::harness::popgate::Popgate;
 use crate::harness::{env_or, unique_topic};
 use crate::{consumers_done, cpu_time, long_poll_subscriber, pct, run_producers, Params, Sample};
 
-/// Topics per `UPDATE_AND_CREATE_TOPIC_LIST` request (see [`create_topics`]).
-const TOPICS_PER_REQUEST: usize = 500;
+/// Topics or groups per list request (see [`create_topics`], [`create_groups`]).
+const NAMES_PER_REQUEST: usize = 500;
 /// Subscriptions made (`POST /events/subscribe`) at once.
 const SUBSCRIBE_CONCURRENCY: usize = 32;
 /// A subscriber's long-poll wait: long, so that idle subscribers cost what parked ones cost and not a poll
@@ -82,6 +83,11 @@ async fn point(
     if let Err(error) = create_topics(&topics, broker_addrs).await {
         panic!("scale: {groups} topics not created: {error}");
     }
+    let group_of = |i: usize| format!("{prefix}_g{i}");
+    let group_names: Vec<String> = (0..groups).map(group_of).collect();
+    if let Err(error) = create_groups(&group_names, broker_addrs).await {
+        panic!("scale: {groups} groups not created: {error}");
+    }
     let create_secs = started.elapsed().as_secs_f64();
 
     let connections = groups * per_group;
@@ -91,7 +97,6 @@ async fn point(
     let popgate = Popgate::start(namesrv, &limits).await;
     // One connection per subscriber, as separate applications would have.
     let http = reqwest::Client::builder().pool_max_idle_per_host(connections + 64).build().expect("http client");
-    let group_of = |i: usize| format!("{prefix}_g{i}");
     let subscribed = futures::stream::iter(0..groups)
         .map(|i| {
             let (http, base, group, topic) = (http.clone(), popgate.base.clone(), group_of(i), topics[i].clone());
@@ -171,7 +176,7 @@ async fn point(
         "topics": groups,
         "subscribersPerGroup": per_group,
         "subscriptionsMade": subscribed,
-        "topicCreateSecs": (create_secs * 10.0).round() / 10.0,
+        "createSecs": (create_secs * 10.0).round() / 10.0,
         "idleCpuPercent": idle_cpu_pct.round(),
         "sent": sent,
         "acked": acked,
@@ -186,24 +191,53 @@ async fn point(
 }
 
 /// Creates `topics` (4 queues each, as the harness's `create_topic`) on every broker of `broker_addrs`,
-/// [`TOPICS_PER_REQUEST`] per `UPDATE_AND_CREATE_TOPIC_LIST` (request code 18, RocketMQ 5.x), one request after
-/// another on one connection. One `UPDATE_AND_CREATE_TOPIC` per topic makes the broker rewrite its whole topic
-/// table and register at the name server for every topic, each slower as the table grows: 32 in flight timed
-/// out (5 s) on this machine before 10 000 were made; a list request does both once per request.
+/// [`NAMES_PER_REQUEST`] per `UPDATE_AND_CREATE_TOPIC_LIST` (request code 18, RocketMQ 5.x). One
+/// `UPDATE_AND_CREATE_TOPIC` per topic makes the broker rewrite its whole topic table and register at the name
+/// server for every topic, each slower as the table grows: 32 in flight timed out (5 s) on this machine before
+/// 10 000 were made; a list request does both once per request.
 async fn create_topics(topics: &[String], broker_addrs: &[String]) -> Result<(), String> {
+    create_listed(broker_addrs, 18, topics, |chunk| {
+        let configs: Vec<Value> = chunk
+            .iter()
+            .map(|topic| {
+                json!({"topicName": topic, "readQueueNums": 4, "writeQueueNums": 4, "perm": 6,
+                    "topicFilterType": "SINGLE_TAG", "topicSysFlag": 0, "order": false, "attributes": {}})
+            })
+            .collect();
+        json!({ "topicConfigList": configs })
+    })
+    .await
+}
+
+/// Creates the subscription groups `groups` on every broker of `broker_addrs`, [`NAMES_PER_REQUEST`] per
+/// `UPDATE_AND_CREATE_SUBSCRIPTIONGROUP_LIST` (request code 225, RocketMQ 5.x), as an operator creates them
+/// before their applications start. Left to the broker's `autoCreateSubscriptionGroup`, each group is made by its
+/// first POP, and every such creation rewrites the broker's whole group table (`SubscriptionGroupManager`'s
+/// `persist()` under one lock): 10 000 new groups were made at about 60 a second, and meanwhile the POPs queued
+/// behind them in the broker's pull threads for over 5 s were answered `SYSTEM_BUSY`. The point then measured
+/// the broker making groups (minutes), not the cost of 10 000 active groups.
+async fn create_groups(groups: &[String], broker_addrs: &[String]) -> Result<(), String> {
+    create_listed(broker_addrs, 225, groups, |chunk| {
+        let configs: Vec<Value> = chunk.iter().map(|group| json!({"groupName": group})).collect();
+        json!({ "groupConfigList": configs })
+    })
+    .await
+}
+
+/// Sends the admin request `code` to every broker of `broker_addrs`, its body made by `body` from
+/// [`NAMES_PER_REQUEST`] of `names` at a time, one request after another on one connection.
+async fn create_listed(
+    broker_addrs: &[String],
+    code: i32,
+    names: &[String],
+    body: impl Fn(&[String]) -> Value,
+) -> Result<(), String> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     for addr in broker_addrs {
         let mut stream = tokio::net::TcpStream::connect(addr).await.map_err(|e| format!("connect {addr}: {e}"))?;
-        for chunk in topics.chunks(TOPICS_PER_REQUEST) {
-            let configs: Vec<Value> = chunk
-                .iter()
-                .map(|topic| {
-                    json!({"topicName": topic, "readQueueNums": 4, "writeQueueNums": 4, "perm": 6,
-                        "topicFilterType": "SINGLE_TAG", "topicSysFlag": 0, "order": false, "attributes": {}})
-                })
-                .collect();
-            let body = json!({ "topicConfigList": configs }).to_string().into_bytes();
-            let request = rocketmq_protocol::protocol::remoting_command::RemotingCommand::create_remoting_command(18)
+        for chunk in names.chunks(NAMES_PER_REQUEST) {
+            let body = body(chunk).to_string().into_bytes();
+            let request = rocketmq_protocol::protocol::remoting_command::RemotingCommand::create_remoting_command(code)
                 .set_body(body);
             let frame = rocketmq_protocol::protocol::encoded_frame::EncodedFrame::from_command(request)
                 .map_err(|e| format!("encode: {e}"))?
@@ -226,7 +260,7 @@ async fn create_topics(topics: &[String], broker_addrs: &[String]) -> Result<(),
                 .map_err(|e| format!("decode: {e}"))?
                 .ok_or("a partial frame")?;
             if answer.code() != 0 {
-                return Err(format!("{addr} answered {}: {:?}", answer.code(), answer.remark()));
+                return Err(format!("{addr} answered request {code} with {}: {:?}", answer.code(), answer.remark()));
             }
         }
     }
@@ -252,7 +286,7 @@ pub fn print_table(scale: &Value) {
             "{:>7} {:>12} {:>11.1} {:>8.0}% {:>8.0} {:>10.0} {:>14} {:>8} {:>5} MiB",
             p["groups"].as_u64().unwrap_or(0),
             p["subscribersPerGroup"].as_u64().unwrap_or(0),
-            num(&p["topicCreateSecs"]),
+            num(&p["createSecs"]),
             num(&p["idleCpuPercent"]),
             num(&p["endToEndMsgsPerSec"]),
             num(&p["cpuUsPerMsg"]),

@@ -73,6 +73,12 @@ pub struct DeliveryConfig {
     /// How often the operators' gauges are refreshed: each subscription's backlog and its group's DLQ depth
     /// (broker requests), and the age of its oldest unacknowledged delivery.
     pub gauge_refresh_ms: u64,
+    /// The broker requests a second the gauges' refresh may make (one per subscription for its backlog, one per
+    /// group for its DLQ depth). With more subscriptions than `gauge_refresh_ms × gauge_requests_per_sec / 2000`
+    /// a refresh takes longer than `gauge_refresh_ms`, and the gauges are that much older: at 10 000
+    /// subscriptions, 100 s with the default. Unpaced, 10 000 subscriptions asked the brokers without a pause,
+    /// for as long as popgate ran.
+    pub gauge_requests_per_sec: u32,
     /// A consumer group the cluster makes orderly (its subscription group's `consumeMessageOrderly`, set with
     /// `mqadmin updateSubGroup -o true`) gets FIFO delivery, as from Apache's proxy; read from the brokers and
     /// refreshed every 20 s. `false`: only `POST /events/subscribe {"ordered": true}` makes a group FIFO.
@@ -100,6 +106,7 @@ impl Default for DeliveryConfig {
             max_in_flight_per_subscription: 10_000,
             idle_subscription_expiry_secs: 600,
             gauge_refresh_ms: DEFAULT_GAUGE_REFRESH_MS,
+            gauge_requests_per_sec: 200,
             follow_group_config: true,
         }
     }

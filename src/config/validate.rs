@@ -104,6 +104,7 @@ pub(super) fn problems(config: &Config) -> Vec<String> {
         "delivery.gauge_refresh_ms",
         &format!("must be >= {}", super::MIN_GAUGE_REFRESH_MS),
     );
+    check(delivery.gauge_requests_per_sec >= 1, "delivery.gauge_requests_per_sec", "must be >= 1");
 
     let reliability = &config.reliability;
     check(

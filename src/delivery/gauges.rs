@@ -6,6 +6,10 @@
 //!   holds unsettled (ready, or handed out and not yet ACKed, NACKed or TERMed) was popped; 0 when none;
 //! - `popgate_dlq_depth_messages{group}`: messages in `%DLQ%<group>`; 0 while that topic does not exist.
 //!
+//! The broker requests of a refresh are paced at `delivery.gauge_requests_per_sec`, so however many
+//! subscriptions an instance serves its gauges cost the brokers and popgate at most that many requests a
+//! second: with many subscriptions a refresh takes longer than `gauge_refresh_ms`, and the gauges are older.
+//!
 //! A refresh that cannot ask the brokers is counted (`popgate_stats_refresh_failures_total{op}`) and logged,
 //! and that gauge keeps its last value: a dashboard goes on showing the last known figure, and the failure
 //! counter (and the log) says it is stale. When a subscription is removed, its series (and its group's DLQ
@@ -33,9 +37,10 @@ const SHUTDOWN_CHECK: Duration = Duration::from_millis(200);
 pub(super) async fn run(deliveries: Arc<Deliveries>) {
     let period = Duration::from_millis(deliveries.config().gauge_refresh_ms);
     let mut watched = Watched::default();
+    let mut pace = broker_request_pace(deliveries.config().gauge_requests_per_sec);
     while !deliveries.is_shutting_down() {
         let started = Instant::now();
-        refresh(&deliveries, &mut watched).await;
+        refresh(&deliveries, &mut watched, &mut pace).await;
         pause_until(&deliveries, started + period).await;
     }
 }
@@ -54,7 +59,15 @@ struct Watched {
     failing: BTreeSet<(&'static str, String)>,
 }
 
-async fn refresh(deliveries: &Deliveries, watched: &mut Watched) {
+/// One tick per broker request, `per_sec` a second. A tick missed (a slow request) is not made up for with a
+/// burst: the next one follows a full interval later.
+fn broker_request_pace(per_sec: u32) -> tokio::time::Interval {
+    let mut pace = tokio::time::interval(Duration::from_secs_f64(1.0 / f64::from(per_sec.max(1))));
+    pace.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    pace
+}
+
+async fn refresh(deliveries: &Deliveries, watched: &mut Watched, pace: &mut tokio::time::Interval) {
     let subscriptions: BTreeSet<(String, String)> =
         deliveries.subscriptions().into_iter().map(|s| (s.group, s.topic)).collect();
     export_ages(deliveries, &subscriptions);
@@ -62,6 +75,7 @@ async fn refresh(deliveries: &Deliveries, watched: &mut Watched) {
         if deliveries.is_shutting_down() {
             return;
         }
+        pace.tick().await;
         let backlog = deliveries.broker().consumer_backlog(group, topic).await;
         if let Some(messages) = watched.outcome("backlog", &format!("{group}/{topic}"), backlog) {
             gauge!(m::SUBSCRIPTION_BACKLOG, "group" => group.clone(), "topic" => topic.clone()).set(messages as f64);
@@ -72,6 +86,7 @@ async fn refresh(deliveries: &Deliveries, watched: &mut Watched) {
         if deliveries.is_shutting_down() {
             return;
         }
+        pace.tick().await;
         let depth = deliveries.broker().topic_depth(&dlq_topic(group)).await;
         if let Some(messages) = watched.outcome("dlq_depth", group, depth) {
             gauge!(m::DLQ_DEPTH, "group" => group.clone()).set(messages as f64);
@@ -147,6 +162,17 @@ mod tests {
     use crate::delivery::test_support::{offline_parts, subscription};
     use crate::delivery::HandOut;
     use crate::store::StateStore;
+
+    #[tokio::test(start_paused = true)]
+    async fn the_refresh_asks_the_brokers_at_most_gauge_requests_per_sec_times_a_second() {
+        let mut pace = broker_request_pace(200);
+        let started = Instant::now();
+        for _ in 0..=200 {
+            pace.tick().await;
+        }
+        // The first request at once, then one every 5 ms: 10 000 subscriptions take 50 s, not a burst.
+        assert_eq!(started.elapsed(), Duration::from_secs(1));
+    }
 
     async fn offline(dir: &std::path::Path) -> Arc<Deliveries> {
         let store = Arc::new(StateStore::open(dir, true).expect("open"));

@@ -19,6 +19,7 @@ use metrics::counter;
 use tokio::time::Instant;
 
 use super::record::Subscription;
+use super::retry::RetryPolicy;
 use super::state::{Admission, Deliveries, PopPlan};
 use crate::broker::client::SpreadHandle;
 use crate::broker::consumer::{PopRequest, Popped};
@@ -29,8 +30,14 @@ use crate::metrics as m;
 /// The broker's answer to a filter it cannot compile (`ResponseCode.SUBSCRIPTION_PARSE_FAILED`).
 const SUBSCRIPTION_PARSE_FAILED: i32 = 23;
 
-/// Pause after a failed POP or store write, so a down broker is not hammered.
+/// Pause after a store write failed, before it is tried again.
 const ERROR_PAUSE: Duration = Duration::from_secs(1);
+/// Pause of a broker after failed POPs in a row: 1 s doubling to 4 s, ±20 %. A broker that refuses POPs because
+/// it is busy (`SYSTEM_BUSY`: with 10 000 new groups it refused them for minutes while it made the groups) is
+/// then not asked again by every subscription in the same second, as a fixed pause made them do in waves; the
+/// cap keeps a broker that is back from waiting long for its next POP.
+const POP_FAILURE_BACKOFF: RetryPolicy =
+    RetryPolicy { initial: Duration::from_secs(1), max: Duration::from_secs(4), jitter: 0.2, max_attempts: u32::MAX };
 /// How long the loop sleeps without demand before looking again (it is also woken on demand).
 const IDLE_WAIT: Duration = Duration::from_secs(1);
 
@@ -49,6 +56,8 @@ pub(super) async fn run(deliveries: Arc<Deliveries>, key: String, stop: Arc<Atom
     // Brokers with a POP in flight, and brokers paused after a failure until the instant given.
     let mut in_flight: HashSet<String> = HashSet::new();
     let mut paused: HashMap<String, Instant> = HashMap::new();
+    // Failed POPs in a row per broker, for its pause (cleared by a POP it answers).
+    let mut failures: HashMap<String, u32> = HashMap::new();
     // Messages popped but not yet recorded (the store refused the write): admitted again before anything newer
     // is popped, while their lease lasts. Dropping them would let newer messages of their FIFO group overtake
     // them (the broker redelivers a dropped message only when its lease lapses).
@@ -95,8 +104,19 @@ pub(super) async fn run(deliveries: Arc<Deliveries>, key: String, stop: Arc<Atom
         let (broker, handle, result) = outcome;
         in_flight.remove(&broker);
         handles.insert(broker.clone(), handle);
+        let pop_failed = result.is_err();
+        if pop_failed {
+            *failures.entry(broker.clone()).or_default() += 1;
+        } else {
+            failures.remove(&broker);
+        }
         if !popped(&deliveries, &key, &plan.sub, result, &mut unadmitted).await {
-            paused.insert(broker, Instant::now() + ERROR_PAUSE);
+            let pause = if pop_failed {
+                POP_FAILURE_BACKOFF.delay_after(failures.get(&broker).copied().unwrap_or(1), &mut rand::rng())
+            } else {
+                ERROR_PAUSE
+            };
+            paused.insert(broker, Instant::now() + pause);
             if !unadmitted.is_empty() {
                 // The store refused the write: it is not asked again at once (RocksDB frees space of its own
                 // after a failed write, and a write at once would take what the operator is freeing).
@@ -239,6 +259,23 @@ async fn admit(
         Admission::NoSubscription(back) => {
             deliveries.give_back_popped(group, back, "unsubscribed").await;
             true
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_broker_failing_pops_is_asked_again_after_1_2_4_then_4_seconds_with_jitter() {
+        let mut rng = rand::rng();
+        for (failures, base) in [(1, 1.0), (2, 2.0), (3, 4.0), (4, 4.0), (50, 4.0)] {
+            let pauses: Vec<f64> =
+                (0..200).map(|_| POP_FAILURE_BACKOFF.delay_after(failures, &mut rng).as_secs_f64()).collect();
+            assert!(pauses.iter().all(|p| (base * 0.8..=base * 1.2).contains(p)), "{failures}: {pauses:?}");
+            // Jittered: the subscriptions that failed together are not asked again together.
+            assert!(pauses.iter().any(|p| (p - pauses[0]).abs() > 0.01), "{failures}: {pauses:?}");
         }
     }
 }
