@@ -27,15 +27,18 @@ use crate::broker::{BrokerError, BrokerRoute};
 use crate::clock::Epoch;
 use crate::metrics as m;
 
+/// The broker's answer to a POP for a topic it does not have (`ResponseCode.TOPIC_NOT_EXIST`).
+const TOPIC_NOT_EXIST: i32 = 17;
 /// The broker's answer to a filter it cannot compile (`ResponseCode.SUBSCRIPTION_PARSE_FAILED`).
 const SUBSCRIPTION_PARSE_FAILED: i32 = 23;
 
 /// Pause after a store write failed, before it is tried again.
 const ERROR_PAUSE: Duration = Duration::from_secs(1);
-/// Pause of a broker after failed POPs in a row: 1 s doubling to 4 s, ±20 %. A broker that refuses POPs because
-/// it is busy (`SYSTEM_BUSY`: with 10 000 new groups it refused them for minutes while it made the groups) is
-/// then not asked again by every subscription in the same second, as a fixed pause made them do in waves; the
-/// cap keeps a broker that is back from waiting long for its next POP.
+/// Pause of a broker after failed POPs in a row: 1 s doubling to 4 s, ±20 % (a topic the broker does not have
+/// yet: 1 s ±20 % each time). A broker that refuses POPs because it is busy (`SYSTEM_BUSY`: with 10 000 new
+/// groups it refused them for minutes while it made the groups) is then not asked again by every subscription
+/// in the same second, as a fixed pause made them do in waves; the cap keeps a broker that is back from waiting
+/// long for its next POP.
 const POP_FAILURE_BACKOFF: RetryPolicy =
     RetryPolicy { initial: Duration::from_secs(1), max: Duration::from_secs(4), jitter: 0.2, max_attempts: u32::MAX };
 /// How long the loop sleeps without demand before looking again (it is also woken on demand).
@@ -105,10 +108,16 @@ pub(super) async fn run(deliveries: Arc<Deliveries>, key: String, stop: Arc<Atom
         in_flight.remove(&broker);
         handles.insert(broker.clone(), handle);
         let pop_failed = result.is_err();
-        if pop_failed {
-            *failures.entry(broker.clone()).or_default() += 1;
-        } else {
-            failures.remove(&broker);
+        match &result {
+            // The topic is not on that broker yet (its first message creates it): not the broker's trouble,
+            // so the pause does not grow, and the first message is popped within about a second.
+            Err(BrokerError::Response { code: TOPIC_NOT_EXIST, .. }) => {
+                failures.insert(broker.clone(), 1);
+            }
+            Err(_) => *failures.entry(broker.clone()).or_default() += 1,
+            Ok(_) => {
+                failures.remove(&broker);
+            }
         }
         if !popped(&deliveries, &key, &plan.sub, result, &mut unadmitted).await {
             let pause = if pop_failed {
@@ -223,7 +232,7 @@ async fn popped(
         }
         Err(error) => {
             counter!(m::CONSUME_REQUEST_FAILURES, "op" => "pop").increment(1);
-            if matches!(error, BrokerError::Response { code: 17, .. }) {
+            if matches!(error, BrokerError::Response { code: TOPIC_NOT_EXIST, .. }) {
                 // The topic is not (yet) on that broker: ask the name server again next time.
                 deliveries.broker().invalidate_route(&sub.topic);
             }
